@@ -1,0 +1,107 @@
+"""Layers the reference models are built from.
+
+FieldEmbedding is a TFRA dynamic embedding (unbounded vocabulary) whose new rows are
+initialised from (field, key, seed) only, never from insertion order or process:
+
+    >>> emb = FieldEmbedding(field="C1", dim=8, seed=0)
+    >>> v = emb(tf.constant([12345, 7], tf.int64))          # [2, 8]
+"""
+from __future__ import annotations
+
+import itertools
+
+import tensorflow as tf
+from tensorflow_recommenders_addons import dynamic_embedding as de
+
+from des.data.spec import PAD_ID
+
+_table_counter = itertools.count()
+_U64 = tf.uint64
+
+
+def _splitmix64(x: tf.Tensor) -> tf.Tensor:
+    x = x + tf.constant(0x9E3779B97F4A7C15, _U64)
+    x = (x ^ tf.bitwise.right_shift(x, tf.constant(30, _U64))) * tf.constant(0xBF58476D1CE4E5B9, _U64)
+    x = (x ^ tf.bitwise.right_shift(x, tf.constant(27, _U64))) * tf.constant(0x94D049BB133111EB, _U64)
+    return x ^ tf.bitwise.right_shift(x, tf.constant(31, _U64))
+
+
+def table_salt(field: str, dim: int, seed: int) -> int:
+    """A 64-bit salt for the rows of one (field, width, seed) table."""
+    fp = tf.strings.to_hash_bucket_fast(tf.constant(f"{field}|{dim}|{seed}"), 2**63 - 1)
+    return int(fp.numpy())
+
+
+def key_init(keys: tf.Tensor, salt: int, dim: int, scale: float) -> tf.Tensor:
+    """Rows uniform in [-scale, scale) that depend only on (salt, key); keys: int64 [n]."""
+    if scale == 0.0:
+        return tf.zeros([tf.shape(keys)[0], dim], tf.float32)
+    k = tf.bitcast(keys, _U64)
+    j = tf.cast(tf.range(dim, dtype=tf.int64), _U64) + tf.constant(salt, _U64)
+    x = _splitmix64(_splitmix64(k)[:, None] ^ _splitmix64(j)[None, :])
+    u = tf.cast(tf.bitwise.right_shift(x, tf.constant(11, _U64)), tf.float64) * (2.0 ** -53)
+    return tf.cast((2.0 * u - 1.0) * scale, tf.float32)
+
+
+class FieldEmbedding(de.keras.layers.Embedding):
+    """One field's dynamic table: ids [B] -> [B, dim]; multi-valued ids [B, L] -> sum-pooled [B, dim].
+
+    In training, keys not yet in the table are inserted with ``key_init`` before the lookup;
+    in inference they read ``key_init`` without being inserted.
+    """
+
+    def __init__(self, field: str, dim: int, seed: int = 0, init_scale: float = 0.05,
+                 name: str | None = None, **kwargs):
+        self.field, self.dim, self.seed, self.init_scale = field, int(dim), int(seed), float(init_scale)
+        name = name or f"emb{dim}_{field}_{next(_table_counter)}"
+        super().__init__(self.dim, initializer=tf.keras.initializers.Zeros(), name=name, **kwargs)
+        self.salt = table_salt(field, self.dim, self.seed)
+
+    def call(self, ids, training=None):
+        ids = tf.convert_to_tensor(ids, tf.int64)
+        flat = tf.reshape(ids, [-1])
+        uniq, idx = tf.unique(flat)
+        values, exists = self.params.lookup(uniq, return_exists=True)
+        init = key_init(uniq, self.salt, self.dim, self.init_scale)
+        if training:
+            missing = tf.logical_not(exists)
+            insert = self.params.upsert(tf.boolean_mask(uniq, missing), tf.boolean_mask(init, missing))
+            with tf.control_dependencies([insert]):
+                rows = de.shadow_ops.embedding_lookup(self.shadow, tf.identity(uniq))
+        else:
+            rows = tf.where(exists[:, None], de.shadow_ops.embedding_lookup(self.shadow, uniq), init)
+        out = tf.reshape(tf.gather(rows, idx), tf.concat([tf.shape(ids), [self.dim]], 0))
+        if ids.shape.rank == 2:  # multi-valued: mask padding, sum-pool
+            out = tf.reduce_sum(out * tf.cast(ids != PAD_ID, out.dtype)[..., None], axis=1)
+        return out
+
+    def compute_output_shape(self, input_shape):
+        return tf.TensorShape([input_shape[0], self.dim])
+
+    def get_config(self):
+        return {"field": self.field, "dim": self.dim, "seed": self.seed,
+                "init_scale": self.init_scale, "name": self.name}
+
+
+class Bias(tf.keras.layers.Layer):
+    """x + b with a scalar trainable b (the global bias of LR / FM)."""
+
+    def build(self, input_shape):
+        self.b = self.add_weight("b", shape=(1,), initializer="zeros")
+
+    def call(self, x):
+        return x + self.b
+
+
+class FMInteraction(tf.keras.layers.Layer):
+    """FM second order: [B, F, k] -> 0.5 * sum_k((sum_f v)^2 - sum_f v^2), shape [B, 1].
+
+    Declares itself to DES (``des_substitute``) so des.transform can replace it.
+    """
+
+    des_substitute = "fm_interaction"
+
+    def call(self, stacked):
+        s = tf.reduce_sum(stacked, axis=1)
+        return 0.5 * tf.reduce_sum(tf.square(s) - tf.reduce_sum(tf.square(stacked), axis=1),
+                                   axis=1, keepdims=True)
