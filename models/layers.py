@@ -44,6 +44,7 @@ def key_init(keys: tf.Tensor, salt: int, dim: int, scale: float) -> tf.Tensor:
 
 
 class FieldEmbedding(de.keras.layers.Embedding):
+    des_embedding = True  # des.transform treats it as one field's table
     """One field's dynamic table: ids [B] -> [B, dim]; multi-valued ids [B, L] -> sum-pooled [B, dim].
 
     In training, keys not yet in the table are inserted with ``key_init`` before the lookup;

@@ -1,0 +1,116 @@
+"""Dataflow patterns over des.ir graphs that read like the math.
+
+    >>> E = V("E")
+    >>> fm = Op("mul", 0.5, Op("reduce_sum", Op("sub", Op("square", Op("reduce_sum", E, axis=1)),
+    ...                                            Op("reduce_sum", Op("square", E), axis=1)),
+    ...                         axis=(1, -1)))
+    >>> state = fm.match(graph, tensor_id)      # None, or bindings {"E": id} + matched nodes
+
+A ``V`` binds a tensor; the same name must bind the same tensor everywhere. An ``Op``
+matches the node producing a tensor by kind, operands (patterns or constants) and attrs
+(a value, a tuple of allowed values, or ANY). ``add`` and ``mul`` are commutative.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from des.ir import Graph, TensorId
+
+ANY = object()
+COMMUTATIVE = {"add", "mul"}
+
+
+@dataclasses.dataclass
+class State:
+    bindings: dict[str, int] = dataclasses.field(default_factory=dict)
+    nodes: set[int] = dataclasses.field(default_factory=set)
+
+    def copy(self) -> "State":
+        return State(dict(self.bindings), set(self.nodes))
+
+
+class Pattern:
+    def match(self, graph: Graph, t, state: State | None = None) -> State | None:
+        return self._match(graph, t, state or State())
+
+    def _match(self, graph, t, state):  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+@dataclasses.dataclass
+class V(Pattern):
+    """A named tensor variable."""
+    name: str
+
+    def _match(self, graph, t, state):
+        if not isinstance(t, TensorId):
+            return None
+        if self.name in state.bindings:
+            return state if state.bindings[self.name] == t else None
+        s = state.copy()
+        s.bindings[self.name] = t
+        return s
+
+
+class Op(Pattern):
+    """The node producing the tensor has ``kind``, these operands and these attrs."""
+
+    def __init__(self, kind: str, *operands, **attrs):
+        self.kind, self.operands, self.attrs = kind, operands, attrs
+
+    def _match(self, graph, t, state):
+        node = graph.producer.get(t) if isinstance(t, TensorId) else None
+        if node is None or node.kind != self.kind or len(node.operands) != len(self.operands):
+            return None
+        for k, want in self.attrs.items():
+            got = node.attrs.get(k)
+            if want is ANY:
+                continue
+            if isinstance(want, tuple) and got not in want:
+                return None
+            if not isinstance(want, tuple) and got != want:
+                return None
+        orders = [node.operands]
+        if self.kind in COMMUTATIVE and len(node.operands) == 2:
+            orders.append(node.operands[::-1])
+        for ops in orders:
+            s = state.copy()
+            for pat, operand in zip(self.operands, ops):
+                s = _match_operand(pat, graph, operand, s)
+                if s is None:
+                    break
+            if s is not None:
+                s.nodes.add(node.index)
+                return s
+        return None
+
+
+class Alt(Pattern):
+    """The first of several patterns that matches."""
+
+    def __init__(self, *alternatives: Pattern):
+        self.alternatives = alternatives
+
+    def _match(self, graph, t, state):
+        for p in self.alternatives:
+            s = p._match(graph, t, state)
+            if s is not None:
+                return s
+        return None
+
+
+def _match_operand(pat, graph, operand, state):
+    if isinstance(pat, Pattern):
+        return pat._match(graph, operand, state)
+    if isinstance(operand, TensorId) or isinstance(operand, bool):
+        return None
+    try:
+        return state if abs(float(operand) - float(pat)) < 1e-12 else None
+    except (TypeError, ValueError):
+        return None
+
+
+def variants(*parts) -> list[tuple]:
+    """All combinations of alternatives, for writing a few spellings of one formula."""
+    return list(itertools.product(*parts))

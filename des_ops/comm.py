@@ -1,0 +1,152 @@
+"""Communicators: the one collective DES needs (a SUM allreduce), behind one protocol.
+
+    >>> comm = default_communicator()            # Horovod under mpirun/horovodrun, else size 1
+    >>> y = allreduce_sum(comm, partials)        # forward: sum over ranks; backward: identity
+
+``allreduce_sum`` is the only differentiable collective in DES. Its gradient is the
+identity: every rank computes the same loss on the same batch, so the upstream gradient
+is already the same everywhere, and d(sum)/d(addend) = 1. (Horovod's registered gradient
+of allreduce is another allreduce, which would multiply it by N.)
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import tensorflow as tf
+
+
+class Communicator:
+    """rank, world_size and a raw sum-allreduce of a float32 tensor (no gradient)."""
+    name = "base"
+    rank = 0
+    world_size = 1
+
+    def __init__(self) -> None:
+        self.payload_bytes = tf.Variable(0, dtype=tf.int64, trainable=False, name="des_payload_bytes")
+        self.calls = tf.Variable(0, dtype=tf.int64, trainable=False, name="des_allreduce_calls")
+
+    def allreduce(self, x: tf.Tensor) -> tf.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def ring_bytes(self, payload: float) -> float:
+        """Bytes one process sends (and receives) for a ring allreduce of ``payload`` bytes."""
+        n = self.world_size
+        return 2.0 * (n - 1) / n * payload
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
+
+
+class LocalCommunicator(Communicator):
+    """World of one process: allreduce is the identity."""
+    name = "local"
+
+    def allreduce(self, x):
+        return tf.identity(x)
+
+
+class HorovodCommunicator(Communicator):
+    """Horovod (MPI) allreduce; the default under mpirun / horovodrun."""
+    name = "horovod"
+
+    def __init__(self) -> None:
+        import horovod.tensorflow as hvd
+        hvd.init()
+        self._hvd = hvd
+        self.rank, self.world_size = hvd.rank(), hvd.size()
+        super().__init__()
+
+    def allreduce(self, x):
+        return self._hvd.allreduce(x, op=self._hvd.Sum)
+
+
+class Mpi4pyCommunicator(Communicator):
+    """mpi4py Allreduce through tf.numpy_function (for runs without Horovod)."""
+    name = "mpi4py"
+
+    def __init__(self) -> None:
+        from mpi4py import MPI
+        self._comm = MPI.COMM_WORLD
+        self._mpi = MPI
+        self.rank, self.world_size = self._comm.Get_rank(), self._comm.Get_size()
+        super().__init__()
+
+    def _np_allreduce(self, a: np.ndarray) -> np.ndarray:
+        out = np.empty_like(a)
+        self._comm.Allreduce(np.ascontiguousarray(a), out, op=self._mpi.SUM)
+        return out
+
+    def allreduce(self, x):
+        y = tf.numpy_function(self._np_allreduce, [x], x.dtype, stateful=True)
+        return tf.ensure_shape(y, x.shape)
+
+
+class InProcessWorld:
+    """N simulated ranks in one process (one thread each) for fast, wide tests.
+
+    >>> world = InProcessWorld(4); comms = [world.communicator(r) for r in range(4)]
+    """
+
+    def __init__(self, world_size: int, timeout: float = 300.0):
+        self.world_size = world_size
+        self._slots: list = [None] * world_size
+        self._barrier = threading.Barrier(world_size, timeout=timeout)
+
+    def communicator(self, rank: int) -> "InProcessCommunicator":
+        return InProcessCommunicator(self, rank)
+
+    def allreduce(self, rank: int, a: np.ndarray) -> np.ndarray:
+        self._slots[rank] = a
+        self._barrier.wait()
+        total = self._slots[0].copy()
+        for other in self._slots[1:]:
+            total += other
+        self._barrier.wait()
+        return total
+
+
+class InProcessCommunicator(Communicator):
+    name = "in-process"
+
+    def __init__(self, world: InProcessWorld, rank: int):
+        self.world, self.rank, self.world_size = world, rank, world.world_size
+        super().__init__()
+
+    def allreduce(self, x):
+        y = tf.numpy_function(lambda a: self.world.allreduce(self.rank, a), [x], x.dtype, stateful=True)
+        return tf.ensure_shape(y, x.shape)
+
+
+def allreduce_sum(comm: Communicator, x: tf.Tensor) -> tf.Tensor:
+    """Sum of x over all ranks, with an identity gradient; counts the bytes handed over."""
+    count = tf.group(comm.payload_bytes.assign_add(tf.cast(tf.size(x), tf.int64) * x.dtype.size),
+                     comm.calls.assign_add(1))
+
+    @tf.custom_gradient
+    def _sum(v):
+        with tf.control_dependencies([count]):
+            y = comm.allreduce(v)
+
+        def grad(dy):
+            return tf.identity(dy)
+        return y, grad
+
+    return _sum(x)
+
+
+def under_launcher() -> bool:
+    """True when started by mpirun / horovodrun with more than one process."""
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "HOROVOD_SIZE", "PMIX_SIZE"):
+        if int(os.environ.get(var, "1")) > 1:
+            return True
+    return False
+
+
+def default_communicator(kind: str = "auto") -> Communicator:
+    """``auto``: Horovod when launched with several processes, else a world of one."""
+    if kind == "auto":
+        kind = "horovod" if under_launcher() else "local"
+    return {"horovod": HorovodCommunicator, "mpi4py": Mpi4pyCommunicator,
+            "local": LocalCommunicator}[kind]()

@@ -1,0 +1,42 @@
+"""The math of each substitution as plain functions: partial (per process) and combine.
+
+For embeddings v_f of the fields F_p that process p owns:
+
+    linear:  a_p = sum_f w_f                                   -> combine: sum_p a_p
+    fm:      S_p = sum_f v_f,  Q_p = sum_f sum_k v_fk^2        -> combine: 0.5 * (sum_k (sum_p S_p)_k^2 - sum_p Q_p)
+    dense:   E_p W_p  (W_p = rows of W for F_p)                -> combine: act(sum_p E_p W_p + b)
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+
+def zeros(batch: tf.Tensor, width: int) -> tf.Tensor:
+    return tf.zeros(tf.stack([batch, width]), tf.float32)
+
+
+def linear_partial(embs: list[tf.Tensor], batch: tf.Tensor) -> tf.Tensor:
+    """[B, 1]: the sum of this process's 1-wide lookups."""
+    return tf.add_n(embs) if embs else zeros(batch, 1)
+
+
+def fm_partial(embs: list[tf.Tensor], batch: tf.Tensor, k: int) -> tf.Tensor:
+    """[B, k + 1]: S_p and Q_p side by side."""
+    if not embs:
+        return zeros(batch, k + 1)
+    s = tf.add_n(embs)
+    q = tf.add_n([tf.reduce_sum(tf.square(e), axis=1, keepdims=True) for e in embs])
+    return tf.concat([s, q], axis=1)
+
+
+def fm_combine(total: tf.Tensor, k: int) -> tf.Tensor:
+    """[B, 1] from the summed [B, k + 1]."""
+    s, q = total[:, :k], total[:, k:]
+    return 0.5 * (tf.reduce_sum(tf.square(s), axis=1, keepdims=True) - q)
+
+
+def dense_partial(embs: list[tf.Tensor], kernel_block: tf.Tensor, batch: tf.Tensor) -> tf.Tensor:
+    """[B, H]: this process's embeddings times its row block of the Dense kernel."""
+    if not embs:
+        return zeros(batch, int(kernel_block.shape[1]))
+    return tf.matmul(tf.concat(embs, axis=1), kernel_block)
