@@ -21,9 +21,10 @@ class SubOperator(tf.keras.layers.Layer):
     """One substituted operator on one process: ``partial`` of owned tables, ``combine`` of the sum."""
     rule = ""
 
-    def __init__(self, tables: list[str], out_shape: tuple, **kwargs):
+    def __init__(self, tables: list[str], out_shape: tuple, fields: list[str] | None = None, **kwargs):
         super().__init__(**kwargs)
         self.tables = list(tables)          # names of the owned tables this operator reads, in order
+        self.fields = list(fields or [])    # their fields, in the same order
         self.out_shape = tuple(out_shape)   # the original operator's output shape without batch
 
     width = 0
@@ -53,8 +54,8 @@ class LinearSum(SubOperator):
 class FMInteraction(SubOperator):
     rule = "fm_interaction"
 
-    def __init__(self, tables, out_shape, k: int, **kwargs):
-        super().__init__(tables, out_shape, **kwargs)
+    def __init__(self, tables, out_shape, fields=None, *, k: int, **kwargs):
+        super().__init__(tables, out_shape, fields, **kwargs)
         self.k = k
         self.width = k + 1
 
@@ -86,6 +87,14 @@ class DenseBlock(SubOperator):
     def combine(self, total):
         y = total if self.bias is None else total + self.bias
         return self._shape(self.activation(y))
+
+    def rows_by_field(self, dims: dict[str, int]) -> dict[str, np.ndarray]:
+        """This process's kernel rows, split per owned field (dims: table name -> width)."""
+        out, start, kernel = {}, 0, self.kernel_block.numpy()
+        for t, f in zip(self.tables, self.fields):
+            out[f] = kernel[start:start + dims[t]]
+            start += dims[t]
+        return out
 
 
 class DESFirstLayer(tf.keras.layers.Layer):

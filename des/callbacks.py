@@ -1,0 +1,86 @@
+"""Keras callbacks of the DES runtime: throughput, bytes per step, replica agreement."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import tensorflow as tf
+
+
+class Throughput(tf.keras.callbacks.Callback):
+    """Samples per second of training (median over batches after the first, which traces)."""
+
+    def __init__(self, batch_size: int):
+        super().__init__()
+        self.batch_size = batch_size
+        self.times: list[float] = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._t = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.times.append(time.perf_counter() - self._t)
+
+    def samples_per_second(self) -> float:
+        t = self.times[1:] or self.times
+        return float(self.batch_size / np.median(t)) if t else 0.0
+
+
+class BytesPerStep(tf.keras.callbacks.Callback):
+    """Bytes handed to the DES allreduce per training step, from the communicator's counter."""
+
+    def __init__(self, comm):
+        super().__init__()
+        self.comm = comm
+        self.per_step: list[int] = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._start = int(self.comm.payload_bytes.numpy())
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.per_step.append(int(self.comm.payload_bytes.numpy()) - self._start)
+
+    def median(self) -> float:
+        return float(np.median(self.per_step)) if self.per_step else 0.0
+
+
+class ReplicaCheck(tf.keras.callbacks.Callback):
+    """Every ``every`` steps, allreduce per-layer checksums of the replicated weights and
+    raise if processes disagree (names the step and the layers)."""
+
+    def __init__(self, comm, every: int):
+        super().__init__()
+        self.comm, self.every, self.step, self.checks = comm, every, 0, 0
+
+    def replicated_layers(self):
+        des_layer = getattr(self.model, "des_layer", None)
+        return [l for l in self.model.layers if l.weights and l is not des_layer
+                and not getattr(l, "des_embedding", False)] + \
+               ([op for op in des_layer.ops if op.weights] if des_layer is not None else [])
+
+    def check(self) -> None:
+        layers = self.replicated_layers()
+        own = np.array([_checksum(l) for l in layers], np.float32)
+        table = np.zeros((self.comm.world_size, len(layers)), np.float32)
+        table[self.comm.rank] = own
+        table = self.comm.allreduce(tf.constant(table)).numpy()
+        bad = [layers[j].name for j in range(len(layers)) if not np.all(table[:, j] == table[0, j])]
+        self.checks += 1
+        if bad:
+            raise RuntimeError(f"replicas diverged at step {self.step}: layers {bad} differ across "
+                               f"processes (checksums per rank: {table[:, [l.name for l in layers].index(bad[0])]})")
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step += 1
+        if self.every and self.step % self.every == 0:
+            self.check()
+
+
+def _checksum(layer) -> float:
+    """Sum of the replicated weights of a layer (a DenseBlock's own kernel rows are excluded)."""
+    total = 0.0
+    for w in layer.weights:
+        if "kernel_block" in w.name:
+            continue
+        total += float(tf.reduce_sum(tf.cast(w, tf.float64)).numpy())
+    return total

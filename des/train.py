@@ -1,0 +1,186 @@
+"""Train a reference model, single-process or with DES under mpirun.
+
+    python -m des.train --model deepfm --data train.txt --format criteo
+    mpirun -np 4 python -m des.train --mode des --model deepfm --data train.txt
+
+The last ``--holdout`` lines are held out for AUC / log loss. Under DES every process
+reads the same batches; logs and the progress bar come from rank 0 only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=["single", "des"], default="single")
+    ap.add_argument("--model", default="deepfm", choices=["lr", "fm", "dnn", "wdl", "deepfm"])
+    ap.add_argument("--data", required=True, nargs="+", help="input files (.gz allowed)")
+    ap.add_argument("--format", default="criteo", choices=["criteo", "avazu"])
+    ap.add_argument("--holdout", type=float, default=0.1,
+                    help="held-out lines at the end: a fraction (<1) or a count")
+    ap.add_argument("--batch", type=int, default=1024)
+    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=None, help="stop each epoch after this many steps")
+    ap.add_argument("--optimizer", default="adam", choices=["sgd", "adagrad", "adam", "ftrl"])
+    ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--dim", type=int, default=8)
+    ap.add_argument("--hidden", default="128,64")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shuffle-buffer", type=int, default=50_000)
+    ap.add_argument("--skip-bad-lines", action="store_true", help="drop and count malformed lines")
+    ap.add_argument("--plan", default="balanced", choices=["balanced", "mod"])
+    ap.add_argument("--comm", default="auto", choices=["auto", "horovod", "mpi4py", "local"])
+    ap.add_argument("--replica-check", type=int, default=0, metavar="K",
+                    help="check replicated weights agree every K steps (0: off)")
+    ap.add_argument("--checkpoint", default=None, help="save to this folder after training")
+    ap.add_argument("--restore", default=None, help="restore from this folder before training")
+    ap.add_argument("--threads", type=int, default=0, help="TF intra/inter-op threads (0: TF default)")
+    ap.add_argument("--summary-json", default=None, help="rank 0 writes the results here")
+    ap.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def count_lines(paths) -> int:
+    import gzip
+    n = 0
+    for p in paths:
+        with (gzip.open(p, "rb") if p.endswith(".gz") else open(p, "rb")) as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                n += block.count(b"\n")
+    return n
+
+
+def main(argv=None) -> int:
+    a = _args(argv)
+    import des  # noqa: F401  (quiet TF logs before TF loads)
+    import tensorflow as tf
+    if a.threads:
+        tf.config.threading.set_intra_op_parallelism_threads(a.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(a.threads)
+    import models
+    from des import checkpoint
+    from des.callbacks import BytesPerStep, ReplicaCheck, Throughput
+    from des.data import DataError, SkipReport, avazu_spec, criteo_spec
+    from des.data.readers import make_dataset
+    from des_ops.comm import default_communicator
+
+    comm = default_communicator(a.comm) if a.mode == "des" else default_communicator("local")
+    rank0 = comm.rank == 0
+    log = (lambda *m: print(*m, flush=True)) if rank0 else (lambda *m: None)
+
+    meta = {}
+    meta_path = a.data[0] + ".meta.json"
+    if os.path.exists(meta_path):
+        with open(meta_path) as fh:
+            meta = json.load(fh)
+    if a.format == "criteo":
+        spec = criteo_spec(a.dim, cardinalities=meta.get("cardinalities"))
+    else:
+        spec = avazu_spec(a.dim)
+    header = 1 if a.format == "avazu" else 0
+    try:
+        total = count_lines(a.data) - header * len(a.data)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if total <= 0:
+        print(f"error: {a.data[0]}: file is empty", file=sys.stderr)
+        return 2
+    held = int(a.holdout * total) if a.holdout < 1 else int(a.holdout)
+    n_train = total - held
+    skips = SkipReport()
+    common = dict(skip_bad_lines=a.skip_bad_lines, skip_report=skips)
+    try:
+        train = make_dataset(a.data, a.format, spec, a.batch, shuffle_buffer=a.shuffle_buffer,
+                             seed=a.seed, take_lines=n_train, **common)
+        evald = make_dataset(a.data, a.format, spec, max(a.batch, 4096), skip_lines=n_train, **common) \
+            if held else None
+    except (DataError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    hidden = tuple(int(h) for h in a.hidden.split(",") if h)
+    model = models.build(a.model, spec, seed=a.seed, hidden=hidden)
+    plan = a.plan
+    if a.restore and a.mode == "des":
+        plan = checkpoint.load_plan(a.restore, comm.rank, comm.world_size) or plan
+    report = None
+    if a.mode == "des":
+        import des as des_pkg
+        model, report = des_pkg.transform(model, comm=comm, plan=plan, spec=spec)
+        log(report)
+    optimizer = models.make_optimizer(a.optimizer, a.lr)
+    model.compile(optimizer, "binary_crossentropy",
+                  metrics=[tf.keras.metrics.AUC(num_thresholds=10_000, name="auc"),
+                           tf.keras.metrics.BinaryCrossentropy(name="logloss")])
+    if a.restore:
+        log(f"restored {checkpoint.restore(a.restore, model, optimizer, comm.rank, comm.world_size)}")
+
+    speed = Throughput(a.batch)
+    callbacks = [speed]
+    traffic = None
+    if a.mode == "des":
+        traffic = BytesPerStep(comm)
+        callbacks.append(traffic)
+        if a.replica_check:
+            callbacks.append(ReplicaCheck(comm, a.replica_check))
+    if a.fail_at_step is not None and comm.rank == comm.world_size - 1:
+        callbacks.append(_FailAt(a.fail_at_step))
+    log(f"training {a.model} ({a.mode}, {comm.world_size} process(es)) on {n_train} lines, "
+        f"holding out {held}; batch {a.batch}, optimizer {a.optimizer}")
+    try:
+        model.fit(train, epochs=a.epochs, steps_per_epoch=a.steps, verbose=1 if rank0 else 0,
+                  callbacks=callbacks)
+        result = model.evaluate(evald, verbose=0, return_dict=True) if evald is not None else {}
+    except tf.errors.OpError as e:
+        msg = str(e).split("\n")[0]
+        if "DataError" in str(e):
+            msg = next((l for l in str(e).splitlines() if "DataError" in l), msg)
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
+    summary = {"model": a.model, "mode": a.mode, "world_size": comm.world_size,
+               "auc": result.get("auc"), "logloss": result.get("logloss"),
+               "samples_per_second": speed.samples_per_second(), "bayes_auc": meta.get("bayes_auc"),
+               "bad_lines_skipped": skips.total}
+    if report is not None:
+        summary.update(floats_per_sample=report.floats_per_sample,
+                       bytes_per_step_measured=traffic.median(),
+                       bytes_per_step_analytic=report.payload_bytes(a.batch),
+                       ring_bytes_per_step=report.ring_bytes(a.batch))
+    if a.skip_bad_lines:
+        log(str(skips))
+    log(f"AUC {summary['auc']:.4f} (Bayes-optimal {meta.get('bayes_auc', 'unknown')}), "
+        f"log loss {summary['logloss']:.4f}, {summary['samples_per_second']:.0f} samples/s per process")
+    if report is not None:
+        log(f"DES bytes/step handed to allreduce: measured {summary['bytes_per_step_measured']:.0f}, "
+            f"analytic {summary['bytes_per_step_analytic']} (4*B*{report.floats_per_sample}); "
+            f"ring sends {summary['ring_bytes_per_step']:.0f} per process")
+    if a.checkpoint:
+        path = checkpoint.save(a.checkpoint, model, optimizer, getattr(model, "des_plan", None),
+                               comm.rank, comm.world_size)
+        log(f"checkpoint written to {path}")
+    if rank0 and a.summary_json:
+        with open(a.summary_json, "w") as fh:
+            json.dump(summary, fh, indent=1)
+    return 0
+
+
+class _FailAt:
+    """Test hook: the last rank dies hard at a given step (to check the job does not hang)."""
+
+    def __new__(cls, step):
+        import tensorflow as tf
+
+        class Fail(tf.keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if batch + 1 >= step:
+                    os._exit(17)
+        return Fail()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

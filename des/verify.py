@@ -1,0 +1,143 @@
+"""Equivalence checking: train a model for some steps and snapshot what it learned, then
+compare a DES model (any N, real or simulated world) with the untouched model.
+
+    >>> ref = train_and_snapshot(build(), "adam", 1e-3, batches, probe)
+    >>> outs = run_in_process_world(4, build, lambda m: train_and_snapshot(m, "adam", 1e-3, batches, probe))
+    >>> diff = compare(ref, outs)          # max abs diff of predictions, rows and weights
+
+Snapshots key tables by (field, width) and dense weights by layer and weight name, so a
+reference built separately (same seed) lines up with every process's share.
+"""
+from __future__ import annotations
+
+import threading
+import traceback
+from typing import Callable
+
+import numpy as np
+import tensorflow as tf
+
+from des_ops.comm import InProcessWorld
+
+
+def table_layers(model: tf.keras.Model) -> list:
+    des_layer = getattr(model, "des_layer", None)
+    if des_layer is not None:
+        return list(des_layer.owned)
+    return [l for l in model.layers if getattr(l, "des_embedding", False)]
+
+
+def snapshot(model: tf.keras.Model) -> dict:
+    """{"tables": {(field, dim): {key: row}}, "weights": {name: array}, "first_dense": {(dense, field): rows}}."""
+    tables = {}
+    for t in table_layers(model):
+        keys, values = t.params.export()
+        tables[(t.field, t.dim)] = dict(zip(keys.numpy().tolist(), values.numpy()))
+    weights, first = {}, {}
+    des_layer = getattr(model, "des_layer", None)
+    tail = [l for l in model.layers if l is not des_layer and not getattr(l, "des_embedding", False)]
+    if des_layer is not None:
+        dims = {t.name: t.dim for t in des_layer.owned}
+        for op in des_layer.ops:
+            if hasattr(op, "rows_by_field"):
+                dense = op.name[len("des_embed_concat_dense_"):]
+                for f, rows in op.rows_by_field(dims).items():
+                    first[(dense, f)] = rows
+                if op.bias is not None:
+                    weights[f"{dense}/bias"] = op.bias.numpy()
+    else:
+        from des.compiler import find_substitutions
+        from des.ir import Graph
+        matches, _ = find_substitutions(Graph(model))
+        for m in matches:
+            if m.rule == "embed_concat_dense":
+                kernel, start = m.root.layer.kernel.numpy(), 0
+                for e in m.embeds:
+                    first[(m.root.layer.name, e.attrs["field"])] = kernel[start:start + e.attrs["dim"]]
+                    start += e.attrs["dim"]
+                if m.root.layer.use_bias:
+                    weights[f"{m.root.layer.name}/bias"] = m.root.layer.bias.numpy()
+                tail.remove(m.root.layer)
+    for l in tail:
+        for w in l.weights:
+            weights[f"{l.name}/{w.name.split('/')[-1].split(':')[0]}"] = w.numpy()
+    return {"tables": tables, "weights": weights, "first_dense": first}
+
+
+def train_and_snapshot(model, optimizer: str, learning_rate: float, batches, probe) -> dict:
+    """train_on_batch over ``batches``; predictions on ``probe`` after every step; final snapshot."""
+    from models.optim import make_optimizer
+    model.compile(make_optimizer(optimizer, learning_rate), loss="binary_crossentropy")
+    preds = []
+    for x, y in batches:
+        model.train_on_batch(x, y)
+        preds.append(np.asarray(model.predict_on_batch(probe)))
+    return {"predictions": np.stack(preds), **snapshot(model)}
+
+
+def _maxdiff(a: np.ndarray, b: np.ndarray) -> float:
+    """Max over elements of min(abs diff, relative diff)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    d = np.abs(a - b)
+    return float(np.max(np.minimum(d, d / np.maximum(np.abs(b), 1e-30)))) if d.size else 0.0
+
+
+def compare(ref: dict, ranks: list[dict]) -> dict[str, float]:
+    """Max diffs (abs or relative, whichever is smaller) between the reference and all ranks.
+
+    Every table and first-Dense row block must be owned by exactly one rank; every rank's
+    predictions and replicated weights must match the reference."""
+    out = {"predictions": 0.0, "tables": 0.0, "first_dense": 0.0, "weights": 0.0}
+    owned_tables: dict = {}
+    owned_rows: dict = {}
+    for r, snap in enumerate(ranks):
+        out["predictions"] = max(out["predictions"], _maxdiff(snap["predictions"], ref["predictions"]))
+        for k, rows in snap["tables"].items():
+            if k in owned_tables:
+                raise AssertionError(f"table {k} owned by ranks {owned_tables[k]} and {r}")
+            owned_tables[k] = r
+            ref_rows = ref["tables"][k]
+            if set(rows) != set(ref_rows):
+                raise AssertionError(f"table {k} on rank {r}: {len(rows)} keys, reference has {len(ref_rows)}")
+            for key, v in rows.items():
+                out["tables"] = max(out["tables"], _maxdiff(v, ref_rows[key]))
+        for k, v in snap["first_dense"].items():
+            owned_rows[k] = r
+            out["first_dense"] = max(out["first_dense"], _maxdiff(v, ref["first_dense"][k]))
+        if set(snap["weights"]) != set(ref["weights"]):
+            raise AssertionError(f"rank {r} weights {sorted(snap['weights'])} != reference {sorted(ref['weights'])}")
+        for k, v in snap["weights"].items():
+            out["weights"] = max(out["weights"], _maxdiff(v, ref["weights"][k]))
+    if set(owned_tables) != set(ref["tables"]):
+        raise AssertionError(f"tables owned by no rank: {sorted(set(ref['tables']) - set(owned_tables))}")
+    if set(owned_rows) != set(ref["first_dense"]):
+        raise AssertionError(f"Dense rows owned by no rank: {sorted(set(ref['first_dense']) - set(owned_rows))}")
+    return out
+
+
+def run_in_process_world(world_size: int, build: Callable[[], tf.keras.Model],
+                         work: Callable[[tf.keras.Model], object], **transform_kwargs) -> list:
+    """Transform ``build()`` once per simulated rank, run ``work`` on every rank in its own thread."""
+    from des.compiler import transform
+    world = InProcessWorld(world_size)
+    des_models = [transform(build(), comm=world.communicator(r), **transform_kwargs)[0]
+                  for r in range(world_size)]
+    results: list = [None] * world_size
+    errors: list = []
+
+    def run(r):
+        try:
+            results[r] = work(des_models[r])
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append((r, e, traceback.format_exc()))
+            world._barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        r, e, tb = min(errors, key=lambda x: "BrokenBarrierError" in x[2])
+        raise RuntimeError(f"simulated rank {r} failed: {e}\n{tb}")
+    return results
