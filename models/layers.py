@@ -8,14 +8,23 @@ initialised from (field, key, seed) only, never from insertion order or process:
 """
 from __future__ import annotations
 
-import itertools
-
 import tensorflow as tf
 from tensorflow_recommenders_addons import dynamic_embedding as de
 
 from des.data.spec import PAD_ID
 
-_table_counter = itertools.count()
+_names_used: dict[str, int] = {}
+
+
+def table_name(base: str) -> str:
+    """``base`` the first time in this process, then ``base_1``, ``base_2``...
+
+    TFRA keys checkpoints by table name and silently shares tables of the same name, so the
+    first model built in a process gets stable names (a new process restores them) and
+    later ones get unique names."""
+    n = _names_used.get(base, 0)
+    _names_used[base] = n + 1
+    return base if n == 0 else f"{base}_{n}"
 _U64 = tf.uint64
 
 
@@ -54,7 +63,7 @@ class FieldEmbedding(de.keras.layers.Embedding):
     def __init__(self, field: str, dim: int, seed: int = 0, init_scale: float = 0.05,
                  name: str | None = None, **kwargs):
         self.field, self.dim, self.seed, self.init_scale = field, int(dim), int(seed), float(init_scale)
-        name = name or f"emb{dim}_{field}_{next(_table_counter)}"
+        name = table_name(name or f"emb{dim}_{field}")
         super().__init__(self.dim, initializer=tf.keras.initializers.Zeros(), name=name, **kwargs)
         self.salt = table_salt(field, self.dim, self.seed)
 

@@ -1,0 +1,132 @@
+"""Reference models: key-deterministic tables, training to a real AUC, checkpoint round trip."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import models
+from des import checkpoint
+from des.data import criteo_spec
+from des.data.readers import make_dataset
+from des.data.synth import write_criteo
+from models.layers import FieldEmbedding
+
+
+def rows(layer):
+    keys, values = layer.params.export()
+    return dict(zip(keys.numpy().tolist(), values.numpy().tolist()))
+
+
+def test_row_init_depends_only_on_field_key_and_seed():
+    a = FieldEmbedding("C1", 4, seed=7)
+    b = FieldEmbedding("C1", 4, seed=7)
+    keys = tf.constant([5, 17, 2**62, -3, 99], tf.int64)
+    a(keys, training=True)
+    for chunk in ([99, -3], [2**62], [17, 5, 5]):          # other order, other batches
+        b(tf.constant(chunk, tf.int64), training=True)
+    assert rows(a) == rows(b) and len(rows(a)) == 5
+    v = np.array(list(rows(a).values()))
+    assert np.all(np.abs(v) <= 0.05) and np.std(v) > 0.01
+    other_field = FieldEmbedding("C2", 4, seed=7)(keys, training=True).numpy()
+    other_seed = FieldEmbedding("C1", 4, seed=8)(keys, training=True).numpy()
+    assert not np.allclose(other_field, a(keys).numpy()) and not np.allclose(other_seed, a(keys).numpy())
+
+
+def test_inference_does_not_insert_but_reads_the_same_init():
+    a = FieldEmbedding("C1", 3, seed=1)
+    unseen = a(tf.constant([11, 12], tf.int64), training=False).numpy()
+    assert int(a.params.size()) == 0
+    trained = a(tf.constant([11, 12], tf.int64), training=True).numpy()
+    assert int(a.params.size()) == 2 and np.array_equal(unseen, trained)
+
+
+def test_multi_valued_field_sum_pools_and_ignores_padding():
+    a = FieldEmbedding("tags", 2, seed=1)
+    pooled = a(tf.constant([[1, 2, -1], [2, -1, -1]], tf.int64), training=True).numpy()
+    single = a(tf.constant([1, 2], tf.int64), training=True).numpy()
+    assert np.allclose(pooled[0], single[0] + single[1]) and np.allclose(pooled[1], single[1])
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("data") / "train.txt")
+    meta = write_criteo(path, 60_000, "criteo-like", seed=11, quiet=True)
+    return path, meta
+
+
+@pytest.mark.parametrize("name", ["lr", "fm", "dnn", "wdl", "deepfm"])
+def test_each_model_learns(data, name):
+    path, meta = data
+    spec = criteo_spec(dim=4)
+    model = models.build(name, spec, seed=1, hidden=(32, 16))
+    model.compile(models.make_optimizer("adam", 0.005), "binary_crossentropy",
+                  metrics=[tf.keras.metrics.AUC(num_thresholds=5000, name="auc")])
+    train = make_dataset(path, "criteo", spec, 512, take_lines=50_000, shuffle_buffer=10_000, seed=1)
+    model.fit(train, epochs=1, verbose=0)
+    auc = model.evaluate(make_dataset(path, "criteo", spec, 4096, skip_lines=50_000),
+                         verbose=0, return_dict=True)["auc"]
+    print(f"{name}: AUC {auc:.4f}, Bayes-optimal {meta['bayes_auc']:.4f}")
+    assert 0.62 < auc <= meta["bayes_auc"] + 0.01
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "ftrl", "sgd"])
+def test_tfra_optimizers_update_tables(optimizer):
+    spec = type(criteo_spec())(criteo_spec(dim=2).fields[:4])
+    model = models.build("wdl", spec, seed=0, hidden=(8,))
+    model.compile(models.make_optimizer(optimizer), "binary_crossentropy")
+    x = {f.name: tf.constant([1, 2, 3], tf.int64) for f in spec}
+    before = model.predict_on_batch(x)
+    model.train_on_batch(x, tf.constant([1.0, 1.0, 1.0]))
+    assert np.all(model.predict_on_batch(x) > before)
+
+
+RESTORE = """
+import sys, numpy as np, tensorflow as tf
+import des, models
+from des import checkpoint
+from des.data import criteo_spec
+from des.data.readers import make_dataset
+path, ck, out, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+full = criteo_spec(dim=4)
+spec = type(full)(full.fields[10:18])   # 8 of the fields keep the test quick
+batches = list(make_dataset(path, "criteo", full, 256, take_lines=256 * 6))
+model = models.build("deepfm", spec, seed=2, hidden=(16,))
+opt = models.make_optimizer("adam", 0.01)
+model.compile(opt, "binary_crossentropy")
+if ck != "-":
+    checkpoint.restore(ck, model, opt)
+for x, y in batches[:steps]:
+    model.train_on_batch(x, y)
+if ck == "-":
+    checkpoint.save(sys.argv[5], model, opt)
+p1 = model.predict_on_batch(batches[5][0])
+model.train_on_batch(*batches[4])
+np.save(out, np.stack([p1, model.predict_on_batch(batches[5][0])]))
+"""
+
+
+def test_checkpoint_round_trip_restores_predictions_tables_and_slots(tmp_path, data):
+    """Train 4 steps and save in one process; restore in a fresh process: same predictions,
+    and one more step gives the same result too (tables AND optimizer slots came back)."""
+    path, _ = data
+    script = tmp_path / "restore.py"
+    script.write_text(RESTORE)
+    ck = str(tmp_path / "ck")
+    run = lambda *a: subprocess.run([sys.executable, str(script), path, *a], check=True,
+                                    capture_output=True, text=True)
+    run("-", str(tmp_path / "a.npy"), "4", ck)
+    run(ck, str(tmp_path / "b.npy"), "0")
+    saved, restored = np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy")
+    assert np.array_equal(saved[0], restored[0])
+    np.testing.assert_allclose(saved[1], restored[1], atol=1e-6)
+    assert not np.allclose(saved[0], saved[1], atol=1e-4)  # the extra step changed something
+    fresh_dir = tmp_path / "none"
+    run("-", str(tmp_path / "c.npy"), "0", str(fresh_dir))
+    assert not np.allclose(np.load(tmp_path / "c.npy")[0], saved[0], atol=1e-4)
+
+
+def test_restore_with_another_process_count_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="rank 0 of 2"):
+        checkpoint.restore(str(tmp_path), None, None, rank=0, world_size=2)
