@@ -1,0 +1,123 @@
+"""Rewrite rules: what fires, what must not fire (and why), the plan and the report."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import des
+import models
+from des.compiler import find_substitutions
+from des.ir import Graph
+from des.plan import FieldCost, make_plan
+from des_ops.comm import LocalCommunicator
+from helpers import random_batches, small_spec
+from models.layers import Bias, FieldEmbedding
+from models.zoo import inputs_for
+
+L = tf.keras.layers
+SPEC = small_spec(4, dim=3)
+
+
+def embs(x, dim=3):
+    return [FieldEmbedding(f.name, dim, seed=0)(x[f.name]) for f in SPEC]
+
+
+def rules_of(model):
+    matches, rejections = find_substitutions(Graph(model))
+    return sorted(m.rule for m in matches), [str(r) for r in rejections]
+
+
+def user_fm_tf_ops(extra_use=False):
+    """FM as a user writes it with tf ops, E built by Concatenate(Reshape(...))."""
+    x = inputs_for(SPEC)
+    e = tf.keras.layers.Concatenate(axis=1)([L.Reshape((1, 3))(v) for v in embs(x)])
+    sum_sq = tf.square(tf.reduce_sum(e, axis=1))
+    sq_sum = tf.reduce_sum(tf.square(e), axis=1)
+    fm = 0.5 * tf.reduce_sum(sum_sq - sq_sum, axis=1, keepdims=True)
+    logit = fm + L.Dense(1)(sum_sq) if extra_use else fm
+    return tf.keras.Model(x, L.Activation("sigmoid")(Bias()(logit)))
+
+
+def test_user_fm_with_tf_ops_is_matched_and_equivalent():
+    model = user_fm_tf_ops()
+    assert rules_of(model) == (["fm_interaction"], [])
+    x, _ = random_batches(SPEC, 1, 16)[0]
+    new, report = des.transform(model, comm=LocalCommunicator())
+    assert report.floats_per_sample == 4 and "fm_interaction" in str(report)
+    np.testing.assert_allclose(new.predict_on_batch(x), model.predict_on_batch(x), atol=1e-6)
+
+
+def test_fm_not_substituted_when_an_intermediate_is_used_elsewhere():
+    rules, why = rules_of(user_fm_tf_ops(extra_use=True))
+    assert rules == []
+    assert any("fm_interaction" in w and "is also used by" in w for w in why)
+
+
+def test_dense_not_substituted_when_a_field_embedding_feeds_another_layer():
+    x = inputs_for(SPEC)
+    e = embs(x)
+    h = L.Dense(4, name="first")(L.Concatenate()(e))
+    side = L.Dense(4, name="side")(e[2])            # an unrecognised use of field f2's embedding
+    model = tf.keras.Model(x, L.Dense(1)(L.Add()([h, side])))
+    rules, why = rules_of(model)
+    assert rules == [] and any("field 'f2'" in w and "'side'" in w for w in why)
+    new, report = des.transform(model, comm=LocalCommunicator())
+    assert new is model and not report.changed and "nothing to substitute" in str(report)
+
+
+def test_dense_over_embeddings_mixed_with_other_inputs_is_rejected():
+    x = inputs_for(SPEC)
+    num = tf.keras.Input(shape=(1,), name="num")
+    model = tf.keras.Model({**x, "num": num}, L.Dense(1)(L.Concatenate()(embs(x) + [num])))
+    rules, why = rules_of(model)
+    assert rules == [] and any("mixes field embeddings with other tensors" in w for w in why)
+
+
+def test_model_with_nothing_to_rewrite_comes_back_unchanged():
+    x = tf.keras.Input(shape=(), dtype=tf.int64, name="f0")
+    h = L.Flatten()(L.Embedding(100, 4)(x))
+    model = tf.keras.Model(x, L.Dense(1, activation="sigmoid")(h))
+    new, report = des.transform(model, comm=LocalCommunicator())
+    assert new is model and report.substitutions == [] and report.rejections == []
+
+
+def test_linear_sum_as_reduce_sum_of_concat():
+    x = inputs_for(SPEC)
+    w = [FieldEmbedding(f.name, 1, seed=0, init_scale=0.01)(x[f.name]) for f in SPEC]
+    s = tf.reduce_sum(L.Concatenate(axis=1)(w), axis=1, keepdims=True)
+    model = tf.keras.Model(x, L.Activation("sigmoid")(s))
+    assert rules_of(model) == (["lr_sum"], [])
+    xb, _ = random_batches(SPEC, 1, 8)[0]
+    new, _ = des.transform(model, comm=LocalCommunicator())
+    np.testing.assert_allclose(new.predict_on_batch(xb), model.predict_on_batch(xb), atol=1e-7)
+
+
+def test_sum_of_a_non_embedding_does_not_fire():
+    x = inputs_for(SPEC)
+    w = [FieldEmbedding(f.name, 1, seed=0)(x[f.name]) for f in SPEC]
+    w[1] = L.Dense(1)(w[1])                           # not a lookup any more
+    model = tf.keras.Model(x, L.Add()(w))
+    assert rules_of(model) == ([], [])
+
+
+def test_deepfm_keeps_one_table_per_field_shared_by_fm_and_dnn():
+    model = models.build("deepfm", SPEC, seed=0, hidden=(8,))
+    new, report = des.transform(model, comm=LocalCommunicator())
+    assert sorted(m.rule for m in report.substitutions) == ["embed_concat_dense", "fm_interaction", "lr_sum"]
+    tables = new.des_layer.owned
+    assert len(tables) == 2 * len(SPEC)               # one 1-wide and one 3-wide table per field
+    assert len({id(t) for t in tables}) == len(tables)
+    assert report.floats_per_sample == 1 + (3 + 1) + 8
+
+
+def test_plans():
+    fields = [FieldCost(f"f{i}", rows=r, width=9) for i, r in enumerate([1e6, 10, 10, 10, 5e5, 10])]
+    mod = make_plan(fields, 4, "mod")
+    assert [mod.owner[f"f{i}"] for i in range(6)] == [0, 1, 2, 3, 0, 1]
+    bal = make_plan(fields, 2, "balanced")
+    assert bal.owner["f0"] != bal.owner["f4"]         # the two big fields are split
+    idle = make_plan(fields[:2], 5, "balanced")
+    assert sorted(idle.owner.values()) == [0, 1] and idle.fields_of(4) == []
+    assert "contributes zeros" in str(idle)
+    assert type(bal).from_json(bal.to_json()) == bal
+    with pytest.raises(ValueError):
+        make_plan(fields, 2, "random")
