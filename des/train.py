@@ -39,7 +39,8 @@ def _args(argv):
     ap.add_argument("--checkpoint", default=None, help="save to this folder after training")
     ap.add_argument("--restore", default=None, help="restore from this folder before training")
     ap.add_argument("--threads", type=int, default=0, help="TF intra/inter-op threads (0: TF default)")
-    ap.add_argument("--summary-json", default=None, help="rank 0 writes the results here")
+    ap.add_argument("--summary-json", default=None,
+                    help="write the results here (with several processes: PATH.rank<r> each)")
     ap.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -163,8 +164,9 @@ def main(argv=None) -> int:
         path = checkpoint.save(a.checkpoint, model, optimizer, getattr(model, "des_plan", None),
                                comm.rank, comm.world_size)
         log(f"checkpoint written to {path}")
-    if rank0 and a.summary_json:
-        with open(a.summary_json, "w") as fh:
+    if a.summary_json:
+        path = a.summary_json if comm.world_size == 1 else f"{a.summary_json}.rank{comm.rank}"
+        with open(path, "w") as fh:
             json.dump(summary, fh, indent=1)
     return 0
 

@@ -1,0 +1,84 @@
+"""Multi-process behaviour under a real mpirun with Horovod."""
+import glob
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import models
+from des.data.synth import write_criteo
+from des.verify import compare, random_batches, small_spec, train_and_snapshot
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+           OMPI_MCA_mpi_yield_when_idle="1", TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
+LR = {"sgd": 0.2, "adagrad": 0.05, "adam": 0.01, "ftrl": 0.05}
+
+
+def mpirun(n, *args, timeout=600):
+    cmd = ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none", sys.executable, *args]
+    return subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name, optimizer, n", [
+    ("deepfm", "adam", 2), ("wdl", "ftrl", 3), ("fm", "adagrad", 4), ("dnn", "sgd", 3)])
+def test_des_under_mpirun_equals_single_process(tmp_path, name, optimizer, n):
+    run = mpirun(n, "scripts/mpi_equivalence.py", name, optimizer, str(tmp_path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [pickle.load(open(tmp_path / f"rank{r}.pkl", "rb")) for r in range(n)]
+    spec = small_spec(4, dim=3)
+    ref = train_and_snapshot(models.build(name, spec, seed=3, hidden=(8, 4)), optimizer, LR[optimizer],
+                             random_batches(spec, 20, 32, seed=4), random_batches(spec, 1, 16, seed=99)[0][0])
+    diff = compare(ref, ranks)
+    print(f"mpirun -np {n} {name} {optimizer}: {diff}")
+    assert max(diff.values()) < 1e-5, diff
+    for r in ranks:
+        assert np.array_equal(r["predictions"], ranks[0]["predictions"])   # replicas agree bitwise
+        assert np.allclose(r["grad_des"], 1.0)                              # identity gradient
+        assert np.allclose(r["grad_raw_horovod"], n)                        # raw Horovod: N x
+        # 20 train steps of 32 rows + 20 predictions of 16 rows + the gradient probe (2 floats)
+        assert r["payload_bytes"] == 4 * r["floats_per_sample"] * (20 * 32 + 20 * 16) + 8
+
+
+@pytest.fixture(scope="module")
+def criteo_file(tmp_path_factory):
+    p = str(tmp_path_factory.mktemp("d") / "train.txt")
+    write_criteo(p, 12_000, "criteo-like", seed=2, quiet=True)
+    return p
+
+
+TRAIN = ["-m", "des.train", "--model", "wdl", "--batch", "512", "--hidden", "16",
+         "--dim", "4", "--threads", "1", "--holdout", "2000", "--shuffle-buffer", "5000", "--lr", "0.02"]
+
+
+@pytest.mark.mpi
+def test_training_cli_des_under_mpirun(criteo_file, tmp_path):
+    single = subprocess.run([sys.executable, *TRAIN, "--data", criteo_file,
+                             "--summary-json", str(tmp_path / "single.json")],
+                            env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stderr[-3000:]
+    run = mpirun(2, *TRAIN, "--mode", "des", "--data", criteo_file, "--replica-check", "5",
+                 "--checkpoint", str(tmp_path / "ck"), "--summary-json", str(tmp_path / "des.json"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("training wdl") == 1                 # logs from rank 0 only
+    ranks = [json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / "des.json*")))]
+    assert len(ranks) == 2 and ranks[0]["auc"] == ranks[1]["auc"]   # same predictions everywhere
+    s = json.load(open(tmp_path / "single.json"))
+    assert abs(ranks[0]["auc"] - s["auc"]) < 1e-4 and ranks[0]["auc"] > 0.55
+    assert ranks[0]["bytes_per_step_measured"] == ranks[0]["bytes_per_step_analytic"] == 4 * 512 * 17
+    assert sorted(os.listdir(tmp_path / "ck")) == ["rank0-of-2", "rank1-of-2"]
+    assert os.path.exists(tmp_path / "ck" / "rank1-of-2" / "plan.json")
+    again = mpirun(2, *TRAIN, "--mode", "des", "--data", criteo_file, "--restore", str(tmp_path / "ck"),
+                   "--steps", "2")
+    assert again.returncode == 0 and "restored" in again.stdout, again.stderr[-3000:]
+
+
+@pytest.mark.mpi
+def test_a_dying_rank_ends_the_job_with_an_error(criteo_file):
+    run = mpirun(2, *TRAIN, "--mode", "des", "--data", criteo_file, "--fail-at-step", "3", timeout=300)
+    assert run.returncode != 0
