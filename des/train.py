@@ -134,7 +134,8 @@ def main(argv=None) -> int:
     log(f"training {a.model} ({a.mode}, {comm.world_size} process(es)) on {n_train} lines, "
         f"holding out {held}; batch {a.batch}, optimizer {a.optimizer}")
     try:
-        model.fit(train, epochs=a.epochs, steps_per_epoch=a.steps, verbose=1 if rank0 else 0,
+        verbose = (1 if sys.stdout.isatty() else 2) if rank0 else 0
+        model.fit(train, epochs=a.epochs, steps_per_epoch=a.steps, verbose=verbose,
                   callbacks=callbacks)
         result = model.evaluate(evald, verbose=0, return_dict=True) if evald is not None else {}
     except tf.errors.OpError as e:
