@@ -155,8 +155,10 @@ def main(argv=None) -> int:
                        ring_bytes_per_step=report.ring_bytes(a.batch))
     if a.skip_bad_lines:
         log(str(skips))
-    log(f"AUC {summary['auc']:.4f} (Bayes-optimal {meta.get('bayes_auc', 'unknown')}), "
-        f"log loss {summary['logloss']:.4f}, {summary['samples_per_second']:.0f} samples/s per process")
+    if held:
+        log(f"AUC {summary['auc']:.4f} (Bayes-optimal {meta.get('bayes_auc', 'unknown')}), "
+            f"log loss {summary['logloss']:.4f} on {held} held-out lines")
+    log(f"{summary['samples_per_second']:.0f} samples/s per process (median step)")
     if report is not None:
         log(f"DES bytes/step handed to allreduce: measured {summary['bytes_per_step_measured']:.0f}, "
             f"analytic {summary['bytes_per_step_analytic']} (4*B*{report.floats_per_sample}); "

@@ -87,3 +87,26 @@ def test_transform_keeps_trained_weights():
     preds = run_in_process_world(3, rebuild, lambda m: m.predict_on_batch(PROBE))
     for p in preds:
         np.testing.assert_allclose(p, expected, atol=1e-6)
+
+
+def test_replica_check_names_the_step_and_the_diverged_layer():
+    from des.callbacks import ReplicaCheck
+
+    def work(m):
+        comm = m.des_layer.comm
+        check = ReplicaCheck(comm, every=2)
+        check.set_model(m)
+        check.on_train_batch_end(0)
+        check.on_train_batch_end(1)                  # step 2: replicas agree
+        if comm.rank == 1:                           # now rank 1's tail drifts
+            w = m.get_layer("dnn_1")
+            w.set_weights([v + 1e-3 for v in w.get_weights()])
+        check.on_train_batch_end(2)
+        try:
+            check.on_train_batch_end(3)
+        except RuntimeError as e:
+            return str(e)
+        return "no error"
+
+    for msg in run_in_process_world(2, build("deepfm"), work):
+        assert "replicas diverged at step 4" in msg and "dnn_1" in msg

@@ -1,0 +1,62 @@
+"""Benchmark DES: bytes/step (measured vs analytic) per model, and samples/second of DES at
+N=1,2,4 vs the plain single-process model. Prints a Markdown table; one run, medians.
+
+    .venv/bin/python scripts/bench_des.py --rows 100000 --batch 4096 --steps 12
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+           OMPI_MCA_mpi_yield_when_idle="1", TF_CPP_MIN_LOG_LEVEL="2")
+
+
+def run(n, mode, model, data, a, out):
+    args = [sys.executable, "-m", "des.train", "--mode", mode, "--model", model, "--data", data,
+            "--batch", str(a.batch), "--steps", str(a.steps), "--holdout", "0", "--threads", "1",
+            "--dim", str(a.dim), "--hidden", a.hidden, "--shuffle-buffer", "0", "--summary-json", out]
+    if n > 1:
+        args = ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none"] + args
+    p = subprocess.run(args, env=ENV, cwd=ROOT, capture_output=True, text=True)
+    if p.returncode:
+        raise SystemExit(f"{' '.join(args)} failed:\n{p.stderr[-2000:]}")
+    return json.load(open(out if n == 1 else out + ".rank0"))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=100_000)
+    ap.add_argument("--batch", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--dim", type=int, default=8)
+    ap.add_argument("--hidden", default="128,64")
+    ap.add_argument("--np", type=int, default=4)
+    ap.add_argument("--models", default="lr,fm,dnn,wdl,deepfm")
+    ap.add_argument("--speed-model", default="deepfm")
+    a = ap.parse_args()
+    tmp = tempfile.mkdtemp()
+    data = os.path.join(tmp, "train.txt")
+    subprocess.run([sys.executable, "-m", "des.data.synth", "--rows", str(a.rows), "--out", data],
+                   env=ENV, cwd=ROOT, check=True, capture_output=True)
+    print(f"## bytes per step per process, B={a.batch}, N={a.np}, criteo-like, dim {a.dim}, hidden {a.hidden}\n")
+    print("| model | floats/sample | handed to allreduce, measured | analytic 4·B·w | ring 2(N−1)/N |")
+    print("|---|---|---|---|---|")
+    for m in a.models.split(","):
+        s = run(a.np, "des", m, data, a, os.path.join(tmp, f"{m}.json"))
+        print(f"| {m} | {s['floats_per_sample']} | {s['bytes_per_step_measured']:.0f} | "
+              f"{s['bytes_per_step_analytic']} | {s['ring_bytes_per_step']:.0f} |", flush=True)
+    print(f"\n## samples/second per process, {a.speed_model}, B={a.batch} (median step, 2 cores)\n")
+    plain = run(1, "single", a.speed_model, data, a, os.path.join(tmp, "plain.json"))["samples_per_second"]
+    print("| run | samples/s | vs plain |\n|---|---|---|")
+    print(f"| plain, 1 process | {plain:.0f} | 1.00 |", flush=True)
+    for n in (1, 2, 4):
+        s = run(n, "des", a.speed_model, data, a, os.path.join(tmp, f"speed{n}.json"))["samples_per_second"]
+        print(f"| DES N={n} | {s:.0f} | {s / plain:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
