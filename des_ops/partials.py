@@ -35,8 +35,6 @@ def fm_combine(total: tf.Tensor, k: int) -> tf.Tensor:
     return 0.5 * (tf.reduce_sum(tf.square(s), axis=1, keepdims=True) - q)
 
 
-def dense_partial(embs: list[tf.Tensor], kernel_block: tf.Tensor, batch: tf.Tensor) -> tf.Tensor:
+def dense_partial(embs: list[tf.Tensor], kernel_block: tf.Tensor) -> tf.Tensor:
     """[B, H]: this process's embeddings times its row block of the Dense kernel."""
-    if not embs:
-        return zeros(batch, int(kernel_block.shape[1]))
     return tf.matmul(tf.concat(embs, axis=1), kernel_block)

@@ -75,14 +75,16 @@ class DenseBlock(SubOperator):
         super().__init__(tables, out_shape, **kwargs)
         self.width = int(kernel_block.shape[1])
         self.activation = tf.keras.activations.get(activation)
-        self.kernel_block = self.add_weight(
+        self.kernel_block = None if kernel_block.shape[0] == 0 else self.add_weight(
             "kernel_block", shape=kernel_block.shape, trainable=True,
             initializer=tf.keras.initializers.Constant(kernel_block))
         self.bias = None if bias is None else self.add_weight(
             "bias", shape=bias.shape, trainable=True, initializer=tf.keras.initializers.Constant(bias))
 
     def partial(self, embs, batch):
-        return dm.dense_partial([embs[t] for t in self.tables], self.kernel_block, batch)
+        if self.kernel_block is None:          # this process owns none of the fields
+            return dm.zeros(batch, self.width)
+        return dm.dense_partial([embs[t] for t in self.tables], self.kernel_block)
 
     def combine(self, total):
         y = total if self.bias is None else total + self.bias
@@ -90,6 +92,8 @@ class DenseBlock(SubOperator):
 
     def rows_by_field(self, dims: dict[str, int]) -> dict[str, np.ndarray]:
         """This process's kernel rows, split per owned field (dims: table name -> width)."""
+        if self.kernel_block is None:
+            return {}
         out, start, kernel = {}, 0, self.kernel_block.numpy()
         for t, f in zip(self.tables, self.fields):
             out[f] = kernel[start:start + dims[t]]

@@ -1,6 +1,6 @@
 """One process of an equivalence run under mpirun (used by tests/test_mpi.py):
 
-    mpirun -np 3 python scripts/mpi_equivalence.py deepfm adam OUT_DIR
+    mpirun -np 3 python scripts/mpi_equivalence.py deepfm adam OUT_DIR [horovod|mpi4py]
 
 Each rank trains the DES model on the shared toy batches and pickles its snapshot
 (predictions after every step, owned table rows, weights) to OUT_DIR/rank<r>.pkl, plus the
@@ -20,13 +20,13 @@ import horovod.tensorflow as hvd  # noqa: E402
 
 import models  # noqa: E402
 from des.verify import random_batches, small_spec, train_and_snapshot  # noqa: E402
-from des_ops.comm import HorovodCommunicator, allreduce_sum  # noqa: E402
+from des_ops.comm import HorovodCommunicator, Mpi4pyCommunicator, allreduce_sum  # noqa: E402
 
 LR = {"sgd": 0.2, "adagrad": 0.05, "adam": 0.01, "ftrl": 0.05}
 
 
-def main(name: str, optimizer: str, out: str) -> None:
-    comm = HorovodCommunicator()
+def main(name: str, optimizer: str, out: str, comm_kind: str = "horovod") -> None:
+    comm = HorovodCommunicator() if comm_kind == "horovod" else Mpi4pyCommunicator()
     spec = small_spec(4, dim=3)
     batches = random_batches(spec, 20, 32, seed=4)
     probe = random_batches(spec, 1, 16, seed=99)[0][0]
@@ -37,9 +37,11 @@ def main(name: str, optimizer: str, out: str) -> None:
     x = tf.Variable([1.0, 2.0])
     with tf.GradientTape(persistent=True) as tape:
         ours = tf.reduce_sum(allreduce_sum(comm, x))
-        raw = tf.reduce_sum(hvd.allreduce(x, op=hvd.Sum))
+        if comm_kind == "horovod":
+            raw = tf.reduce_sum(hvd.allreduce(x, op=hvd.Sum))
     snap["grad_des"] = tape.gradient(ours, x).numpy()
-    snap["grad_raw_horovod"] = tape.gradient(raw, x).numpy()
+    if comm_kind == "horovod":
+        snap["grad_raw_horovod"] = tape.gradient(raw, x).numpy()
     snap["payload_bytes"] = int(comm.payload_bytes.numpy())
     snap["floats_per_sample"] = report.floats_per_sample
     with open(os.path.join(out, f"rank{comm.rank}.pkl"), "wb") as fh:
@@ -47,4 +49,4 @@ def main(name: str, optimizer: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
