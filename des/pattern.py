@@ -13,7 +13,6 @@ matches the node producing a tensor by kind, operands (patterns or constants) an
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 from des.ir import Graph, TensorId
 
@@ -109,8 +108,3 @@ def _match_operand(pat, graph, operand, state):
         return state if abs(float(operand) - float(pat)) < 1e-12 else None
     except (TypeError, ValueError):
         return None
-
-
-def variants(*parts) -> list[tuple]:
-    """All combinations of alternatives, for writing a few spellings of one formula."""
-    return list(itertools.product(*parts))

@@ -121,3 +121,18 @@ def test_plans():
     assert type(bal).from_json(bal.to_json()) == bal
     with pytest.raises(ValueError):
         make_plan(fields, 2, "random")
+
+
+class HalfEmbedding(FieldEmbedding):
+    """A table whose output is float16: DES supports float32 partials only."""
+
+    def call(self, ids, training=None):
+        return tf.cast(super().call(ids, training=training), tf.float16)
+
+
+def test_unsupported_dtype_is_rejected():
+    x = inputs_for(SPEC)
+    e = [HalfEmbedding(f.name, 3, seed=0)(x[f.name]) for f in SPEC]
+    model = tf.keras.Model(x, L.Dense(1)(L.Concatenate()(e)))
+    rules, why = rules_of(model)
+    assert rules == [] and any("dtype float16" in w for w in why)
