@@ -57,7 +57,7 @@ def count_lines(paths) -> int:
 
 def main(argv=None) -> int:
     a = _args(argv)
-    import des  # noqa: F401  (quiet TF logs before TF loads)
+    import des  # first: it quiets TF logs before TF loads
     import tensorflow as tf
     if a.threads:
         tf.config.threading.set_intra_op_parallelism_threads(a.threads)
@@ -111,8 +111,7 @@ def main(argv=None) -> int:
         plan = checkpoint.load_plan(a.restore, comm.rank, comm.world_size) or plan
     report = None
     if a.mode == "des":
-        import des as des_pkg
-        model, report = des_pkg.transform(model, comm=comm, plan=plan, spec=spec)
+        model, report = des.transform(model, comm=comm, plan=plan, spec=spec)
         log(report)
     optimizer = models.make_optimizer(a.optimizer, a.lr)
     model.compile(optimizer, "binary_crossentropy",
