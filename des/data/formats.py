@@ -40,12 +40,17 @@ def _log_bucket(ints: tf.Tensor) -> tf.Tensor:
     return tf.where(empty, "", tf.strings.as_string(bucket)), v, empty
 
 
-def _check_utf8(line: bytes) -> str | None:
+def _columns(line: bytes, sep: str, ncols: int) -> tuple[list[str], str | None]:
+    """The line's columns, or the problem of its bytes or column count (for diagnose)."""
     try:
-        line.decode("utf-8")
+        text = line.decode("utf-8")
     except UnicodeDecodeError as e:
-        return f"undecodable bytes (not UTF-8) at byte {e.start}"
-    return None
+        return [], f"undecodable bytes (not UTF-8) at byte {e.start}"
+    cols = text.split(sep)
+    if len(cols) != ncols:
+        name = "tab" if sep == "\t" else "comma"
+        return cols, f"expected {ncols} {name}-separated columns, found {len(cols)}"
+    return cols, None
 
 
 class Criteo:
@@ -81,12 +86,9 @@ class Criteo:
         return feats, label, tf.logical_not(ok)
 
     def diagnose(self, line: bytes) -> str:
-        bad = _check_utf8(line)
+        cols, bad = _columns(line, "\t", self.ncols)
         if bad:
             return bad
-        cols = line.decode("utf-8").split("\t")
-        if len(cols) != self.ncols:
-            return f"expected {self.ncols} tab-separated columns, found {len(cols)}"
         off = int(self.with_label)
         if self.with_label and cols[0] not in ("0", "1"):
             return f"label {cols[0]!r} is not 0 or 1"
@@ -136,12 +138,9 @@ class Avazu:
         return {n: ids[:, j] for j, n in enumerate(AVAZU_FIELDS)}, label, tf.logical_not(ok)
 
     def diagnose(self, line: bytes) -> str:
-        bad = _check_utf8(line)
+        cols, bad = _columns(line, ",", self.ncols)
         if bad:
             return bad
-        cols = line.decode("utf-8").split(",")
-        if len(cols) != self.ncols:
-            return f"expected {self.ncols} comma-separated columns, found {len(cols)}"
         if cols[1] not in ("0", "1"):
             return f"label (click) {cols[1]!r} is not 0 or 1"
         if not re.fullmatch(HOUR_RE, cols[2]):
