@@ -199,9 +199,10 @@ def _sub_operator(graph: Graph, m: Match, owned):
     out_shape = tuple(graph.shape(m.root.output)[1:])
     tag = f"des_{m.rule}_{m.root.layer.name}"
     if m.rule == "lr_sum":
-        return LinearSum(names, out_shape, fields, name=tag)
+        return LinearSum(names, out_shape, fields, source=m.root.layer.name, name=tag)
     if m.rule == "fm_interaction":
-        return FMInteraction(names, out_shape, fields, k=m.embeds[0].attrs["dim"], name=tag)
+        return FMInteraction(names, out_shape, fields, k=m.embeds[0].attrs["dim"],
+                             source=m.root.layer.name, name=tag)
     if m.rule == "embed_concat_dense":
         dense = m.root.layer
         kernel = dense.kernel.numpy()
@@ -209,5 +210,6 @@ def _sub_operator(graph: Graph, m: Match, owned):
         rows = [np.arange(offsets[i], offsets[i + 1]) for i, e in enumerate(m.embeds) if e in owned]
         block = kernel[np.concatenate(rows)] if rows else np.zeros((0, kernel.shape[1]), np.float32)
         bias = dense.bias.numpy() if dense.use_bias else None
-        return DenseBlock(names, out_shape, block, bias, dense.activation, fields=fields, name=tag)
+        return DenseBlock(names, out_shape, block, bias, dense.activation, fields=fields,
+                          source=dense.name, name=tag)
     raise ValueError(f"no sub-operator for rule {m.rule!r}")

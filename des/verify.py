@@ -41,7 +41,7 @@ def snapshot(model: tf.keras.Model) -> dict:
         dims = {t.name: t.dim for t in des_layer.owned}
         for op in des_layer.ops:
             if hasattr(op, "rows_by_field"):
-                dense = op.name[len("des_embed_concat_dense_"):]
+                dense = op.source
                 for f, rows in op.rows_by_field(dims).items():
                     first[(dense, f)] = rows
                 if op.bias is not None:

@@ -21,8 +21,10 @@ class SubOperator(tf.keras.layers.Layer):
     """One substituted operator on one process: ``partial`` of owned tables, ``combine`` of the sum."""
     rule = ""
 
-    def __init__(self, tables: list[str], out_shape: tuple, fields: list[str] | None = None, **kwargs):
+    def __init__(self, tables: list[str], out_shape: tuple, fields: list[str] | None = None,
+                 source: str = "", **kwargs):
         super().__init__(**kwargs)
+        self.source = source                # name of the original layer whose output this replaces
         self.tables = list(tables)          # names of the owned tables this operator reads, in order
         self.fields = list(fields or [])    # their fields, in the same order
         self.out_shape = tuple(out_shape)   # the original operator's output shape without batch
