@@ -160,12 +160,12 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
         field_plan = make_plan(costs, comm.world_size, plan)
     mine = set(field_plan.fields_of(comm.rank))
 
-    tables, table_field, ops, widths = {}, {}, [], {}
+    tables, table_inputs, ops, widths = {}, {}, [], {}
     for m in matches:
         owned = [e for e in m.embeds if e.attrs["field"] in mine]
         for e in owned:
             tables[e.layer.name] = e.layer
-            table_field[e.layer.name] = graph.input_name(e.tensor_operands()[0])
+            table_inputs[e.layer.name] = [graph.input_name(t) for t in e.tensor_operands()]
         ops.append(_sub_operator(graph, m, owned))
         widths[m.root.layer.name] = ops[-1].width
     if release_unowned:
@@ -174,9 +174,9 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
                 if e.attrs["field"] not in mine and int(e.layer.params.size()) > 0:
                     e.layer.params.clear()
 
-    first = DESFirstLayer(tables, table_field, ops, comm, name="des_first_layer")
-    fields_in = sorted({graph.input_name(e.tensor_operands()[0]) for m in matches for e in m.embeds})
-    outs = first({f: graph.tensors[_input_id(graph, f)] for f in fields_in})
+    first = DESFirstLayer(tables, table_inputs, ops, comm, name="des_first_layer")
+    names_in = sorted({graph.input_name(t) for m in matches for e in m.embeds for t in e.tensor_operands()})
+    outs = first({n: graph.tensors[_input_id(graph, n)] for n in names_in})
     skip = set().union(*(m.internal for m in matches)) | {e.index for m in matches for e in m.embeds}
     new_model = replay(graph, skip, {m.root.output: o for m, o in zip(matches, outs)})
     new_model.des_layer = first

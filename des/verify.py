@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
-from des.data.spec import FeatureSpec, Field
+from des.data.spec import PAD_ID, FeatureSpec, Field
 from des_ops.comm import InProcessWorld
 
 
@@ -150,7 +150,9 @@ def small_spec(n_fields: int = 6, dim: int = 4) -> FeatureSpec:
 
 
 def random_batches(spec: FeatureSpec, steps: int, batch: int, seed: int = 0):
-    """Zipf-like ids (keys repeat within and across batches), labels from a planted rule."""
+    """Zipf-like ids (keys repeat within and across batches), labels from a planted rule.
+    Multi-valued fields get 0..max_len ids per sample (PAD_ID after them), weighted ones
+    also weights in [0.5, 2)."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(steps):
@@ -158,9 +160,18 @@ def random_batches(spec: FeatureSpec, steps: int, batch: int, seed: int = 0):
         score = np.zeros(batch)
         for i, f in enumerate(spec.sparse()):
             card = f.cardinality or 50
-            ids = np.minimum(rng.zipf(1.3, batch), card).astype(np.int64) * 1000003 + i
+            shape = (batch, f.max_len) if f.kind == "multi" else (batch,)
+            ids = np.minimum(rng.zipf(1.3, shape), card).astype(np.int64) * 1000003 + i
+            if f.kind == "multi":
+                pad = np.arange(f.max_len)[None, :] >= rng.integers(0, f.max_len + 1, batch)[:, None]
+                ids[pad] = PAD_ID
+                w = np.where(pad, 0.0, rng.uniform(0.5, 2.0, shape)).astype(np.float32)
+                if f.weighted:
+                    x[f.weight_name] = tf.constant(w)
+                score += (np.sin(ids % 7) * (w if f.weighted else ~pad)).sum(axis=1)
+            else:
+                score += np.sin(ids % 7)
             x[f.name] = tf.constant(ids)
-            score += np.sin(ids % 7)
         y = (score + rng.normal(0, 1, batch) > 0).astype(np.float32)
         out.append((x, tf.constant(y)))
     return out

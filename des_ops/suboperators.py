@@ -104,23 +104,29 @@ class DenseBlock(SubOperator):
 
 
 class DESFirstLayer(tf.keras.layers.Layer):
-    """Owned tables + sub-operators + one fused allreduce. Input: {field: ids}; output: a list."""
+    """Owned tables + sub-operators + one fused allreduce. Input: {input name: tensor}; output: a list.
 
-    def __init__(self, tables: dict[str, tf.keras.layers.Layer], table_field: dict[str, str],
+    ``table_inputs`` names what each table reads: [ids input] or [ids input, weights input]."""
+
+    def __init__(self, tables: dict[str, tf.keras.layers.Layer], table_inputs: dict[str, list[str]],
                  ops: list[SubOperator], comm: Communicator, **kwargs):
         super().__init__(**kwargs)
         self.owned = [tables[n] for n in sorted(tables)]    # tracked: tables, slots, checkpoints
-        self.table_field = dict(table_field)
+        self.table_inputs = {t: list(names) for t, names in table_inputs.items()}
         self.ops = list(ops)
         self.comm = comm
         self.widths = [op.width for op in self.ops]
 
     def call(self, inputs: dict, training=None):
         batch = tf.shape(next(iter(inputs.values())))[0]
-        embs = {t.name: t(inputs[self.table_field[t.name]], training=training) for t in self.owned}
+        embs = {t.name: t(self._lookup_input(inputs, t.name), training=training) for t in self.owned}
         fused = tf.concat([op.partial(embs, batch) for op in self.ops], axis=1)
         total = allreduce_sum(self.comm, fused)
         return [op.combine(part) for op, part in zip(self.ops, tf.split(total, self.widths, axis=1))]
+
+    def _lookup_input(self, inputs: dict, table: str):
+        names = self.table_inputs[table]
+        return inputs[names[0]] if len(names) == 1 else [inputs[n] for n in names]
 
     def floats_per_sample(self) -> int:
         return int(sum(self.widths))

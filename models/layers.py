@@ -53,12 +53,13 @@ def key_init(keys: tf.Tensor, salt: int, dim: int, scale: float) -> tf.Tensor:
 
 
 class FieldEmbedding(de.keras.layers.Embedding):
-    des_embedding = True  # des.transform treats it as one field's table
-    """One field's dynamic table: ids [B] -> [B, dim]; multi-valued ids [B, L] -> sum-pooled [B, dim].
+    """One field's dynamic table: ids [B] -> [B, dim]; multi-valued ids [B, L] -> sum-pooled [B, dim];
+    ``[ids, weights]`` [B, L] each -> sum_l weights * row(ids).
 
     In training, keys not yet in the table are inserted with ``key_init`` before the lookup;
     in inference they read ``key_init`` without being inserted.
     """
+    des_embedding = True  # des.transform treats it as one field's table
 
     def __init__(self, field: str, dim: int, seed: int = 0, init_scale: float = 0.05,
                  name: str | None = None, **kwargs):
@@ -67,30 +68,49 @@ class FieldEmbedding(de.keras.layers.Embedding):
         super().__init__(self.dim, initializer=tf.keras.initializers.Zeros(), name=name, **kwargs)
         self.salt = table_salt(field, self.dim, self.seed)
 
-    def call(self, ids, training=None):
+    def call(self, inputs, training=None):
+        ids, weights = (inputs[0], inputs[1]) if isinstance(inputs, (list, tuple)) else (inputs, None)
         ids = tf.convert_to_tensor(ids, tf.int64)
-        flat = tf.reshape(ids, [-1])
-        uniq, idx = tf.unique(flat)
+        uniq, idx = tf.unique(tf.reshape(ids, [-1]))
+        rows = self.rows(uniq, training, skip_pad=ids.shape.rank == 2)
+        return pool(tf.gather(rows, idx), ids, weights, self.dim)
+
+    def rows(self, uniq: tf.Tensor, training, skip_pad: bool = False) -> tf.Tensor:
+        """Rows of distinct keys ``uniq`` [n] -> [n, dim]; PAD_ID rows are zero when ``skip_pad``.
+
+        In training, missing keys are first inserted with ``key_init``; in inference they read
+        ``key_init`` and are not inserted."""
+        if skip_pad:
+            real = tf.where(uniq != PAD_ID)
+            found = self.rows(tf.gather_nd(uniq, real), training)
+            return tf.scatter_nd(real, found, tf.stack([tf.size(uniq, tf.int64), self.dim]))
         values, exists = self.params.lookup(uniq, return_exists=True)
         init = key_init(uniq, self.salt, self.dim, self.init_scale)
         if training:
             missing = tf.logical_not(exists)
             insert = self.params.upsert(tf.boolean_mask(uniq, missing), tf.boolean_mask(init, missing))
             with tf.control_dependencies([insert]):
-                rows = de.shadow_ops.embedding_lookup(self.shadow, tf.identity(uniq))
-        else:
-            rows = tf.where(exists[:, None], de.shadow_ops.embedding_lookup(self.shadow, uniq), init)
-        out = tf.reshape(tf.gather(rows, idx), tf.concat([tf.shape(ids), [self.dim]], 0))
-        if ids.shape.rank == 2:  # multi-valued: mask padding, sum-pool
-            out = tf.reduce_sum(out * tf.cast(ids != PAD_ID, out.dtype)[..., None], axis=1)
-        return out
+                return de.shadow_ops.embedding_lookup(self.shadow, tf.identity(uniq))
+        return tf.where(exists[:, None], de.shadow_ops.embedding_lookup(self.shadow, uniq), init)
 
     def compute_output_shape(self, input_shape):
-        return tf.TensorShape([input_shape[0], self.dim])
+        first = input_shape[0] if isinstance(input_shape, (list, tuple)) else input_shape
+        return tf.TensorShape([tf.TensorShape(first)[0], self.dim])
 
     def get_config(self):
         return {"field": self.field, "dim": self.dim, "seed": self.seed,
                 "init_scale": self.init_scale, "name": self.name}
+
+
+def pool(flat_rows: tf.Tensor, ids: tf.Tensor, weights: tf.Tensor | None, dim: int) -> tf.Tensor:
+    """Rows of ``ids`` (flattened, [n, dim]) -> [B, dim]: ids [B] as is; ids [B, L] summed over L,
+    times ``weights`` [B, L] if given (padding rows are zero, so they add nothing)."""
+    out = tf.reshape(flat_rows, tf.concat([tf.shape(ids), [dim]], 0))
+    if ids.shape.rank != 2:
+        return out
+    if weights is not None:
+        out = out * tf.cast(weights, out.dtype)[..., None]
+    return tf.reduce_sum(out, axis=1)
 
 
 class Bias(tf.keras.layers.Layer):

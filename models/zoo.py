@@ -21,7 +21,8 @@ L = tf.keras.layers
 
 
 def inputs_for(spec: FeatureSpec) -> dict[str, tf.keras.Input]:
-    """One named Input per field: int64 ids [B] (or [B, max_len] for multi), float32 [B] numeric."""
+    """One named Input per field: int64 ids [B] (or [B, max_len] for multi), float32 [B] numeric;
+    a weighted field also has float32 weights [B, max_len] named ``field.weight_name``."""
     out = {}
     for f in spec:
         if f.kind == "numeric":
@@ -29,16 +30,23 @@ def inputs_for(spec: FeatureSpec) -> dict[str, tf.keras.Input]:
         else:
             shape = (f.max_len,) if f.kind == "multi" else ()
             out[f.name] = tf.keras.Input(shape=shape, dtype=tf.int64, name=f.name)
+        if f.weighted:
+            out[f.weight_name] = tf.keras.Input(shape=(f.max_len,), dtype=tf.float32, name=f.weight_name)
     return out
 
 
+def _lookup_input(f, x):
+    """What a field's table reads: ids, or [ids, weights] for a weighted field."""
+    return [x[f.name], x[f.weight_name]] if f.weighted else x[f.name]
+
+
 def _linear_sum(spec: FeatureSpec, x, seed: int):
-    terms = [FieldEmbedding(f.name, 1, seed, init_scale=0.0)(x[f.name]) for f in spec.sparse()]
-    return L.Add(name="linear_sum")(terms)
+    terms = [FieldEmbedding(f.name, 1, seed, init_scale=0.0)(_lookup_input(f, x)) for f in spec.sparse()]
+    return L.Add(name="linear_sum")(terms) if len(terms) > 1 else terms[0]
 
 
 def _embeddings(spec: FeatureSpec, x, seed: int, init_scale: float):
-    return [FieldEmbedding(f.name, f.dim, seed, init_scale)(x[f.name]) for f in spec.sparse()]
+    return [FieldEmbedding(f.name, f.dim, seed, init_scale)(_lookup_input(f, x)) for f in spec.sparse()]
 
 
 def _mlp(h, hidden: Sequence[int], seed: int, name: str):

@@ -105,8 +105,9 @@ def check_embeddings(graph: Graph, embeds: list[Node]) -> str | None:
             return f"embedding {e.layer.name!r} has dtype {graph.dtype(e.output).name}, only float32 is supported"
         if graph.layer_calls(e.layer) != 1:
             return f"table {e.layer.name!r} is shared by several inputs"
-        if len(e.tensor_operands()) != 1 or graph.input_name(e.tensor_operands()[0]) is None:
-            return f"embedding {e.layer.name!r} does not read a model input directly"
+        ops = e.tensor_operands()
+        if len(ops) not in (1, 2) or any(graph.input_name(t) is None for t in ops):
+            return f"embedding {e.layer.name!r} does not read model inputs (ids, or ids and weights) directly"
     return None
 
 

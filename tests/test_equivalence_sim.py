@@ -6,6 +6,7 @@ import tensorflow as tf
 
 import des
 import models
+from des.data.spec import PAD_ID, FeatureSpec, Field
 from des.verify import compare, run_in_process_world, snapshot, train_and_snapshot
 from des_ops.comm import InProcessWorld, LocalCommunicator, allreduce_sum
 from helpers import random_batches, small_spec
@@ -110,3 +111,38 @@ def test_replica_check_names_the_step_and_the_diverged_layer():
 
     for msg in run_in_process_world(2, build("deepfm"), work):
         assert "replicas diverged at step 4" in msg and "dnn_1" in msg
+
+
+MIXED = FeatureSpec((Field("u", "categorical", 3, 30), Field("tags", "multi", 3, 40, max_len=4),
+                     Field("terms", "multi", 3, 60, max_len=5, weighted=True),
+                     Field("ad", "categorical", 3, 20)))
+MIXED_BATCHES = random_batches(MIXED, 12, 32, seed=5)
+
+
+@pytest.mark.parametrize("name", ["fm", "wdl", "deepfm"])
+def test_multi_valued_and_weighted_fields(name):
+    """Sum-pooled and weighted (libsvm/libffm idx:val) fields substitute exactly too."""
+    make = lambda: models.build(name, MIXED, seed=3, hidden=(8, 4))
+    work = lambda m: train_and_snapshot(m, "adagrad", 0.05, MIXED_BATCHES, MIXED_BATCHES[0][0])
+    ref = work(make())
+    assert np.ptp(ref["predictions"][:, 0]) > 1e-3
+    for n in (2, 3):
+        diff = compare(ref, run_in_process_world(n, make, work))
+        assert max(diff.values()) < TOL, (n, diff)
+
+
+def test_weights_change_the_pooled_embedding_and_padding_is_not_a_key():
+    emb = models.layers.FieldEmbedding("terms", 2, seed=0, init_scale=0.5)
+    ids = tf.constant([[5, 6, PAD_ID], [5, PAD_ID, PAD_ID]], tf.int64)
+    w = tf.constant([[2.0, 1.0, 0.0], [0.5, 0.0, 0.0]])
+    rows = emb(tf.constant([5, 6], tf.int64), training=True).numpy()
+    out = emb([ids, w], training=True).numpy()
+    np.testing.assert_allclose(out, [2 * rows[0] + rows[1], 0.5 * rows[0]], rtol=1e-6)
+    assert int(emb.params.size()) == 2                       # PAD_ID was never inserted
+    np.testing.assert_allclose(emb(ids, training=True).numpy()[1], rows[0], rtol=1e-6)
+
+
+def test_weighted_fields_are_substituted():
+    _, report = des.transform(models.build("deepfm", MIXED, seed=3, hidden=(8, 4)), comm=LocalCommunicator())
+    assert sorted(m.rule for m in report.substitutions) == ["embed_concat_dense", "fm_interaction", "lr_sum"]
+    assert all(len(m.embeds) == 4 for m in report.substitutions), str(report)

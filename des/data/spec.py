@@ -20,18 +20,28 @@ class Field:
     kind: ``categorical`` (one id per sample), ``multi`` (up to ``max_len`` ids per
     sample, padded with ``PAD_ID``, sum-pooled) or ``numeric`` (one float).
     cardinality: expected number of distinct ids, if known (used by the DES plan).
+    weighted: a multi field also has a float weight per id (libsvm/libffm ``idx:val``),
+    fed as the input ``weight_name`` and pooled as sum_l w_l * e(id_l).
     """
     name: str
     kind: str = "categorical"
     dim: int = 8
     cardinality: int | None = None
     max_len: int = 1
+    weighted: bool = False
+
+    @property
+    def weight_name(self) -> str:
+        """Name of the weights input of a weighted field."""
+        return f"{self.name}_weight"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"field {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
         if self.kind == "multi" and self.max_len < 1:
             raise ValueError(f"field {self.name!r}: a multi-valued field needs max_len >= 1")
+        if self.weighted and self.kind != "multi":
+            raise ValueError(f"field {self.name!r}: only a multi-valued field can be weighted")
 
 
 PAD_ID = -1  # padding id of multi-valued fields; it is masked out and never trained
@@ -66,6 +76,10 @@ class FeatureSpec:
     def sparse(self) -> list[Field]:
         """Fields that are looked up in embedding tables."""
         return [f for f in self.fields if f.kind != "numeric"]
+
+    def input_names(self) -> list[str]:
+        """Every model input: field names, plus the weights input of each weighted field."""
+        return [n for f in self.fields for n in ([f.name, f.weight_name] if f.weighted else [f.name])]
 
     def with_dim(self, dim: int) -> "FeatureSpec":
         return FeatureSpec(tuple(dataclasses.replace(f, dim=dim) for f in self.fields), self.label)
