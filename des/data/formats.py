@@ -148,5 +148,7 @@ class Avazu:
         return "line rejected by the parser"
 
 
+from des.data.libsvm import Libffm, Libsvm  # noqa: E402
+
 FORMATS = {"criteo": Criteo, "criteo-test": lambda spec: Criteo(spec, with_label=False),
-           "avazu": Avazu}
+           "avazu": Avazu, "libsvm": Libsvm, "libffm": Libffm}

@@ -1,0 +1,224 @@
+"""libsvm (``label idx:val ...``) and libffm (``label field:idx:val ...``) text, vectorised.
+
+Labels are 0/1 or -1/+1 (-1 reads as 0). Every field of the FeatureSpec is a weighted
+multi-valued field: ids [B, max_len] (PAD_ID after the last one) and weights [B, max_len]
+(``val``; 0 at padding). Which field a feature belongs to:
+
+- libffm: ``field`` is the index of the spec's field (0-based), so ``3:1022:1`` is in the
+  fourth field; a field may hold several features on one line.
+- libsvm, ``layout="positional"``: the k-th feature of a line is in the k-th field (Frappe,
+  iPinYou: one feature per field, in field order); ``layout="bag"``: every feature is in the
+  spec's one field (generic libsvm such as a9a).
+
+An id is the stable hash of (field name, idx). Bad lines (label, token syntax, a field index
+outside the spec, more features than a field's max_len, bytes that are not UTF-8) are
+flagged for the reader, which stops or skips and counts them.
+
+    >>> spec = scan_spec(["train.ffm"], "libffm", dim=8)     # fields and max_len from the data
+    >>> ds = make_dataset(["train.ffm"], "libffm", spec, batch_size=1024)
+"""
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from des.data.errors import DataError
+from des.data.hashing import SEP
+from des.data.spec import PAD_ID, FeatureSpec, Field
+
+NUM_RE = r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]{1,3})?"
+LABEL_RE = r"0|1|-1|\+1"
+FIELD_RE = r"[0-9]{1,6}"
+IDX_RE = r"[^:\s]+"
+_HASH_BUCKETS = 2**63 - 1
+
+
+def _utf8_ok(lines):
+    fixed = tf.strings.unicode_transcode(lines, "UTF-8", "UTF-8", errors="replace", replacement_char=0xFFFD)
+    return tf.equal(fixed, lines)
+
+
+def _rank_within_runs(keys: tf.Tensor) -> tf.Tensor:
+    """For each element, how many earlier elements have the same key (keys in any order)."""
+    n = tf.size(keys, tf.int64)
+    order = tf.argsort(keys, stable=True)
+    sk = tf.gather(keys, order)
+    start = tf.concat([[True], sk[1:] != sk[:-1]], 0)
+    pos_in_sorted = tf.range(n) - tf.gather(tf.boolean_mask(tf.range(n), start),
+                                            tf.cumsum(tf.cast(start, tf.int64)) - 1)
+    return tf.scatter_nd(tf.cast(order, tf.int64)[:, None], pos_in_sorted, [n])
+
+
+class _SparseText:
+    """Shared parsing; subclasses say how tokens look and which (field, pos) each is in."""
+
+    header = None
+    token_re = ""
+
+    def __init__(self, spec: FeatureSpec):
+        self.spec = spec
+        self.fields = spec.sparse()
+        for f in self.fields:
+            if not (f.kind == "multi" and f.weighted):
+                raise ValueError(f"{type(self).__name__.lower()} fields must be weighted multi-valued; "
+                                 f"field {f.name!r} is {f.kind}")
+        self.max_len = [f.max_len for f in self.fields]
+        self.lmax = max(self.max_len)
+
+    def split_tokens(self, lines):
+        toks = tf.strings.split(tf.strings.strip(lines))
+        label_s = toks[:, :1].to_tensor("", shape=[None, 1])[:, 0]
+        feats = toks[:, 1:]
+        return label_s, feats.flat_values, feats.value_rowids(), feats.row_starts()
+
+    def place(self, flat, row, row_starts, parts):  # -> (field int64 [n], idx string [n], pos int64 [n])
+        raise NotImplementedError
+
+    def parse(self, lines):
+        b = tf.shape(lines, out_type=tf.int64)[0]
+        label_s, flat, row, row_starts = self.split_tokens(lines)
+        tok_ok = tf.strings.regex_full_match(flat, self.token_re)
+        parts = tf.strings.split(tf.where(tok_ok, flat, self.blank), ":").to_tensor("0")
+        field, idx, pos = self.place(flat, row, row_starts, parts)
+        val = tf.strings.to_number(parts[:, -1], tf.float32)
+        nf = len(self.fields)
+        in_spec = field < nf
+        fits = in_spec & (pos < tf.gather(tf.constant(self.max_len, tf.int64), tf.minimum(field, nf - 1)))
+        tok_good = tok_ok & fits
+        row_ok = tf.math.unsorted_segment_min(tf.cast(tok_good, tf.int32), row, b) > 0  # no tokens: ok
+        ok = row_ok & tf.strings.regex_full_match(label_s, LABEL_RE) & _utf8_ok(lines)
+        label = tf.cast(tf.strings.regex_full_match(label_s, r"1|\+1"), tf.float32)
+        keep = tok_good & tf.gather(ok, row)
+        names = tf.constant([f"{f.name}{SEP}" for f in self.fields])
+        field_k, idx_k, pos_k, row_k = [tf.boolean_mask(t, keep) for t in (field, idx, pos, row)]
+        ids = tf.strings.to_hash_bucket_fast(tf.strings.join([tf.gather(names, field_k), idx_k]), _HASH_BUCKETS)
+        where = tf.stack([row_k, field_k, pos_k], 1)
+        shape = tf.stack([b, nf, self.lmax])
+        ids3 = tf.tensor_scatter_nd_update(tf.fill(shape, tf.constant(PAD_ID, tf.int64)), where, ids)
+        w3 = tf.tensor_scatter_nd_update(tf.zeros(shape, tf.float32), where, tf.boolean_mask(val, keep))
+        feats = {}
+        for j, f in enumerate(self.fields):
+            feats[f.name] = ids3[:, j, :f.max_len]
+            feats[f.weight_name] = w3[:, j, :f.max_len]
+        return feats, label, tf.logical_not(ok)
+
+    def diagnose(self, line: bytes) -> str:
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return f"undecodable bytes (not UTF-8) at byte {e.start}"
+        toks = text.split()
+        if not toks:
+            return "empty line (no label)"
+        if not re.fullmatch(LABEL_RE, toks[0]):
+            return f"label {toks[0]!r} is not 0/1 or -1/+1"
+        counts: dict[int, int] = {}
+        for k, t in enumerate(toks[1:]):
+            if not re.fullmatch(self.token_re, t):
+                return f"feature {k + 1} {t!r} is not {self.syntax}"
+            j = self.field_of(t, k)
+            if j >= len(self.fields):
+                return self.too_many(t, k)
+            counts[j] = counts.get(j, 0) + 1
+            if counts[j] > self.fields[j].max_len:
+                return (f"field {self.fields[j].name!r} has more than {self.fields[j].max_len} "
+                        f"features (the spec's max_len)")
+        return "line rejected by the parser"
+
+
+class Libffm(_SparseText):
+    """``label field:idx:val ...``; ``field`` indexes the spec's fields."""
+    token_re = f"{FIELD_RE}:{IDX_RE}:{NUM_RE}"
+    blank = "0:0:0"
+    syntax = "field:idx:val"
+
+    def place(self, flat, row, row_starts, parts):
+        field = tf.strings.to_number(parts[:, 0], tf.int64)
+        key = row * (len(self.fields) + 1) + tf.minimum(field, len(self.fields))
+        return field, parts[:, 1], _rank_within_runs(key)
+
+    def field_of(self, token: str, k: int) -> int:
+        return int(token.split(":")[0])
+
+    def too_many(self, token: str, k: int) -> str:
+        return f"field index {self.field_of(token, k)} in {token!r} is outside the spec's {len(self.fields)} fields"
+
+
+class Libsvm(_SparseText):
+    """``label idx:val ...``: positional fields, or one bag field (see the module docstring)."""
+    token_re = f"{IDX_RE}:{NUM_RE}"
+    blank = "0:0"
+    syntax = "idx:val"
+
+    def __init__(self, spec: FeatureSpec, layout: str | None = None):
+        super().__init__(spec)
+        self.layout = layout or ("bag" if len(self.fields) == 1 and self.fields[0].max_len > 1 else "positional")
+        if self.layout not in ("positional", "bag"):
+            raise ValueError(f"libsvm layout must be 'positional' or 'bag', got {self.layout!r}")
+        if self.layout == "bag" and len(self.fields) != 1:
+            raise ValueError("the libsvm bag layout needs a spec with exactly one field")
+
+    def place(self, flat, row, row_starts, parts):
+        k = tf.range(tf.size(row, tf.int64)) - tf.gather(row_starts, row)
+        if self.layout == "bag":
+            return tf.zeros_like(k), parts[:, 0], k
+        return k, parts[:, 0], tf.zeros_like(k)
+
+    def field_of(self, token: str, k: int) -> int:
+        return 0 if self.layout == "bag" else k
+
+    def too_many(self, token: str, k: int) -> str:
+        return f"the line has more than {len(self.fields)} features (one per field of the spec)"
+
+
+def sparse_spec(name_prefix: str, max_lens: Sequence[int], dim: int) -> FeatureSpec:
+    """Weighted multi-valued fields ``<prefix>0..`` with the given max_len each."""
+    return FeatureSpec(tuple(Field(f"{name_prefix}{j}", "multi", dim, max_len=max(1, int(m)), weighted=True)
+                             for j, m in enumerate(max_lens)))
+
+
+def scan_spec(paths: Sequence[str], fmt: str, dim: int = 8, layout: str | None = None,
+              batch_lines: int = 65536) -> FeatureSpec:
+    """One pass over the files: the fields and the largest number of features per field.
+
+    libffm -> fields F0..F{max field}; libsvm positional -> F0..F{max features per line - 1}
+    (max_len 1); libsvm bag -> one field ``features``. Malformed tokens are ignored here (the
+    reader reports them). libsvm ``layout=None`` picks positional when every line has the
+    same number of features, else bag.
+    """
+    from des.data.readers import check_paths
+    paths = check_paths(paths)
+    ds = tf.data.TextLineDataset(paths).batch(batch_lines)
+    per_field = np.zeros(0, np.int64)
+    n_min, n_max = None, 0
+    for lines in ds:
+        toks = tf.strings.split(tf.strings.strip(lines))[:, 1:]
+        counts = toks.row_lengths().numpy()
+        n_min = counts.min() if n_min is None else min(n_min, counts.min())
+        n_max = max(n_max, int(counts.max()))
+        if fmt == "libffm":
+            flat = toks.flat_values
+            ok = tf.strings.regex_full_match(flat, Libffm.token_re)
+            field = tf.strings.to_number(tf.strings.split(tf.boolean_mask(flat, ok), ":").to_tensor("0")[:, 0],
+                                         tf.int64).numpy()
+            rows = tf.boolean_mask(toks.value_rowids(), ok).numpy()
+            if field.size:
+                m = int(field.max()) + 1
+                keys, c = np.unique(rows * m + field, return_counts=True)
+                need = np.zeros(m, np.int64)
+                np.maximum.at(need, keys % m, c)
+                per_field = np.pad(per_field, (0, max(0, m - per_field.size)))
+                per_field[:m] = np.maximum(per_field[:m], need)
+    if fmt == "libffm":
+        if per_field.size == 0:
+            raise DataError(f"{paths[0]}: no field:idx:val features found")
+        return sparse_spec("F", per_field, dim)
+    if fmt != "libsvm":
+        raise ValueError(f"scan_spec reads libsvm or libffm, not {fmt!r}")
+    layout = layout or ("positional" if n_min == n_max else "bag")
+    if layout == "positional":
+        return sparse_spec("F", [1] * n_max, dim)
+    return FeatureSpec((Field("features", "multi", dim, max_len=max(1, n_max), weighted=True),))

@@ -1,0 +1,101 @@
+"""libsvm / libffm readers: values, field placement, weights, every bad-line class."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from des.data import SkipReport, feature_id
+from des.data.libsvm import scan_spec, sparse_spec
+from des.data.readers import make_dataset
+from des.data.spec import PAD_ID
+
+
+def write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return str(p)
+
+
+def one_batch(path, fmt, spec, **kw):
+    batches = list(make_dataset(path, fmt, spec, 64, **kw))
+    assert len(batches) == 1
+    x, y = batches[0]
+    return {k: v.numpy() for k, v in x.items()}, y.numpy()
+
+
+def test_libffm_fields_multi_values_weights_and_labels(tmp_path):
+    p = write(tmp_path, "a.ffm", "1 0:5:1 1:7:0.5 1:8:2e0\n-1 1:7:1\n0 0:9:1 0:5:1 2:ab:-1.5\n+1\n")
+    spec = scan_spec([p], "libffm", dim=4)
+    assert spec.names() == ["F0", "F1", "F2"] and [f.max_len for f in spec] == [2, 2, 1]
+    x, y = one_batch(p, "libffm", spec)
+    assert y.tolist() == [1, 0, 0, 1]
+    fid = lambda f, v: int(feature_id(f, v))
+    assert x["F0"].tolist() == [[fid("F0", "5"), PAD_ID], [PAD_ID] * 2, [fid("F0", "9"), fid("F0", "5")], [PAD_ID] * 2]
+    assert x["F1"][0].tolist() == [fid("F1", "7"), fid("F1", "8")] and x["F1"][1, 0] == fid("F1", "7")
+    np.testing.assert_allclose(x["F1_weight"], [[0.5, 2.0], [1.0, 0.0], [0, 0], [0, 0]])
+    np.testing.assert_allclose(x["F2_weight"][:, 0], [0, 0, -1.5, 0])
+    assert x["F2"][2, 0] == fid("F2", "ab")
+
+
+def test_libsvm_positional_and_bag_layouts(tmp_path):
+    p = write(tmp_path, "a.svm", "1 5:1 7:0.5\n-1 9:1 3:2\n")
+    spec = scan_spec([p], "libsvm", dim=4)                    # same count on every line: positional
+    assert spec.names() == ["F0", "F1"] and [f.max_len for f in spec] == [1, 1]
+    x, y = one_batch(p, "libsvm", spec)
+    assert y.tolist() == [1, 0]
+    assert x["F1"][:, 0].tolist() == [int(feature_id("F1", "7")), int(feature_id("F1", "3"))]
+    np.testing.assert_allclose(x["F1_weight"][:, 0], [0.5, 2.0])
+
+    q = write(tmp_path, "b.svm", "1 5:1 7:0.5 8:1\n0 9:1\n")  # varying counts: one bag field
+    spec = scan_spec([q], "libsvm", dim=4)
+    assert spec.names() == ["features"] and spec["features"].max_len == 3
+    x, _ = one_batch(q, "libsvm", spec)
+    assert x["features"][1].tolist() == [int(feature_id("features", "9")), PAD_ID, PAD_ID]
+    np.testing.assert_allclose(x["features_weight"], [[1, 0.5, 1], [1, 0, 0]])
+
+
+FFM_SPEC = sparse_spec("F", [2, 2, 1], dim=4)
+
+
+@pytest.mark.parametrize("bad, problem", [
+    ("2 0:5:1", "label '2' is not 0/1 or -1/+1"),
+    ("0.5 0:5:1", "label '0.5' is not 0/1 or -1/+1"),
+    ("1 0:5", "feature 1 '0:5' is not field:idx:val"),
+    ("1 0:5:1 1:7:x", "feature 2 '1:7:x' is not field:idx:val"),
+    ("1 a:5:1", "feature 1 'a:5:1' is not field:idx:val"),
+    ("1 3:5:1", "field index 3 in '3:5:1' is outside the spec's 3 fields"),
+    ("1 2:5:1 2:6:1", "field 'F2' has more than 1 features (the spec's max_len)"),
+    ("", "empty line (no label)"),
+])
+def test_libffm_bad_lines_name_file_line_and_problem(tmp_path, bad, problem):
+    p = write(tmp_path, "t.ffm", "1 0:1:1\n" * 4 + bad + "\n0 1:2:1\n")
+    with pytest.raises(tf.errors.OpError) as e:
+        one_batch(p, "libffm", FFM_SPEC)
+    assert f"{p}:5: {problem}" in str(e.value)
+
+
+@pytest.mark.parametrize("bad, problem", [
+    ("3 5:1", "label '3' is not 0/1 or -1/+1"),
+    ("1 5:1:1", "feature 1 '5:1:1' is not idx:val"),
+    ("1 5:1 7:1 9:1", "the line has more than 2 features (one per field of the spec)"),
+])
+def test_libsvm_bad_lines(tmp_path, bad, problem):
+    p = write(tmp_path, "t.svm", "1 5:1 7:1\n" + bad + "\n")
+    with pytest.raises(tf.errors.OpError) as e:
+        one_batch(p, "libsvm", sparse_spec("F", [1, 1], dim=4))
+    assert f"{p}:2: {problem}" in str(e.value)
+
+
+def test_undecodable_bytes_and_skip_mode(tmp_path):
+    p = write(tmp_path, "t.ffm", b"1 0:1:1\n1 0:\xff:1\n7 0:1:1\n0 1:2:1\n")
+    with pytest.raises(tf.errors.OpError, match=r"t.ffm:2: undecodable bytes \(not UTF-8\)"):
+        one_batch(p, "libffm", FFM_SPEC)
+    report = SkipReport()
+    x, y = one_batch(p, "libffm", FFM_SPEC, skip_bad_lines=True, skip_report=report)
+    assert y.tolist() == [1, 0] and report.total == 2
+    assert report.by_problem["label '7' is not 0/1 or -1/+1"] == 1
+
+
+def test_empty_file_is_an_error(tmp_path):
+    p = write(tmp_path, "e.ffm", "")
+    with pytest.raises(Exception, match="file is empty"):
+        scan_spec([p], "libffm")
