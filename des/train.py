@@ -19,7 +19,8 @@ def _args(argv):
     ap.add_argument("--mode", choices=["single", "des"], default="single")
     ap.add_argument("--model", default="deepfm", choices=["lr", "fm", "dnn", "wdl", "deepfm"])
     ap.add_argument("--data", required=True, nargs="+", help="input files (.gz allowed)")
-    ap.add_argument("--format", default="criteo", choices=["criteo", "avazu"])
+    ap.add_argument("--format", default=None, choices=["criteo", "avazu", "libsvm", "libffm"],
+                    help="default: the format in <data>.meta.json if present, else criteo")
     ap.add_argument("--holdout", type=float, default=0.1,
                     help="held-out lines at the end: a fraction (<1) or a count")
     ap.add_argument("--batch", type=int, default=1024)
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
     import models
     from des import checkpoint
     from des.callbacks import BytesPerStep, ReplicaCheck, Throughput
-    from des.data import DataError, SkipReport, avazu_spec, criteo_spec
+    from des.data import DataError, SkipReport
     from des.data.readers import make_dataset
     from des_ops.comm import default_communicator
 
@@ -78,14 +79,12 @@ def main(argv=None) -> int:
     if os.path.exists(meta_path):
         with open(meta_path) as fh:
             meta = json.load(fh)
-    if a.format == "criteo":
-        spec = criteo_spec(a.dim, cardinalities=meta.get("cardinalities"))
-    else:
-        spec = avazu_spec(a.dim)
-    header = 1 if a.format == "avazu" else 0
+    a.format = a.format or meta.get("format", "criteo")
     try:
+        spec = _spec(a, meta)
+        header = 1 if a.format == "avazu" else 0
         total = count_lines(a.data) - header * len(a.data)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if total <= 0:
@@ -171,6 +170,20 @@ def main(argv=None) -> int:
         with open(path, "w") as fh:
             json.dump(summary, fh, indent=1)
     return 0
+
+
+def _spec(a, meta: dict):
+    """The FeatureSpec of the data: named by the format, or (libsvm/libffm) from the generator's
+    metadata, else scanned from the files."""
+    from des.data import FeatureSpec, avazu_spec, criteo_spec
+    from des.data.libsvm import scan_spec
+    if a.format == "criteo":
+        return criteo_spec(a.dim, cardinalities=meta.get("cardinalities"))
+    if a.format == "avazu":
+        return avazu_spec(a.dim)
+    if "spec" in meta and meta.get("format") == a.format:
+        return FeatureSpec.from_json(json.dumps(meta["spec"])).with_dim(a.dim)
+    return scan_spec(a.data, a.format, a.dim)
 
 
 class _FailAt:

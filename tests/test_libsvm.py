@@ -99,3 +99,25 @@ def test_empty_file_is_an_error(tmp_path):
     p = write(tmp_path, "e.ffm", "")
     with pytest.raises(Exception, match="file is empty"):
         scan_spec([p], "libffm")
+
+
+def test_wide_preset_is_deterministic_libffm_with_950_features(tmp_path):
+    import json
+    from des.data import FeatureSpec
+    from des.data.synth_wide import write_wide
+    p1, p2 = str(tmp_path / "a.ffm"), str(tmp_path / "b.ffm")
+    m1 = write_wide(p1, 300, seed=3, chunk=128, quiet=True)
+    write_wide(p2, 300, seed=3, chunk=128, quiet=True)
+    assert open(p1, "rb").read() == open(p2, "rb").read()
+    assert write_wide(str(tmp_path / "c.ffm"), 300, seed=4, quiet=True)["bayes_auc"] != m1["bayes_auc"]
+    assert 900 < m1["active_features_per_sample"] < 1000 and 0.75 < m1["bayes_auc"] < 0.95
+    spec = FeatureSpec.from_json(json.dumps(json.load(open(p1 + ".meta.json"))["spec"]))
+    assert len(spec) == 46 and max(f.max_len for f in spec) == 62
+    active, rows = 0, 0
+    for x, y in make_dataset(p1, "libffm", spec, 128):
+        active += sum(int(np.sum(x[f.name].numpy() != PAD_ID)) for f in spec)
+        rows += int(y.shape[0])
+        w = x["F30_weight"].numpy()
+        n = (x["F30"].numpy() != PAD_ID).sum(1)
+        np.testing.assert_allclose(w.sum(1), n * np.round(1 / np.sqrt(n), 4), rtol=1e-3)
+    assert rows == 300 and active / rows == pytest.approx(m1["active_features_per_sample"], abs=0.05)

@@ -150,12 +150,19 @@ def write_criteo(path: str, rows: int, preset: str = "criteo-like", seed: int = 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="criteo-like", choices=sorted(PRESETS))
+    ap.add_argument("--preset", default="criteo-like", choices=sorted(PRESETS) + ["wide"],
+                    help="criteo-like / tiny: Criteo TSV; wide: libffm, ~950 active features per sample")
     ap.add_argument("--rows", type=int, default=100_000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     ap.add_argument("--no-label", action="store_true", help="write test.txt layout (39 columns)")
     a = ap.parse_args(argv)
+    if a.preset == "wide":
+        from des.data.synth_wide import write_wide
+        if a.no_label:
+            ap.error("--no-label applies to the Criteo layout only")
+        write_wide(a.out, a.rows, a.seed)
+        return
     write_criteo(a.out, a.rows, a.preset, a.seed, with_label=not a.no_label)
 
 
