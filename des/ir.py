@@ -160,8 +160,9 @@ def _all_kts(structure) -> list:
     return [x for x in tf.nest.flatten(structure) if _is_kt(x)]
 
 
-def replay(graph: Graph, skip: set[int], given: dict[int, KerasTensor]) -> tf.keras.Model:
-    """Rebuild graph.model as a new functional model, calling the same layers again.
+def replay(graph: Graph, skip: set[int], given: dict[int, KerasTensor], cls=tf.keras.Model,
+           suffix: str = "des") -> tf.keras.Model:
+    """Rebuild graph.model as a new functional model (of class ``cls``), calling the same layers again.
 
     Nodes in ``skip`` are not called; ``given`` maps tensor ids to replacement tensors.
     """
@@ -180,4 +181,4 @@ def replay(graph: Graph, skip: set[int], given: dict[int, KerasTensor]) -> tf.ke
         for t, new in zip(node.outputs, tf.nest.flatten(out)):
             env[t] = new
     outputs = tf.nest.map_structure(lambda t: env[id(t)], graph.model.output)
-    return tf.keras.Model(graph.model.input, outputs, name=f"{graph.model.name}_des")
+    return cls(graph.model.input, outputs, name=f"{graph.model.name}_{suffix}")

@@ -175,3 +175,17 @@ def random_batches(spec: FeatureSpec, steps: int, batch: int, seed: int = 0):
         y = (score + rng.normal(0, 1, batch) > 0).astype(np.float32)
         out.append((x, tf.constant(y)))
     return out
+
+
+PS_SPEC = FeatureSpec((Field("u", "categorical", 3, 30), Field("tags", "multi", 3, 40, max_len=4),
+                       Field("terms", "multi", 3, 60, max_len=5, weighted=True),
+                       Field("ad", "categorical", 3, 20)))
+
+
+def ps_batches(steps: int = 8, batch: int = 24):
+    """Global batches for the PS equivalence runs: Zipf keys (duplicates within and across
+    slices), then a batch of 2 rows (with 3+ processes some slice is empty) and a last
+    batch of 3 rows, plus a probe batch."""
+    out = random_batches(PS_SPEC, steps, batch, seed=6)
+    out += [random_batches(PS_SPEC, 1, 2, seed=7)[0], random_batches(PS_SPEC, 1, 3, seed=8)[0]]
+    return out, random_batches(PS_SPEC, 1, 16, seed=99)[0][0]

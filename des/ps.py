@@ -1,0 +1,122 @@
+"""The parameter-server baseline (``--mode ps``): the same reference model, tables sharded by key.
+
+    >>> exchange = KeyExchange.horovod()
+    >>> ps_model = shard(models.deepfm(spec), exchange)     # every FieldEmbedding -> sharded
+    >>> ps_model.compile(make_optimizer("adam"), "binary_crossentropy"); ps_model.fit(my_slice)
+
+Data parallel: each process trains on its own slice of every global batch (readers'
+``shard=``). Per step the sharded tables move ids, rows and gradient rows by all-to-all
+(des_ops.sharded) and ONE allreduce sums the dense gradients. Each process's loss is its
+slice's mean loss times n_local / n_global (one scalar allreduce of the slice sizes), so the
+summed gradients are those of the global batch's mean loss - the update the single-process
+model makes on the whole batch, also when slices are uneven or empty.
+"""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+from tensorflow_recommenders_addons import dynamic_embedding as de
+
+from des.ir import Graph, replay
+from des_ops.sharded import KeyExchange, ShardedFieldEmbedding
+
+
+class PSModel(tf.keras.Model):
+    """A functional model whose train_step allreduces dense gradients (sparse ones went by all-to-all)."""
+
+    exchange: KeyExchange
+
+    def train_step(self, data):
+        x, y = data[0], data[1]
+        n_local = tf.cast(tf.shape(y)[0], tf.float32)
+        n_global = self.exchange.allreduce_sum(n_local[None], counter="control_bytes")[0]
+        with tf.GradientTape() as tape:
+            pred = self(x, training=True)
+            loss = self.compute_loss(x, y, pred) * (n_local / n_global)
+        variables = self.trainable_variables
+        grads = tape.gradient(loss, variables)
+        dense = [i for i, v in enumerate(variables) if not isinstance(v, de.TrainableWrapper)]
+        if dense and self.exchange.world_size > 1:
+            parts = [tf.zeros_like(variables[i]) if grads[i] is None else tf.convert_to_tensor(grads[i])
+                     for i in dense]
+            total = self.exchange.allreduce_sum(tf.concat([tf.reshape(g, [-1]) for g in parts], 0))
+            sizes = [int(np.prod(variables[i].shape)) for i in dense]
+            for i, g in zip(dense, tf.split(total, sizes)):
+                grads[i] = tf.reshape(g, variables[i].shape)
+        self.optimizer.apply_gradients([(g, v) for g, v in zip(grads, variables) if g is not None])
+        return self.compute_metrics(x, y, pred, None)
+
+
+def shard(model: tf.keras.Model, exchange: KeyExchange) -> PSModel:
+    """The same model with every FieldEmbedding replaced by a ShardedFieldEmbedding."""
+    graph = Graph(model)
+    embeds = [n for n in graph.nodes if n.kind == "embed"]
+    given = {}
+    env = {t: graph.tensors[t] for t in graph.input_ids}
+    for n in embeds:
+        if any(graph.input_name(t) is None for t in n.tensor_operands()):
+            raise ValueError(f"embedding {n.layer.name!r} does not read model inputs directly")
+        old = n.layer
+        new = ShardedFieldEmbedding(old.field, old.dim, exchange, old.seed, old.init_scale)
+        args = tf.nest.map_structure(lambda t: env.get(id(t), t), n.call_args)
+        given[n.output] = new(*args, **n.call_kwargs)
+    ps = replay(graph, {n.index for n in embeds}, given, cls=PSModel, suffix="ps")
+    ps.exchange = exchange
+    return ps
+
+
+def dense_parameters(model: tf.keras.Model) -> int:
+    """Floats in the dense (allreduced) trainable weights."""
+    return int(sum(np.prod(v.shape) for v in model.trainable_variables
+                   if not isinstance(v, de.TrainableWrapper)))
+
+
+def analytic_bytes(feats: dict, tables: list[tuple[str, str | None, int]], rank: int, world_size: int,
+                   dense_params: int) -> dict[str, float]:
+    """Bytes one process moves in one PS step, from its slice's ids (numpy), by the formulas:
+
+    all-to-all: for each table, u = its distinct non-padding ids whose owner is another
+    process: 8u (ids out) + 4*dim*u (rows back) + 4*dim*u (gradient rows out);
+    dense: a ring allreduce of the 4*dense_params bytes of dense gradients sends 2(N-1)/N of it.
+    ``tables``: (ids input name, weights input name or None, dim) per table.
+    """
+    out = {"ids_bytes": 0, "rows_bytes": 0, "grad_bytes": 0, "unique_ids": 0, "remote_ids": 0}
+    for name, _, dim in tables:
+        ids = np.unique(np.asarray(feats[name]).reshape(-1))
+        ids = ids[ids != -1]
+        remote = int(np.sum(np.mod(ids, world_size) != rank)) if world_size > 1 else 0
+        out["unique_ids"] += len(ids)
+        out["remote_ids"] += remote
+        out["ids_bytes"] += 8 * remote
+        out["rows_bytes"] += 4 * dim * remote
+        out["grad_bytes"] += 4 * dim * remote
+    out["dense_bytes"] = 4 * dense_params if world_size > 1 else 0
+    out["dense_ring_bytes"] = 2.0 * (world_size - 1) / world_size * out["dense_bytes"]
+    out["alltoall_bytes"] = out["ids_bytes"] + out["rows_bytes"] + out["grad_bytes"]
+    return out
+
+
+def table_inputs(model: tf.keras.Model) -> list[tuple[str, str | None, int]]:
+    """(ids input, weights input or None, dim) of every sharded table of a PS model."""
+    graph = Graph(model)
+    out = []
+    for n in graph.nodes:
+        if n.kind == "embed":
+            names = [graph.input_name(t) for t in n.tensor_operands()]
+            out.append((names[0], names[1] if len(names) > 1 else None, n.attrs["dim"]))
+    return out
+
+
+def aggregate_metrics(model: tf.keras.Model, exchange: KeyExchange) -> dict[str, float]:
+    """After ``evaluate`` on each process's slice: sum every metric's state over processes
+    (AUC confusion counts, means' totals and counts), so the results are the global ones."""
+    out = {}
+    for m in model.metrics:
+        for v in m.variables:
+            v.assign(exchange.allreduce_sum(tf.convert_to_tensor(v), counter=None))
+        r = m.result()
+        if isinstance(r, dict):
+            out.update({k: float(x) for k, x in r.items()})
+        else:
+            out[m.name] = float(r)
+    return out
