@@ -84,3 +84,25 @@ def _checksum(layer) -> float:
             continue
         total += float(tf.reduce_sum(tf.cast(w, tf.float64)).numpy())
     return total
+
+
+class CounterDeltas(tf.keras.callbacks.Callback):
+    """Per training step, how much each counter (a dict of int64 tf.Variables) grew."""
+
+    def __init__(self, counters: dict):
+        super().__init__()
+        self.counters = counters
+        self.steps: list[dict[str, int]] = []
+
+    def _read(self) -> dict[str, int]:
+        return {k: int(v.numpy()) for k, v in self.counters.items()}
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._start = self._read()
+
+    def on_train_batch_end(self, batch, logs=None):
+        now = self._read()
+        self.steps.append({k: now[k] - self._start[k] for k in now})
+
+    def median(self, key: str) -> float:
+        return float(np.median([s[key] for s in self.steps])) if self.steps else 0.0

@@ -25,9 +25,15 @@ class PSModel(tf.keras.Model):
     """A functional model whose train_step allreduces dense gradients (sparse ones went by all-to-all)."""
 
     exchange: KeyExchange
+    record_ids: int = 0   # hand the ids of the first K training steps to ``recorded`` (byte checks)
 
     def train_step(self, data):
         x, y = data[0], data[1]
+        if self.record_ids:
+            if not hasattr(self, "recorded"):
+                self.recorded = []
+            names = sorted({t for t, w, _ in table_inputs(self)})
+            tf.py_function(lambda *ids: self._record(names, ids), [x[n] for n in names], [])
         n_local = tf.cast(tf.shape(y)[0], tf.float32)
         n_global = self.exchange.allreduce_sum(n_local[None], counter="control_bytes")[0]
         with tf.GradientTape() as tape:
@@ -45,6 +51,11 @@ class PSModel(tf.keras.Model):
                 grads[i] = tf.reshape(g, variables[i].shape)
         self.optimizer.apply_gradients([(g, v) for g, v in zip(grads, variables) if g is not None])
         return self.compute_metrics(x, y, pred, None)
+
+
+    def _record(self, names, ids) -> None:
+        if len(self.recorded) < self.record_ids:
+            self.recorded.append({n: t.numpy() for n, t in zip(names, ids)})
 
 
 def shard(model: tf.keras.Model, exchange: KeyExchange) -> PSModel:

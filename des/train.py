@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import argparse
 import json
+
+import numpy as np
 import os
 import sys
 
 
 def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", choices=["single", "des"], default="single")
+    ap.add_argument("--mode", choices=["single", "des", "ps"], default="single",
+                    help="des: field-partitioned first layers; ps: tables sharded by key (baseline)")
+    ap.add_argument("--ps-batch", choices=["global", "per-process"], default="global",
+                    help="ps: each process reads batch/N rows of every global batch (global), "
+                         "or batch rows of a global batch of N*batch (per-process)")
     ap.add_argument("--model", default="deepfm", choices=["lr", "fm", "dnn", "wdl", "deepfm"])
     ap.add_argument("--data", required=True, nargs="+", help="input files (.gz allowed)")
     ap.add_argument("--format", default=None, choices=["criteo", "avazu", "libsvm", "libffm"],
@@ -39,6 +45,8 @@ def _args(argv):
                     help="check replicated weights agree every K steps (0: off)")
     ap.add_argument("--checkpoint", default=None, help="save to this folder after training")
     ap.add_argument("--restore", default=None, help="restore from this folder before training")
+    ap.add_argument("--check-bytes", type=int, default=20, metavar="K",
+                    help="ps: recompute the analytic bytes of the first K steps and compare")
     ap.add_argument("--threads", type=int, default=0, help="TF intra/inter-op threads (0: TF default)")
     ap.add_argument("--summary-json", default=None,
                     help="write the results here (with several processes: PATH.rank<r> each)")
@@ -70,7 +78,15 @@ def main(argv=None) -> int:
     from des.data.readers import make_dataset
     from des_ops.comm import default_communicator
 
-    comm = default_communicator(a.comm) if a.mode == "des" else default_communicator("local")
+    from des_ops.comm import under_launcher
+    from des_ops.sharded import KeyExchange
+    exchange = None
+    if a.mode == "ps":
+        exchange = KeyExchange.horovod() if under_launcher() else KeyExchange.local()
+        comm = default_communicator("local")
+        comm.rank, comm.world_size = exchange.rank, exchange.world_size
+    else:
+        comm = default_communicator(a.comm) if a.mode == "des" else default_communicator("local")
     rank0 = comm.rank == 0
     log = (lambda *m: print(*m, flush=True)) if rank0 else (lambda *m: None)
 
@@ -94,11 +110,15 @@ def main(argv=None) -> int:
     n_train = total - held
     skips = SkipReport()
     common = dict(skip_bad_lines=a.skip_bad_lines, skip_report=skips)
+    global_batch, shard_of = a.batch, None
+    if a.mode == "ps":
+        shard_of = (comm.rank, comm.world_size)
+        global_batch = a.batch * (comm.world_size if a.ps_batch == "per-process" else 1)
     try:
-        train = make_dataset(a.data, a.format, spec, a.batch, shuffle_buffer=a.shuffle_buffer,
-                             seed=a.seed, take_lines=n_train, **common)
-        evald = make_dataset(a.data, a.format, spec, max(a.batch, 4096), skip_lines=n_train, **common) \
-            if held else None
+        train = make_dataset(a.data, a.format, spec, global_batch, shuffle_buffer=a.shuffle_buffer,
+                             seed=a.seed, take_lines=n_train, shard=shard_of, **common)
+        evald = make_dataset(a.data, a.format, spec, max(global_batch, 4096), skip_lines=n_train,
+                             shard=shard_of, **common) if held else None
     except (DataError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -112,6 +132,12 @@ def main(argv=None) -> int:
     if a.mode == "des":
         model, report = des.transform(model, comm=comm, plan=plan, spec=spec)
         log(report)
+    elif a.mode == "ps":
+        from des import ps
+        model = ps.shard(model, exchange)
+        model.record_ids = a.check_bytes
+        log(f"PS: {len(ps.table_inputs(model))} tables sharded by key over {comm.world_size} process(es), "
+            f"{ps.dense_parameters(model)} dense parameters allreduced; global batch {global_batch}")
     optimizer = models.make_optimizer(a.optimizer, a.lr)
     model.compile(optimizer, "binary_crossentropy",
                   metrics=[tf.keras.metrics.AUC(num_thresholds=10_000, name="auc"),
@@ -119,7 +145,7 @@ def main(argv=None) -> int:
     if a.restore:
         log(f"restored {checkpoint.restore(a.restore, model, optimizer, comm.rank, comm.world_size)}")
 
-    speed = Throughput(a.batch)
+    speed = Throughput(global_batch)
     callbacks = [speed]
     traffic = None
     if a.mode == "des":
@@ -127,6 +153,10 @@ def main(argv=None) -> int:
         callbacks.append(traffic)
         if a.replica_check:
             callbacks.append(ReplicaCheck(comm, a.replica_check))
+    if a.mode == "ps":
+        from des.callbacks import CounterDeltas
+        traffic = CounterDeltas(exchange.counters)
+        callbacks.append(traffic)
     if a.fail_at_step is not None and comm.rank == comm.world_size - 1:
         callbacks.append(_FailAt(a.fail_at_step))
     log(f"training {a.model} ({a.mode}, {comm.world_size} process(es)) on {n_train} lines, "
@@ -136,6 +166,8 @@ def main(argv=None) -> int:
         model.fit(train, epochs=a.epochs, steps_per_epoch=a.steps, verbose=verbose,
                   callbacks=callbacks)
         result = model.evaluate(evald, verbose=0, return_dict=True) if evald is not None else {}
+        if a.mode == "ps" and evald is not None:
+            result = ps.aggregate_metrics(model, exchange)
     except tf.errors.OpError as e:
         msg = str(e).split("\n")[0]
         if "DataError" in str(e):
@@ -151,12 +183,22 @@ def main(argv=None) -> int:
                        bytes_per_step_measured=traffic.median(),
                        bytes_per_step_analytic=report.payload_bytes(a.batch),
                        ring_bytes_per_step=report.ring_bytes(a.batch))
+    if a.mode == "ps":
+        summary.update(_ps_traffic(model, traffic, comm))
+        log(f"PS bytes/step sent per process: measured {summary['sent_bytes_per_step']:.0f} "
+            f"(all-to-all {summary['alltoall_bytes_per_step']:.0f} + dense ring "
+            f"{summary['dense_ring_bytes_per_step']:.0f}), analytic {summary['analytic_sent_bytes_per_step']:.0f}; "
+            f"{summary['unique_ids_per_step']:.0f} unique ids per step; measured == analytic in "
+            f"{summary['bytes_exact_steps']} steps")
+    elif report is not None:
+        summary.update(sent_bytes_per_step=comm.ring_bytes(summary["bytes_per_step_measured"]),
+                       analytic_sent_bytes_per_step=report.ring_bytes(a.batch))
     if a.skip_bad_lines:
         log(str(skips))
     if held:
         log(f"AUC {summary['auc']:.4f} (Bayes-optimal {meta.get('bayes_auc', 'unknown')}), "
             f"log loss {summary['logloss']:.4f} on {held} held-out lines")
-    log(f"{summary['samples_per_second']:.0f} samples/s per process (median step)")
+    log(f"{summary['samples_per_second']:.0f} samples/s (global batch {global_batch} / median step time)")
     if report is not None:
         log(f"DES bytes/step handed to allreduce: measured {summary['bytes_per_step_measured']:.0f}, "
             f"analytic {summary['bytes_per_step_analytic']} (4*B*{report.floats_per_sample}); "
@@ -170,6 +212,32 @@ def main(argv=None) -> int:
         with open(path, "w") as fh:
             json.dump(summary, fh, indent=1)
     return 0
+
+
+def _ps_traffic(model, traffic, comm) -> dict:
+    """Medians of the PS counters per step, and the analytic bytes of the first steps (by the
+    formulas, in numpy, from the ids those steps trained on) compared with what was measured."""
+    from des import ps
+    n = comm.world_size
+    ring = 2.0 * (n - 1) / n
+    steps = traffic.steps
+    sent = [s["ids_bytes"] + s["rows_bytes"] + s["grad_bytes"] + ring * (s["dense_bytes"] + s["control_bytes"])
+            for s in steps]
+    tables, dense = ps.table_inputs(model), ps.dense_parameters(model)
+    exact, analytic = 0, []
+    for ids, s in zip(getattr(model, "recorded", []), steps):
+        an = ps.analytic_bytes(ids, tables, comm.rank, n, dense)
+        an_sent = an["alltoall_bytes"] + an["dense_ring_bytes"] + (ring * 4 if n > 1 else 0)
+        analytic.append(an_sent)
+        exact += all(s[k] == an[k] for k in ("ids_bytes", "rows_bytes", "grad_bytes", "dense_bytes"))
+    med = lambda v: float(np.median(v)) if len(v) else 0.0
+    return {"sent_bytes_per_step": med(sent), "analytic_sent_bytes_per_step": med(analytic),
+            "alltoall_bytes_per_step": traffic.median("ids_bytes") + traffic.median("rows_bytes")
+            + traffic.median("grad_bytes"),
+            "dense_ring_bytes_per_step": ring * (traffic.median("dense_bytes") + traffic.median("control_bytes")),
+            "unique_ids_per_step": traffic.median("unique_ids"),
+            "remote_ids_per_step": traffic.median("remote_ids"),
+            "bytes_exact_steps": f"{exact}/{len(analytic)}"}
 
 
 def _spec(a, meta: dict):

@@ -114,3 +114,19 @@ def test_ps_under_mpirun_equals_single_process_and_counts_bytes_exactly(tmp_path
                 assert m[k] == a[k], (step, k, m[k], a[k])
             assert m["control_bytes"] == 4
         assert sum(m["remote_ids"] for m in r["measured"]) > 0
+
+
+@pytest.mark.mpi
+def test_training_cli_ps_under_mpirun(criteo_file, tmp_path):
+    """--mode ps: each process trains on its slice; AUC (summed over slices) as one process's."""
+    single = subprocess.run([sys.executable, *TRAIN, "--data", criteo_file, "--summary-json", str(tmp_path / "s.json")],
+                            env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stderr[-3000:]
+    run = mpirun(2, *TRAIN, "--mode", "ps", "--data", criteo_file, "--summary-json", str(tmp_path / "ps.json"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [json.load(open(tmp_path / f"ps.json.rank{r}")) for r in range(2)]
+    s = json.load(open(tmp_path / "s.json"))
+    assert ranks[0]["auc"] == ranks[1]["auc"] and abs(ranks[0]["auc"] - s["auc"]) < 1e-3
+    for r in ranks:
+        assert r["bytes_exact_steps"] == "20/20" and r["sent_bytes_per_step"] == r["analytic_sent_bytes_per_step"]
+        assert r["remote_ids_per_step"] > 0 and r["dense_ring_bytes_per_step"] > 0
