@@ -32,6 +32,13 @@ class Report:
     world_size: int
     floats_per_sample: int = 0
     widths: dict[str, int] = dataclasses.field(default_factory=dict)
+    costs: list = dataclasses.field(default_factory=list)   # des.cost.estimate(...), when known
+
+    def estimate_costs(self, batch_size: int, unique_per_slice: dict[str, float]) -> list:
+        """DES vs PS bytes per operator (des.cost); kept for printing with the report."""
+        from des.cost import estimate
+        self.costs = estimate(self, batch_size, unique_per_slice)
+        return self.costs
 
     @property
     def changed(self) -> bool:
@@ -59,6 +66,7 @@ class Report:
                          f"= {self.payload_bytes(1)} bytes/sample; at B=4096: "
                          f"{self.payload_bytes(4096):,} bytes handed over, "
                          f"{self.ring_bytes(4096):,.0f} sent per process (ring)")
+        lines += [str(c) for c in self.costs]
         for r in self.rejections:
             lines.append(f"  not substituted: {r}")
         if self.plan is not None:

@@ -131,6 +131,10 @@ def main(argv=None) -> int:
     report = None
     if a.mode == "des":
         model, report = des.transform(model, comm=comm, plan=plan, spec=spec)
+        from des.cost import unique_ids_per_slice
+        first, _ = next(iter(make_dataset(a.data, a.format, spec, a.batch, take_lines=min(a.batch, n_train))))
+        report.estimate_costs(a.batch, unique_ids_per_slice({k: v.numpy() for k, v in first.items()},
+                                                            spec, comm.world_size))
         log(report)
     elif a.mode == "ps":
         from des import ps
@@ -146,7 +150,8 @@ def main(argv=None) -> int:
         log(f"restored {checkpoint.restore(a.restore, model, optimizer, comm.rank, comm.world_size)}")
 
     speed = Throughput(global_batch)
-    callbacks = [speed]
+    curve = _AucCurve()
+    callbacks = [speed, curve]
     traffic = None
     if a.mode == "des":
         traffic = BytesPerStep(comm)
@@ -177,7 +182,8 @@ def main(argv=None) -> int:
     summary = {"model": a.model, "mode": a.mode, "world_size": comm.world_size,
                "auc": result.get("auc"), "logloss": result.get("logloss"),
                "samples_per_second": speed.samples_per_second(), "bayes_auc": meta.get("bayes_auc"),
-               "bad_lines_skipped": skips.total}
+               "bad_lines_skipped": skips.total, "global_batch": global_batch,
+               "train_auc_by_step": curve.points, "peak_rss_mib": _peak_rss_mib()}
     if report is not None:
         summary.update(floats_per_sample=report.floats_per_sample,
                        bytes_per_step_measured=traffic.median(),
@@ -192,7 +198,9 @@ def main(argv=None) -> int:
             f"{summary['bytes_exact_steps']} steps")
     elif report is not None:
         summary.update(sent_bytes_per_step=comm.ring_bytes(summary["bytes_per_step_measured"]),
-                       analytic_sent_bytes_per_step=report.ring_bytes(a.batch))
+                       analytic_sent_bytes_per_step=report.ring_bytes(a.batch),
+                       costs=[dict(rule=c.rule, layer=c.layer, des_bytes=c.des_bytes, ps_bytes=c.ps_bytes,
+                                   verdict=c.verdict) for c in report.costs])
     if a.skip_bad_lines:
         log(str(skips))
     if held:
@@ -252,6 +260,27 @@ def _spec(a, meta: dict):
     if "spec" in meta and meta.get("format") == a.format:
         return FeatureSpec.from_json(json.dumps(meta["spec"])).with_dim(a.dim)
     return scan_spec(a.data, a.format, a.dim)
+
+
+def _peak_rss_mib() -> float:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _AucCurve():
+    """Running training AUC of the epoch (Keras logs) every few steps: [(step, auc), ...]."""
+    import tensorflow as tf
+
+    class Curve(tf.keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.points, self.step = [], 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.step += 1
+            if logs and "auc" in logs and (self.step <= 10 or self.step % 5 == 0):
+                self.points.append((self.step, float(logs["auc"])))
+    return Curve()
 
 
 class _FailAt:

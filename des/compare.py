@@ -1,0 +1,242 @@
+"""DES vs the parameter-server baseline vs one process, on the same generated data, in one command.
+
+    python -m des.compare --models lr,wdl,deepfm --np 4 --preset criteo-like --batch 4096 --steps 40
+
+For each model it runs ``des.train`` three times - one process (the reference), ``--mode des``
+and ``--mode ps`` under ``mpirun -np N`` - at the same global batch, then writes to ``--out``:
+
+- ``comparison.md`` / ``comparison.csv`` (and stdout): AUC, log loss, samples/s, bytes sent
+  per step per process (measured and analytic), DES saving, unique ids per step, peak memory;
+  the cost model's verdict per substituted operator;
+- ``bytes_vs_batch.png``: bytes/step/process vs global batch per mode (the formulas on the
+  data's own ids at each batch size, with the measured points of the runs);
+- ``throughput.png`` and ``auc_vs_steps.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODES = ("single", "des", "ps")
+
+
+def _env() -> dict:
+    return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                OMPI_MCA_mpi_yield_when_idle="1", TF_CPP_MIN_LOG_LEVEL="2",
+                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def ensure_data(preset: str, rows: int, seed: int, folder: str) -> str:
+    """The generated training file of a preset (written once; reused if the metadata matches)."""
+    ext = "ffm" if preset == "wide" else "txt"
+    path = os.path.join(folder, f"{preset}-{rows}-{seed}.{ext}")
+    if not os.path.exists(path + ".meta.json"):
+        subprocess.run([sys.executable, "-m", "des.data.synth", "--preset", preset, "--rows", str(rows),
+                        "--seed", str(seed), "--out", path], check=True, env=_env(), cwd=ROOT)
+    return path
+
+
+def run(mode: str, model: str, data: str, a, out: str) -> dict:
+    """One des.train run; returns rank 0's summary plus the peak memory over processes."""
+    summary = os.path.join(out, f"{model}-{mode}.json")
+    args = ["-m", "des.train", "--mode", mode, "--model", model, "--data", data, "--batch", str(a.batch),
+            "--steps", str(a.steps), "--holdout", str(a.holdout), "--dim", str(a.dim), "--hidden", a.hidden,
+            "--optimizer", a.optimizer, "--lr", str(a.lr), "--threads", "1", "--summary-json", summary,
+            "--shuffle-buffer", str(a.shuffle_buffer)]
+    cmd = [sys.executable, *args]
+    if mode != "single":
+        cmd = ["mpirun", "-np", str(a.np), "--oversubscribe", "--bind-to", "none", *cmd]
+    print(f"[compare] {model} {mode}: {' '.join(cmd)}", flush=True)
+    log = os.path.join(out, f"{model}-{mode}.log")
+    with open(log, "w") as fh:
+        done = subprocess.run(cmd, env=_env(), cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise SystemExit(f"{model} {mode} failed (exit {done.returncode}); see {log}")
+    paths = [summary] if mode == "single" else [f"{summary}.rank{r}" for r in range(a.np)]
+    ranks = [json.load(open(p)) for p in paths]
+    s = ranks[0]
+    s["peak_rss_mib"] = max(r["peak_rss_mib"] for r in ranks)
+    return s
+
+
+def bytes_curve(model: str, data: str, fmt: str, a, batches: list[int]) -> dict[str, list[float]]:
+    """Analytic bytes/step/process at each global batch, on the data's first rows:
+    DES 2(N-1)/N*4*B*floats; PS: the all-to-all of each process's remote distinct ids + dense ring."""
+    import des  # noqa: F401
+    import models
+    from des import ps
+    from des.compiler import transform
+    from des.data.readers import make_dataset
+    from des.train import _spec
+    from des_ops.comm import LocalCommunicator
+    meta = json.load(open(data + ".meta.json"))
+    spec = _spec(argparse.Namespace(format=fmt, dim=a.dim, data=[data]), meta)
+    hidden = tuple(int(h) for h in a.hidden.split(",") if h)
+    plain = models.build(model, spec, hidden=hidden)
+    tables, dense = ps.table_inputs(plain), ps.dense_parameters(plain)
+    _, report = transform(models.build(model, spec, hidden=hidden), comm=LocalCommunicator())
+    n = a.np
+    ring = 2.0 * (n - 1) / n
+    out = {"des": [], "ps": []}
+    for b in batches:
+        x, _ = next(iter(make_dataset([data], fmt, spec, b, take_lines=b)))
+        x = {k: v.numpy() for k, v in x.items()}
+        per_rank = []
+        for r in range(n):
+            part = {k: v[b * r // n: b * (r + 1) // n] for k, v in x.items()}
+            an = ps.analytic_bytes(part, tables, r, n, dense)
+            per_rank.append(an["alltoall_bytes"] + an["dense_ring_bytes"] + ring * 4)
+        out["ps"].append(float(np.mean(per_rank)))
+        out["des"].append(ring * 4 * b * report.floats_per_sample)
+    return out
+
+
+def table_rows(results: dict) -> list[dict]:
+    rows = []
+    for model, by_mode in results.items():
+        ps_sent = by_mode["ps"].get("sent_bytes_per_step")
+        for mode in MODES:
+            s = by_mode[mode]
+            sent = s.get("sent_bytes_per_step")
+            saving = 100.0 * (1 - sent / ps_sent) if mode == "des" and ps_sent else None
+            rows.append({"model": model, "mode": mode, "processes": s["world_size"],
+                         "auc": s["auc"], "logloss": s["logloss"], "samples_per_s": s["samples_per_second"],
+                         "bytes_step_measured": sent, "bytes_step_analytic": s.get("analytic_sent_bytes_per_step"),
+                         "des_saving_pct": saving, "unique_ids_step": s.get("unique_ids_per_step"),
+                         "peak_mib": s["peak_rss_mib"]})
+    return rows
+
+
+def _fmt(v, spec: str = ",.0f") -> str:
+    if v is None:
+        return "-"
+    return format(v, spec) if isinstance(v, (int, float)) else str(v)
+
+
+def markdown(rows: list[dict], results: dict, a, meta: dict) -> str:
+    head = ["model", "mode", "N", "AUC", "log loss", "samples/s", "bytes/step/proc measured",
+            "analytic", "DES saving", "unique ids/step", "peak MiB"]
+    lines = [f"# DES vs PS vs one process - preset {a.preset}, N={a.np}, global batch {a.batch}, "
+             f"{a.steps} steps", "",
+             f"Bayes-optimal AUC of the data: {meta.get('bayes_auc')}. Bytes are sent per process per step "
+             f"(DES: ring allreduce of the partials; PS: all-to-all of ids, rows, gradient rows + ring "
+             f"allreduce of dense gradients). samples/s = global batch / median step time.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append("| " + " | ".join([
+            r["model"], r["mode"], str(r["processes"]), _fmt(r["auc"], ".4f"), _fmt(r["logloss"], ".4f"),
+            _fmt(r["samples_per_s"]), _fmt(r["bytes_step_measured"]), _fmt(r["bytes_step_analytic"]),
+            _fmt(r["des_saving_pct"], ".1f") + ("%" if r["des_saving_pct"] is not None else ""),
+            _fmt(r["unique_ids_step"]), _fmt(r["peak_mib"], ".0f")]) + " |")
+    lines += ["", "Cost model (per substituted operator, from the first batch's distinct ids per process):", ""]
+    for model, by_mode in results.items():
+        for c in by_mode["des"].get("costs", []):
+            lines.append(f"- {model} `{c['layer']}` ({c['rule']}): DES {c['des_bytes']:,.0f} B/step, "
+                         f"PS {c['ps_bytes']:,.0f} B/step - {c['verdict']}")
+    return "\n".join(lines) + "\n"
+
+
+def plots(results: dict, curves: dict, batches: list[int], a, out: str) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    files = []
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for i, (model, c) in enumerate(curves.items()):
+        color = f"C{i}"
+        ax.plot(batches, c["des"], "-o", color=color, label=f"{model} DES")
+        ax.plot(batches, c["ps"], "--s", color=color, label=f"{model} PS")
+        for mode, mark in (("des", "*"), ("ps", "x")):
+            sent = results[model][mode].get("sent_bytes_per_step")
+            if sent:
+                ax.plot([a.batch], [sent], mark, color="k", markersize=10)
+    ax.set(xscale="log", yscale="log", xlabel="global batch", ylabel="bytes sent / step / process",
+           title=f"{a.preset}, N={a.np} (lines: formulas on the data; black: measured)")
+    ax.legend(fontsize=7)
+    files.append(_save(fig, out, "bytes_vs_batch.png"))
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    models_ = list(results)
+    for j, mode in enumerate(MODES):
+        ax.bar(np.arange(len(models_)) + 0.27 * (j - 1), [results[m][mode]["samples_per_second"] for m in models_],
+               0.27, label=mode if mode == "single" else f"{mode} (N={a.np})")
+    ax.set(xticks=range(len(models_)), xticklabels=models_, ylabel="samples / s (global)",
+           title=f"throughput, {a.preset}, global batch {a.batch}")
+    ax.legend()
+    files.append(_save(fig, out, "throughput.png"))
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for i, model in enumerate(models_):
+        for mode, style in zip(MODES, ("-", "--", ":")):
+            pts = results[model][mode].get("train_auc_by_step") or []
+            if pts:
+                ax.plot(*zip(*pts), style, color=f"C{i}", label=f"{model} {mode}")
+    ax.set(xlabel="step", ylabel="training AUC (running, rank 0)", title=f"AUC vs steps, {a.preset}")
+    ax.legend(fontsize=7)
+    files.append(_save(fig, out, "auc_vs_steps.png"))
+    return files
+
+
+def _save(fig, out: str, name: str) -> str:
+    path = os.path.join(out, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="lr,wdl,deepfm")
+    ap.add_argument("--np", type=int, default=4)
+    ap.add_argument("--preset", default="criteo-like", choices=["criteo-like", "tiny", "wide"])
+    ap.add_argument("--rows", type=int, default=100_000, help="rows of generated data")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=4096, help="global batch (every mode)")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--holdout", type=int, default=None, help="held-out rows (default: rows/10)")
+    ap.add_argument("--batches", default="512,1024,2048,4096,8192", help="batch sizes of the bytes curve")
+    ap.add_argument("--dim", type=int, default=8)
+    ap.add_argument("--hidden", default="128,64")
+    ap.add_argument("--optimizer", default="adam")
+    ap.add_argument("--lr", type=float, default=0.002)
+    ap.add_argument("--shuffle-buffer", type=int, default=20_000)
+    ap.add_argument("--out", default="reports/compare")
+    a = ap.parse_args(argv)
+    a.holdout = a.holdout or max(1, a.rows // 10)
+    out = os.path.join(a.out, a.preset)
+    os.makedirs(out, exist_ok=True)
+    data = ensure_data(a.preset, a.rows, a.seed, os.path.join(a.out, "data"))
+    meta = json.load(open(data + ".meta.json"))
+    fmt = meta["format"]
+    batches = sorted({int(b) for b in a.batches.split(",")} | {a.batch})
+    results, curves = {}, {}
+    for model in [m for m in a.models.split(",") if m]:
+        results[model] = {mode: run(mode, model, data, a, out) for mode in MODES}
+        curves[model] = bytes_curve(model, data, fmt, a, batches)
+    rows = table_rows(results)
+    md = markdown(rows, results, a, meta)
+    with open(os.path.join(out, "comparison.md"), "w") as fh:
+        fh.write(md)
+    with open(os.path.join(out, "comparison.csv"), "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    with open(os.path.join(out, "bytes_vs_batch.json"), "w") as fh:
+        json.dump({"batches": batches, "curves": curves}, fh, indent=1)
+    files = plots(results, curves, batches, a, out)
+    print(md)
+    print("bytes/step/process by global batch (formulas on the data's ids):")
+    for model, c in curves.items():
+        for mode in ("des", "ps"):
+            print(f"  {model:<7} {mode:<3} " + "  ".join(f"B={b}: {v:,.0f}" for b, v in zip(batches, c[mode])))
+    print(f"\nreport: {os.path.join(out, 'comparison.md')} (and .csv); plots: {', '.join(files)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
