@@ -30,9 +30,7 @@ class PSModel(tf.keras.Model):
     def train_step(self, data):
         x, y = data[0], data[1]
         if self.record_ids:
-            if not hasattr(self, "recorded"):
-                self.recorded = []
-            names = sorted({t for t, w, _ in table_inputs(self)})
+            names = sorted({ids for ids, _, _ in table_inputs(self)})
             tf.py_function(lambda *ids: self._record(names, ids), [x[n] for n in names], [])
         n_local = tf.cast(tf.shape(y)[0], tf.float32)
         n_global = self.exchange.allreduce_sum(n_local[None], counter="control_bytes")[0]
@@ -54,6 +52,7 @@ class PSModel(tf.keras.Model):
 
 
     def _record(self, names, ids) -> None:
+        self.recorded = getattr(self, "recorded", [])
         if len(self.recorded) < self.record_ids:
             self.recorded.append({n: t.numpy() for n, t in zip(names, ids)})
 
@@ -116,6 +115,28 @@ def table_inputs(model: tf.keras.Model) -> list[tuple[str, str | None, int]]:
             names = [graph.input_name(t) for t in n.tensor_operands()]
             out.append((names[0], names[1] if len(names) > 1 else None, n.attrs["dim"]))
     return out
+
+
+def traffic_summary(model: PSModel, steps: list[dict], rank: int, n: int) -> dict:
+    """Medians of the PS counters per step, and the analytic bytes of the first steps (by the
+    formulas, in numpy, from the ids those steps trained on) compared with what was measured."""
+    ring = 2.0 * (n - 1) / n
+    sent = [s["ids_bytes"] + s["rows_bytes"] + s["grad_bytes"] + ring * (s["dense_bytes"] + s["control_bytes"])
+            for s in steps]
+    tables, dense = table_inputs(model), dense_parameters(model)
+    exact, analytic = 0, []
+    for ids, s in zip(getattr(model, "recorded", []), steps):
+        an = analytic_bytes(ids, tables, rank, n, dense)
+        an_sent = an["alltoall_bytes"] + an["dense_ring_bytes"] + (ring * 4 if n > 1 else 0)
+        analytic.append(an_sent)
+        exact += all(s[k] == an[k] for k in ("ids_bytes", "rows_bytes", "grad_bytes", "dense_bytes"))
+    med = lambda v: float(np.median(v)) if len(v) else 0.0
+    return {"sent_bytes_per_step": med(sent), "analytic_sent_bytes_per_step": med(analytic),
+            "alltoall_bytes_per_step": med([s["ids_bytes"] + s["rows_bytes"] + s["grad_bytes"] for s in steps]),
+            "dense_ring_bytes_per_step": med([ring * (s["dense_bytes"] + s["control_bytes"]) for s in steps]),
+            "unique_ids_per_step": med([s["unique_ids"] for s in steps]),
+            "remote_ids_per_step": med([s["remote_ids"] for s in steps]),
+            "bytes_exact_steps": f"{exact}/{len(analytic)}"}
 
 
 def aggregate_metrics(model: tf.keras.Model, exchange: KeyExchange) -> dict[str, float]:

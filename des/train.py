@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-
-import numpy as np
 import os
 import sys
 
@@ -190,7 +188,7 @@ def main(argv=None) -> int:
                        bytes_per_step_analytic=report.payload_bytes(a.batch),
                        ring_bytes_per_step=report.ring_bytes(a.batch))
     if a.mode == "ps":
-        summary.update(_ps_traffic(model, traffic, comm))
+        summary.update(ps.traffic_summary(model, traffic.steps, comm.rank, comm.world_size))
         log(f"PS bytes/step sent per process: measured {summary['sent_bytes_per_step']:.0f} "
             f"(all-to-all {summary['alltoall_bytes_per_step']:.0f} + dense ring "
             f"{summary['dense_ring_bytes_per_step']:.0f}), analytic {summary['analytic_sent_bytes_per_step']:.0f}; "
@@ -220,32 +218,6 @@ def main(argv=None) -> int:
         with open(path, "w") as fh:
             json.dump(summary, fh, indent=1)
     return 0
-
-
-def _ps_traffic(model, traffic, comm) -> dict:
-    """Medians of the PS counters per step, and the analytic bytes of the first steps (by the
-    formulas, in numpy, from the ids those steps trained on) compared with what was measured."""
-    from des import ps
-    n = comm.world_size
-    ring = 2.0 * (n - 1) / n
-    steps = traffic.steps
-    sent = [s["ids_bytes"] + s["rows_bytes"] + s["grad_bytes"] + ring * (s["dense_bytes"] + s["control_bytes"])
-            for s in steps]
-    tables, dense = ps.table_inputs(model), ps.dense_parameters(model)
-    exact, analytic = 0, []
-    for ids, s in zip(getattr(model, "recorded", []), steps):
-        an = ps.analytic_bytes(ids, tables, comm.rank, n, dense)
-        an_sent = an["alltoall_bytes"] + an["dense_ring_bytes"] + (ring * 4 if n > 1 else 0)
-        analytic.append(an_sent)
-        exact += all(s[k] == an[k] for k in ("ids_bytes", "rows_bytes", "grad_bytes", "dense_bytes"))
-    med = lambda v: float(np.median(v)) if len(v) else 0.0
-    return {"sent_bytes_per_step": med(sent), "analytic_sent_bytes_per_step": med(analytic),
-            "alltoall_bytes_per_step": traffic.median("ids_bytes") + traffic.median("rows_bytes")
-            + traffic.median("grad_bytes"),
-            "dense_ring_bytes_per_step": ring * (traffic.median("dense_bytes") + traffic.median("control_bytes")),
-            "unique_ids_per_step": traffic.median("unique_ids"),
-            "remote_ids_per_step": traffic.median("remote_ids"),
-            "bytes_exact_steps": f"{exact}/{len(analytic)}"}
 
 
 def _spec(a, meta: dict):
