@@ -134,6 +134,20 @@ def test_avazu_header_label_hour_and_weekday(tmp_path):
     assert x["site_id"][0] == feature_id("site_id", "v2")
 
 
+def test_avazu_test_layout_without_click(tmp_path):
+    """Avazu's test.csv has no click column: same ids as the labelled line, label 0."""
+    header = ",".join(AVAZU_COLUMNS)
+    labelled = read_all(write(tmp_path, "a.csv", [header, avazu_line()]), "avazu")[0][0]
+    drop = lambda line: ",".join(c for i, c in enumerate(line.split(",")) if i != 1)  # noqa: E731
+    p = write(tmp_path, "test.csv", [drop(header), drop(avazu_line())])
+    (x, y), = read_all(p, "avazu-test", spec=avazu_spec())
+    assert y.numpy().tolist() == [0.0]
+    assert all(x[k].numpy()[0] == labelled[k].numpy()[0] for k in labelled)
+    bad = write(tmp_path, "bad.csv", [drop(header), drop(avazu_line(hour="14102125"))])
+    with pytest.raises(tf.errors.OpError, match="bad.csv:2: hour '14102125' is not YYMMDDHH"):
+        read_all(bad, "avazu-test", spec=avazu_spec())
+
+
 @pytest.mark.parametrize("line, problem", [
     (avazu_line(click="yes"), "label (click) 'yes' is not 0 or 1"),
     (avazu_line(hour="14102125"), "hour '14102125' is not YYMMDDHH"),

@@ -13,16 +13,11 @@ import re
 import tensorflow as tf
 
 from des.data.hashing import feature_ids
+from des.data.text import utf8_ok
 from des.data.spec import AVAZU_COLUMNS, AVAZU_FIELDS, CRITEO_CAT, CRITEO_INT, FeatureSpec
 
 INT_RE = r"-?[0-9]{1,18}"  # what fits int64 without overflow
 HOUR_RE = r"[0-9]{2}(0[1-9]|1[0-2])(0[1-9]|[12][0-9]|3[01])([01][0-9]|2[0-3])"  # YYMMDDHH
-
-
-def _utf8_ok(lines: tf.Tensor) -> tf.Tensor:
-    fixed = tf.strings.unicode_transcode(lines, "UTF-8", "UTF-8", errors="replace",
-                                         replacement_char=0xFFFD)
-    return tf.equal(fixed, lines)
 
 
 def _split(lines: tf.Tensor, sep: str, ncols: int):
@@ -74,7 +69,7 @@ class Criteo:
             label = tf.strings.to_number(tf.where(tf.equal(label_s, "1"), "1", "0"), tf.float32)
         else:
             label = tf.zeros(tf.shape(lines), tf.float32)
-        ok &= _utf8_ok(lines)
+        ok &= utf8_ok(lines)
         ints = tf.where(ok[:, None], ints, "")  # bad rows are masked before number parsing
         tokens, v, empty = _log_bucket(ints)
         ids = feature_ids(CRITEO_INT + CRITEO_CAT, tf.concat([tokens, cats], axis=1))
@@ -114,26 +109,31 @@ def _weekday(yymmdd: tf.Tensor) -> tf.Tensor:
 
 
 class Avazu:
-    """Avazu CSV with the 24-column header; click is the label; hour YYMMDDHH."""
+    """Avazu CSV with the 24-column header; click is the label; hour YYMMDDHH.
+    ``with_label=False`` is Avazu's test.csv (23 columns, no click)."""
 
-    header = ",".join(AVAZU_COLUMNS)
-
-    def __init__(self, spec: FeatureSpec):
-        self.spec = spec
-        self.ncols = len(AVAZU_COLUMNS)
+    def __init__(self, spec: FeatureSpec, with_label: bool = True):
+        self.spec, self.with_label = spec, with_label
+        columns = AVAZU_COLUMNS if with_label else [c for c in AVAZU_COLUMNS if c != "click"]
+        self.header = ",".join(columns)
+        self.ncols = len(columns)
 
     def parse(self, lines):
         cols, ok = _split(lines, ",", self.ncols)
-        ok &= tf.strings.regex_full_match(cols[:, 1], "[01]")
-        hour = cols[:, 2]
+        if self.with_label:
+            ok &= tf.strings.regex_full_match(cols[:, 1], "[01]")
+            label = tf.cast(tf.equal(cols[:, 1], "1"), tf.float32)
+            cols = tf.concat([cols[:, :1], cols[:, 2:]], axis=1)  # id, hour, C1, ...
+        else:
+            label = tf.zeros(tf.shape(lines), tf.float32)
+        hour = cols[:, 1]
         ok &= tf.strings.regex_full_match(hour, HOUR_RE)
-        ok &= _utf8_ok(lines)
+        ok &= utf8_ok(lines)
         hour = tf.where(ok, hour, "00010100")
         h = tf.strings.to_number(hour, tf.int64)
         hod = tf.strings.as_string(h % 100)
         wd = tf.strings.as_string(_weekday(h // 100))
-        label = tf.cast(tf.equal(cols[:, 1], "1"), tf.float32)
-        values = tf.concat([tf.stack([hod, wd], axis=1), cols[:, 3:]], axis=1)
+        values = tf.concat([tf.stack([hod, wd], axis=1), cols[:, 2:]], axis=1)
         ids = feature_ids(AVAZU_FIELDS, values)
         return {n: ids[:, j] for j, n in enumerate(AVAZU_FIELDS)}, label, tf.logical_not(ok)
 
@@ -141,14 +141,17 @@ class Avazu:
         cols, bad = _columns(line, ",", self.ncols)
         if bad:
             return bad
-        if cols[1] not in ("0", "1"):
-            return f"label (click) {cols[1]!r} is not 0 or 1"
-        if not re.fullmatch(HOUR_RE, cols[2]):
-            return f"hour {cols[2]!r} is not YYMMDDHH"
+        if self.with_label:
+            if cols[1] not in ("0", "1"):
+                return f"label (click) {cols[1]!r} is not 0 or 1"
+            cols = cols[:1] + cols[2:]
+        if not re.fullmatch(HOUR_RE, cols[1]):
+            return f"hour {cols[1]!r} is not YYMMDDHH"
         return "line rejected by the parser"
 
 
 from des.data.libsvm import Libffm, Libsvm  # noqa: E402
 
 FORMATS = {"criteo": Criteo, "criteo-test": lambda spec: Criteo(spec, with_label=False),
-           "avazu": Avazu, "libsvm": Libsvm, "libffm": Libffm}
+           "avazu": Avazu, "avazu-test": lambda spec: Avazu(spec, with_label=False),
+           "libsvm": Libsvm, "libffm": Libffm}

