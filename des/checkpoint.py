@@ -5,11 +5,15 @@ tf.train.Checkpoint, plus the field plan as plan.json). The new checkpoint is wr
 temporary folder and swapped in by renames; until the swap completes the previous one
 stays readable (restore falls back to ``.old``).
 
-    >>> save("ckpt", model, optimizer, plan, rank=0, world_size=1)
+The job's configuration (model, widths, spec, mode, number of processes) goes to
+``<dir>/config.json`` so that ``des.predict`` can rebuild the model.
+
+    >>> save("ckpt", model, optimizer, plan, rank=0, world_size=1, config={"model": "deepfm"})
     >>> restore("ckpt", model, optimizer, rank=0, world_size=1)
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -24,8 +28,13 @@ def _folder(directory: str, rank: int, world_size: int) -> str:
 
 
 def save(directory: str, model, optimizer, plan: FieldPlan | None = None, rank: int = 0,
-         world_size: int = 1) -> str:
+         world_size: int = 1, config: dict | None = None) -> str:
     os.makedirs(directory, exist_ok=True)
+    if config is not None and rank == 0:
+        tmp_config = os.path.join(directory, ".config.json.tmp")
+        with open(tmp_config, "w") as fh:
+            json.dump(dict(config, world_size=world_size), fh, indent=1)
+        os.replace(tmp_config, os.path.join(directory, "config.json"))
     final = _folder(directory, rank, world_size)
     tmp = tempfile.mkdtemp(prefix=os.path.basename(final) + ".tmp-", dir=directory)
     tf.train.Checkpoint(model=model, optimizer=optimizer).write(os.path.join(tmp, "ckpt"))
@@ -58,11 +67,23 @@ def load_plan(directory: str, rank: int = 0, world_size: int = 1) -> FieldPlan |
         return FieldPlan.from_json(fh.read())
 
 
-def restore(directory: str, model, optimizer, rank: int = 0, world_size: int = 1) -> str:
+def load_config(directory: str) -> dict:
+    """The job configuration saved with the checkpoint (see ``save``)."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such file; checkpoints written by des.train --checkpoint "
+                                f"have one")
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def restore(directory: str, model, optimizer=None, rank: int = 0, world_size: int = 1) -> str:
+    """Read tables, dense weights and (given ``optimizer``) its slots; returns the folder read."""
     path = latest(directory, rank, world_size)
     if path is None:
         others = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
         raise FileNotFoundError(f"no checkpoint for rank {rank} of {world_size} in {directory!r} "
                                 f"(found: {others}); restore needs the same number of processes")
-    tf.train.Checkpoint(model=model, optimizer=optimizer).read(os.path.join(path, "ckpt")).expect_partial()
+    parts = {"model": model} if optimizer is None else {"model": model, "optimizer": optimizer}
+    tf.train.Checkpoint(**parts).read(os.path.join(path, "ckpt")).expect_partial()
     return path

@@ -210,8 +210,11 @@ def main(argv=None) -> int:
             f"analytic {summary['bytes_per_step_analytic']} (4*B*{report.floats_per_sample}); "
             f"ring sends {summary['ring_bytes_per_step']:.0f} per process")
     if a.checkpoint:
+        config = {"model": a.model, "mode": a.mode, "format": a.format, "dim": a.dim,
+                  "hidden": a.hidden, "seed": a.seed, "optimizer": a.optimizer,
+                  "spec": json.loads(spec.to_json())}
         path = checkpoint.save(a.checkpoint, model, optimizer, getattr(model, "des_plan", None),
-                               comm.rank, comm.world_size)
+                               comm.rank, comm.world_size, config=config)
         log(f"checkpoint written to {path}")
     if a.summary_json:
         path = a.summary_json if comm.world_size == 1 else f"{a.summary_json}.rank{comm.rank}"

@@ -1,0 +1,115 @@
+"""des.predict: checkpoints of des.train back to one probability per input line."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from des.data.synth import write_criteo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+           OMPI_MCA_mpi_yield_when_idle="1", TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
+TRAIN = ["--model", "deepfm", "--steps", "4", "--batch", "256", "--holdout", "0", "--threads", "1"]
+
+
+def run(*args, n=1):
+    cmd = [sys.executable, *args]
+    if n > 1:
+        cmd = ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none"] + cmd
+    return subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """Generated train.txt, a test.txt of its first 300 lines without the label column, and a
+    single-process checkpoint trained 4 steps."""
+    d = tmp_path_factory.mktemp("predict")
+    train = str(d / "train.txt")
+    write_criteo(train, 2000, preset="tiny", seed=1, quiet=True)
+    with open(train) as fh:
+        head = [next(fh).rstrip("\n") for _ in range(300)]
+    test = d / "test.txt"
+    test.write_text("".join(line.split("\t", 1)[1] + "\n" for line in head))
+    r = run("-m", "des.train", "--data", train, "--checkpoint", str(d / "ck"), *TRAIN)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return d
+
+
+def predict(ck, data, out, n=1, *extra):
+    return run("-m", "des.predict", "--checkpoint", str(ck), "--data", str(data), "--out", str(out),
+               "--threads", "1", *extra, n=n)
+
+
+def test_predicts_test_txt_and_labelled_files_line_by_line(job, tmp_path):
+    r = predict(job / "ck", job / "test.txt", tmp_path / "p_test.txt")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "format criteo-test" in r.stdout
+    r = predict(job / "ck", job / "train.txt", tmp_path / "p_train.txt")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "AUC" in r.stdout and "format criteo" in r.stdout
+    p_test, p_train = np.loadtxt(tmp_path / "p_test.txt"), np.loadtxt(tmp_path / "p_train.txt")
+    assert p_test.shape == (300,) and p_train.shape == (2000,)
+    assert np.all((p_test > 0) & (p_test < 1)) and p_test.std() > 0
+    # 39 columns read as the 40 minus the label (batches differ: float32 summation order only)
+    np.testing.assert_allclose(p_test, p_train[:300], rtol=1e-6)
+
+
+def test_predictions_equal_the_restored_model_in_process(job, tmp_path):
+    import models
+    from des import checkpoint
+    from des.data import FeatureSpec
+    from des.data.readers import make_dataset
+    r = predict(job / "ck", job / "test.txt", tmp_path / "p.txt", 1, "--batch", "100")
+    assert r.returncode == 0, r.stderr[-3000:]
+    config = checkpoint.load_config(str(job / "ck"))
+    spec = FeatureSpec.from_json(json.dumps(config["spec"]))
+    model = models.build(config["model"], spec, seed=config["seed"], hidden=(128, 64))
+    checkpoint.restore(str(job / "ck"), model)
+    expected = np.concatenate([model(x, training=False).numpy().reshape(-1)
+                               for x, _ in make_dataset(str(job / "test.txt"), "criteo-test", spec, 1000)])
+    np.testing.assert_allclose(np.loadtxt(tmp_path / "p.txt"), expected, rtol=1e-6)
+    untrained = models.build(config["model"], spec, seed=config["seed"], hidden=(128, 64))
+    x, _ = next(iter(make_dataset(str(job / "test.txt"), "criteo-test", spec, 300)))
+    assert np.abs(untrained(x, training=False).numpy().reshape(-1) - expected).max() > 1e-4
+
+
+def test_bad_line_and_wrong_checkpoints_are_clear_errors(job, tmp_path):
+    lines = (job / "test.txt").read_text().splitlines()
+    bad = tmp_path / "bad.txt"
+    bad.write_text("\n".join(lines[:5] + ["\t".join(["x"] + lines[5].split("\t")[1:])] + lines[6:]) + "\n")
+    r = predict(job / "ck", bad, tmp_path / "p.txt")
+    assert r.returncode == 2 and f"{bad}:6: column I1: 'x' is not an integer" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "p.txt").exists()
+
+    r = predict(tmp_path / "nothing", job / "test.txt", tmp_path / "p.txt")
+    assert r.returncode == 2 and "config.json: no such file" in r.stderr
+
+    for change, message in (({"world_size": 2}, "written by 2 process(es); run with mpirun -np 2"),
+                            ({"mode": "ps"}, "written by --mode ps")):
+        ck = tmp_path / f"ck_{next(iter(change))}"
+        subprocess.run(["cp", "-r", str(job / "ck"), str(ck)], check=True)
+        config = json.loads((ck / "config.json").read_text())
+        (ck / "config.json").write_text(json.dumps(dict(config, **change)))
+        r = predict(ck, job / "test.txt", tmp_path / "p.txt")
+        assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.mpi
+def test_des_checkpoint_predicts_under_mpirun_like_the_single_process_model(job, tmp_path):
+    """DES on 2 processes trains the same model: its checkpoint, read by 2 processes, predicts
+    what the single-process checkpoint predicts."""
+    r = run("-m", "des.train", "--mode", "des", "--data", str(job / "train.txt"),
+            "--checkpoint", str(tmp_path / "ckd"), *TRAIN, n=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = predict(tmp_path / "ckd", job / "test.txt", tmp_path / "p_des.txt", 2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "deepfm, des, 2 process(es)" in r.stdout
+    r = predict(job / "ck", job / "test.txt", tmp_path / "p_single.txt")
+    assert r.returncode == 0, r.stderr[-3000:]
+    des_p, single_p = np.loadtxt(tmp_path / "p_des.txt"), np.loadtxt(tmp_path / "p_single.txt")
+    diff = np.abs(des_p - single_p).max()
+    print(f"DES N=2 vs single-process predictions on 300 test lines: max diff {diff:.1e}")
+    assert des_p.shape == (300,) and diff < 1e-5
