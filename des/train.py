@@ -3,7 +3,8 @@
     python -m des.train --model deepfm --data train.txt --format criteo
     mpirun -np 4 python -m des.train --mode des --model deepfm --data train.txt
 
-The last ``--holdout`` lines are held out for AUC / log loss. Under DES every process
+The last ``--holdout`` lines are held out for AUC / log loss (or ``--eval-data FILE`` is
+evaluated, and all of ``--data`` trains without a line-count pass). Under DES every process
 reads the same batches; logs and the progress bar come from rank 0 only.
 """
 from __future__ import annotations
@@ -27,6 +28,8 @@ def _args(argv):
                     help="default: the format in <data>.meta.json if present, else criteo")
     ap.add_argument("--holdout", type=float, default=0.1,
                     help="held-out lines at the end: a fraction (<1) or a count")
+    ap.add_argument("--eval-data", nargs="+", default=None,
+                    help="evaluate on these files (same format) instead of holding out lines of --data")
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--steps", type=int, default=None, help="stop each epoch after this many steps")
@@ -97,15 +100,20 @@ def main(argv=None) -> int:
     try:
         spec = _spec(a, meta)
         header = 1 if a.format == "avazu" else 0
-        total = count_lines(a.data) - header * len(a.data)
+        total = None if a.eval_data else count_lines(a.data) - header * len(a.data)
     except (FileNotFoundError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if total <= 0:
+    if total is not None and total <= 0:
         print(f"error: {a.data[0]}: file is empty", file=sys.stderr)
         return 2
-    held = int(a.holdout * total) if a.holdout < 1 else int(a.holdout)
-    n_train = total - held
+    if a.eval_data:  # train on every line of --data; no counting pass
+        held, n_train, eval_files, eval_skip = 0, None, a.eval_data, 0
+        eval_name = " ".join(a.eval_data)
+    else:
+        held = int(a.holdout * total) if a.holdout < 1 else int(a.holdout)
+        n_train, eval_files, eval_skip = total - held, a.data, total - held
+        eval_name = f"{held} held-out lines"
     skips = SkipReport()
     common = dict(skip_bad_lines=a.skip_bad_lines, skip_report=skips)
     global_batch, shard_of = a.batch, None
@@ -115,8 +123,8 @@ def main(argv=None) -> int:
     try:
         train = make_dataset(a.data, a.format, spec, global_batch, shuffle_buffer=a.shuffle_buffer,
                              seed=a.seed, take_lines=n_train, shard=shard_of, **common)
-        evald = make_dataset(a.data, a.format, spec, max(global_batch, 4096), skip_lines=n_train,
-                             shard=shard_of, **common) if held else None
+        evald = make_dataset(eval_files, a.format, spec, max(global_batch, 4096), skip_lines=eval_skip,
+                             shard=shard_of, **common) if (held or a.eval_data) else None
     except (DataError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -130,7 +138,7 @@ def main(argv=None) -> int:
     if a.mode == "des":
         model, report = des.transform(model, comm=comm, plan=plan, spec=spec)
         from des.cost import unique_ids_per_slice
-        first, _ = next(iter(make_dataset(a.data, a.format, spec, a.batch, take_lines=min(a.batch, n_train))))
+        first, _ = next(iter(make_dataset(a.data, a.format, spec, a.batch, take_lines=min(a.batch, n_train or a.batch))))
         report.estimate_costs(a.batch, unique_ids_per_slice({k: v.numpy() for k, v in first.items()},
                                                             spec, comm.world_size))
         log(report)
@@ -162,8 +170,9 @@ def main(argv=None) -> int:
         callbacks.append(traffic)
     if a.fail_at_step is not None and comm.rank == comm.world_size - 1:
         callbacks.append(_FailAt(a.fail_at_step))
-    log(f"training {a.model} ({a.mode}, {comm.world_size} process(es)) on {n_train} lines, "
-        f"holding out {held}; batch {a.batch}, optimizer {a.optimizer}")
+    log(f"training {a.model} ({a.mode}, {comm.world_size} process(es)) on "
+        f"{'all lines of --data' if n_train is None else f'{n_train} lines'}, evaluating on {eval_name}; "
+        f"batch {a.batch}, optimizer {a.optimizer}")
     try:
         verbose = (1 if sys.stdout.isatty() else 2) if rank0 else 0
         model.fit(train, epochs=a.epochs, steps_per_epoch=a.steps, verbose=verbose,
@@ -179,7 +188,7 @@ def main(argv=None) -> int:
         return 2
     summary = {"model": a.model, "mode": a.mode, "world_size": comm.world_size,
                "auc": result.get("auc"), "logloss": result.get("logloss"),
-               "samples_per_second": speed.samples_per_second(), "bayes_auc": meta.get("bayes_auc"),
+               "samples_per_second": speed.samples_per_second(), "bayes_auc": _bayes_auc(a, meta),
                "bad_lines_skipped": skips.total, "global_batch": global_batch,
                "train_auc_by_step": curve.points, "peak_rss_mib": _peak_rss_mib()}
     if report is not None:
@@ -201,9 +210,9 @@ def main(argv=None) -> int:
                                    verdict=c.verdict) for c in report.costs])
     if a.skip_bad_lines:
         log(str(skips))
-    if held:
-        log(f"AUC {summary['auc']:.4f} (Bayes-optimal {meta.get('bayes_auc', 'unknown')}), "
-            f"log loss {summary['logloss']:.4f} on {held} held-out lines")
+    if evald is not None:
+        log(f"AUC {summary['auc']:.4f} (Bayes-optimal {summary['bayes_auc'] or 'unknown'}), "
+            f"log loss {summary['logloss']:.4f} on {eval_name}")
     log(f"{summary['samples_per_second']:.0f} samples/s (global batch {global_batch} / median step time)")
     if report is not None:
         log(f"DES bytes/step handed to allreduce: measured {summary['bytes_per_step_measured']:.0f}, "
@@ -235,6 +244,17 @@ def _spec(a, meta: dict):
     if "spec" in meta and meta.get("format") == a.format:
         return FeatureSpec.from_json(json.dumps(meta["spec"])).with_dim(a.dim)
     return scan_spec(a.data, a.format, a.dim)
+
+
+def _bayes_auc(a, meta: dict):
+    """The generator's Bayes-optimal AUC of the evaluated data, if it wrote one."""
+    if not a.eval_data:
+        return meta.get("bayes_auc")
+    path = a.eval_data[0] + ".meta.json"
+    if len(a.eval_data) == 1 and os.path.exists(path):
+        with open(path) as fh:
+            return json.load(fh).get("bayes_auc")
+    return None
 
 
 def _peak_rss_mib() -> float:

@@ -1,0 +1,41 @@
+"""des.train options that need no launcher."""
+import json
+import os
+import subprocess
+import sys
+
+from des.data.synth import write_criteo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
+TRAIN = [sys.executable, "-m", "des.train", "--model", "fm", "--batch", "256", "--threads", "1",
+         "--shuffle-buffer", "1000"]
+
+
+def test_eval_data_file_equals_holding_out_the_same_lines(tmp_path):
+    """--eval-data trains on all of --data (no counting pass) and evaluates the other file: the
+    same result as holding out those lines at the end of one file."""
+    full = str(tmp_path / "full.txt")
+    write_criteo(full, 3000, preset="tiny", seed=3, quiet=True)
+    lines = open(full).read().splitlines(keepends=True)
+    (tmp_path / "train.txt").write_text("".join(lines[:2600]))
+    (tmp_path / "eval.txt").write_text("".join(lines[2600:]))
+    runs = {}
+    for name, args in (("holdout", ["--data", full, "--holdout", "400"]),
+                       ("eval", ["--data", str(tmp_path / "train.txt"), "--eval-data", str(tmp_path / "eval.txt")])):
+        r = subprocess.run(TRAIN + args + ["--summary-json", str(tmp_path / f"{name}.json")], env=ENV,
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[name] = (json.load(open(tmp_path / f"{name}.json")), r.stdout)
+    assert "on 2600 lines, evaluating on 400 held-out lines" in runs["holdout"][1]
+    assert "on all lines of --data, evaluating on" in runs["eval"][1]
+    assert runs["eval"][0]["auc"] == runs["holdout"][0]["auc"] and 0 < runs["eval"][0]["auc"] < 1
+    assert runs["eval"][0]["logloss"] == runs["holdout"][0]["logloss"]
+
+
+def test_missing_eval_file_is_a_clear_error(tmp_path):
+    data = str(tmp_path / "train.txt")
+    write_criteo(data, 300, preset="tiny", seed=3, quiet=True)
+    r = subprocess.run(TRAIN + ["--data", data, "--eval-data", str(tmp_path / "nope.txt")], env=ENV,
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and f"{tmp_path / 'nope.txt'}: no such file" in r.stderr, r.stderr[-2000:]
