@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's demo: generate Criteo-like data, train DeepFM on one process, then the same
 # model with DES on 2 processes under mpirun; both print AUC next to the Bayes-optimal AUC.
+# The DES checkpoint then predicts a generated test.txt (Criteo's 39-column test layout).
 # Then a small DES vs parameter-server vs one-process comparison (table + plots).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +20,15 @@ echo "== DES on 2 processes (mpirun + Horovod)"
 mpirun -np 2 --oversubscribe --bind-to none $PY -m des.train --mode des "${COMMON[@]}" \
   --threads 1 --replica-check 50 --checkpoint data/demo/ckpt --summary-json data/demo/des.json
 echo "== results: data/demo/single.json, data/demo/des.json.rank0, checkpoint in data/demo/ckpt"
+TEST=data/demo/test.txt
+if [ ! -f "$TEST" ]; then
+  echo "== generating a test.txt (39 columns, no label) of the same task: other rows, same planted model"
+  $PY -m des.data.synth --preset criteo-like --rows 20000 --seed 0 --sample-seed 1 --no-label --out "$TEST"
+fi
+echo "== predicting $TEST with the DES checkpoint on 2 processes"
+mpirun -np 2 --oversubscribe --bind-to none $PY -m des.predict --checkpoint data/demo/ckpt \
+  --data "$TEST" --out data/demo/predictions.txt --threads 1
+echo "   first predictions: $(head -3 data/demo/predictions.txt | tr '\n' ' ')"
 echo "== comparison: DES vs parameter server vs one process (lr, deepfm; N=2; a few minutes)"
 $PY -m des.compare --models lr,deepfm --np 2 --preset criteo-like --rows 40000 --batch 2048 \
   --steps 15 --hidden 64,32 --batches 256,512,1024,2048,4096 --out reports/demo

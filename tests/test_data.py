@@ -208,6 +208,22 @@ def test_generator_is_deterministic_and_reports_bayes_auc(tmp_path):
     assert write_criteo(str(tmp_path / "c.txt"), 2000, seed=6, quiet=True) != m1
 
 
+def test_sample_seed_draws_other_rows_of_the_same_planted_model(tmp_path):
+    """A test set of the same task: same planted model (seed), other rows (sample_seed)."""
+    from des.data.synth import CriteoGenerator, PRESETS
+    train, test = str(tmp_path / "train.txt"), str(tmp_path / "test.txt")
+    m_train = write_criteo(train, 20_000, seed=5, quiet=True)
+    m_test = write_criteo(test, 20_000, seed=5, sample_seed=8, with_label=False, quiet=True)
+    assert m_test["format"] == "criteo-test" and m_test["cardinalities"] == m_train["cardinalities"]
+    assert abs(m_test["bayes_auc"] - m_train["bayes_auc"]) < 0.01
+    rows = [l.split("\t") for l in open(test).read().splitlines()]
+    assert len(rows) == 20_000 and all(len(r) == 39 for r in rows)
+    assert set(l.split("\t", 1)[1] for l in open(train).read().splitlines()[:50]).isdisjoint(
+        "\t".join(r) for r in rows)
+    label, ints, cats, _ = CriteoGenerator(PRESETS["criteo-like"], 5).chunk(20_000, np.random.default_rng([8, 2]))
+    assert rows[7][13:] == list(cats[7]) and rows[7][:13] == list(ints[7])  # the planted model of seed 5
+
+
 def test_bayes_auc_matches_auc_of_true_probabilities():
     from des.data.synth import PRESETS, BayesStats, CriteoGenerator
     gen = CriteoGenerator(PRESETS["criteo-like"], seed=1)

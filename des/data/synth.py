@@ -121,10 +121,16 @@ class BayesStats:
 
 
 def write_criteo(path: str, rows: int, preset: str = "criteo-like", seed: int = 0,
-                 with_label: bool = True, chunk: int = 50_000, quiet: bool = False) -> dict:
-    """Write ``rows`` lines in Criteo TSV; return (and save as <path>.meta.json) the metadata."""
+                 with_label: bool = True, chunk: int = 50_000, quiet: bool = False,
+                 sample_seed: int | None = None) -> dict:
+    """Write ``rows`` lines in Criteo TSV; return (and save as <path>.meta.json) the metadata.
+
+    ``seed`` fixes the planted model, ``sample_seed`` (default: ``seed``) the rows drawn from
+    it: the same seed with another sample_seed gives an independent test set of the same task.
+    """
     gen = CriteoGenerator(PRESETS[preset], seed)
-    rng = np.random.default_rng([seed, 2])
+    sample_seed = seed if sample_seed is None else sample_seed
+    rng = np.random.default_rng([sample_seed, 2])
     stats = BayesStats()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
@@ -137,7 +143,7 @@ def write_criteo(path: str, rows: int, preset: str = "criteo-like", seed: int = 
             fh.write("\n".join("\t".join(r) for r in zip(*cols)) + "\n")
     os.replace(tmp, path)
     meta = {"format": "criteo" if with_label else "criteo-test", "preset": preset, "seed": seed,
-            "rows": rows, "bayes_auc": round(stats.auc(), 6), "bayes_logloss": round(stats.logloss(), 6),
+            "sample_seed": sample_seed, "rows": rows, "bayes_auc": round(stats.auc(), 6), "bayes_logloss": round(stats.logloss(), 6),
             "cardinalities": dict(zip(CRITEO_INT + CRITEO_CAT,
                                       [c + 1 for c in gen.p.int_card + gen.p.cat_card]))}
     with open(path + ".meta.json", "w") as fh:
@@ -153,7 +159,9 @@ def main(argv=None) -> None:
     ap.add_argument("--preset", default="criteo-like", choices=sorted(PRESETS) + ["wide"],
                     help="criteo-like / tiny: Criteo TSV; wide: libffm, ~950 active features per sample")
     ap.add_argument("--rows", type=int, default=100_000)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the planted model (and, by default, the rows)")
+    ap.add_argument("--sample-seed", type=int, default=None,
+                    help="the rows drawn from the planted model: another value gives a test set of the same task")
     ap.add_argument("--out", required=True)
     ap.add_argument("--no-label", action="store_true", help="write test.txt layout (39 columns)")
     a = ap.parse_args(argv)
@@ -161,9 +169,9 @@ def main(argv=None) -> None:
         from des.data.synth_wide import write_wide
         if a.no_label:
             ap.error("--no-label applies to the Criteo layout only")
-        write_wide(a.out, a.rows, a.seed)
+        write_wide(a.out, a.rows, a.seed, sample_seed=a.sample_seed)
         return
-    write_criteo(a.out, a.rows, a.preset, a.seed, with_label=not a.no_label)
+    write_criteo(a.out, a.rows, a.preset, a.seed, with_label=not a.no_label, sample_seed=a.sample_seed)
 
 
 if __name__ == "__main__":

@@ -102,11 +102,13 @@ def _lines(label, fields) -> list[str]:
     return [" ".join(t for t in row if t is not None) for row in zip(*pieces)]
 
 
-def write_wide(path: str, rows: int, seed: int = 0, chunk: int = 2000, quiet: bool = False) -> dict:
+def write_wide(path: str, rows: int, seed: int = 0, chunk: int = 2000, quiet: bool = False,
+               sample_seed: int | None = None) -> dict:
     """Write ``rows`` libffm lines; return (and save as <path>.meta.json) the metadata with the spec."""
     from des.data.libsvm import sparse_spec
     gen = WideGenerator(WIDE, seed)
-    rng = np.random.default_rng([seed, 12])
+    sample_seed = seed if sample_seed is None else sample_seed  # rows; seed: the planted model
+    rng = np.random.default_rng([sample_seed, 12])
     stats = BayesStats()
     active = 0
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -121,7 +123,7 @@ def write_wide(path: str, rows: int, seed: int = 0, chunk: int = 2000, quiet: bo
     os.replace(tmp, path)
     cards = WIDE.single_card + WIDE.multi_card
     spec = sparse_spec("F", gen.max_lens(), dim=8)
-    meta = {"format": "libffm", "preset": "wide", "seed": seed, "rows": rows,
+    meta = {"format": "libffm", "preset": "wide", "seed": seed, "sample_seed": sample_seed, "rows": rows,
             "bayes_auc": round(stats.auc(), 6), "bayes_logloss": round(stats.logloss(), 6),
             "active_features_per_sample": round(active / max(rows, 1), 1),
             "cardinalities": {f.name: c for f, c in zip(spec, cards)},
