@@ -67,7 +67,7 @@ def shard(model: tf.keras.Model, exchange: KeyExchange) -> PSModel:
         if any(graph.input_name(t) is None for t in n.tensor_operands()):
             raise ValueError(f"embedding {n.layer.name!r} does not read model inputs directly")
         old = n.layer
-        new = ShardedFieldEmbedding(old.field, old.dim, exchange, old.seed, old.init_scale)
+        new = ShardedFieldEmbedding(old.field, old.dim, exchange, old.seed, old.init_scale, linear=old.linear)
         args = tf.nest.map_structure(lambda t: env.get(id(t), t), n.call_args)
         given[n.output] = new(*args, **n.call_kwargs)
     ps = replay(graph, {n.index for n in embeds}, given, cls=PSModel, suffix="ps")

@@ -35,6 +35,9 @@ def _args(argv):
     ap.add_argument("--steps", type=int, default=None, help="stop each epoch after this many steps")
     ap.add_argument("--optimizer", default="adam", choices=["sgd", "adagrad", "adam", "ftrl"])
     ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--linear-optimizer", default=None, choices=["sgd", "adagrad", "adam", "ftrl"],
+                    help="another optimizer for the linear part (sparse linear sum, bias), e.g. ftrl")
+    ap.add_argument("--linear-lr", type=float, default=None)
     ap.add_argument("--dim", type=int, default=8)
     ap.add_argument("--hidden", default="128,64")
     ap.add_argument("--seed", type=int, default=0)
@@ -148,7 +151,8 @@ def main(argv=None) -> int:
         model.record_ids = a.check_bytes
         log(f"PS: {len(ps.table_inputs(model))} tables sharded by key over {comm.world_size} process(es), "
             f"{ps.dense_parameters(model)} dense parameters allreduced; global batch {global_batch}")
-    optimizer = models.make_optimizer(a.optimizer, a.lr)
+    optimizer = models.make_optimizer(a.optimizer, a.lr, linear=a.linear_optimizer,
+                                      linear_learning_rate=a.linear_lr)
     model.compile(optimizer, "binary_crossentropy",
                   metrics=[tf.keras.metrics.AUC(num_thresholds=10_000, name="auc"),
                            tf.keras.metrics.BinaryCrossentropy(name="logloss")])
@@ -172,7 +176,8 @@ def main(argv=None) -> int:
         callbacks.append(_FailAt(a.fail_at_step))
     log(f"training {a.model} ({a.mode}, {comm.world_size} process(es)) on "
         f"{'all lines of --data' if n_train is None else f'{n_train} lines'}, evaluating on {eval_name}; "
-        f"batch {a.batch}, optimizer {a.optimizer}")
+        f"batch {a.batch}, optimizer {a.optimizer}"
+        f"{f' ({a.linear_optimizer} on the linear part)' if a.linear_optimizer else ''}")
     try:
         verbose = (1 if sys.stdout.isatty() else 2) if rank0 else 0
         model.fit(train, epochs=a.epochs, steps_per_epoch=a.steps, verbose=verbose,
@@ -221,6 +226,7 @@ def main(argv=None) -> int:
     if a.checkpoint:
         config = {"model": a.model, "mode": a.mode, "format": a.format, "dim": a.dim,
                   "hidden": a.hidden, "seed": a.seed, "optimizer": a.optimizer,
+                  "linear_optimizer": a.linear_optimizer,
                   "spec": json.loads(spec.to_json())}
         path = checkpoint.save(a.checkpoint, model, optimizer, getattr(model, "des_plan", None),
                                comm.rank, comm.world_size, config=config)

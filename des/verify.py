@@ -65,10 +65,23 @@ def snapshot(model: tf.keras.Model) -> dict:
     return {"tables": tables, "weights": weights, "first_dense": first}
 
 
-def train_and_snapshot(model, optimizer: str, learning_rate: float, batches, probe) -> dict:
-    """train_on_batch over ``batches``; predictions on ``probe`` after every step; final snapshot."""
+def optimizer_factory(name: str, learning_rates: dict[str, float]) -> Callable:
+    """``"adam"``, or ``"ftrl+adam"``: FTRL on the linear part, Adam on the rest."""
     from models.optim import make_optimizer
-    model.compile(make_optimizer(optimizer, learning_rate), loss="binary_crossentropy")
+    if "+" in name:
+        linear, rest = name.split("+")
+        return lambda: make_optimizer(rest, learning_rates[rest], linear=linear,
+                                      linear_learning_rate=learning_rates[linear])
+    return lambda: make_optimizer(name, learning_rates[name])
+
+
+def train_and_snapshot(model, optimizer, learning_rate: float | None, batches, probe) -> dict:
+    """train_on_batch over ``batches``; predictions on ``probe`` after every step; final snapshot.
+
+    ``optimizer``: a name for make_optimizer, or a function that makes the optimizer."""
+    from models.optim import make_optimizer
+    opt = optimizer() if callable(optimizer) else make_optimizer(optimizer, learning_rate)
+    model.compile(opt, loss="binary_crossentropy")
     preds = []
     for x, y in batches:
         model.train_on_batch(x, y)

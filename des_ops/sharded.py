@@ -100,8 +100,8 @@ class ShardedFieldEmbedding(FieldEmbedding):
     """FieldEmbedding whose rows live with their owner process (see the module docstring)."""
 
     def __init__(self, field: str, dim: int, exchange: KeyExchange, seed: int = 0,
-                 init_scale: float = 0.05, name: str | None = None, **kwargs):
-        super().__init__(field, dim, seed, init_scale, name=name or f"ps{dim}_{field}", **kwargs)
+                 init_scale: float = 0.05, name: str | None = None, linear: bool = False, **kwargs):
+        super().__init__(field, dim, seed, init_scale, name=name or f"ps{dim}_{field}", linear=linear, **kwargs)
         self.exchange = exchange
 
     def call(self, inputs, training=None):

@@ -62,11 +62,14 @@ class FieldEmbedding(de.keras.layers.Embedding):
     des_embedding = True  # des.transform treats it as one field's table
 
     def __init__(self, field: str, dim: int, seed: int = 0, init_scale: float = 0.05,
-                 name: str | None = None, **kwargs):
+                 name: str | None = None, linear: bool = False, **kwargs):
         self.field, self.dim, self.seed, self.init_scale = field, int(dim), int(seed), float(init_scale)
         name = table_name(name or f"emb{dim}_{field}")
         super().__init__(self.dim, initializer=tf.keras.initializers.Zeros(), name=name, **kwargs)
         self.salt = table_salt(field, self.dim, self.seed)
+        self.linear = bool(linear)  # a weight of the model's linear part (see models.optim)
+        if self.linear:
+            self.shadow.des_linear_part = True
 
     def call(self, inputs, training=None):
         ids, weights = (inputs[0], inputs[1]) if isinstance(inputs, (list, tuple)) else (inputs, None)
@@ -99,7 +102,7 @@ class FieldEmbedding(de.keras.layers.Embedding):
 
     def get_config(self):
         return {"field": self.field, "dim": self.dim, "seed": self.seed,
-                "init_scale": self.init_scale, "name": self.name}
+                "init_scale": self.init_scale, "name": self.name, "linear": self.linear}
 
 
 def pool(flat_rows: tf.Tensor, ids: tf.Tensor, weights: tf.Tensor | None, dim: int) -> tf.Tensor:
@@ -118,6 +121,7 @@ class Bias(tf.keras.layers.Layer):
 
     def build(self, input_shape):
         self.b = self.add_weight("b", shape=(1,), initializer="zeros")
+        self.b.des_linear_part = True  # see models.optim
 
     def call(self, x):
         return x + self.b

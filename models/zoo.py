@@ -41,7 +41,8 @@ def _lookup_input(f, x):
 
 
 def _linear_sum(spec: FeatureSpec, x, seed: int):
-    terms = [FieldEmbedding(f.name, 1, seed, init_scale=0.0)(_lookup_input(f, x)) for f in spec.sparse()]
+    terms = [FieldEmbedding(f.name, 1, seed, init_scale=0.0, linear=True)(_lookup_input(f, x))
+             for f in spec.sparse()]
     return L.Add(name="linear_sum")(terms) if len(terms) > 1 else terms[0]
 
 

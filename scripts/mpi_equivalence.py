@@ -19,7 +19,7 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 import horovod.tensorflow as hvd  # noqa: E402
 
 import models  # noqa: E402
-from des.verify import random_batches, small_spec, train_and_snapshot  # noqa: E402
+from des.verify import optimizer_factory, random_batches, small_spec, train_and_snapshot  # noqa: E402
 from des_ops.comm import HorovodCommunicator, Mpi4pyCommunicator, allreduce_sum  # noqa: E402
 
 LR = {"sgd": 0.2, "adagrad": 0.05, "adam": 0.01, "ftrl": 0.05}
@@ -33,7 +33,7 @@ def main(name: str, optimizer: str, out: str, comm_kind: str = "horovod") -> Non
     model, report = des.transform(models.build(name, spec, seed=3, hidden=(8, 4)), comm=comm)
     if comm.rank == 0:
         print(report, flush=True)
-    snap = train_and_snapshot(model, optimizer, LR[optimizer], batches, probe)
+    snap = train_and_snapshot(model, optimizer_factory(optimizer, LR), None, batches, probe)
     x = tf.Variable([1.0, 2.0])
     with tf.GradientTape(persistent=True) as tape:
         ours = tf.reduce_sum(allreduce_sum(comm, x))

@@ -20,7 +20,7 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 import models  # noqa: E402
 from des.data.readers import _slice_batch  # noqa: E402
 from des.ps import analytic_bytes, dense_parameters, shard, table_inputs  # noqa: E402
-from des.verify import ps_batches, PS_SPEC  # noqa: E402
+from des.verify import optimizer_factory, ps_batches, PS_SPEC  # noqa: E402
 from des_ops.sharded import KeyExchange  # noqa: E402
 
 LR = {"sgd": 0.2, "adagrad": 0.05, "adam": 0.01, "ftrl": 0.05}
@@ -31,7 +31,7 @@ def main(name: str, optimizer: str, out: str) -> None:
     rank, n = exchange.rank, exchange.world_size
     batches, probe = ps_batches()
     model = shard(models.build(name, PS_SPEC, seed=3, hidden=(8, 4)), exchange)
-    model.compile(models.make_optimizer(optimizer, LR[optimizer]), "binary_crossentropy")
+    model.compile(optimizer_factory(optimizer, LR)(), "binary_crossentropy")
     tables, dense = table_inputs(model), dense_parameters(model)
     preds, measured, analytic, rows = [], [], [], []
     for x, y in batches:

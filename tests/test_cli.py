@@ -39,3 +39,15 @@ def test_missing_eval_file_is_a_clear_error(tmp_path):
     r = subprocess.run(TRAIN + ["--data", data, "--eval-data", str(tmp_path / "nope.txt")], env=ENV,
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and f"{tmp_path / 'nope.txt'}: no such file" in r.stderr, r.stderr[-2000:]
+
+
+def test_linear_optimizer_option(tmp_path):
+    """--linear-optimizer ftrl trains the linear part with FTRL; the checkpoint records it."""
+    data = str(tmp_path / "train.txt")
+    write_criteo(data, 1000, preset="tiny", seed=3, quiet=True)
+    r = subprocess.run(TRAIN + ["--data", data, "--model", "wdl", "--steps", "3", "--linear-optimizer", "ftrl",
+                                "--checkpoint", str(tmp_path / "ck")],
+                       env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "optimizer adam (ftrl on the linear part)" in r.stdout
+    assert json.load(open(tmp_path / "ck" / "config.json"))["linear_optimizer"] == "ftrl"

@@ -34,6 +34,20 @@ def test_sweep_n_1_to_5(name, optimizer):
         assert max(diff.values()) < TOL, (n, diff)
 
 
+@pytest.mark.parametrize("name", ["lr", "fm", "wdl", "deepfm"])
+def test_ftrl_on_the_linear_part_adam_on_the_rest(name):
+    """Wide&Deep's usual optimizers (FTRL for the linear part, Adam for the rest) under DES."""
+    make = lambda: models.make_optimizer("adam", LR["adam"], linear="ftrl", linear_learning_rate=LR["ftrl"])  # noqa: E731
+    work = lambda m: train_and_snapshot(m, make, None, BATCHES, PROBE)  # noqa: E731
+    ref = work(build(name)())
+    adam_only = train_and_snapshot(build(name)(), "adam", LR["adam"], BATCHES, PROBE)
+    assert np.abs(ref["predictions"] - adam_only["predictions"]).max() > 1e-4  # FTRL did act
+    for n in (2, 3):
+        diff = compare(ref, run_in_process_world(n, build(name), work))
+        print(f"{name} ftrl+adam N={n}: {diff}")
+        assert max(diff.values()) < TOL, (n, diff)
+
+
 def test_n1_des_equals_plain_model():
     x = PROBE
     for name in ["lr", "fm", "dnn", "wdl", "deepfm"]:

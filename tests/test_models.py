@@ -1,4 +1,5 @@
 """Reference models: key-deterministic tables, training to a real AUC, checkpoint round trip."""
+import os
 import subprocess
 import sys
 
@@ -83,7 +84,7 @@ def test_tfra_optimizers_update_tables(optimizer):
 
 
 RESTORE = """
-import sys, numpy as np, tensorflow as tf
+import os, sys, numpy as np, tensorflow as tf
 import des, models
 from des import checkpoint
 from des.data import criteo_spec
@@ -93,7 +94,7 @@ full = criteo_spec(dim=4)
 spec = type(full)(full.fields[10:18])   # 8 of the fields keep the test quick
 batches = list(make_dataset(path, "criteo", full, 256, take_lines=256 * 6))
 model = models.build("deepfm", spec, seed=2, hidden=(16,))
-opt = models.make_optimizer("adam", 0.01)
+opt = models.make_optimizer("adam", 0.01, linear=os.environ.get("LINEAR_OPTIMIZER") or None)
 model.compile(opt, "binary_crossentropy")
 if ck != "-":
     checkpoint.restore(ck, model, opt)
@@ -107,15 +108,18 @@ np.save(out, np.stack([p1, model.predict_on_batch(batches[5][0])]))
 """
 
 
-def test_checkpoint_round_trip_restores_predictions_tables_and_slots(tmp_path, data):
+@pytest.mark.parametrize("linear", ["", "ftrl"])
+def test_checkpoint_round_trip_restores_predictions_tables_and_slots(tmp_path, data, linear):
     """Train 4 steps and save in one process; restore in a fresh process: same predictions,
-    and one more step gives the same result too (tables AND optimizer slots came back)."""
+    and one more step gives the same result too (tables AND optimizer slots came back; with
+    FTRL on the linear part, the slots of both optimizers)."""
     path, _ = data
     script = tmp_path / "restore.py"
     script.write_text(RESTORE)
     ck = str(tmp_path / "ck")
-    run = lambda *a: subprocess.run([sys.executable, str(script), path, *a], check=True,
-                                    capture_output=True, text=True)
+    env = dict(os.environ, LINEAR_OPTIMIZER=linear)
+    run = lambda *a: subprocess.run([sys.executable, str(script), path, *a], check=True,  # noqa: E731
+                                    capture_output=True, text=True, env=env)
     run("-", str(tmp_path / "a.npy"), "4", ck)
     run(ck, str(tmp_path / "b.npy"), "0")
     saved, restored = np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy")
@@ -125,6 +129,35 @@ def test_checkpoint_round_trip_restores_predictions_tables_and_slots(tmp_path, d
     fresh_dir = tmp_path / "none"
     run("-", str(tmp_path / "c.npy"), "0", str(fresh_dir))
     assert not np.allclose(np.load(tmp_path / "c.npy")[0], saved[0], atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["fm", "wdl", "deepfm"])
+def test_ftrl_on_the_linear_part_adam_on_the_rest(name):
+    """After one step from the same start, the linear part's rows equal an all-FTRL model's and
+    every other weight equals an all-Adam model's (the gradients are the same in all three)."""
+    from des.verify import random_batches, small_spec, snapshot
+    from models.optim import is_linear
+    spec = small_spec(3, dim=4)
+    x, y = random_batches(spec, 1, 16, seed=1)[0]
+
+    def one_step(opt):
+        m = models.build(name, spec, seed=3, hidden=(4,))
+        m.compile(opt, "binary_crossentropy")
+        m.train_on_batch(x, y)
+        return m, snapshot(m)
+    _, ftrl = one_step(models.make_optimizer("ftrl", 0.05))
+    _, adam = one_step(models.make_optimizer("adam", 0.01))
+    split_model, split = one_step(models.make_optimizer("adam", 0.01, linear="ftrl", linear_learning_rate=0.05))
+    linear_names = [v.name for v in split_model.trainable_variables if is_linear(v)]
+    assert len([n for n in linear_names if "emb1_" in n]) == 3
+    assert any("bias/b" in n for n in linear_names) == (name != "wdl")
+    for (field, dim), rows in split["tables"].items():
+        same, other = (ftrl, adam) if dim == 1 else (adam, ftrl)
+        for key, row in rows.items():
+            np.testing.assert_array_equal(row, same["tables"][(field, dim)][key])
+        assert max(np.abs(r - other["tables"][(field, dim)][k]).max() for k, r in rows.items()) > 1e-4
+    for k, w in split["weights"].items():
+        np.testing.assert_array_equal(w, (ftrl if k == "bias/b" else adam)["weights"][k])
 
 
 def test_restore_with_another_process_count_is_a_clear_error(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 
 import models
 from des.data.synth import write_criteo
-from des.verify import compare, random_batches, small_spec, train_and_snapshot
+from des.verify import compare, optimizer_factory, random_batches, small_spec, train_and_snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
@@ -27,13 +27,13 @@ def mpirun(n, *args, timeout=600):
 @pytest.mark.mpi
 @pytest.mark.parametrize("name, optimizer, n, comm", [
     ("deepfm", "adam", 2, "horovod"), ("wdl", "ftrl", 3, "horovod"), ("fm", "adagrad", 4, "horovod"),
-    ("dnn", "sgd", 3, "horovod"), ("lr", "adam", 2, "mpi4py")])
+    ("dnn", "sgd", 3, "horovod"), ("lr", "adam", 2, "mpi4py"), ("wdl", "ftrl+adam", 2, "horovod")])
 def test_des_under_mpirun_equals_single_process(tmp_path, name, optimizer, n, comm):
     run = mpirun(n, "scripts/mpi_equivalence.py", name, optimizer, str(tmp_path), comm)
     assert run.returncode == 0, run.stderr[-3000:]
     ranks = [pickle.load(open(tmp_path / f"rank{r}.pkl", "rb")) for r in range(n)]
     spec = small_spec(4, dim=3)
-    ref = train_and_snapshot(models.build(name, spec, seed=3, hidden=(8, 4)), optimizer, LR[optimizer],
+    ref = train_and_snapshot(models.build(name, spec, seed=3, hidden=(8, 4)), optimizer_factory(optimizer, LR), None,
                              random_batches(spec, 20, 32, seed=4), random_batches(spec, 1, 16, seed=99)[0][0])
     diff = compare(ref, ranks)
     print(f"mpirun -np {n} {name} {optimizer} ({comm}): {diff}")
@@ -87,7 +87,8 @@ def test_a_dying_rank_ends_the_job_with_an_error(criteo_file):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("name, optimizer, n", [("deepfm", "adam", 2), ("wdl", "sgd", 3), ("fm", "ftrl", 3)])
+@pytest.mark.parametrize("name, optimizer, n", [("deepfm", "adam", 2), ("wdl", "sgd", 3), ("fm", "ftrl", 3),
+                                                ("deepfm", "ftrl+adam", 2)])
 def test_ps_under_mpirun_equals_single_process_and_counts_bytes_exactly(tmp_path, name, optimizer, n):
     """Sharded tables + all-to-all + dense allreduce on slices of the global batch make the same
     updates as one process on the whole batch: every gradient reaches its row although keys
@@ -98,7 +99,7 @@ def test_ps_under_mpirun_equals_single_process_and_counts_bytes_exactly(tmp_path
     ranks = [pickle.load(open(tmp_path / f"rank{r}.pkl", "rb")) for r in range(n)]
     batches, probe = ps_batches()
     ref = models.build(name, PS_SPEC, seed=3, hidden=(8, 4))
-    ref.compile(models.make_optimizer(optimizer, LR[optimizer]), "binary_crossentropy")
+    ref.compile(optimizer_factory(optimizer, LR)(), "binary_crossentropy")
     expected = []
     for x, y in batches:
         ref.train_on_batch(x, y)
