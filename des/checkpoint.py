@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 
@@ -84,6 +85,29 @@ def restore(directory: str, model, optimizer=None, rank: int = 0, world_size: in
         others = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
         raise FileNotFoundError(f"no checkpoint for rank {rank} of {world_size} in {directory!r} "
                                 f"(found: {others}); restore needs the same number of processes")
+    _check_table_names(os.path.join(path, "ckpt"), model)
     parts = {"model": model} if optimizer is None else {"model": model, "optimizer": optimizer}
     tf.train.Checkpoint(**parts).read(os.path.join(path, "ckpt")).expect_partial()
     return path
+
+
+def _check_table_names(prefix: str, model) -> None:
+    """TFRA keys a table's rows by the table's name; a model whose tables got other names
+    (``table_name`` numbers the second model built in a process) would silently keep its own
+    rows. Make that an error instead."""
+    from des.verify import table_layers
+    if model is None:
+        return
+    saved = set()
+    for key, _ in tf.train.list_variables(prefix):
+        found = re.search(r"tables_of_(.+?)/\d+/\.ATTRIBUTES/table-keys$", key)
+        if found:
+            saved.add(found.group(1))
+    missing = [t.params.name for t in table_layers(model) if t.params.name not in saved]
+    saved = sorted(n for n in saved if n.endswith("-parameter"))  # not the optimizer slot tables
+    if missing:
+        raise ValueError(
+            f"{prefix}: the checkpoint has no rows for tables {missing[:4]} (it holds "
+            f"{sorted(saved)[:4]}{' ...' if len(saved) > 4 else ''}). TFRA keys tables by name, and this "
+            f"model's tables were named differently because another model was built first in this "
+            f"process: restore in a fresh process, building this model first.")

@@ -160,6 +160,21 @@ def test_ftrl_on_the_linear_part_adam_on_the_rest(name):
         np.testing.assert_array_equal(w, (ftrl if k == "bias/b" else adam)["weights"][k])
 
 
+def test_restore_into_tables_of_other_names_is_a_clear_error(tmp_path):
+    """The second model built in a process gets numbered table names; TFRA would silently skip
+    its rows on restore, so restore refuses."""
+    from des.verify import random_batches, small_spec
+    spec = small_spec(2, dim=3)
+    x, y = random_batches(spec, 1, 16, seed=1)[0]
+    a = models.build("fm", spec, seed=3)
+    a.compile(models.make_optimizer("adam", 0.01), "binary_crossentropy")
+    a.train_on_batch(x, y)
+    checkpoint.save(str(tmp_path), a, a.optimizer)
+    checkpoint.restore(str(tmp_path), a, a.optimizer)               # the same tables: fine
+    with pytest.raises(ValueError, match="restore in a fresh process"):
+        checkpoint.restore(str(tmp_path), models.build("fm", spec, seed=3))
+
+
 def test_restore_with_another_process_count_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="rank 0 of 2"):
         checkpoint.restore(str(tmp_path), None, None, rank=0, world_size=2)

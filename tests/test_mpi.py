@@ -73,7 +73,7 @@ def test_training_cli_des_under_mpirun(criteo_file, tmp_path):
     s = json.load(open(tmp_path / "single.json"))
     assert abs(ranks[0]["auc"] - s["auc"]) < 1e-4 and ranks[0]["auc"] > 0.55
     assert ranks[0]["bytes_per_step_measured"] == ranks[0]["bytes_per_step_analytic"] == 4 * 512 * 17
-    assert sorted(os.listdir(tmp_path / "ck")) == ["rank0-of-2", "rank1-of-2"]
+    assert sorted(os.listdir(tmp_path / "ck")) == ["config.json", "rank0-of-2", "rank1-of-2"]
     assert os.path.exists(tmp_path / "ck" / "rank1-of-2" / "plan.json")
     again = mpirun(2, *TRAIN, "--mode", "des", "--data", criteo_file, "--restore", str(tmp_path / "ck"),
                    "--steps", "2")

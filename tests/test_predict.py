@@ -57,23 +57,34 @@ def test_predicts_test_txt_and_labelled_files_line_by_line(job, tmp_path):
     np.testing.assert_allclose(p_test, p_train[:300], rtol=1e-6)
 
 
-def test_predictions_equal_the_restored_model_in_process(job, tmp_path):
-    import models
-    from des import checkpoint
-    from des.data import FeatureSpec
-    from des.data.readers import make_dataset
+RESTORE = """
+import json, sys, numpy as np
+import des, models
+from des import checkpoint
+from des.data import FeatureSpec
+from des.data.readers import make_dataset
+ck, test, out = sys.argv[1:4]
+config = checkpoint.load_config(ck)
+spec = FeatureSpec.from_json(json.dumps(config["spec"]))
+model = models.build(config["model"], spec, seed=config["seed"], hidden=(128, 64))
+untrained = [model(x, training=False).numpy().reshape(-1) for x, _ in make_dataset(test, "criteo-test", spec, 1000)]
+checkpoint.restore(ck, model)
+restored = [model(x, training=False).numpy().reshape(-1) for x, _ in make_dataset(test, "criteo-test", spec, 1000)]
+np.save(out, np.stack([np.concatenate(untrained), np.concatenate(restored)]))
+"""
+
+
+def test_predictions_equal_the_restored_model(job, tmp_path):
+    """des.predict's file equals what the checkpoint restored into a freshly built model (in a
+    fresh process: TFRA keys tables by name) predicts, and differs from the untrained model."""
     r = predict(job / "ck", job / "test.txt", tmp_path / "p.txt", 1, "--batch", "100")
     assert r.returncode == 0, r.stderr[-3000:]
-    config = checkpoint.load_config(str(job / "ck"))
-    spec = FeatureSpec.from_json(json.dumps(config["spec"]))
-    model = models.build(config["model"], spec, seed=config["seed"], hidden=(128, 64))
-    checkpoint.restore(str(job / "ck"), model)
-    expected = np.concatenate([model(x, training=False).numpy().reshape(-1)
-                               for x, _ in make_dataset(str(job / "test.txt"), "criteo-test", spec, 1000)])
-    np.testing.assert_allclose(np.loadtxt(tmp_path / "p.txt"), expected, rtol=1e-6)
-    untrained = models.build(config["model"], spec, seed=config["seed"], hidden=(128, 64))
-    x, _ = next(iter(make_dataset(str(job / "test.txt"), "criteo-test", spec, 300)))
-    assert np.abs(untrained(x, training=False).numpy().reshape(-1) - expected).max() > 1e-4
+    (tmp_path / "restore.py").write_text(RESTORE)
+    r = run(str(tmp_path / "restore.py"), str(job / "ck"), str(job / "test.txt"), str(tmp_path / "m.npy"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    untrained, restored = np.load(tmp_path / "m.npy")
+    np.testing.assert_allclose(np.loadtxt(tmp_path / "p.txt"), restored, rtol=1e-6)
+    assert np.abs(untrained - restored).max() > 1e-4
 
 
 def test_bad_line_and_wrong_checkpoints_are_clear_errors(job, tmp_path):
