@@ -108,6 +108,6 @@ def _check_table_names(prefix: str, model) -> None:
     if missing:
         raise ValueError(
             f"{prefix}: the checkpoint has no rows for tables {missing[:4]} (it holds "
-            f"{sorted(saved)[:4]}{' ...' if len(saved) > 4 else ''}). TFRA keys tables by name, and this "
+            f"{saved[:4]}{' ...' if len(saved) > 4 else ''}). TFRA keys tables by name, and this "
             f"model's tables were named differently because another model was built first in this "
             f"process: restore in a fresh process, building this model first.")

@@ -14,6 +14,7 @@ with the input lines, so there is no skip option).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -65,10 +66,10 @@ def main(argv=None) -> int:
     import models
     from des import checkpoint
     from des.data import DataError, FeatureSpec
+    from des.data.errors import op_error_message
     from des.data.readers import make_dataset
     from des_ops.comm import default_communicator
 
-    import json
     try:
         config = checkpoint.load_config(a.checkpoint)
         fmt = a.format or detect_format(config["format"], a.data[0])
@@ -104,8 +105,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except tf.errors.OpError as e:
-        msg = next((l for l in str(e).splitlines() if "DataError" in l), str(e).split("\n")[0])
-        print(f"error: {msg}", file=sys.stderr)
+        print(f"error: {op_error_message(e)}", file=sys.stderr)
         return 2
     p = np.concatenate(probs) if probs else np.zeros(0, np.float32)
     if comm.rank == 0:

@@ -79,6 +79,7 @@ def main(argv=None) -> int:
     from des import checkpoint
     from des.callbacks import BytesPerStep, ReplicaCheck, Throughput
     from des.data import DataError, SkipReport
+    from des.data.errors import op_error_message
     from des.data.readers import make_dataset
     from des_ops.comm import default_communicator
 
@@ -186,10 +187,7 @@ def main(argv=None) -> int:
         if a.mode == "ps" and evald is not None:
             result = ps.aggregate_metrics(model, exchange)
     except tf.errors.OpError as e:
-        msg = str(e).split("\n")[0]
-        if "DataError" in str(e):
-            msg = next((l for l in str(e).splitlines() if "DataError" in l), msg)
-        print(f"error: {msg}", file=sys.stderr)
+        print(f"error: {op_error_message(e)}", file=sys.stderr)
         return 2
     summary = {"model": a.model, "mode": a.mode, "world_size": comm.world_size,
                "auc": result.get("auc"), "logloss": result.get("logloss"),

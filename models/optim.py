@@ -15,6 +15,8 @@ OPTIMIZERS = {
     "ftrl": lambda lr: tf.keras.optimizers.legacy.Ftrl(lr),
 }
 DEFAULT_LR = {"sgd": 0.5, "adagrad": 0.05, "adam": 0.001, "ftrl": 0.05}
+
+
 def is_linear(variable) -> bool:
     """True for a weight of the models' linear part: the tables of the sparse linear sum
     (``FieldEmbedding(..., linear=True)``) and the ``Bias`` layer mark their variables."""

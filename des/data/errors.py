@@ -9,6 +9,13 @@ class DataError(ValueError):
     """Bad input: the message names the file, the line and the problem."""
 
 
+def op_error_message(error: Exception) -> str:
+    """The line to show for a tf.errors.OpError raised while reading: the reader's DataError line
+    (file:line: problem) when there is one, else the error's first line."""
+    text = str(error)
+    return next((line for line in text.splitlines() if "DataError" in line), text.split("\n")[0])
+
+
 class SkipReport:
     """Counts lines skipped by a reader run with ``skip_bad_lines=True``, by problem.
 
