@@ -55,8 +55,7 @@ class ReplicaCheck(tf.keras.callbacks.Callback):
     def replicated_layers(self):
         des_layer = getattr(self.model, "des_layer", None)
         return [l for l in self.model.layers if l.weights and l is not des_layer
-                and not getattr(l, "des_embedding", False)] + \
-               ([op for op in des_layer.ops if op.weights] if des_layer is not None else [])
+                and not getattr(l, "des_embedding", False)]
 
     def check(self) -> None:
         layers = self.replicated_layers()
@@ -77,11 +76,9 @@ class ReplicaCheck(tf.keras.callbacks.Callback):
 
 
 def _checksum(layer) -> float:
-    """Sum of the replicated weights of a layer (a DenseBlock's own kernel rows are excluded)."""
+    """Sum of the weights of a replicated layer."""
     total = 0.0
     for w in layer.weights:
-        if "kernel_block" in w.name:
-            continue
         total += float(tf.reduce_sum(tf.cast(w, tf.float64)).numpy())
     return total
 

@@ -3,24 +3,30 @@
     >>> model, report = des.transform(deepfm(spec))          # world from Horovod under mpirun
     >>> print(report)
 
-Steps: IR of the functional graph -> every registered rule tried at every node -> safety
-checks (no intermediate used outside its match; every table of a substituted field used
-only by substituted operators) -> field plan -> one DESFirstLayer with this process's
-tables and sub-operators -> the rest of the graph replayed on top of it, with the same
-layer objects (so trained weights of the replicated tail are kept).
+Steps: IR of the functional graph (des.ir: one canonical graph whatever the spelling) ->
+field vectors and layouts (des.fields) -> every registered rule tried at every node ->
+safety checks (no intermediate used outside its match; every table of a substituted field
+used only by substituted operators) -> every process takes rank 0's weights -> field plan
+-> one DESFirstLayer with this process's tables, their chains and the sub-operators -> the
+rest of the graph replayed on top of it, with the same layer objects (so trained weights of
+the replicated tail are kept).
 """
 from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import tensorflow as tf
 
-from des.ir import Graph, replay
+from des.fields import GLUE, FieldAnalysis, FieldVector
+from des.ir import Graph, Node, call_node, is_keras_tensor, replay
 from des.plan import FieldCost, FieldPlan, make_plan
 from des_ops.comm import Communicator, default_communicator
-from des_ops.suboperators import DenseBlock, DESFirstLayer, FMInteraction, LinearSum
+from des_ops.suboperators import DESFirstLayer
 from rewrite_rules import RULES, Match, Rejection
+
+
+class TransformError(ValueError):
+    """des.transform(..., strict=True) could not substitute every table; the message is the report."""
 
 
 @dataclasses.dataclass
@@ -33,6 +39,8 @@ class Report:
     floats_per_sample: int = 0
     widths: dict[str, int] = dataclasses.field(default_factory=dict)
     costs: list = dataclasses.field(default_factory=list)   # des.cost.estimate(...), when known
+    tables: list[str] = dataclasses.field(default_factory=list)      # one line per table
+    unsubstituted: list[str] = dataclasses.field(default_factory=list)   # names of tables left as they were
 
     def estimate_costs(self, batch_size: int, unique_per_slice: dict[str, float]) -> list:
         """DES vs PS bytes per operator (des.cost); kept for printing with the report."""
@@ -60,8 +68,9 @@ class Report:
             lines = [f"des.transform: {len(self.substitutions)} substitution(s), rank {self.rank} "
                      f"of {self.world_size}:"]
             for m in self.substitutions:
-                lines.append(f"  {m.rule:<20} at {m.root.layer.name!r}: {len(m.embeds)} fields, "
-                             f"partial width {self.widths.get(m.root.layer.name, '?')}")
+                lines.append(f"  {m.rule:<20} at {m.root.layer.name!r}: {len(m.vectors)} field vectors, "
+                             f"partial width {self.widths.get(m.root.layer.name, '?')}"
+                             + (f", {len(m.others)} replicated input(s)" if m.others else ""))
             lines.append(f"  one fused allreduce of {self.floats_per_sample} floats per sample "
                          f"= {self.payload_bytes(1)} bytes/sample; at B=4096: "
                          f"{self.payload_bytes(4096):,} bytes handed over, "
@@ -69,22 +78,27 @@ class Report:
         lines += [str(c) for c in self.costs]
         for r in self.rejections:
             lines.append(f"  not substituted: {r}")
+        if self.tables:
+            lines.append("tables:")
+            lines += [f"  {t}" for t in self.tables]
         if self.plan is not None:
             lines.append(str(self.plan))
         return "\n".join(lines)
 
 
-def find_substitutions(graph: Graph) -> tuple[list[Match], list[Rejection]]:
+def find_substitutions(graph: Graph, fields: FieldAnalysis | None = None) -> tuple[list[Match], list[Rejection]]:
     """Run every rule at every node (outputs first), then drop unsafe matches."""
+    fields = fields or FieldAnalysis(graph)
     matches, rejections, claimed = [], [], set()
     for node in reversed(graph.nodes):
-        if node.index in claimed or node.kind == "input":
+        if node.index in claimed or node.kind in ("input", "table"):
             continue
         for rule in RULES:
-            found = rule.match(graph, node)
+            found = rule.match(graph, fields, node)
             if isinstance(found, Match):
+                found.out_shape = tuple(graph.shape(node.output)[1:])
                 matches.append(found)
-                claimed |= found.internal
+                claimed |= found.internal | set().union(*(v.chain for v in found.vectors))
                 break
             if isinstance(found, Rejection):
                 rejections.append(found)
@@ -92,9 +106,13 @@ def find_substitutions(graph: Graph) -> tuple[list[Match], list[Rejection]]:
     return _drop_unsafe(graph, matches, rejections)
 
 
-def _drop_unsafe(graph, matches, rejections):
+def _drop_unsafe(graph: Graph, matches: list[Match], rejections: list[Rejection]):
     while True:
-        inside = set().union(*(m.internal for m in matches)) if matches else set()
+        inside = set()
+        for m in matches:
+            inside |= m.internal
+            for v in m.vectors:
+                inside |= v.chain
         bad = None
         for m in matches:
             for idx in m.internal - {m.root.index}:
@@ -103,12 +121,17 @@ def _drop_unsafe(graph, matches, rejections):
                     if users or t in graph.output_ids:
                         who = users[0].layer.name if users else "the model output"
                         bad = (m, f"intermediate {graph.nodes[idx].layer.name!r} is also used by {who!r}")
-            for e in m.embeds:
-                users = [u for u in graph.consumers.get(e.output, []) if u.index not in inside]
-                if users or e.output in graph.output_ids:
-                    who = users[0].layer.name if users else "the model output"
-                    bad = (m, f"embedding of field {e.attrs['field']!r} is also used by {who!r}, "
-                              f"which is not substituted")
+            readers = {}
+            for v in m.vectors:
+                for idx in v.chain:
+                    for t in graph.nodes[idx].outputs:
+                        users = [u for u in graph.consumers.get(t, []) if u.index not in inside]
+                        if users or t in graph.output_ids:
+                            readers.setdefault(v.table.layer.name, (v.field, users[0].layer.name if users
+                                                                    else "the model output"))
+            if readers and bad is None:
+                listed = ", ".join(f"{t!r} (field {f!r}) by {who!r}" for t, (f, who) in readers.items())
+                bad = (m, f"tables are also read by layers that are not substituted: {listed}")
             if bad:
                 break
         if bad is None:
@@ -118,21 +141,78 @@ def _drop_unsafe(graph, matches, rejections):
         rejections.append(Rejection(m.rule, m.root, reason))
 
 
+def explain_tables(graph: Graph, fields: FieldAnalysis, matches: list[Match],
+                   rejections: list[Rejection]) -> tuple[list[str], list[str]]:
+    """One line per table: where it was substituted, or why not. Returns (lines, unsubstituted names)."""
+    used: dict[int, list[str]] = {}
+    for m in matches:
+        for v in m.vectors:
+            used.setdefault(v.table.index, []).append(f"{m.rule} at {m.root.layer.name!r}")
+    lines, left = [], []
+    for n in graph.nodes:
+        if n.kind != "table":
+            continue
+        src = n.attrs["source"]
+        head = f"{n.layer.name} ({src.name}, width {n.attrs['dim']}, field {fields.ids_input(n)!r})"
+        if n.index in used:
+            lines.append(f"{head}: substituted in {', '.join(used[n.index])}")
+            continue
+        left.append(n.layer.name)
+        lines.append(f"{head}: NOT substituted: {_why_table(graph, fields, n, rejections)}")
+    return lines, left
+
+
+def _why_table(graph: Graph, fields: FieldAnalysis, table: Node, rejections: list[Rejection]) -> str:
+    """Follow the table's output through its own chain and layout glue to the first node
+    that is neither; say what it is and why no rule took it."""
+    seen, frontier = set(), [table.output]
+    while frontier:
+        t = frontier.pop(0)
+        for u in graph.consumers.get(t, []):
+            if u.index in seen:
+                continue
+            seen.add(u.index)
+            single = all(len(fields.tables(o)) == 1 for o in u.outputs)
+            if single or (u.kind in GLUE and fields.layout(u.output) is not None):
+                frontier += u.outputs
+                continue
+            for r in rejections:
+                if r.root.index == u.index:
+                    return f"reaches {u.layer.name!r}: {r.reason}"
+            for r in rejections:
+                if r.root.index in fields.cone(graph.output_ids[0]) and u.index in _cone_nodes(fields, r.root):
+                    return f"reaches {u.layer.name!r} on the way to {r.root.layer.name!r}: {r.reason}"
+            return (f"its field vector reaches {u.layer.name!r} ({u.kind}), which mixes "
+                    f"{len(fields.tables(u.output))} tables in a way no rule "
+                    f"({', '.join(r.name for r in RULES)}) understands")
+        if t in graph.output_ids:
+            return "its output is a model output"
+    return "its output is not used by a substitutable operator"
+
+
+def _cone_nodes(fields: FieldAnalysis, node: Node) -> frozenset:
+    return fields.cone(node.output)
+
+
 def _field_costs(graph: Graph, matches: list[Match], spec=None) -> list[FieldCost]:
     width: dict[str, int] = {}
     size: dict[str, float] = {}
     lookups: dict[str, float] = {}
     seen = set()
     for m in matches:
-        for e in m.embeds:
-            f = e.attrs["field"]
-            if e.layer.name in seen:
+        for v in m.vectors:
+            f = v.field
+            if v.table.index in seen:
                 continue
-            seen.add(e.layer.name)
-            width[f] = width.get(f, 0) + e.attrs["dim"]
-            size[f] = max(size.get(f, 0.0), float(e.layer.params.size().numpy()))
-            shape = graph.shape(e.tensor_operands()[0])
-            lookups[f] = float(shape[1]) if shape.rank == 2 and shape[1] else 1.0
+            seen.add(v.table.index)
+            width[f] = width.get(f, 0) + v.width
+            size[f] = max(size.get(f, 0.0), v.table.attrs["source"].rows(v.table.layer))
+            ops = v.table.tensor_operands()
+            shape = graph.shape(ops[0]) if ops else tf.TensorShape([None])
+            n = 1.0
+            for d in shape[1:]:
+                n *= float(d or 1)
+            lookups[f] = n
     out = []
     for f in width:
         rows = None
@@ -145,18 +225,55 @@ def _field_costs(graph: Graph, matches: list[Match], spec=None) -> list[FieldCos
     return out
 
 
+class FieldChains:
+    """Computes the owned field vectors from the model inputs by calling, once each and in
+    topological order, the layers of their chains (preprocessing, lookup, pooling, reshapes)."""
+
+    def __init__(self, graph: Graph, nodes: list[Node], wanted: list[int]):
+        self.nodes = sorted(nodes, key=lambda n: n.index)
+        self.wanted = list(wanted)
+        self.inputs = {t: graph.input_name(t) for t in graph.input_ids}
+
+    def __call__(self, inputs: dict) -> dict:
+        env = {t: inputs[name] for t, name in self.inputs.items() if name in inputs}
+
+        def look(x):
+            return env[id(x)] if is_keras_tensor(x) else x
+
+        for node in self.nodes:
+            out = call_node(node, look)
+            for t, new in zip(node.outputs, tf.nest.flatten(out)):
+                env[t] = new
+        return {t: env[t] for t in self.wanted}
+
+
 def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str | FieldPlan = "balanced",
-              spec=None, release_unowned: bool = True) -> tuple[tf.keras.Model, Report]:
+              spec=None, release_unowned: bool = True, strict: bool = False, sync_weights: bool = True,
+              seed: int = 0) -> tuple[tf.keras.Model, Report]:
     """Return (DES model for this process, report). ``plan``: 'balanced', 'mod' or a FieldPlan.
 
-    ``spec`` (a FeatureSpec) gives expected cardinalities to the balanced plan.
-    Rows of tables this process does not own are released when ``release_unowned``.
+    ``spec`` (a FeatureSpec) gives expected cardinalities to the balanced plan. Every process
+    first takes rank 0's weights and table rows (``sync_weights``); TFRA tables get new rows
+    that depend on (table, key, ``seed``) only. Rows of tables this process does not own are
+    released when ``release_unowned``. ``strict``: raise TransformError instead of returning a
+    model where some table or candidate operator was not substituted.
     """
+    from des import state
     comm = comm or default_communicator()
     graph = Graph(model)
-    matches, rejections = find_substitutions(graph)
+    fields = FieldAnalysis(graph)
+    matches, rejections = find_substitutions(graph, fields)
+    table_lines, left = explain_tables(graph, fields, matches, rejections)
+    report = Report(matches, rejections, None, comm.rank, comm.world_size, tables=table_lines, unsubstituted=left)
+    if strict and (rejections or left or not matches):
+        raise TransformError(f"des.transform(strict=True): not everything could be substituted\n{report}")
     if not matches:
-        return model, Report([], rejections, None, comm.rank, comm.world_size)
+        return model, report
+    for n in graph.nodes:
+        if n.kind == "table":
+            n.attrs["source"].keyed(n.layer, seed)
+    if sync_weights and comm.world_size > 1:
+        state.sync_from_root(graph, comm)
     costs = _field_costs(graph, matches, spec)
     if isinstance(plan, FieldPlan):
         missing = {c.name for c in costs} - set(plan.owner)
@@ -168,30 +285,52 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
         field_plan = make_plan(costs, comm.world_size, plan)
     mine = set(field_plan.fields_of(comm.rank))
 
-    tables, table_inputs, ops, widths = {}, {}, [], {}
+    owned_nodes: dict[int, Node] = {}
+    ops, op_inputs, widths = [], [], {}
     for m in matches:
-        owned = [e for e in m.embeds if e.attrs["field"] in mine]
-        for e in owned:
-            tables[e.layer.name] = e.layer
-            table_inputs[e.layer.name] = [graph.input_name(t) for t in e.tensor_operands()]
-        ops.append(_sub_operator(graph, m, owned))
+        owned = [v for v in m.vectors if v.field in mine]
+        for v in owned:
+            owned_nodes.update({i: graph.nodes[i] for i in v.chain})
+        rule = _rule(m.rule)
+        ops.append(rule.sub_operator(m, owned, name=f"des_{m.rule}_{m.root.layer.name}"))
+        op_inputs.append([v.tensor for v in owned])
         widths[m.root.layer.name] = ops[-1].width
     if release_unowned:
         for m in matches:
-            for e in m.embeds:
-                if e.attrs["field"] not in mine and int(e.layer.params.size()) > 0:
-                    e.layer.params.clear()
+            for v in m.vectors:
+                if v.field not in mine:
+                    v.table.attrs["source"].release(v.table.layer)
 
-    first = DESFirstLayer(tables, table_inputs, ops, comm, name="des_first_layer")
-    names_in = sorted({graph.input_name(t) for m in matches for e in m.embeds for t in e.tensor_operands()})
+    chains = FieldChains(graph, list(owned_nodes.values()), sorted({t for ids in op_inputs for t in ids}))
+    layers = list(dict.fromkeys(n.layer for n in chains.nodes))
+    first = DESFirstLayer(layers, chains, ops, op_inputs, comm, name="des_first_layer")
+    names_in = sorted({graph.nodes[i].layer.name for m in matches for v in m.vectors for i in v.chain | fields.cone(v.tensor)
+                       if graph.nodes[i].kind == "input"})
     outs = first({n: graph.tensors[_input_id(graph, n)] for n in names_in})
-    skip = set().union(*(m.internal for m in matches)) | {e.index for m in matches for e in m.embeds}
-    new_model = replay(graph, skip, {m.root.output: o for m, o in zip(matches, outs)})
+    skip = set()
+    for m in matches:
+        skip |= m.internal
+        for v in m.vectors:
+            skip |= v.chain
+    given = {m.root.output: _finisher(graph, m, o) for m, o in zip(matches, outs)}
+    new_model = replay(graph, skip, given)
     new_model.des_layer = first
     new_model.des_plan = field_plan
-    report = Report(matches, rejections, field_plan, comm.rank, comm.world_size,
-                    first.floats_per_sample(), widths)
+    new_model.des_state = state.StateKeys.of_transform(graph, matches, first)
+    report.plan, report.floats_per_sample, report.widths = field_plan, first.floats_per_sample(), widths
     return new_model, report
+
+
+def _finisher(graph: Graph, m: Match, combined):
+    rule = _rule(m.rule)
+    return lambda look: rule.finish(m, combined, lambda t: look(graph.tensors[t]))
+
+
+def _rule(name: str):
+    for r in RULES:
+        if r.name == name:
+            return r
+    raise KeyError(name)
 
 
 def _input_id(graph: Graph, name: str) -> int:
@@ -201,23 +340,4 @@ def _input_id(graph: Graph, name: str) -> int:
     raise KeyError(name)
 
 
-def _sub_operator(graph: Graph, m: Match, owned):
-    names = [e.layer.name for e in owned]
-    fields = [e.attrs["field"] for e in owned]
-    out_shape = tuple(graph.shape(m.root.output)[1:])
-    tag = f"des_{m.rule}_{m.root.layer.name}"
-    if m.rule == "lr_sum":
-        return LinearSum(names, out_shape, fields, source=m.root.layer.name, name=tag)
-    if m.rule == "fm_interaction":
-        return FMInteraction(names, out_shape, fields, k=m.embeds[0].attrs["dim"],
-                             source=m.root.layer.name, name=tag)
-    if m.rule == "embed_concat_dense":
-        dense = m.root.layer
-        kernel = dense.kernel.numpy()
-        offsets = np.cumsum([0] + [e.attrs["dim"] for e in m.embeds])
-        rows = [np.arange(offsets[i], offsets[i + 1]) for i, e in enumerate(m.embeds) if e in owned]
-        block = kernel[np.concatenate(rows)] if rows else np.zeros((0, kernel.shape[1]), np.float32)
-        bias = dense.bias.numpy() if dense.use_bias else None
-        return DenseBlock(names, out_shape, block, bias, dense.activation, fields=fields,
-                          source=dense.name, name=tag)
-    raise ValueError(f"no sub-operator for rule {m.rule!r}")
+__all__ = ["transform", "find_substitutions", "Report", "TransformError", "FieldVector"]

@@ -65,11 +65,12 @@ def estimate(report, batch_size: int, unique_per_slice: dict[str, float]) -> lis
         width = report.widths.get(m.root.layer.name, 0)
         des_bytes = ring * 4 * batch_size * width
         ps = 0.0
-        for e in m.embeds:
-            u = unique_per_slice.get(e.attrs["field"], 0.0)
-            ps += u * remote * (8 + 8 * e.attrs["dim"])
+        for v in m.vectors:
+            u = unique_per_slice.get(v.field, 0.0)
+            ps += u * remote * (8 + 8 * v.width)
         if m.rule == "embed_concat_dense":
-            params = sum(int(np.prod(w.shape)) for w in m.root.layer.trainable_weights)
+            params = int(np.prod(m.data["kernel"].shape)) + (int(np.prod(m.data["bias"].shape))
+                                                             if m.data["bias"] is not None else 0)
             ps += ring * 4 * params
         out.append(OperatorCost(m.rule, m.root.layer.name, des_bytes, ps))
     return out

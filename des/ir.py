@@ -1,36 +1,51 @@
 """A small IR of a Keras functional graph. The ONLY module that reads Keras private attributes.
 
-    >>> g = Graph.from_model(model)
+    >>> g = Graph(model)
     >>> [n.kind for n in g.nodes][:3]
-    ['input', 'input', 'embed']
+    ['input', 'input', 'table']
 
-Every call of a layer is a Node with a canonical ``kind`` (``add``, ``sub``, ``mul``,
-``square``, ``reduce_sum``, ``stack``, ``concat``, ``dense``, ``flatten``, ``reshape``,
-``embed``, ``input``, a declared ``des_substitute`` name, else ``layer:<Class>`` or
-``tf:<symbol>``), its tensor ``operands`` and constant ``attrs``. Keras layers and the
-TFOpLambda layers that ``tf.reduce_sum(kt)`` and friends create map to the same kinds.
+Every call of a layer is a Node with a canonical ``kind``, its tensor ``operands`` and
+constant ``attrs``, so that the rules see one graph whatever the user's spelling:
+
+- tables: a layer a table source recognises (des.sources: this project's FieldEmbedding,
+  TFRA's and Keras's Embedding) -> ``table`` with attrs ``dim`` and ``source``;
+- third-party CTR layers (des.adapters: DeepCTR's Linear, FM, BiInteractionPooling, DNN) and
+  a user's own layer declaring ``des_substitute`` -> the canonical kind they compute;
+- Keras layers and the TFOpLambda layers of tf ops map to the same kinds: ``add``
+  (Add, +, tf.add, tf.add_n), ``sub``, ``mul`` (``x * x`` becomes ``square``, ``x / c``
+  becomes ``mul`` by 1/c), ``square`` (also ``pow(x, 2)``), ``reduce_sum`` / ``reduce_mean``
+  (``axis`` as a sorted tuple of non-negative axes, ``keepdims``), ``stack`` / ``concat``
+  (non-negative ``axis``), ``reshape`` / ``flatten`` / ``squeeze`` / ``expand_dims``, ``dense``
+  (attrs ``kernel``, ``bias``, ``activation``), ``input``; else ``layer:<Class>`` or ``tf:<symbol>``;
+- a nested ``Sequential`` is inlined: its layers become nodes of this graph.
 """
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any
+from typing import Any, Callable
 
 import tensorflow as tf
 
 KerasTensor = Any
 
-_TF_KINDS = {  # TFOpLambda symbol -> (kind, operand parameter, attrs with defaults)
+_TF_KINDS = {  # TFOpLambda symbol -> (kind, operand parameter(s), attrs with defaults)
     "math.reduce_sum": ("reduce_sum", "input_tensor", {"axis": None, "keepdims": False}),
+    "math.reduce_mean": ("reduce_mean", "input_tensor", {"axis": None, "keepdims": False}),
     "math.square": ("square", "x", {}),
+    "math.pow": ("pow", ("x", "y"), {}),
     "math.subtract": ("sub", ("x", "y"), {}),
     "math.multiply": ("mul", ("x", "y"), {}),
+    "math.truediv": ("div", ("x", "y"), {}),
     "math.add": ("add", ("x", "y"), {}),
     "__operators__.add": ("add", ("x", "y"), {}),
     "math.add_n": ("add", "inputs", {}),
     "stack": ("stack", "values", {"axis": 0}),
     "concat": ("concat", "values", {"axis": None}),
     "reshape": ("reshape", "tensor", {"shape": None}),
+    "compat.v1.squeeze": ("squeeze", "input", {"axis": None}),
+    "squeeze": ("squeeze", "input", {"axis": None}),
+    "expand_dims": ("expand_dims", "input", {"axis": None}),
 }
 _LAYER_KINDS = {"Add": "add", "Subtract": "sub", "Multiply": "mul", "Concatenate": "concat",
                 "Dense": "dense", "Flatten": "flatten", "Reshape": "reshape", "InputLayer": "input"}
@@ -63,45 +78,110 @@ class TensorId(int):
     """The id of a KerasTensor in a Graph (an int, marked so constants are not mistaken for it)."""
 
 
-def _is_kt(x) -> bool:
+def is_keras_tensor(x) -> bool:
     return hasattr(x, "_keras_history")
 
 
-def _classify(layer, args, kwargs, tid) -> tuple[str, list, dict]:
+def _flat_operands(x, tid) -> list:
+    return [TensorId(tid(t)) if is_keras_tensor(t) else t for t in tf.nest.flatten(x)]
+
+
+def _rank(x) -> int | None:
+    return x.shape.rank if is_keras_tensor(x) else None
+
+
+def _axes(axis, rank: int | None):
+    """``axis`` (int, list or None) as a sorted tuple of non-negative axes; None stays None."""
+    if axis is None or rank is None:
+        return axis
+    if hasattr(axis, "numpy"):
+        axis = axis.numpy().tolist()
+    axes = axis if isinstance(axis, (list, tuple)) else [axis]
+    return tuple(sorted(int(a) % rank for a in axes))
+
+
+def _const(x):
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def _classify_tf_op(layer, args, kwargs, tid) -> tuple[str, list, dict]:
+    spec = _TF_KINDS.get(layer.symbol)
+    fallback = (f"tf:{layer.symbol}", _flat_operands((args, kwargs), tid), {})
+    if spec is None:
+        return fallback
+    kind, operand_names, defaults = spec
+    try:
+        bound = inspect.signature(layer.function).bind(*args, **kwargs)
+    except TypeError:
+        return fallback
+    params = {**defaults, **bound.arguments}
+    if kind == "squeeze" and params.get("axis") is None:
+        params["axis"] = params.get("squeeze_dims")
+    names = (operand_names,) if isinstance(operand_names, str) else operand_names
+    values = [params.get(n) for n in names]
+    attrs = {k: params.get(k, v) for k, v in defaults.items()}
+    first = tf.nest.flatten(values[0])[0] if values else None
+    if kind in ("reduce_sum", "reduce_mean"):
+        attrs["axis"] = _axes(attrs["axis"], _rank(first))
+        attrs["keepdims"] = bool(attrs["keepdims"])
+    elif kind == "concat":
+        attrs["axis"] = _axes(attrs["axis"], _rank(first))[0]
+    elif kind == "stack":
+        attrs["axis"] = _axes(attrs["axis"], (_rank(first) or 0) + 1)[0]
+    elif kind == "expand_dims":
+        attrs["axis"] = _axes(attrs["axis"], (_rank(first) or 0) + 1)[0]
+    elif kind == "squeeze":
+        attrs["axis"] = _axes(attrs["axis"], _rank(first))
+    elif kind == "reshape":
+        attrs["shape"] = tuple(int(s) for s in tf.nest.flatten(attrs["shape"])) if \
+            all(_const(s) is not None for s in tf.nest.flatten(attrs["shape"])) else None
+    operands = []
+    for v in values:
+        operands += _flat_operands(v, tid)
+    # x * x is square(x); pow(x, 2) too; x / c is x * (1/c)
+    if kind == "mul" and len(operands) == 2 and isinstance(operands[0], TensorId) and operands[0] == operands[1]:
+        return "square", operands[:1], {}
+    if kind == "pow":
+        if len(operands) == 2 and isinstance(operands[0], TensorId) and _const(operands[1]) == 2.0:
+            return "square", operands[:1], {}
+        return fallback
+    if kind == "div":
+        c = _const(operands[1]) if len(operands) == 2 else None
+        if isinstance(operands[0], TensorId) and c:
+            return "mul", [operands[0], 1.0 / c], {}
+        return fallback
+    return kind, operands, attrs
+
+
+def classify(layer, args, kwargs, tid) -> tuple[str, list, dict]:
+    """The canonical (kind, operands, attrs) of one call of ``layer``."""
+    from des import adapters, sources
+    first = args[0] if args else next(iter(kwargs.values()), None)
+    src = sources.source_of(layer)
+    if src is not None:
+        return "table", _flat_operands(first, tid), {"dim": src.dim(layer), "source": src,
+                                                     "field": src.field(layer)}
+    adapted = adapters.adapt(layer, args, kwargs)
+    if adapted is not None:
+        kind, operands, attrs = adapted
+        return kind, _flat_operands(operands, tid), attrs
     cls = type(layer).__name__
-    if getattr(layer, "des_substitute", None):
-        return layer.des_substitute, _flat_operands(args[0] if args else kwargs, tid), {}
-    if getattr(layer, "des_embedding", False):
-        return "embed", _flat_operands(args[0], tid), {"dim": layer.dim, "field": layer.field}
     if cls == "TFOpLambda":
-        spec = _TF_KINDS.get(layer.symbol)
-        if spec is None:
-            return f"tf:{layer.symbol}", _flat_operands((args, kwargs), tid), {}
-        kind, operand_names, defaults = spec
-        try:
-            bound = inspect.signature(layer.function).bind(*args, **kwargs)
-        except TypeError:
-            return f"tf:{layer.symbol}", _flat_operands((args, kwargs), tid), {}
-        params = {**defaults, **bound.arguments}
-        names = (operand_names,) if isinstance(operand_names, str) else operand_names
-        operands = []
-        for n in names:
-            operands += _flat_operands(params.get(n), tid)
-        return kind, operands, {k: params.get(k, v) for k, v in defaults.items()}
+        return _classify_tf_op(layer, args, kwargs, tid)
     kind = _LAYER_KINDS.get(cls, f"layer:{cls}")
     attrs = {}
+    rank = _rank(tf.nest.flatten(first)[0]) if first is not None else None
     if kind == "concat":
-        attrs["axis"] = layer.axis
+        attrs["axis"] = _axes(layer.axis, rank)[0]
     elif kind == "dense":
-        attrs = {"units": layer.units, "use_bias": layer.use_bias}
+        attrs = {"units": layer.units, "kernel": layer.kernel, "bias": layer.bias if layer.use_bias else None,
+                 "activation": layer.activation, "rest": None}
     elif kind == "reshape":
         attrs["shape"] = tuple(layer.target_shape)
-    first = args[0] if args else next(iter(kwargs.values()), None)
     return kind, _flat_operands(first, tid), attrs
-
-
-def _flat_operands(x, tid) -> list:
-    return [TensorId(tid(t)) if _is_kt(t) else t for t in tf.nest.flatten(x)]
 
 
 class Graph:
@@ -109,37 +189,46 @@ class Graph:
 
     def __init__(self, model: tf.keras.Model):
         if not getattr(model, "_is_graph_network", False):
-            raise TypeError(f"des.transform needs a functional tf.keras model, got {type(model).__name__}")
+            raise TypeError(f"des.transform needs a functional tf.keras model (or a Sequential with an "
+                            f"input shape), got a subclassed {type(model).__name__}")
         self.model = model
         self.tensors: dict[int, KerasTensor] = {}
         self.nodes: list[Node] = []
-
-        def tid(t) -> int:
-            self.tensors[id(t)] = t
-            return id(t)
-
         for depth in sorted(model._nodes_by_depth, reverse=True):
             for kn in model._nodes_by_depth[depth]:
-                layer = kn.layer
-                if kn.is_input:
-                    outs = [TensorId(tid(t)) for t in tf.nest.flatten(kn.outputs)]
-                    self.nodes.append(Node(len(self.nodes), layer, "input", [], {}, outs, (), {}))
-                    continue
-                args, kwargs = tuple(kn.call_args), dict(kn.call_kwargs)
-                kind, operands, attrs = _classify(layer, args, kwargs, tid)
-                outs = [TensorId(tid(t)) for t in tf.nest.flatten(kn.outputs)]
-                self.nodes.append(Node(len(self.nodes), layer, kind, operands, attrs, outs, args, kwargs))
+                self._add(kn.layer, tuple(kn.call_args), dict(kn.call_kwargs), kn.outputs, kn.is_input)
         self.producer = {t: n for n in self.nodes for t in n.outputs}
         self.consumers: dict[int, list[Node]] = {t: [] for t in self.tensors}
         for n in self.nodes:
-            for t in set(n.tensor_operands()) | {id(x) for x in _all_kts((n.call_args, n.call_kwargs))}:
+            for t in set(n.tensor_operands()) | {id(x) for x in all_keras_tensors((n.call_args, n.call_kwargs))}:
                 self.consumers.setdefault(t, []).append(n)
         self.input_ids = [id(t) for t in tf.nest.flatten(model.input)]
         self.output_ids = [id(t) for t in tf.nest.flatten(model.output)]
 
-    @classmethod
-    def from_model(cls, model) -> "Graph":
-        return cls(model)
+    def _tid(self, t) -> int:
+        self.tensors[id(t)] = t
+        return id(t)
+
+    def _add(self, layer, args, kwargs, outputs, is_input=False) -> None:
+        if is_input:
+            outs = [TensorId(self._tid(t)) for t in tf.nest.flatten(outputs)]
+            self.nodes.append(Node(len(self.nodes), layer, "input", [], {}, outs, (), {}))
+            return
+        if isinstance(layer, tf.keras.Sequential) and not kwargs and len(args) == 1 and layer.layers:
+            self._inline_sequential(layer, args[0], outputs)
+            return
+        kind, operands, attrs = classify(layer, args, kwargs, self._tid)
+        outs = [TensorId(self._tid(t)) for t in tf.nest.flatten(outputs)]
+        self.nodes.append(Node(len(self.nodes), layer, kind, operands, attrs, outs, args, kwargs))
+
+    def _inline_sequential(self, seq, x, outputs) -> None:
+        """One node per layer of ``seq``: symbolic calls give the intermediate tensors; the last
+        node produces the Sequential's own output tensor."""
+        h = x
+        for i, layer in enumerate(seq.layers):
+            out = outputs if i == len(seq.layers) - 1 else layer(h)
+            self._add(layer, (h,), {}, out)
+            h = out
 
     def shape(self, t: int) -> tf.TensorShape:
         return self.tensors[t].shape
@@ -155,30 +244,68 @@ class Graph:
         n = self.producer.get(t)
         return n.layer.name if n is not None and n.kind == "input" else None
 
+    def layer_key(self, layer) -> str:
+        """A name for ``layer`` that is the same in every build of the same model code:
+        the position of its first call in topological order and its class."""
+        for n in self.nodes:
+            if n.layer is layer:
+                return f"{n.index}:{type(layer).__name__}"
+        raise KeyError(layer.name)
 
-def _all_kts(structure) -> list:
-    return [x for x in tf.nest.flatten(structure) if _is_kt(x)]
+
+def all_keras_tensors(structure) -> list:
+    return [x for x in tf.nest.flatten(structure) if is_keras_tensor(x)]
 
 
-def replay(graph: Graph, skip: set[int], given: dict[int, KerasTensor], cls=tf.keras.Model,
+def call_node(node: Node, look: Callable[[Any], Any]):
+    """Call ``node``'s layer again with its arguments mapped through ``look``."""
+    args = tf.nest.map_structure(look, node.call_args)
+    kwargs = tf.nest.map_structure(look, node.call_kwargs)
+    return node.layer(*args, **kwargs)
+
+
+def replay(graph: Graph, skip: set[int], given: dict[int, Callable], cls=tf.keras.Model,
            suffix: str = "des") -> tf.keras.Model:
     """Rebuild graph.model as a new functional model (of class ``cls``), calling the same layers again.
 
-    Nodes in ``skip`` are not called; ``given`` maps tensor ids to replacement tensors.
+    Nodes in ``skip`` are not called. ``given`` maps a tensor id to a function of ``look``
+    (tensor of the old graph -> tensor of the new one) that makes its replacement; it is
+    called when the replay reaches the node producing that tensor.
     """
     env: dict[int, KerasTensor] = {t: graph.tensors[t] for t in graph.input_ids}
-    env.update(given)
 
     def look(x):
-        return env[id(x)] if _is_kt(x) else x
+        return env[id(x)] if is_keras_tensor(x) else x
 
     for node in graph.nodes:
-        if node.kind == "input" or node.index in skip or all(t in env for t in node.outputs):
+        if node.kind == "input":
             continue
-        args = tf.nest.map_structure(look, node.call_args)
-        kwargs = tf.nest.map_structure(look, node.call_kwargs)
-        out = node.layer(*args, **kwargs)
+        for t in node.outputs:
+            if t in given and t not in env:
+                env[t] = given[t](look)
+        if node.index in skip or all(t in env for t in node.outputs):
+            continue
+        out = call_node(node, look)
         for t, new in zip(node.outputs, tf.nest.flatten(out)):
             env[t] = new
     outputs = tf.nest.map_structure(lambda t: env[id(t)], graph.model.output)
     return cls(graph.model.input, outputs, name=f"{graph.model.name}_{suffix}")
+
+
+def release_variables(layer, names: list[str]) -> None:
+    """Drop ``layer``'s variables ``names`` (a static table a process does not own) so that
+    their memory is freed; the layer cannot be called afterwards."""
+    for name in names:
+        var = getattr(layer, name, None)
+        if var is None:
+            continue
+        layer._trainable_weights = [w for w in layer._trainable_weights if w is not var]
+        layer._non_trainable_weights = [w for w in layer._non_trainable_weights if w is not var]
+        object.__setattr__(layer, name, None)
+    layer.des_released = True
+
+
+def refresh_call_signature(layer) -> None:
+    """After ``layer.__class__`` was swapped, let Keras read the new ``call``'s arguments
+    (so that it passes ``training``)."""
+    layer._init_call_fn_args()

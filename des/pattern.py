@@ -8,7 +8,8 @@
 
 A ``V`` binds a tensor; the same name must bind the same tensor everywhere. An ``Op``
 matches the node producing a tensor by kind, operands (patterns or constants) and attrs
-(a value, a tuple of allowed values, or ANY). ``add`` and ``mul`` are commutative.
+(a value, a tuple of allowed values, or a predicate ``f(value, node, graph) -> bool``;
+an attr not named is not checked). ``add`` and ``mul`` are commutative.
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import dataclasses
 
 from des.ir import Graph, TensorId
 
-ANY = object()
 COMMUTATIVE = {"add", "mul"}
 
 
@@ -64,7 +64,9 @@ class Op(Pattern):
             return None
         for k, want in self.attrs.items():
             got = node.attrs.get(k)
-            if want is ANY:
+            if callable(want):
+                if not want(got, node, graph):
+                    return None
                 continue
             if isinstance(want, tuple) and got not in want:
                 return None
@@ -97,6 +99,17 @@ class Alt(Pattern):
             if s is not None:
                 return s
         return None
+
+
+def axes(*want: int):
+    """Predicate: a reduction over exactly these (non-negative) axes."""
+    return lambda got, node, graph: got == tuple(want)
+
+
+def last_axis(axes, node, graph) -> bool:
+    """Predicate: a reduction over the last axis of its input only."""
+    ops = node.tensor_operands()
+    return bool(ops) and axes == (graph.shape(ops[0]).rank - 1,)
 
 
 def _match_operand(pat, graph, operand, state):

@@ -60,16 +60,20 @@ class PSModel(tf.keras.Model):
 def shard(model: tf.keras.Model, exchange: KeyExchange) -> PSModel:
     """The same model with every FieldEmbedding replaced by a ShardedFieldEmbedding."""
     graph = Graph(model)
-    embeds = [n for n in graph.nodes if n.kind == "embed"]
+    embeds = [n for n in graph.nodes if n.kind == "table"]
     given = {}
     env = {t: graph.tensors[t] for t in graph.input_ids}
     for n in embeds:
+        if not getattr(n.layer, "des_embedding", False):
+            raise ValueError(f"--mode ps shards this project's FieldEmbedding tables; {n.layer.name!r} is a "
+                             f"{n.attrs['source'].name}")
         if any(graph.input_name(t) is None for t in n.tensor_operands()):
             raise ValueError(f"embedding {n.layer.name!r} does not read model inputs directly")
         old = n.layer
         new = ShardedFieldEmbedding(old.field, old.dim, exchange, old.seed, old.init_scale, linear=old.linear)
         args = tf.nest.map_structure(lambda t: env.get(id(t), t), n.call_args)
-        given[n.output] = new(*args, **n.call_kwargs)
+        out = new(*args, **n.call_kwargs)
+        given[n.output] = lambda look, out=out: out
     ps = replay(graph, {n.index for n in embeds}, given, cls=PSModel, suffix="ps")
     ps.exchange = exchange
     return ps
@@ -111,7 +115,7 @@ def table_inputs(model: tf.keras.Model) -> list[tuple[str, str | None, int]]:
     graph = Graph(model)
     out = []
     for n in graph.nodes:
-        if n.kind == "embed":
+        if n.kind == "table":
             names = [graph.input_name(t) for t in n.tensor_operands()]
             out.append((names[0], names[1] if len(names) > 1 else None, n.attrs["dim"]))
     return out

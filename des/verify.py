@@ -5,8 +5,8 @@ compare a DES model (any N, real or simulated world) with the untouched model.
     >>> outs = run_in_process_world(4, build, lambda m: train_and_snapshot(m, "adam", 1e-3, batches, probe))
     >>> diff = compare(ref, outs)          # max abs diff of predictions, rows and weights
 
-Snapshots key tables by (field, width) and dense weights by layer and weight name, so a
-reference built separately (same seed) lines up with every process's share.
+Snapshots (des.state) key tables and weights by their place in the original graph, so a
+reference built separately from the same code lines up with every process's share.
 """
 from __future__ import annotations
 
@@ -22,47 +22,31 @@ from des_ops.comm import InProcessWorld
 
 
 def table_layers(model: tf.keras.Model) -> list:
-    des_layer = getattr(model, "des_layer", None)
-    if des_layer is not None:
-        return list(des_layer.owned)
-    return [l for l in model.layers if getattr(l, "des_embedding", False)]
+    """The dynamic (TFRA) table layers of a model: for a DES model, those this process owns."""
+    from des.state import state_keys
+    return [layer for layer, src in state_keys(model).tables.values() if src.dynamic]
 
 
 def snapshot(model: tf.keras.Model) -> dict:
-    """{"tables": {(field, dim): {key: row}}, "weights": {name: array}, "first_dense": {(dense, field): rows}}."""
-    tables = {}
-    for t in table_layers(model):
-        keys, values = t.params.export()
-        tables[(t.field, t.dim)] = dict(zip(keys.numpy().tolist(), values.numpy()))
-    weights, first = {}, {}
-    des_layer = getattr(model, "des_layer", None)
-    tail = [l for l in model.layers if l is not des_layer and not getattr(l, "des_embedding", False)]
-    if des_layer is not None:
-        dims = {t.name: t.dim for t in des_layer.owned}
-        for op in des_layer.ops:
-            if hasattr(op, "rows_by_field"):
-                dense = op.source
-                for f, rows in op.rows_by_field(dims).items():
-                    first[(dense, f)] = rows
-                if op.bias is not None:
-                    weights[f"{dense}/bias"] = op.bias.numpy()
-    else:
-        from des.compiler import find_substitutions
-        from des.ir import Graph
-        matches, _ = find_substitutions(Graph(model))
-        for m in matches:
-            if m.rule == "embed_concat_dense":
-                kernel, start = m.root.layer.kernel.numpy(), 0
-                for e in m.embeds:
-                    first[(m.root.layer.name, e.attrs["field"])] = kernel[start:start + e.attrs["dim"]]
-                    start += e.attrs["dim"]
-                if m.root.layer.use_bias:
-                    weights[f"{m.root.layer.name}/bias"] = m.root.layer.bias.numpy()
-                tail.remove(m.root.layer)
-    for l in tail:
-        for w in l.weights:
-            weights[f"{l.name}/{w.name.split('/')[-1].split(':')[0]}"] = w.numpy()
-    return {"tables": tables, "weights": weights, "first_dense": first}
+    """What the model learned, keyed alike on every process and in every build (des.state)."""
+    from des.state import snapshot as state_snapshot
+    return state_snapshot(model)
+
+
+def copy_state(src: tf.keras.Model, dst: tf.keras.Model) -> None:
+    """Give ``dst`` (another build of the same model code) the weights and table rows of ``src``."""
+    from des.ir import Graph
+    a, b = Graph(src), Graph(dst)
+    done = set()
+    for na, nb in zip(a.nodes, b.nodes):
+        if id(na.layer) in done or na.kind == "input":
+            continue
+        done.add(id(na.layer))
+        if na.kind == "table" and na.attrs["source"].dynamic:
+            nb.attrs["source"].load(nb.layer, *na.attrs["source"].export(na.layer))
+        else:
+            for wa, wb in zip(na.layer.weights, nb.layer.weights):
+                wb.assign(wa)
 
 
 def optimizer_factory(name: str, learning_rates: dict[str, float]) -> Callable:
@@ -99,43 +83,51 @@ def _maxdiff(a: np.ndarray, b: np.ndarray) -> float:
 def compare(ref: dict, ranks: list[dict]) -> dict[str, float]:
     """Max diffs (abs or relative, whichever is smaller) between the reference and all ranks.
 
-    Every table and first-Dense row block must be owned by exactly one rank; every rank's
-    predictions and replicated weights must match the reference."""
-    out = {"predictions": 0.0, "tables": 0.0, "first_dense": 0.0, "weights": 0.0}
-    owned_tables: dict = {}
-    owned_rows: dict = {}
+    Every table and every owned block (kernel rows of a field, a field chain's weights) must be
+    held by exactly one rank; every rank's predictions and replicated weights must match."""
+    out = {"predictions": 0.0, "tables": 0.0, "owned": 0.0, "weights": 0.0}
+    holder: dict = {}
     for r, snap in enumerate(ranks):
         out["predictions"] = max(out["predictions"], _maxdiff(snap["predictions"], ref["predictions"]))
         for k, rows in snap["tables"].items():
-            if k in owned_tables:
-                raise AssertionError(f"table {k} owned by ranks {owned_tables[k]} and {r}")
-            owned_tables[k] = r
+            if ("table", k) in holder:
+                raise AssertionError(f"table {k} held by ranks {holder[('table', k)]} and {r}")
+            holder[("table", k)] = r
             ref_rows = ref["tables"][k]
             if set(rows) != set(ref_rows):
                 raise AssertionError(f"table {k} on rank {r}: {len(rows)} keys, reference has {len(ref_rows)}")
             for key, v in rows.items():
                 out["tables"] = max(out["tables"], _maxdiff(v, ref_rows[key]))
-        for k, v in snap["first_dense"].items():
-            owned_rows[k] = r
-            out["first_dense"] = max(out["first_dense"], _maxdiff(v, ref["first_dense"][k]))
+        for k, v in snap["owned"].items():
+            if ("owned", k) in holder:
+                raise AssertionError(f"{k} held by ranks {holder[('owned', k)]} and {r}")
+            holder[("owned", k)] = r
+            out["owned"] = max(out["owned"], _maxdiff(v, ref["owned"][k]))
         if set(snap["weights"]) != set(ref["weights"]):
             raise AssertionError(f"rank {r} weights {sorted(snap['weights'])} != reference {sorted(ref['weights'])}")
         for k, v in snap["weights"].items():
             out["weights"] = max(out["weights"], _maxdiff(v, ref["weights"][k]))
-    if set(owned_tables) != set(ref["tables"]):
-        raise AssertionError(f"tables owned by no rank: {sorted(set(ref['tables']) - set(owned_tables))}")
-    if set(owned_rows) != set(ref["first_dense"]):
-        raise AssertionError(f"Dense rows owned by no rank: {sorted(set(ref['first_dense']) - set(owned_rows))}")
+    missing = {("table", k) for k in ref["tables"]} | {("owned", k) for k in ref["owned"]}
+    if missing - set(holder):
+        raise AssertionError(f"held by no rank: {sorted(missing - set(holder))}")
     return out
 
 
 def run_in_process_world(world_size: int, build: Callable[[], tf.keras.Model],
-                         work: Callable[[tf.keras.Model], object], **transform_kwargs) -> list:
-    """Transform ``build()`` once per simulated rank, run ``work`` on every rank in its own thread."""
+                         work: Callable[[tf.keras.Model], object], init_from: tf.keras.Model | None = None,
+                         **transform_kwargs) -> list:
+    """Build and transform ``build()`` once per simulated rank, rank 0 first (with ``init_from``,
+    rank 0 takes its weights and rows; the other ranks start from their own random ones and
+    get rank 0's by the transform's broadcast, which never waits on a later rank), then run
+    ``work`` on every rank in its own thread."""
     from des.compiler import transform
     world = InProcessWorld(world_size)
-    des_models = [transform(build(), comm=world.communicator(r), **transform_kwargs)[0]
-                  for r in range(world_size)]
+    des_models = []
+    for r in range(world_size):
+        m = build()
+        if r == 0 and init_from is not None:
+            copy_state(init_from, m)
+        des_models.append(transform(m, comm=world.communicator(r), **transform_kwargs)[0])
     results: list = [None] * world_size
     errors: list = []
 

@@ -30,6 +30,10 @@ class Communicator:
     def allreduce(self, x: tf.Tensor) -> tf.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def broadcast(self, a: np.ndarray, root: int = 0) -> np.ndarray:  # pragma: no cover - interface
+        """Rank ``root``'s array on every rank (eager, outside training steps); same shape everywhere."""
+        raise NotImplementedError
+
     def ring_bytes(self, payload: float) -> float:
         """Bytes one process sends (and receives) for a ring allreduce of ``payload`` bytes."""
         n = self.world_size
@@ -46,6 +50,9 @@ class LocalCommunicator(Communicator):
     def allreduce(self, x):
         return tf.identity(x)
 
+    def broadcast(self, a, root=0):
+        return a
+
 
 class HorovodCommunicator(Communicator):
     """Horovod (MPI) allreduce; the default under mpirun / horovodrun."""
@@ -60,6 +67,10 @@ class HorovodCommunicator(Communicator):
 
     def allreduce(self, x):
         return self._hvd.allreduce(x, op=self._hvd.Sum)
+
+    def broadcast(self, a, root=0):
+        self._broadcasts = getattr(self, "_broadcasts", 0) + 1
+        return self._hvd.broadcast(tf.constant(a), root_rank=root, name=f"des_broadcast_{self._broadcasts}").numpy()
 
 
 class Mpi4pyCommunicator(Communicator):
@@ -82,6 +93,11 @@ class Mpi4pyCommunicator(Communicator):
         y = tf.numpy_function(self._np_allreduce, [x], x.dtype, stateful=True)
         return tf.ensure_shape(y, x.shape)
 
+    def broadcast(self, a, root=0):
+        buf = np.ascontiguousarray(a).copy()
+        self._comm.Bcast(buf, root=root)
+        return buf
+
 
 class InProcessWorld:
     """N simulated ranks in one process (one thread each) for fast, wide tests.
@@ -93,6 +109,10 @@ class InProcessWorld:
         self.world_size = world_size
         self._slots: list = [None] * world_size
         self._barrier = threading.Barrier(world_size, timeout=timeout)
+        self._timeout = timeout
+        self._published: dict = {}
+        self._broadcasts = [0] * world_size
+        self._cond = threading.Condition()
 
     def communicator(self, rank: int) -> "InProcessCommunicator":
         return InProcessCommunicator(self, rank)
@@ -107,6 +127,21 @@ class InProcessWorld:
         return total
 
 
+    def broadcast(self, rank: int, a: np.ndarray, root: int) -> np.ndarray:
+        """The root publishes without waiting (so ranks may transform one after another in one
+        thread); the others wait for the root's n-th broadcast."""
+        with self._cond:
+            n = self._broadcasts[rank]
+            self._broadcasts[rank] += 1
+            if rank == root:
+                self._published[n] = np.array(a, copy=True)
+                self._cond.notify_all()
+                return a
+            if not self._cond.wait_for(lambda: n in self._published, timeout=self._timeout):
+                raise TimeoutError(f"rank {rank}: no broadcast {n} from rank {root}")
+            return self._published[n].copy()
+
+
 class InProcessCommunicator(Communicator):
     name = "in-process"
 
@@ -117,6 +152,9 @@ class InProcessCommunicator(Communicator):
     def allreduce(self, x):
         y = tf.numpy_function(lambda a: self.world.allreduce(self.rank, a), [x], x.dtype, stateful=True)
         return tf.ensure_shape(y, x.shape)
+
+    def broadcast(self, a, root=0):
+        return self.world.broadcast(self.rank, a, root)
 
 
 def allreduce_sum(comm: Communicator, x: tf.Tensor) -> tf.Tensor:

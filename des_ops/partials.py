@@ -4,6 +4,7 @@ For embeddings v_f of the fields F_p that process p owns:
 
     linear:  a_p = sum_f w_f                                   -> combine: sum_p a_p
     fm:      S_p = sum_f v_f,  Q_p = sum_f sum_k v_fk^2        -> combine: 0.5 * (sum_k (sum_p S_p)_k^2 - sum_p Q_p)
+    bi:      S_p = sum_f v_f,  Q_p = sum_f v_f^2 (per k)        -> combine: 0.5 * ((sum_p S_p)^2 - sum_p Q_p)
     dense:   E_p W_p  (W_p = rows of W for F_p)                -> combine: act(sum_p E_p W_p + b)
 """
 from __future__ import annotations
@@ -38,3 +39,15 @@ def fm_combine(total: tf.Tensor, k: int) -> tf.Tensor:
 def dense_partial(embs: list[tf.Tensor], kernel_block: tf.Tensor) -> tf.Tensor:
     """[B, H]: this process's embeddings times its row block of the Dense kernel."""
     return tf.matmul(tf.concat(embs, axis=1), kernel_block)
+
+
+def bi_partial(embs: list[tf.Tensor], batch: tf.Tensor, k: int) -> tf.Tensor:
+    """[B, 2k]: S_p = sum_f v_f and, per k, Q_p = sum_f v_f^2 (not summed over k)."""
+    if not embs:
+        return zeros(batch, 2 * k)
+    return tf.concat([tf.add_n(embs), tf.add_n([tf.square(e) for e in embs])], axis=1)
+
+
+def bi_combine(total: tf.Tensor, k: int) -> tf.Tensor:
+    """[B, k] bi-interaction from the summed [B, 2k]."""
+    return 0.5 * (tf.square(total[:, :k]) - total[:, k:])

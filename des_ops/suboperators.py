@@ -1,14 +1,16 @@
 """Keras layers of the DES sub-operators and the fused first layer that runs them.
 
-    >>> layer = DESFirstLayer(tables, ops, comm)       # built by des.transform
-    >>> outputs = layer({field: ids, ...})             # one tensor per substituted operator
+    >>> layer = DESFirstLayer(owned_layers, field_vectors, ops, op_inputs, comm)   # built by des.transform
+    >>> combined = layer({input name: tensor, ...})     # one tensor per substituted operator
 
-Input dist -> compute -> output dist: every process gets the whole batch, looks up its own
-fields in its own tables, computes each operator's partial, and ONE fused allreduce
-(identity gradient) gives every process the sum, from which each operator's output is
-combined. Math in des_ops.partials.
+Input dist -> compute -> output dist: every process gets the whole batch, computes the field
+vectors of the fields it owns (``field_vectors``: lookups in its own tables), each operator's
+partial of them, and ONE fused allreduce (identity gradient) gives every process the sums,
+from which each operator's output is combined. Math in des_ops.partials.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 import tensorflow as tf
@@ -18,115 +20,109 @@ from des_ops.comm import Communicator, allreduce_sum
 
 
 class SubOperator(tf.keras.layers.Layer):
-    """One substituted operator on one process: ``partial`` of owned tables, ``combine`` of the sum."""
-    rule = ""
-
-    def __init__(self, tables: list[str], out_shape: tuple, fields: list[str] | None = None,
-                 source: str = "", **kwargs):
-        super().__init__(**kwargs)
-        self.source = source                # name of the original layer whose output this replaces
-        self.tables = list(tables)          # names of the owned tables this operator reads, in order
-        self.fields = list(fields or [])    # their fields, in the same order
-        self.out_shape = tuple(out_shape)   # the original operator's output shape without batch
-
+    """One substituted operator on one process: ``partial`` of the owned field vectors
+    ([B, K_f] each, in the operator's order), ``combine`` of the sum over processes."""
     width = 0
 
-    def partial(self, embs: dict[str, tf.Tensor], batch: tf.Tensor) -> tf.Tensor:
+    def __init__(self, fields: list[str], source: str = "", **kwargs):
+        super().__init__(**kwargs)
+        self.source = source                # name of the original layer whose output this replaces
+        self.fields = list(fields)          # the owned fields, in the order of the vectors
+
+    def partial(self, vectors: list[tf.Tensor], batch: tf.Tensor) -> tf.Tensor:  # pragma: no cover
         raise NotImplementedError
 
     def combine(self, total: tf.Tensor) -> tf.Tensor:
-        raise NotImplementedError
-
-    def _shape(self, y: tf.Tensor) -> tf.Tensor:
-        return tf.reshape(y, tf.concat([tf.shape(y)[:1], self.out_shape], 0)) if \
-            tuple(y.shape[1:]) != self.out_shape else y
+        return total
 
 
-class LinearSum(SubOperator):
-    rule = "lr_sum"
+class LinearSumSubOp(SubOperator):
+    """sum_f w_f: partial [B, 1]."""
     width = 1
 
-    def partial(self, embs, batch):
-        return dm.linear_partial([embs[t] for t in self.tables], batch)
+    def partial(self, vectors, batch):
+        return dm.linear_partial(vectors, batch)
+
+
+class FMSubOp(SubOperator):
+    """0.5 * sum_k((sum_f v)^2 - sum_f v^2): partial [S_p, Q_p], [B, k + 1]."""
+
+    def __init__(self, fields, *, k: int, **kwargs):
+        super().__init__(fields, **kwargs)
+        self.k, self.width = k, k + 1
+
+    def partial(self, vectors, batch):
+        return dm.fm_partial(vectors, batch, self.k)
 
     def combine(self, total):
-        return self._shape(total)
+        return dm.fm_combine(total, self.k)
 
 
-class FMInteraction(SubOperator):
-    rule = "fm_interaction"
+class BiInteractionSubOp(SubOperator):
+    """NFM's bi-interaction 0.5 * ((sum_f v)^2 - sum_f v^2), a [B, k] vector: partial [S_p, Q_p], [B, 2k]."""
 
-    def __init__(self, tables, out_shape, fields=None, *, k: int, **kwargs):
-        super().__init__(tables, out_shape, fields, **kwargs)
-        self.k = k
-        self.width = k + 1
+    def __init__(self, fields, *, k: int, **kwargs):
+        super().__init__(fields, **kwargs)
+        self.k, self.width = k, 2 * k
 
-    def partial(self, embs, batch):
-        return dm.fm_partial([embs[t] for t in self.tables], batch, self.k)
+    def partial(self, vectors, batch):
+        return dm.bi_partial(vectors, batch, self.k)
 
     def combine(self, total):
-        return self._shape(dm.fm_combine(total, self.k))
+        return dm.bi_combine(total, self.k)
 
 
-class DenseBlock(SubOperator):
-    """act(sum_p E_p W_p + b): holds W_p (this process's kernel rows) and the replicated b."""
-    rule = "embed_concat_dense"
+class DenseBlockSubOp(SubOperator):
+    """sum_p E_p W_p: holds W_p, the rows of the Dense kernel that multiply this process's
+    fields (bias, replicated rows and activation are applied after the combine)."""
 
-    def __init__(self, tables, out_shape, kernel_block: np.ndarray, bias: np.ndarray | None,
-                 activation, **kwargs):
-        super().__init__(tables, out_shape, **kwargs)
+    def __init__(self, fields, kernel_block: np.ndarray, widths: list[int], **kwargs):
+        super().__init__(fields, **kwargs)
         self.width = int(kernel_block.shape[1])
-        self.activation = tf.keras.activations.get(activation)
+        self.field_widths = list(widths)
         self.kernel_block = None if kernel_block.shape[0] == 0 else self.add_weight(
             "kernel_block", shape=kernel_block.shape, trainable=True,
             initializer=tf.keras.initializers.Constant(kernel_block))
-        self.bias = None if bias is None else self.add_weight(
-            "bias", shape=bias.shape, trainable=True, initializer=tf.keras.initializers.Constant(bias))
 
-    def partial(self, embs, batch):
+    def partial(self, vectors, batch):
         if self.kernel_block is None:          # this process owns none of the fields
             return dm.zeros(batch, self.width)
-        return dm.dense_partial([embs[t] for t in self.tables], self.kernel_block)
+        return dm.dense_partial(vectors, self.kernel_block)
 
-    def combine(self, total):
-        y = total if self.bias is None else total + self.bias
-        return self._shape(self.activation(y))
-
-    def rows_by_field(self, dims: dict[str, int]) -> dict[str, np.ndarray]:
-        """This process's kernel rows, split per owned field (dims: table name -> width)."""
+    def rows_by_part(self) -> list[np.ndarray]:
+        """This process's kernel rows, one block per owned field vector."""
         if self.kernel_block is None:
-            return {}
-        out, start, kernel = {}, 0, self.kernel_block.numpy()
-        for t, f in zip(self.tables, self.fields):
-            out[f] = kernel[start:start + dims[t]]
-            start += dims[t]
-        return out
+            return []
+        kernel, starts = self.kernel_block.numpy(), np.cumsum([0] + self.field_widths)
+        return [kernel[a:b] for a, b in zip(starts[:-1], starts[1:])]
 
 
 class DESFirstLayer(tf.keras.layers.Layer):
-    """Owned tables + sub-operators + one fused allreduce. Input: {input name: tensor}; output: a list.
+    """Owned tables + sub-operators + one fused allreduce. Input: {input name: tensor};
+    output: a list, one combined tensor per operator.
 
-    ``table_inputs`` names what each table reads: [ids input] or [ids input, weights input]."""
+    ``field_vectors(inputs)`` computes {vector id: [B, ...] tensor} for the owned fields by
+    calling ``owned_layers`` (tracked here: tables, slots and checkpoints follow them);
+    ``op_inputs[i]`` lists the vector ids operator i reads, in its order."""
 
-    def __init__(self, tables: dict[str, tf.keras.layers.Layer], table_inputs: dict[str, list[str]],
-                 ops: list[SubOperator], comm: Communicator, **kwargs):
+    def __init__(self, owned_layers: list, field_vectors: Callable[[dict], dict], ops: list[SubOperator],
+                 op_inputs: list[list[int]], comm: Communicator, **kwargs):
         super().__init__(**kwargs)
-        self.owned = [tables[n] for n in sorted(tables)]    # tracked: tables, slots, checkpoints
-        self.table_inputs = {t: list(names) for t, names in table_inputs.items()}
+        self.owned = list(owned_layers)
+        self._field_vectors = field_vectors
         self.ops = list(ops)
+        self._op_inputs = [list(v) for v in op_inputs]
         self.comm = comm
         self.widths = [op.width for op in self.ops]
 
     def call(self, inputs: dict, training=None):
         batch = tf.shape(next(iter(inputs.values())))[0]
-        embs = {t.name: t(self._lookup_input(inputs, t.name), training=training) for t in self.owned}
-        fused = tf.concat([op.partial(embs, batch) for op in self.ops], axis=1)
+        vectors = self._field_vectors(inputs)
+        flat = {t: tf.reshape(v, tf.stack([batch, -1])) for t, v in vectors.items()}
+        fused = tf.concat([op.partial([flat[t] for t in ids], batch)
+                           for op, ids in zip(self.ops, self._op_inputs)], axis=1)
         total = allreduce_sum(self.comm, fused)
         return [op.combine(part) for op, part in zip(self.ops, tf.split(total, self.widths, axis=1))]
-
-    def _lookup_input(self, inputs: dict, table: str):
-        names = self.table_inputs[table]
-        return inputs[names[0]] if len(names) == 1 else [inputs[n] for n in names]
 
     def floats_per_sample(self) -> int:
         return int(sum(self.widths))

@@ -1,27 +1,43 @@
-"""The rule interface, the registry and the helpers the rules share."""
+"""The rule interface, the registry and the helpers the rules share.
+
+A rule is one unit: a pattern over the canonical graph (des.ir, des.fields), the sub-operator
+it substitutes (des_ops.suboperators) and the replicated ``finish`` that turns the combined
+sum into the original operator's output. A new rule is one file:
+
+    >>> @register(priority=50)
+    ... class MyRule(Rule):
+    ...     name = "my_rule"
+    ...     def match(self, graph, fields, node): ...              # Match | Rejection | None
+    ...     def sub_operator(self, match, owned, name): ...       # a des_ops SubOperator
+"""
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import tensorflow as tf
 
-from des.ir import Graph, Node, TensorId
-from des.pattern import Op, V
+from des.fields import FieldAnalysis, FieldVector, Layout
+from des.ir import Graph, Node
 
 RULES: list["Rule"] = []
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Match:
-    """A safe substitution: ``root`` (its output is replaced) plus the ``internal`` nodes it absorbs."""
+    """A safe substitution: ``root`` (its output is replaced), the field ``vectors`` it reads in
+    the operator's order, the ``internal`` nodes it absorbs, and rule-specific ``data``."""
     rule: str
     root: Node
-    embeds: list[Node]
+    vectors: list[FieldVector]
     internal: set[int]
+    others: list[int] = dataclasses.field(default_factory=list)   # replicated tensors the finish reads
+    data: dict = dataclasses.field(default_factory=dict)
+    out_shape: tuple = ()                                         # the root's per-sample shape
 
     @property
     def fields(self) -> list[str]:
-        return [e.attrs["field"] for e in self.embeds]
+        return [v.field for v in self.vectors]
 
 
 @dataclasses.dataclass
@@ -36,80 +52,70 @@ class Rejection:
 
 class Rule:
     name: str = ""
+    priority: int = 0
 
-    def match(self, graph: Graph, node: Node) -> Match | Rejection | None:  # pragma: no cover
+    def match(self, graph: Graph, fields: FieldAnalysis, node: Node) -> Match | Rejection | None:  # pragma: no cover
         raise NotImplementedError
 
+    def sub_operator(self, match: Match, owned: list[FieldVector], name: str):  # pragma: no cover
+        """The des_ops SubOperator of this process: partial of ``owned`` vectors, combine of the sum."""
+        raise NotImplementedError
 
-def register(cls):
-    """Class decorator: add one instance of the rule to the registry (in priority order)."""
-    RULES.append(cls())
-    return cls
-
-
-def embed_node(graph: Graph, t) -> Node | None:
-    """The FieldEmbedding call producing tensor t, if any."""
-    n = graph.producer.get(t) if isinstance(t, TensorId) else None
-    return n if n is not None and n.kind == "embed" else None
+    def finish(self, match: Match, combined, look: Callable):
+        """The root's output from the combined sub-operator output (replicated on every process).
+        ``look`` maps a tensor id of the old graph to the new tensor. Default: reshape to the root's shape."""
+        return Reshaped(match.out_shape, name=f"des_{self.name}_{match.root.layer.name}_out")(combined)
 
 
-def stacked_embeddings(graph: Graph, t) -> tuple[list[Node], set[int]] | None:
-    """[B, F, k] built from field embeddings: tf.stack(embs, axis=1), or
-    Concatenate(axis=1) of Reshape((1, k)) of embeddings. Returns (embed nodes, glue nodes)."""
-    n = graph.producer.get(t) if isinstance(t, TensorId) else None
-    if n is None:
-        return None
-    if n.kind == "stack" and n.attrs.get("axis") == 1:
-        embs = [embed_node(graph, o) for o in n.operands]
-        return (embs, {n.index}) if embs and all(embs) else None
-    if n.kind == "concat" and n.attrs.get("axis") == 1:
-        embs, glue = [], {n.index}
-        for o in n.operands:
-            r = graph.producer.get(o) if isinstance(o, TensorId) else None
-            if r is None or r.kind != "reshape" or len(r.operands) != 1:
-                return None
-            e = embed_node(graph, r.operands[0])
-            if e is None or tuple(r.attrs.get("shape") or ()) != (1, e.attrs["dim"]):
-                return None
-            embs.append(e)
-            glue.add(r.index)
-        return embs, glue
-    return None
+def register(cls=None, *, priority: int = 0):
+    """Class decorator: add one instance of the rule to the registry; higher priority is tried first."""
+    def add(c):
+        c.priority = priority
+        RULES.append(c())
+        RULES.sort(key=lambda r: -r.priority)
+        return c
+    return add(cls) if cls is not None else add
 
 
-def concatenated_embeddings(graph: Graph, t) -> tuple[list[Node], set[int], list] | None:
-    """[B, sum k] = concat(embs, axis=-1) or Flatten(stack(embs, axis=1)).
-    Returns (embed nodes, glue nodes, operands that are not embeddings)."""
-    n = graph.producer.get(t) if isinstance(t, TensorId) else None
-    if n is None:
-        return None
-    if n.kind == "concat" and n.attrs.get("axis") in (1, -1) and len(graph.shape(t)) == 2:
-        embs = [embed_node(graph, o) for o in n.operands]
-        others = [o for o, e in zip(n.operands, embs) if e is None]
-        return [e for e in embs if e], {n.index}, others
-    if n.kind == "flatten" and len(n.operands) == 1:
-        inner = stacked_embeddings(graph, n.operands[0])
-        if inner:
-            return inner[0], inner[1] | {n.index}, []
-    return None
+class Reshaped(tf.keras.layers.Layer):
+    """x reshaped to [B, *shape] (the original operator's output shape)."""
+
+    def __init__(self, shape: tuple, **kwargs):
+        super().__init__(**kwargs)
+        self.shape = tuple(shape)
+
+    def call(self, x):
+        return tf.reshape(x, tf.concat([tf.shape(x)[:1], tf.constant(self.shape, tf.int32)], 0)) \
+            if tuple(x.shape[1:]) != self.shape else x
 
 
-def check_embeddings(graph: Graph, embeds: list[Node]) -> str | None:
-    """Why these embeddings cannot be field-partitioned, or None."""
+def check_vectors(graph: Graph, vectors: list[FieldVector]) -> str | None:
+    """Why these field vectors cannot be partitioned by field, or None."""
     seen = set()
-    for e in embeds:
-        if e.layer.name in seen:
-            return f"table {e.layer.name!r} appears twice in the match"
-        seen.add(e.layer.name)
-        if graph.dtype(e.output) != tf.float32:
-            return f"embedding {e.layer.name!r} has dtype {graph.dtype(e.output).name}, only float32 is supported"
-        if graph.layer_calls(e.layer) != 1:
-            return f"table {e.layer.name!r} is shared by several inputs"
-        ops = e.tensor_operands()
-        if len(ops) not in (1, 2) or any(graph.input_name(t) is None for t in ops):
-            return f"embedding {e.layer.name!r} does not read model inputs (ids, or ids and weights) directly"
+    for v in vectors:
+        if v.table.index in seen:
+            return f"table {v.table.layer.name!r} appears twice in the operator"
+        seen.add(v.table.index)
+        if graph.dtype(v.tensor) != tf.float32:
+            return f"field vector of {v.table.layer.name!r} has dtype {graph.dtype(v.tensor).name}, only float32 is supported"
+        if graph.layer_calls(v.table.layer) != 1:
+            return f"table {v.table.layer.name!r} is shared by several inputs"
     return None
 
 
-__all__ = ["Match", "Rejection", "Rule", "register", "RULES", "Op", "V", "embed_node",
-           "stacked_embeddings", "concatenated_embeddings", "check_embeddings"]
+def stack_of_fields(fields: FieldAnalysis, t, rule: str, root: Node) -> Layout | Rejection:
+    """The [B, F, K] stack of field vectors at t, or a Rejection naming why not."""
+    lay = fields.layout(t) if t is not None else None
+    if lay is None or lay.form != "stack":
+        why = fields.why_not(t) if lay is None else f"its input is a {lay.form} of field vectors, not a [B, F, K] stack"
+        return Rejection(rule, root, f"the interaction input is not a stack of field vectors: {why}")
+    if lay.others:
+        names = [fields.graph.producer[p.tensor].layer.name for p in lay.others]
+        return Rejection(rule, root, f"the stack mixes field vectors with other tensors ({', '.join(names)})")
+    widths = sorted({v.width for v in lay.vectors})
+    if len(widths) != 1:
+        return Rejection(rule, root, f"field vectors of different widths {widths} in one interaction")
+    return lay
+
+
+__all__ = ["Match", "Rejection", "Rule", "register", "RULES", "check_vectors", "stack_of_fields", "Reshaped"]

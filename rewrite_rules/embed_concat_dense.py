@@ -1,33 +1,93 @@
-"""First Dense layer over concatenated field embeddings:
+"""First Dense layer over concatenated field vectors (and other features):
 
-    act(concat(v_1..v_F) @ W + b) = act(sum_p E_p @ W_p + b)
+    act(concat(v_1..v_F, x) @ W + b) = act(sum_p E_p @ W_p  +  x @ W_x + b)
 
-where W_p is the row block of W that multiplies the fields of process p.
+W_p is the row block of W that multiplies the fields of process p; W_x (rows of features
+that are not field vectors, e.g. numeric inputs) and b stay replicated and are applied
+after the combine, with the activation. Matches Keras ``Dense`` (also inside a Sequential)
+and DeepCTR's ``DNN`` (its first kernel; the rest of the DNN stays replicated).
 """
 from __future__ import annotations
 
-from rewrite_rules.base import (Match, Rejection, Rule, check_embeddings, concatenated_embeddings,
-                                register)
+import numpy as np
+import tensorflow as tf
+
+from des_ops.suboperators import DenseBlockSubOp
+from rewrite_rules.base import Match, Rejection, Rule, check_vectors, register
 
 
-@register
-class EmbedConcatDense(Rule):
+@register(priority=40)
+class EmbedConcatDenseRule(Rule):
     name = "embed_concat_dense"
 
-    def match(self, graph, node):
+    def match(self, graph, fields, node):
         if node.kind != "dense" or len(node.tensor_operands()) != 1:
             return None
-        found = concatenated_embeddings(graph, node.tensor_operands()[0])
-        if found is None:
+        lay = fields.layout(node.tensor_operands()[0])
+        if lay is None or not lay.vectors:
             return None
-        embeds, glue, others = found
-        if not embeds:
-            return None
-        if others:
-            return Rejection(self.name, node, "the Dense input mixes field embeddings with other tensors")
-        if graph.shape(node.tensor_operands()[0]).rank != 2:
-            return Rejection(self.name, node, "the Dense input is not 2-D")
-        why = check_embeddings(graph, embeds)
+        if lay.form == "stack":
+            return Rejection(self.name, node, "the Dense input is a [B, F, K] stack (Dense acts per field "
+                                              "row there, not on the concatenation)")
+        why = check_vectors(graph, lay.vectors)
         if why:
             return Rejection(self.name, node, why)
-        return Match(self.name, node, embeds, glue | {node.index})
+        kernel = node.attrs["kernel"]
+        if int(kernel.shape[0]) != sum(p.width for p in lay.parts):
+            return Rejection(self.name, node, "the kernel rows do not line up with the concatenated inputs")
+        return Match(self.name, node, lay.vectors, lay.glue | {node.index}, others=[p.tensor for p in lay.others],
+                     data={"parts": lay.parts, "kernel": kernel, "bias": node.attrs["bias"],
+                           "activation": node.attrs["activation"], "rest": node.attrs.get("rest")})
+
+    def rows(self, match) -> list[tuple[object, np.ndarray]]:
+        """(part, kernel rows) for every part of the concatenation, in order."""
+        kernel, out, start = match.data["kernel"].numpy(), [], 0
+        for p in match.data["parts"]:
+            out.append((p, kernel[start:start + p.width]))
+            start += p.width
+        return out
+
+    def sub_operator(self, match, owned, name):
+        mine = {id(v) for v in owned}
+        blocks = [rows for p, rows in self.rows(match) if p.vector is not None and id(p.vector) in mine]
+        units = int(match.data["kernel"].shape[1])
+        block = np.concatenate(blocks) if blocks else np.zeros((0, units), np.float32)
+        return DenseBlockSubOp([v.field for v in owned], block, [v.width for v in owned],
+                               source=match.root.layer.name, name=name)
+
+    def finish(self, match, combined, look):
+        others = [rows for p, rows in self.rows(match) if p.vector is None]
+        tail = DenseTail(match.out_shape, match.data["bias"], match.data["activation"],
+                         np.concatenate(others) if others else None, match.data.get("rest"),
+                         name=f"des_dense_{match.root.layer.name}_out")
+        return tail([combined, *[look(t) for t in match.others]])
+
+
+class DenseTail(tf.keras.layers.Layer):
+    """Replicated end of a substituted Dense: total + others @ W_x + b, activation, shape,
+    then ``rest`` (e.g. the remaining layers of DeepCTR's DNN)."""
+
+    def __init__(self, shape, bias, activation, other_rows: np.ndarray | None, rest=None, **kwargs):
+        super().__init__(**kwargs)
+        self.shape = tuple(shape)
+        self.bias = bias                                  # the original Dense's variable (kept, trained)
+        self.activation = tf.keras.activations.get(activation) if activation is not None else None
+        self.rest = rest
+        self.other_kernel = None if other_rows is None else self.add_weight(
+            "other_kernel", shape=other_rows.shape, initializer=tf.keras.initializers.Constant(other_rows))
+        if self.other_kernel is not None:
+            self.other_kernel.des_rows_of = None          # set by des.transform: (dense key, "others")
+
+    def call(self, inputs, training=None):
+        total, others = inputs[0], inputs[1:]
+        y = total
+        if self.other_kernel is not None:
+            b = tf.shape(total)[0]
+            x = tf.concat([tf.reshape(o, tf.stack([b, -1])) for o in others], axis=1)
+            y = y + tf.matmul(x, self.other_kernel)
+        if self.bias is not None:
+            y = y + self.bias
+        if self.activation is not None:
+            y = self.activation(y)
+        y = tf.reshape(y, tf.concat([tf.shape(y)[:1], tf.constant(self.shape, tf.int32)], 0))
+        return self.rest(y, training=training) if self.rest is not None else y

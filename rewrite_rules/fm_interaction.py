@@ -1,44 +1,65 @@
-"""FM second-order interaction over field embeddings E = stack(v_1..v_F, axis=1):
+"""FM second-order interaction over a stack of field vectors E [B, F, K]:
 
-    0.5 * reduce_sum( square(reduce_sum(E, 1)) - reduce_sum(square(E), 1), -1 )
+    0.5 * sum_k( (sum_f E)^2 - sum_f E^2 )              -> partials S_p [B, K], Q_p [B, 1]
 
-written with tf ops (TFOpLambda), with 0.5 inside or outside the outer sum, or as a
-user layer that declares ``des_substitute = "fm_interaction"`` and takes E.
+however spelled: tf.square or x * x, keepdims or not, 0.5 inside or outside the outer sum,
+DeepCTR's ``FM`` layer, or a user layer declaring ``des_substitute = "fm_interaction"``.
 """
 from __future__ import annotations
 
-from des.pattern import Alt, Op, V
-from rewrite_rules.base import Match, Rejection, Rule, check_embeddings, register, stacked_embeddings
+from des.pattern import Alt, Op, V, axes, last_axis
+from des_ops.suboperators import FMSubOp
+from rewrite_rules.base import Match, Rejection, Rule, check_vectors, register, stack_of_fields
 
 E = V("E")
-_DIFF = Op("sub", Op("square", Op("reduce_sum", E, axis=1, keepdims=False)),
-           Op("reduce_sum", Op("square", E), axis=1, keepdims=False))
-_K = (1, -1)
+
+
+def sum_over_fields(x):
+    return Op("reduce_sum", x, axis=axes(1))
+
+
+def half(x):
+    return Op("mul", 0.5, x)
+
+
+DIFF = Op("sub", Op("square", sum_over_fields(E)), sum_over_fields(Op("square", E)))
 PATTERN = Alt(
     Op("fm_interaction", E),
-    Op("mul", 0.5, Op("reduce_sum", _DIFF, axis=_K)),
-    Op("reduce_sum", Op("mul", 0.5, _DIFF), axis=_K),
+    half(Op("reduce_sum", DIFF, axis=last_axis)),
+    Op("reduce_sum", half(DIFF), axis=last_axis),
 )
 
 
-@register
-class FMInteraction(Rule):
+def interaction_match(rule: str, pattern, graph, fields, node, per_sample_size):
+    """Shared by the FM and bi-interaction rules: the pattern, a stack of equal-width field
+    vectors, both sums over fields of the same shape, and the output size per sample."""
+    state = pattern.match(graph, node.output) if len(node.outputs) == 1 else None
+    if state is None:
+        return None
+    sub = next((graph.nodes[i] for i in state.nodes if graph.nodes[i].kind == "sub"), None)
+    if sub is not None and graph.shape(sub.operands[0]) != graph.shape(sub.operands[1]):
+        return None                        # (sum E)^2 and sum E^2 broadcast: not the FM math
+    lay = stack_of_fields(fields, state.bindings["E"], rule, node)
+    if isinstance(lay, Rejection):
+        return lay
+    k = lay.vectors[0].width
+    size = 1
+    for d in graph.shape(node.output)[1:]:
+        size *= d or 0
+    if size != per_sample_size(k):
+        return Rejection(rule, node, f"unexpected output shape {graph.shape(node.output)}")
+    why = check_vectors(graph, lay.vectors)
+    if why:
+        return Rejection(rule, node, why)
+    return Match(rule, node, lay.vectors, state.nodes | lay.glue, data={"k": k})
+
+
+@register(priority=30)
+class FMInteractionRule(Rule):
     name = "fm_interaction"
 
-    def match(self, graph, node):
-        state = PATTERN.match(graph, node.output) if len(node.outputs) == 1 else None
-        if state is None:
-            return None
-        stacked = stacked_embeddings(graph, state.bindings["E"])
-        if stacked is None:
-            return Rejection(self.name, node, "the interaction input is not a stack of field embeddings")
-        embeds, glue = stacked
-        if len({e.attrs["dim"] for e in embeds}) != 1:
-            return Rejection(self.name, node, "field embeddings of different widths")
-        out_shape = graph.shape(node.output)
-        if out_shape.rank not in (1, 2) or (out_shape.rank == 2 and out_shape[1] != 1):
-            return Rejection(self.name, node, f"unexpected output shape {out_shape}")
-        why = check_embeddings(graph, embeds)
-        if why:
-            return Rejection(self.name, node, why)
-        return Match(self.name, node, embeds, state.nodes | glue)
+    def match(self, graph, fields, node):
+        return interaction_match(self.name, PATTERN, graph, fields, node, lambda k: 1)
+
+    def sub_operator(self, match, owned, name):
+        return FMSubOp([v.field for v in owned], k=match.data["k"], source=match.root.layer.name, name=name)

@@ -7,7 +7,7 @@ import tensorflow as tf
 import des
 import models
 from des.data.spec import PAD_ID, FeatureSpec, Field
-from des.verify import compare, run_in_process_world, snapshot, train_and_snapshot
+from des.verify import compare, run_in_process_world, train_and_snapshot
 from des_ops.comm import InProcessWorld, LocalCommunicator, allreduce_sum
 from helpers import random_batches, small_spec
 
@@ -86,20 +86,9 @@ def test_transform_keeps_trained_weights():
     for x, y in BATCHES[:5]:
         base.train_on_batch(x, y)
     expected = base.predict_on_batch(PROBE)
-    trained = snapshot(base)
-
-    def rebuild():                     # every simulated rank starts from the same trained model
-        m = build("deepfm")()
-        for layer in m.layers:
-            if getattr(layer, "des_embedding", False):
-                rows = trained["tables"][(layer.field, layer.dim)]
-                layer.params.upsert(tf.constant(list(rows), tf.int64), tf.constant(np.stack(list(rows.values()))))
-        for src, dst in zip(base.layers, m.layers):
-            if not getattr(dst, "des_embedding", False) and dst.weights:
-                dst.set_weights(src.get_weights())
-        return m
-
-    preds = run_in_process_world(3, rebuild, lambda m: m.predict_on_batch(PROBE))
+    # rank 0 holds the trained model; the other ranks build fresh random ones and must get
+    # rank 0's weights and rows from the transform's broadcast
+    preds = run_in_process_world(3, build("deepfm"), lambda m: m.predict_on_batch(PROBE), init_from=base)
     for p in preds:
         np.testing.assert_allclose(p, expected, atol=1e-6)
 
@@ -159,4 +148,4 @@ def test_weights_change_the_pooled_embedding_and_padding_is_not_a_key():
 def test_weighted_fields_are_substituted():
     _, report = des.transform(models.build("deepfm", MIXED, seed=3, hidden=(8, 4)), comm=LocalCommunicator())
     assert sorted(m.rule for m in report.substitutions) == ["embed_concat_dense", "fm_interaction", "lr_sum"]
-    assert all(len(m.embeds) == 4 for m in report.substitutions), str(report)
+    assert all(len(m.vectors) == 4 for m in report.substitutions), str(report)

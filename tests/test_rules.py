@@ -56,28 +56,34 @@ def test_dense_not_substituted_when_a_field_embedding_feeds_another_layer():
     x = inputs_for(SPEC)
     e = embs(x)
     h = L.Dense(4, name="first")(L.Concatenate()(e))
-    side = L.Dense(4, name="side")(e[2])            # an unrecognised use of field f2's embedding
+    side = L.Dense(4)(L.Multiply(name="side")([e[2], e[3]]))   # f2 x f3: no rule for it
     model = tf.keras.Model(x, L.Dense(1)(L.Add()([h, side])))
     rules, why = rules_of(model)
     assert rules == [] and any("field 'f2'" in w and "'side'" in w for w in why)
     new, report = des.transform(model, comm=LocalCommunicator())
     assert new is model and not report.changed and "nothing to substitute" in str(report)
+    assert "(FieldEmbedding, width 3, field 'f2'): NOT substituted: its field vector reaches 'side'" in str(report)
 
 
-def test_dense_over_embeddings_mixed_with_other_inputs_is_rejected():
+def test_dense_over_embeddings_and_a_numeric_input_keeps_its_rows_replicated():
     x = inputs_for(SPEC)
-    num = tf.keras.Input(shape=(1,), name="num")
-    model = tf.keras.Model({**x, "num": num}, L.Dense(1)(L.Concatenate()(embs(x) + [num])))
-    rules, why = rules_of(model)
-    assert rules == [] and any("mixes field embeddings with other tensors" in w for w in why)
+    num = tf.keras.Input(shape=(2,), name="num")
+    model = tf.keras.Model({**x, "num": num}, L.Dense(2, activation="relu")(L.Concatenate()(embs(x) + [num])))
+    assert rules_of(model) == (["embed_concat_dense"], [])
+    new, report = des.transform(model, comm=LocalCommunicator())
+    assert "1 replicated input(s)" in str(report) and report.floats_per_sample == 2
+    xb, _ = random_batches(SPEC, 1, 8)[0]
+    xb["num"] = tf.random.uniform([8, 2])
+    np.testing.assert_allclose(new.predict_on_batch(xb), model.predict_on_batch(xb), atol=1e-6)
 
 
 def test_model_with_nothing_to_rewrite_comes_back_unchanged():
-    x = tf.keras.Input(shape=(), dtype=tf.int64, name="f0")
-    h = L.Flatten()(L.Embedding(100, 4)(x))
-    model = tf.keras.Model(x, L.Dense(1, activation="sigmoid")(h))
+    x = tf.keras.Input(shape=(3,), name="num")
+    model = tf.keras.Model(x, L.Dense(1, activation="sigmoid")(L.Dense(4)(x)))
     new, report = des.transform(model, comm=LocalCommunicator())
-    assert new is model and report.substitutions == [] and report.rejections == []
+    assert new is model and report.substitutions == [] and report.rejections == [] and report.tables == []
+    with pytest.raises(des.TransformError, match="nothing to substitute"):
+        des.transform(model, comm=LocalCommunicator(), strict=True)
 
 
 def test_linear_sum_as_reduce_sum_of_concat():
@@ -91,19 +97,33 @@ def test_linear_sum_as_reduce_sum_of_concat():
     np.testing.assert_allclose(new.predict_on_batch(xb), model.predict_on_batch(xb), atol=1e-7)
 
 
-def test_sum_of_a_non_embedding_does_not_fire():
+def test_a_per_field_layer_before_the_sum_moves_to_the_field_owner():
+    x = inputs_for(SPEC)
+    w = [FieldEmbedding(f.name, 1, seed=0, init_scale=0.1)(x[f.name]) for f in SPEC]
+    w[1] = L.Dense(1, name="per_field")(w[1])         # depends on field f1 only: part of its chain
+    model = tf.keras.Model(x, L.Add()(w))
+    assert rules_of(model) == (["lr_sum"], [])
+    new, _ = des.transform(model, comm=LocalCommunicator())
+    assert any(l.name == "per_field" for l in new.des_layer.owned)
+    xb, _ = random_batches(SPEC, 1, 8)[0]
+    np.testing.assert_allclose(new.predict_on_batch(xb), model.predict_on_batch(xb), atol=1e-6)
+
+
+def test_an_op_mixing_fields_before_the_sum_does_not_fire_and_the_report_says_where():
     x = inputs_for(SPEC)
     w = [FieldEmbedding(f.name, 1, seed=0)(x[f.name]) for f in SPEC]
-    w[1] = L.Dense(1)(w[1])                           # not a lookup any more
-    model = tf.keras.Model(x, L.Add()(w))
+    soft = tf.nn.softmax(L.Concatenate(axis=1)(w), axis=1)       # non-linear across fields
+    model = tf.keras.Model(x, tf.reduce_sum(soft, axis=1, keepdims=True))
     assert rules_of(model) == ([], [])
+    _, report = des.transform(model, comm=LocalCommunicator())
+    assert "NOT substituted: its field vector reaches 'tf.nn.softmax'" in str(report), str(report)
 
 
 def test_deepfm_keeps_one_table_per_field_shared_by_fm_and_dnn():
     model = models.build("deepfm", SPEC, seed=0, hidden=(8,))
     new, report = des.transform(model, comm=LocalCommunicator())
     assert sorted(m.rule for m in report.substitutions) == ["embed_concat_dense", "fm_interaction", "lr_sum"]
-    tables = new.des_layer.owned
+    tables = [l for l in new.des_layer.owned if getattr(l, "des_embedding", False)]
     assert len(tables) == 2 * len(SPEC)               # one 1-wide and one 3-wide table per field
     assert len({id(t) for t in tables}) == len(tables)
     assert report.floats_per_sample == 1 + (3 + 1) + 8
