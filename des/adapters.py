@@ -14,7 +14,8 @@ is an ordinary replicated layer). Registered:
   (sum over its concatenated 1-wide field vectors, + its bias, + its dense part), ``FM`` ->
   ``fm_interaction``, ``BiInteractionPooling`` -> ``bi_interaction``, ``DNN`` -> ``dense``
   with its first kernel and bias; the rest of the DNN (batch norm, activation, dropout, the
-  other layers) stays replicated (``DNNRest``).
+  other layers) stays replicated (``DNNRest``); its layout helpers ``Concat`` -> ``concat``,
+  ``NoMask`` -> ``identity`` and ``_Add`` -> ``add``.
 """
 from __future__ import annotations
 
@@ -60,6 +61,28 @@ def _deepctr_bi(layer, args, kwargs):
     return "bi_interaction", _first(args, kwargs), {}
 
 
+@register_adapter("deepctr.layers.utils.Concat")
+def _deepctr_concat(layer, args, kwargs):
+    x = _first(args, kwargs)
+    xs = x if isinstance(x, (list, tuple)) else [x]
+    rank = xs[0].shape.rank
+    if rank is None:
+        return None
+    return "concat", list(xs), {"axis": int(layer.axis) % rank}
+
+
+@register_adapter("deepctr.layers.utils.NoMask")
+def _deepctr_nomask(layer, args, kwargs):
+    x = _first(args, kwargs)
+    return ("identity", x, {}) if not isinstance(x, (list, tuple)) else None
+
+
+@register_adapter("deepctr.layers.utils._Add")
+def _deepctr_add(layer, args, kwargs):
+    x = _first(args, kwargs)
+    return ("add", list(x), {}) if isinstance(x, (list, tuple)) and len(x) > 1 else None
+
+
 @register_adapter("deepctr.layers.utils.Linear")
 def _deepctr_linear(layer, args, kwargs):
     """Linear(mode 0): reduce_sum(sparse, -1, keepdims) [+ bias]; mode 2: + tensordot(dense, kernel)."""
@@ -68,7 +91,9 @@ def _deepctr_linear(layer, args, kwargs):
     if layer.mode == 0:
         return "linear", [x], {"bias": bias, "dense": None}
     if layer.mode == 2 and isinstance(x, (list, tuple)) and len(x) == 2:
-        return "linear", [x[0], x[1]], {"bias": bias, "dense": layer.kernel}
+        return "linear", [x[0], x[1]], {"bias": bias, "dense": layer.kernel,
+                                        "kernel_regularizer": tf.keras.regularizers.l2(layer.l2_reg)
+                                        if layer.l2_reg else None}
     return None
 
 
@@ -77,8 +102,10 @@ def _deepctr_dnn(layer, args, kwargs):
     """DNN: its first kernel is the substituted Dense; DNNRest finishes the layer."""
     if not layer.hidden_units:
         return None
-    return "dense", _first(args, kwargs), {"units": layer.hidden_units[0], "kernel": layer.kernels[0],
-                                           "bias": layer.bias[0], "activation": None, "rest": DNNRest(layer)}
+    return "dense", _first(args, kwargs), {
+        "units": layer.hidden_units[0], "kernel": layer.kernels[0], "bias": layer.bias[0], "activation": None,
+        "rest": DNNRest(layer), "kernel_regularizer": tf.keras.regularizers.l2(layer.l2_reg) if layer.l2_reg else None,
+        "bias_regularizer": None, "kernel_constraint": None, "trainable": layer.trainable}
 
 
 class DNNRest(tf.keras.layers.Layer):
@@ -93,6 +120,11 @@ class DNNRest(tf.keras.layers.Layer):
         self.activation_layers = list(dnn.activation_layers)
         self.dropout_layers = list(dnn.dropout_layers)
         self.use_bn, self.layers_count, self.output_activation = dnn.use_bn, n, dnn.output_activation
+        self.trainable = dnn.trainable
+        if dnn.l2_reg:                          # the DNN's penalty on its other kernels stays replicated
+            penalty = tf.keras.regularizers.l2(dnn.l2_reg)
+            for k in self.kernels:
+                self.add_loss(lambda k=k: penalty(k))
 
     def call(self, fc, training=None):
         for i in range(self.layers_count):

@@ -18,7 +18,7 @@ import dataclasses
 import tensorflow as tf
 
 from des.fields import GLUE, FieldAnalysis, FieldVector
-from des.ir import Graph, Node, call_node, is_keras_tensor, replay
+from des.ir import Graph, Node, call_node, has_weight_penalties, is_keras_tensor, replay, take_weight_penalties
 from des.plan import FieldCost, FieldPlan, make_plan
 from des_ops.comm import Communicator, default_communicator
 from des_ops.suboperators import DESFirstLayer
@@ -116,8 +116,11 @@ def _drop_unsafe(graph: Graph, matches: list[Match], rejections: list[Rejection]
         bad = None
         for m in matches:
             for idx in m.internal - {m.root.index}:
+                # a layout node (stack/concat/reshape of field vectors) may feed several matches;
+                # a math node only its own
+                allowed = inside if graph.nodes[idx].kind in GLUE else m.internal
                 for t in graph.nodes[idx].outputs:
-                    users = [u for u in graph.consumers.get(t, []) if u.index not in m.internal]
+                    users = [u for u in graph.consumers.get(t, []) if u.index not in allowed]
                     if users or t in graph.output_ids:
                         who = users[0].layer.name if users else "the model output"
                         bad = (m, f"intermediate {graph.nodes[idx].layer.name!r} is also used by {who!r}")
@@ -271,7 +274,7 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
         return model, report
     for n in graph.nodes:
         if n.kind == "table":
-            n.attrs["source"].keyed(n.layer, seed)
+            n.attrs["source"].keyed(n.layer, seed, graph.layer_key(n.layer))
     if sync_weights and comm.world_size > 1:
         state.sync_from_root(graph, comm)
     costs = _field_costs(graph, matches, spec)
@@ -295,6 +298,13 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
         ops.append(rule.sub_operator(m, owned, name=f"des_{m.rule}_{m.root.layer.name}"))
         op_inputs.append([v.tensor for v in owned])
         widths[m.root.layer.name] = ops[-1].width
+    chain_layers = {id(graph.nodes[i].layer): graph.nodes[i].layer for m in matches for v in m.vectors
+                    for i in v.chain}
+    penalty_column = any(has_weight_penalties(l) for l in chain_layers.values()) or \
+        any(m.data.get("kernel_regularizer") is not None for m in matches)
+    owned_penalties = []
+    for i in sorted(owned_nodes):
+        owned_penalties += take_weight_penalties(owned_nodes[i].layer)
     if release_unowned:
         for m in matches:
             for v in m.vectors:
@@ -303,7 +313,8 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
 
     chains = FieldChains(graph, list(owned_nodes.values()), sorted({t for ids in op_inputs for t in ids}))
     layers = list(dict.fromkeys(n.layer for n in chains.nodes))
-    first = DESFirstLayer(layers, chains, ops, op_inputs, comm, name="des_first_layer")
+    first = DESFirstLayer(layers, chains, ops, op_inputs, comm, owned_penalties, penalty_column,
+                          name="des_first_layer")
     names_in = sorted({graph.nodes[i].layer.name for m in matches for v in m.vectors for i in v.chain | fields.cone(v.tensor)
                        if graph.nodes[i].kind == "input"})
     outs = first({n: graph.tensors[_input_id(graph, n)] for n in names_in})

@@ -24,7 +24,7 @@ from functools import lru_cache
 
 from des.ir import Graph, Node, TensorId
 
-GLUE = {"stack", "concat", "reshape", "flatten", "squeeze", "expand_dims"}
+GLUE = {"stack", "concat", "reshape", "flatten", "squeeze", "expand_dims", "identity"}
 
 
 @dataclasses.dataclass(eq=False)
@@ -151,6 +151,9 @@ class FieldAnalysis:
                     return None
             merged = Layout("concat", [p for x in parts for p in x.parts], {n.index}.union(*(x.glue for x in parts)))
             return merged if merged.vectors else None
+        if n.kind == "identity" and len(ops) == 1:
+            inner = self.layout(ops[0])
+            return None if inner is None else Layout(inner.form, inner.parts, inner.glue | {n.index})
         if n.kind in ("reshape", "flatten", "squeeze", "expand_dims") and len(ops) == 1 and _row(dims):
             inner = self.layout(ops[0])
             if inner is None:

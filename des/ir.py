@@ -178,7 +178,9 @@ def classify(layer, args, kwargs, tid) -> tuple[str, list, dict]:
         attrs["axis"] = _axes(layer.axis, rank)[0]
     elif kind == "dense":
         attrs = {"units": layer.units, "kernel": layer.kernel, "bias": layer.bias if layer.use_bias else None,
-                 "activation": layer.activation, "rest": None}
+                 "activation": layer.activation, "rest": None, "kernel_regularizer": layer.kernel_regularizer,
+                 "bias_regularizer": layer.bias_regularizer if layer.use_bias else None,
+                 "kernel_constraint": layer.kernel_constraint, "trainable": layer.trainable}
     elif kind == "reshape":
         attrs["shape"] = tuple(layer.target_shape)
     return kind, _flat_operands(first, tid), attrs
@@ -302,7 +304,21 @@ def release_variables(layer, names: list[str]) -> None:
         layer._trainable_weights = [w for w in layer._trainable_weights if w is not var]
         layer._non_trainable_weights = [w for w in layer._non_trainable_weights if w is not var]
         object.__setattr__(layer, name, None)
+    take_weight_penalties(layer)                # their closures would keep the variables alive
     layer.des_released = True
+
+
+def take_weight_penalties(layer) -> list:
+    """Remove and return the weight penalties (regularizer losses) ``layer`` registered, so that
+    whoever takes them adds them (des_ops.DESFirstLayer: the owner's share of the model's loss)."""
+    taken = list(getattr(layer, "_callable_losses", []))
+    if taken:
+        layer._callable_losses = []
+    return taken
+
+
+def has_weight_penalties(layer) -> bool:
+    return bool(getattr(layer, "_callable_losses", []))
 
 
 def refresh_call_signature(layer) -> None:

@@ -56,8 +56,9 @@ class TableSource:
     def release(self, layer) -> None:
         layer.params.clear()
 
-    def keyed(self, layer, seed: int) -> None:
-        """Make new rows depend on (table, key, seed) only (already so for FieldEmbedding)."""
+    def keyed(self, layer, seed: int, name: str) -> None:
+        """Make new rows depend on (``name``, key, seed) only (already so for FieldEmbedding);
+        ``name`` is the table's place in the graph, the same in every build of the model code."""
 
 
 def register(cls: type) -> type:
@@ -81,22 +82,19 @@ class _FieldEmbedding(TableSource):
         return bool(getattr(layer, "des_embedding", False))
 
 
-def _tfra_embedding_class():
-    try:
-        from tensorflow_recommenders_addons import dynamic_embedding as de
-    except ImportError:  # pragma: no cover - TFRA is a dependency
-        return None
-    return de.keras.layers.Embedding
-
-
 @register
 class _TFRAEmbedding(TableSource):
     """TFRA ``de.keras.layers.Embedding``: ids of any shape -> ids.shape + [embedding_size]."""
     name = "TFRA Embedding"
 
     def claims(self, layer):
-        cls = _tfra_embedding_class()
-        return cls is not None and type(layer) is cls or getattr(layer, "des_keyed_tfra", False)
+        if getattr(layer, "des_keyed_tfra", False):
+            return True
+        try:
+            from tensorflow_recommenders_addons import dynamic_embedding as de
+        except ImportError:  # pragma: no cover - TFRA is a dependency
+            return False
+        return type(layer) in (de.keras.layers.Embedding, de.keras.layers.SquashedEmbedding)
 
     def dim(self, layer):
         return int(layer.embedding_size)
@@ -104,8 +102,8 @@ class _TFRAEmbedding(TableSource):
     def field(self, layer):
         return None
 
-    def keyed(self, layer, seed: int) -> None:
-        make_keyed(layer, seed)
+    def keyed(self, layer, seed: int, name: str) -> None:
+        _key_layer(layer, seed, name)
 
 
 @register
@@ -142,33 +140,46 @@ class _KerasEmbedding(TableSource):
         release_variables(layer, ["embeddings"])
 
 
-def make_keyed(layer, seed: int = 0, scale: float | None = None) -> None:
-    """Give a TFRA ``de.keras.layers.Embedding`` key-deterministic new rows: in training a
-    missing key is inserted, before the lookup, with a row that depends only on (layer name,
-    key, seed), uniform in [-scale, scale) where ``scale`` defaults to the spread of the layer's
-    initializer (its maxval, or 2 x stddev); zeros stay zeros. In inference a missing key
-    reads that row without being inserted.
+def make_keyed(model: tf.keras.Model, seed: int = 0) -> None:
+    """Give every TFRA ``de.keras.layers.Embedding`` / ``SquashedEmbedding`` of ``model``
+    key-deterministic new rows, as ``des.transform(model, seed=seed)`` does: the single-process
+    model to compare a DES run with must start from the same rows.
 
-        >>> make_keyed(emb, seed=0)       # des.transform does this to every TFRA table
+        >>> des.make_keyed(reference_model, seed=0)
+
+    In training a missing key is inserted, before the lookup, with a row that depends only on
+    (the table's place in the graph, key, seed), uniform in [-scale, scale) where ``scale`` is
+    the spread of the layer's initializer (its maxval, or 2 x stddev; zeros stay zeros). In
+    inference a missing key reads that row without being inserted.
     """
+    from des.ir import Graph
+    graph = Graph(model)
+    for n in graph.nodes:
+        if n.kind == "table":
+            n.attrs["source"].keyed(n.layer, seed, graph.layer_key(n.layer))
+
+
+def _scale_of(init) -> float:
+    cfg = init.get_config() if hasattr(init, "get_config") else {}
+    if type(init).__name__ in ("Zeros", "zeros_initializer"):
+        return 0.0
+    if "maxval" in cfg:
+        return float(abs(cfg["maxval"]))
+    if "stddev" in cfg:
+        return 2.0 * float(cfg["stddev"])
+    return 0.05
+
+
+def _key_layer(layer, seed: int, name: str) -> None:
     from des.ir import refresh_call_signature
     from models.layers import key_init, table_salt
     if getattr(layer, "des_keyed_tfra", False):
         return
-    init = layer.params.initializer
-    if scale is None:
-        cfg = init.get_config() if hasattr(init, "get_config") else {}
-        if isinstance(init, (tf.keras.initializers.Zeros,)) or type(init).__name__ in ("Zeros", "zeros_initializer"):
-            scale = 0.0
-        elif "maxval" in cfg:
-            scale = float(abs(cfg["maxval"]))
-        elif "stddev" in cfg:
-            scale = 2.0 * float(cfg["stddev"])
-        else:
-            scale = 0.05
+    scale = _scale_of(layer.params.initializer)
     base = type(layer)
-    salt = table_salt(layer.name, int(layer.embedding_size), seed)
     dim = int(layer.embedding_size)
+    salt = table_salt(name, dim, seed)
+    squashed = base.__name__ == "SquashedEmbedding"
 
     class Keyed(base):
         des_keyed_tfra = True
@@ -179,15 +190,19 @@ def make_keyed(layer, seed: int = 0, scale: float | None = None) -> None:
             uniq, idx = tf.unique(flat)
             values, exists = self.params.lookup(uniq, return_exists=True)
             fresh = key_init(uniq, salt, dim, scale)
-            shape = tf.concat([tf.shape(ids), [dim]], 0)
             if training:
                 missing = tf.logical_not(exists)
                 insert = self.params.upsert(tf.boolean_mask(uniq, missing), tf.boolean_mask(fresh, missing))
                 with tf.control_dependencies([insert]):
                     return super().call(ids)
             rows = tf.where(exists[:, None], values, fresh)
-            return tf.reshape(tf.gather(rows, idx), shape)
+            out = tf.reshape(tf.gather(rows, idx), tf.concat([tf.shape(ids), [dim]], 0))
+            if squashed:
+                from tensorflow_recommenders_addons.dynamic_embedding.python.keras.layers.embedding import \
+                    reduce_pooling
+                out = reduce_pooling(out, combiner=self.combiner)
+            return out
 
-    Keyed.__name__ = f"Keyed{base.__name__}"
+    Keyed.__name__ = base.__name__          # state keys (des.state) name layers by class: unchanged
     layer.__class__ = Keyed
     refresh_call_signature(layer)

@@ -16,6 +16,11 @@ def zeros(batch: tf.Tensor, width: int) -> tf.Tensor:
     return tf.zeros(tf.stack([batch, width]), tf.float32)
 
 
+def first_row(value: tf.Tensor, batch: tf.Tensor) -> tf.Tensor:
+    """[B, 1]: the scalar ``value`` in row 0, zeros below (a scalar riding in a [B, .] allreduce)."""
+    return tf.pad(tf.reshape(value, [1, 1]), tf.stack([tf.stack([0, batch - 1]), [0, 0]]))
+
+
 def linear_partial(embs: list[tf.Tensor], batch: tf.Tensor) -> tf.Tensor:
     """[B, 1]: the sum of this process's 1-wide lookups."""
     return tf.add_n(embs) if embs else zeros(batch, 1)

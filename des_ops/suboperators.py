@@ -35,6 +35,10 @@ class SubOperator(tf.keras.layers.Layer):
     def combine(self, total: tf.Tensor) -> tf.Tensor:
         return total
 
+    def regularization(self):
+        """This process's share of a separable weight penalty of the operator (a scalar), or None."""
+        return None
+
 
 class LinearSumSubOp(SubOperator):
     """sum_f w_f: partial [B, 1]."""
@@ -76,13 +80,20 @@ class DenseBlockSubOp(SubOperator):
     """sum_p E_p W_p: holds W_p, the rows of the Dense kernel that multiply this process's
     fields (bias, replicated rows and activation are applied after the combine)."""
 
-    def __init__(self, fields, kernel_block: np.ndarray, widths: list[int], **kwargs):
+    def __init__(self, fields, kernel_block: np.ndarray, widths: list[int], regularizer=None,
+                 trainable_block: bool = True, **kwargs):
         super().__init__(fields, **kwargs)
         self.width = int(kernel_block.shape[1])
         self.field_widths = list(widths)
+        self.regularizer = regularizer          # elementwise (L1/L2): the penalty of W is the sum over blocks
         self.kernel_block = None if kernel_block.shape[0] == 0 else self.add_weight(
-            "kernel_block", shape=kernel_block.shape, trainable=True,
+            "kernel_block", shape=kernel_block.shape, trainable=trainable_block,
             initializer=tf.keras.initializers.Constant(kernel_block))
+
+    def regularization(self):
+        if self.regularizer is None or self.kernel_block is None:
+            return None
+        return self.regularizer(self.kernel_block)
 
     def partial(self, vectors, batch):
         if self.kernel_block is None:          # this process owns none of the fields
@@ -103,26 +114,44 @@ class DESFirstLayer(tf.keras.layers.Layer):
 
     ``field_vectors(inputs)`` computes {vector id: [B, ...] tensor} for the owned fields by
     calling ``owned_layers`` (tracked here: tables, slots and checkpoints follow them);
-    ``op_inputs[i]`` lists the vector ids operator i reads, in its order."""
+    ``op_inputs[i]`` lists the vector ids operator i reads, in its order.
+
+    Weight penalties (regularizers) of owned layers and kernel blocks are owned too: with
+    ``penalty_column``, each process puts its share r_p in the first row of one more column
+    of the fused allreduce, and the layer adds sum_p r_p as a loss. Every process then
+    reports the whole model's loss, and the identity gradient gives each owner the gradient
+    of its own share, as on one process."""
 
     def __init__(self, owned_layers: list, field_vectors: Callable[[dict], dict], ops: list[SubOperator],
-                 op_inputs: list[list[int]], comm: Communicator, **kwargs):
+                 op_inputs: list[list[int]], comm: Communicator, owned_penalties: list[Callable] = (),
+                 penalty_column: bool = False, **kwargs):
         super().__init__(**kwargs)
         self.owned = list(owned_layers)
         self._field_vectors = field_vectors
         self.ops = list(ops)
         self._op_inputs = [list(v) for v in op_inputs]
         self.comm = comm
+        self._penalties = list(owned_penalties)
+        self.penalty_column = penalty_column
         self.widths = [op.width for op in self.ops]
 
     def call(self, inputs: dict, training=None):
         batch = tf.shape(next(iter(inputs.values())))[0]
         vectors = self._field_vectors(inputs)
         flat = {t: tf.reshape(v, tf.stack([batch, -1])) for t, v in vectors.items()}
-        fused = tf.concat([op.partial([flat[t] for t in ids], batch)
-                           for op, ids in zip(self.ops, self._op_inputs)], axis=1)
-        total = allreduce_sum(self.comm, fused)
+        parts = [op.partial([flat[t] for t in ids], batch) for op, ids in zip(self.ops, self._op_inputs)]
+        if self.penalty_column:
+            parts.append(dm.first_row(self._owned_penalty(), batch))
+        total = allreduce_sum(self.comm, tf.concat(parts, axis=1))
+        if self.penalty_column:
+            self.add_loss(tf.reduce_sum(total[:, -1]))
+            total = total[:, :-1]
         return [op.combine(part) for op, part in zip(self.ops, tf.split(total, self.widths, axis=1))]
 
+    def _owned_penalty(self) -> tf.Tensor:
+        terms = [fn() for fn in self._penalties] + [op.regularization() for op in self.ops]
+        terms = [tf.cast(t, tf.float32) for t in terms if t is not None]
+        return tf.add_n(terms) if terms else tf.constant(0.0)
+
     def floats_per_sample(self) -> int:
-        return int(sum(self.widths))
+        return int(sum(self.widths)) + int(self.penalty_column)

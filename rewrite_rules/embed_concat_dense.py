@@ -15,6 +15,8 @@ import tensorflow as tf
 from des_ops.suboperators import DenseBlockSubOp
 from rewrite_rules.base import Match, Rejection, Rule, check_vectors, register
 
+SEPARABLE = (tf.keras.regularizers.L1, tf.keras.regularizers.L2, tf.keras.regularizers.L1L2)
+
 
 @register(priority=40)
 class EmbedConcatDenseRule(Rule):
@@ -35,9 +37,18 @@ class EmbedConcatDenseRule(Rule):
         kernel = node.attrs["kernel"]
         if int(kernel.shape[0]) != sum(p.width for p in lay.parts):
             return Rejection(self.name, node, "the kernel rows do not line up with the concatenated inputs")
+        if node.attrs.get("kernel_constraint") is not None:
+            return Rejection(self.name, node, f"its kernel_constraint {type(node.attrs['kernel_constraint']).__name__} "
+                                              f"acts on whole columns, which span processes")
+        reg = node.attrs.get("kernel_regularizer")
+        if reg is not None and not isinstance(reg, SEPARABLE):
+            return Rejection(self.name, node, f"its kernel_regularizer {type(reg).__name__} is not a sum over "
+                                              f"entries (L1/L2), so it cannot be split by field")
         return Match(self.name, node, lay.vectors, lay.glue | {node.index}, others=[p.tensor for p in lay.others],
                      data={"parts": lay.parts, "kernel": kernel, "bias": node.attrs["bias"],
-                           "activation": node.attrs["activation"], "rest": node.attrs.get("rest")})
+                           "activation": node.attrs["activation"], "rest": node.attrs.get("rest"),
+                           "kernel_regularizer": reg, "bias_regularizer": node.attrs.get("bias_regularizer"),
+                           "trainable": node.attrs.get("trainable", True), "key": graph.layer_key(node.layer)})
 
     def rows(self, match) -> list[tuple[object, np.ndarray]]:
         """(part, kernel rows) for every part of the concatenation, in order."""
@@ -53,13 +64,18 @@ class EmbedConcatDenseRule(Rule):
         units = int(match.data["kernel"].shape[1])
         block = np.concatenate(blocks) if blocks else np.zeros((0, units), np.float32)
         return DenseBlockSubOp([v.field for v in owned], block, [v.width for v in owned],
+                               regularizer=match.data["kernel_regularizer"], trainable_block=match.data["trainable"],
                                source=match.root.layer.name, name=name)
 
     def finish(self, match, combined, look):
         others = [rows for p, rows in self.rows(match) if p.vector is None]
-        tail = DenseTail(match.out_shape, match.data["bias"], match.data["activation"],
-                         np.concatenate(others) if others else None, match.data.get("rest"),
-                         name=f"des_dense_{match.root.layer.name}_out")
+        d = match.data
+        tail = DenseTail(match.out_shape, d["bias"], d["activation"], np.concatenate(others) if others else None,
+                         d.get("rest"), kernel_regularizer=d["kernel_regularizer"],
+                         bias_regularizer=d["bias_regularizer"], name=f"des_dense_{match.root.layer.name}_out")
+        if tail.other_kernel is not None:
+            tail.other_kernel.des_key = f"{d['key']}/others"          # des.state: the replicated rows of W
+        tail.trainable = d["trainable"]
         return tail([combined, *[look(t) for t in match.others]])
 
 
@@ -67,16 +83,18 @@ class DenseTail(tf.keras.layers.Layer):
     """Replicated end of a substituted Dense: total + others @ W_x + b, activation, shape,
     then ``rest`` (e.g. the remaining layers of DeepCTR's DNN)."""
 
-    def __init__(self, shape, bias, activation, other_rows: np.ndarray | None, rest=None, **kwargs):
+    def __init__(self, shape, bias, activation, other_rows: np.ndarray | None, rest=None,
+                 kernel_regularizer=None, bias_regularizer=None, **kwargs):
         super().__init__(**kwargs)
         self.shape = tuple(shape)
         self.bias = bias                                  # the original Dense's variable (kept, trained)
         self.activation = tf.keras.activations.get(activation) if activation is not None else None
         self.rest = rest
         self.other_kernel = None if other_rows is None else self.add_weight(
-            "other_kernel", shape=other_rows.shape, initializer=tf.keras.initializers.Constant(other_rows))
-        if self.other_kernel is not None:
-            self.other_kernel.des_rows_of = None          # set by des.transform: (dense key, "others")
+            "other_kernel", shape=other_rows.shape, initializer=tf.keras.initializers.Constant(other_rows),
+            regularizer=kernel_regularizer)               # the replicated rows' share of the penalty
+        if bias is not None and bias_regularizer is not None:
+            self.add_loss(lambda: bias_regularizer(self.bias))
 
     def call(self, inputs, training=None):
         total, others = inputs[0], inputs[1:]
@@ -89,5 +107,6 @@ class DenseTail(tf.keras.layers.Layer):
             y = y + self.bias
         if self.activation is not None:
             y = self.activation(y)
-        y = tf.reshape(y, tf.concat([tf.shape(y)[:1], tf.constant(self.shape, tf.int32)], 0))
-        return self.rest(y, training=training) if self.rest is not None else y
+        if self.rest is not None:                         # [B, units] into the rest of the layer
+            return self.rest(y, training=training)
+        return tf.reshape(y, tf.concat([tf.shape(y)[:1], tf.constant(self.shape, tf.int32)], 0))

@@ -34,7 +34,8 @@ class LinearSumRule(Rule):
         if node.kind == "linear":                       # DeepCTR Linear (des.adapters)
             found = self._reduce(graph, fields, node, node.operands[0], None)
             if isinstance(found, Match):
-                found.data.update(bias=node.attrs.get("bias"), dense=node.attrs.get("dense"))
+                found.data.update(bias=node.attrs.get("bias"), dense=node.attrs.get("dense"),
+                                  kernel_regularizer=node.attrs.get("kernel_regularizer"))
                 if node.attrs.get("dense") is not None:
                     found.others = [node.operands[1]]
             return found
@@ -88,18 +89,20 @@ class LinearSumRule(Rule):
 
     def finish(self, match, combined, look):
         tail = LinearTail(match.out_shape, match.data.get("bias"), match.data.get("dense"),
-                          name=f"des_lr_sum_{match.root.layer.name}_out")
+                          match.data.get("kernel_regularizer"), name=f"des_lr_sum_{match.root.layer.name}_out")
         return tail([combined, *[look(t) for t in match.others]])
 
 
 class LinearTail(tf.keras.layers.Layer):
     """Replicated part of a linear sum: total (+ other terms) (+ bias) (+ dense @ kernel)."""
 
-    def __init__(self, shape, bias=None, dense=None, **kwargs):
+    def __init__(self, shape, bias=None, dense=None, kernel_regularizer=None, **kwargs):
         super().__init__(**kwargs)
         self.shape = tuple(shape)
         self.bias = bias                       # the original layer's variable (kept, trained)
         self.kernel = dense                    # DeepCTR Linear mode 2: dense features' kernel
+        if dense is not None and kernel_regularizer is not None:
+            self.add_loss(lambda: kernel_regularizer(self.kernel))
 
     def call(self, inputs):
         total, others = inputs[0], list(inputs[1:])

@@ -1,0 +1,228 @@
+"""Model styles a user would write, as builders for the bring-your-own-model tests.
+
+Each builder returns a fresh, untrained tf.keras model over 4 categorical fields with ids in
+[1, V) (0 is padding for multi-hot fields). ``EXPECTED[name]`` lists the substitutions
+des.transform must make. ``batches_for(model, ...)`` makes data for any of them from the
+model's own inputs (ids, strings, floats), so the tests and the mpirun script share it.
+
+    >>> model = BUILDERS["keras_deepfm"]()
+    >>> batches = batches_for(model, steps=20, batch=32, seed=4)
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import tensorflow as tf
+
+L = tf.keras.layers
+FIELDS = ["f0", "f1", "f2", "f3"]
+V, K = 40, 4
+_count = itertools.count()
+
+
+def _uid(base: str) -> str:
+    """A fresh name: TFRA shares tables by name, and a test builds the same model many times."""
+    return f"{base}_{next(_count)}"
+
+
+def _ids(shape=(1,), dtype=tf.int64):
+    return {f: tf.keras.Input(shape=shape, dtype=dtype, name=f) for f in FIELDS}
+
+
+def _fm_tf_ops(e):
+    """FM as users write it: tf.reduce_sum, * and -; e is [B, F, K]."""
+    s = tf.reduce_sum(e, axis=1)
+    return 0.5 * tf.reduce_sum(s * s - tf.reduce_sum(e * e, axis=1), axis=1, keepdims=True)
+
+
+def keras_deepfm():
+    """One Keras Embedding per field on [B, 1] ids; Concatenate(axis=1) of [B, 1, K]; FM with
+    tf ops; linear part Embedding(V, 1) summed with Add(); deep part Flatten -> Dense."""
+    x = _ids()
+    e = L.Concatenate(axis=1)([L.Embedding(V, K)(x[f]) for f in FIELDS])
+    linear = L.Add()([L.Flatten()(L.Embedding(V, 1)(x[f])) for f in FIELDS])
+    deep = L.Dense(1)(L.Dense(8, activation="relu")(L.Flatten()(e)))
+    return tf.keras.Model(x, tf.sigmoid(linear + _fm_tf_ops(e) + deep))
+
+
+def keras_fm_stack_square():
+    """[B] ids -> [B, K]; tf.stack(axis=1); FM with tf.square, keepdims and 0.5 inside the sum;
+    the linear weights stacked [B, F, 1] and summed over the fields axis."""
+    x = _ids(shape=())
+    e = tf.stack([L.Embedding(V, K)(x[f]) for f in FIELDS], axis=1)
+    fm = tf.reduce_sum(0.5 * (tf.square(tf.reduce_sum(e, axis=1, keepdims=True))
+                              - tf.reduce_sum(tf.square(e), axis=1, keepdims=True)), axis=-1)
+    w = tf.stack([L.Embedding(V, 1)(x[f]) for f in FIELDS], axis=1)          # [B, F, 1]
+    linear = tf.reduce_sum(w, axis=1)
+    return tf.keras.Model(x, L.Activation("sigmoid")(L.Dense(1)(tf.concat([fm, linear], -1))))
+
+
+def keras_wdl_concat_plus():
+    """Wide & Deep: tf.concat(-1) of [B, K] into a Dense with no bias and no activation, then a
+    Reshape; the wide part a chain of + over [B, 1] weights."""
+    x = _ids(shape=())
+    deep = L.Dense(8, use_bias=False)(tf.concat([L.Embedding(V, K)(x[f]) for f in FIELDS], axis=-1))
+    deep = L.Dense(1)(L.ReLU()(L.Reshape((8,))(deep)))
+    w = [L.Embedding(V, 1)(x[f]) for f in FIELDS]
+    wide = w[0] + w[1] + w[2] + w[3]
+    return tf.keras.Model(x, tf.sigmoid(wide + deep))
+
+
+def keras_lr_reduce_fields():
+    """Logistic regression: Concatenate(axis=1) of [B, 1, 1] weights -> [B, F, 1], reduce_sum over
+    the fields axis without keepdims, a Dense(1) bias and sigmoid."""
+    x = _ids()
+    w = L.Concatenate(axis=1)([L.Embedding(V, 1)(x[f]) for f in FIELDS])
+    logit = tf.reduce_sum(w, axis=[1, 2])
+    return tf.keras.Model(x, L.Activation("sigmoid")(tf.expand_dims(logit, -1) + 0.1))
+
+
+def keras_sequential_mlp():
+    """Embeddings flattened into a Sequential MLP whose first layer is the substituted Dense."""
+    x = _ids()
+    h = L.Flatten()(L.Concatenate(axis=1)([L.Embedding(V, K)(x[f]) for f in FIELDS]))
+    mlp = tf.keras.Sequential([L.Dense(8, activation="relu"), L.Dense(4, activation="relu"),
+                               L.Dense(1, activation="sigmoid")])
+    return tf.keras.Model(x, mlp(h))
+
+
+def keras_nfm():
+    """NFM: bi-interaction pooling 0.5 * ((sum E)^2 - sum E^2) as tf ops, a [B, K] vector, then an MLP."""
+    x = _ids(shape=())
+    e = L.Concatenate(axis=1)([L.Reshape((1, K))(L.Embedding(V, K)(x[f])) for f in FIELDS])
+    bi = 0.5 * (tf.square(tf.reduce_sum(e, axis=1)) - tf.reduce_sum(tf.square(e), axis=1))
+    return tf.keras.Model(x, L.Dense(1, activation="sigmoid")(L.Dense(8, activation="relu")(bi)))
+
+
+def tfra_deepfm():
+    """DeepFM on TFRA dynamic tables (de.keras.layers.Embedding), int64 ids of any value."""
+    from tensorflow_recommenders_addons import dynamic_embedding as de
+    x = _ids(shape=())
+    init = tf.keras.initializers.RandomUniform(-0.1, 0.1)
+    e = tf.stack([de.keras.layers.Embedding(K, initializer=init, name=_uid(f"emb_{f}"))(x[f]) for f in FIELDS], 1)
+    w = [de.keras.layers.Embedding(1, initializer=init, name=_uid(f"w_{f}"))(x[f]) for f in FIELDS]
+    deep = L.Dense(1)(L.Dense(8, activation="relu")(L.Flatten()(e)))
+    return tf.keras.Model(x, tf.sigmoid(L.Add()(w) + _fm_tf_ops(e) + deep))
+
+
+def multi_hot_combiner():
+    """Multi-hot fields [B, 3] (0 = padding): Keras Embedding(mask_zero) averaged by
+    GlobalAveragePooling1D (the mask), and a TFRA SquashedEmbedding with combiner='sum'."""
+    from tensorflow_recommenders_addons import dynamic_embedding as de
+    x = {f: tf.keras.Input(shape=(3,), dtype=tf.int64, name=f) for f in FIELDS}
+    vecs = [L.GlobalAveragePooling1D()(L.Embedding(V, K, mask_zero=True)(x[f])) for f in FIELDS[:2]]
+    init = tf.keras.initializers.RandomUniform(-0.1, 0.1)
+    vecs += [de.keras.layers.SquashedEmbedding(K, initializer=init, combiner="sum",
+                                               name=_uid(f"bag_{f}"))(x[f]) for f in FIELDS[2:]]
+    h = L.Dense(8, activation="relu")(L.Concatenate()(vecs))
+    return tf.keras.Model(x, L.Dense(1, activation="sigmoid")(h))
+
+
+def dense_feature_into_first_dense():
+    """A numeric feature concatenated with the embeddings into the first Dense: its rows of the
+    kernel stay replicated."""
+    x = _ids(shape=())
+    num = tf.keras.Input(shape=(2,), name="num")
+    h = L.Dense(8, activation="relu")(L.Concatenate()([L.Embedding(V, K)(x[f]) for f in FIELDS] + [num]))
+    return tf.keras.Model({**x, "num": num}, L.Dense(1, activation="sigmoid")(h))
+
+
+def hashing_preprocessing():
+    """String features hashed by a Keras Hashing layer (replicated preprocessing) before the lookup."""
+    x = {f: tf.keras.Input(shape=(1,), dtype=tf.string, name=f) for f in FIELDS}
+    e = [L.Embedding(V, K)(L.Hashing(V)(x[f])) for f in FIELDS]
+    w = [L.Embedding(V, 1)(L.Hashing(V, salt=7)(x[f])) for f in FIELDS]
+    deep = L.Dense(1)(L.Dense(8, activation="relu")(L.Flatten()(L.Concatenate()(e))))
+    return tf.keras.Model(x, tf.sigmoid(L.Flatten()(L.Add()(w)) + deep))
+
+
+class ClippedModel(tf.keras.Model):
+    """A user's functional model with its own train_step (global-norm clipping)."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            pred = self(x, training=True)
+            loss = self.compiled_loss(y, pred, regularization_losses=self.losses)
+        grads = tape.gradient(loss, self.trainable_variables)
+        grads, _ = tf.clip_by_global_norm(grads, 0.5)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        self.compiled_metrics.update_state(y, pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def custom_train_step():
+    x = _ids()
+    e = L.Concatenate(axis=1)([L.Embedding(V, K)(x[f]) for f in FIELDS])
+    h = L.Dense(8, activation="relu")(L.Flatten()(e))
+    return ClippedModel(x, L.Dense(1, activation="sigmoid")(h))
+
+
+def _deepctr(kind: str):
+    from deepctr import models as dm
+    from deepctr.feature_column import SparseFeat
+    cols = [SparseFeat(f, vocabulary_size=V, embedding_dim=K, dtype="int64") for f in FIELDS]
+    return getattr(dm, kind)(cols, cols, dnn_hidden_units=(8, 4), seed=1)
+
+
+BUILDERS = {
+    "keras_deepfm": keras_deepfm,
+    "keras_fm_stack_square": keras_fm_stack_square,
+    "keras_wdl_concat_plus": keras_wdl_concat_plus,
+    "keras_lr_reduce_fields": keras_lr_reduce_fields,
+    "keras_sequential_mlp": keras_sequential_mlp,
+    "keras_nfm": keras_nfm,
+    "tfra_deepfm": tfra_deepfm,
+    "multi_hot_combiner": multi_hot_combiner,
+    "dense_feature_into_first_dense": dense_feature_into_first_dense,
+    "hashing_preprocessing": hashing_preprocessing,
+    "custom_train_step": custom_train_step,
+    "deepctr_deepfm": lambda: _deepctr("DeepFM"),
+    "deepctr_wdl": lambda: _deepctr("WDL"),
+    "deepctr_fnn": lambda: _deepctr("FNN"),
+    "deepctr_nfm": lambda: _deepctr("NFM"),
+}
+
+EXPECTED = {
+    "keras_deepfm": ["embed_concat_dense", "fm_interaction", "lr_sum"],
+    "keras_fm_stack_square": ["fm_interaction", "lr_sum"],
+    "keras_wdl_concat_plus": ["embed_concat_dense", "lr_sum"],
+    "keras_lr_reduce_fields": ["lr_sum"],
+    "keras_sequential_mlp": ["embed_concat_dense"],
+    "keras_nfm": ["bi_interaction"],
+    "tfra_deepfm": ["embed_concat_dense", "fm_interaction", "lr_sum"],
+    "multi_hot_combiner": ["embed_concat_dense"],
+    "dense_feature_into_first_dense": ["embed_concat_dense"],
+    "hashing_preprocessing": ["embed_concat_dense", "lr_sum"],
+    "custom_train_step": ["embed_concat_dense"],
+    "deepctr_deepfm": ["embed_concat_dense", "fm_interaction", "lr_sum"],
+    "deepctr_wdl": ["embed_concat_dense", "lr_sum"],
+    "deepctr_fnn": ["embed_concat_dense", "lr_sum"],
+    "deepctr_nfm": ["bi_interaction", "lr_sum"],
+}
+
+
+def batches_for(model: tf.keras.Model, steps: int, batch: int, seed: int = 0) -> list:
+    """Zipf-skewed ids in [1, V) shaped like each input (multi-hot: trailing 0 padding), strings
+    of those ids for string inputs, uniform floats for numeric ones; labels from a planted rule."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        x, score = {}, np.zeros(batch)
+        for name, inp in zip(model.input_names, model.inputs):
+            shape = (batch, *[int(d) for d in inp.shape[1:]])
+            if inp.dtype == tf.float32:
+                v = rng.uniform(0, 1, shape).astype(np.float32)
+                score += v.reshape(batch, -1).sum(1) - 1
+                x[name] = tf.constant(v)
+                continue
+            ids = np.minimum(rng.zipf(1.4, shape), V - 1)
+            if len(shape) == 2 and shape[1] > 1:
+                ids[np.arange(shape[1])[None, :] >= rng.integers(1, shape[1] + 1, batch)[:, None]] = 0
+            score += np.sin(ids + sum(map(ord, name)) % 5).reshape(batch, -1).sum(1)
+            x[name] = tf.constant(ids.astype(str) if inp.dtype == tf.string else ids,
+                                  dtype=inp.dtype)
+        y = (score + rng.normal(0, 1, batch) > 0).astype(np.float32).reshape(batch, 1)
+        out.append((x, tf.constant(y)))
+    return out
