@@ -8,27 +8,14 @@ import pytest
 import tensorflow as tf
 
 import des
-import models
 from des.compiler import find_substitutions
 from des.ir import Graph
-from des.verify import compare, copy_state, run_in_process_world, snapshot
+from des.verify import compare, copy_state, fit_and_snapshot, run_in_process_world
 from des_ops.comm import LocalCommunicator
 from gallery import BUILDERS, EXPECTED, FIELDS, K, V, batches_for
 
 L = tf.keras.layers
 TOL = 1e-5
-
-
-def fit_and_snapshot(model, batches, probe) -> dict:
-    """The user's loop: compile with a metric, fit one epoch over ``batches`` in order."""
-    model.compile(models.make_optimizer("adam", 0.02), "binary_crossentropy",
-                  metrics=[tf.keras.metrics.AUC(name="auc")])
-    xs = {k: tf.concat([x[k] for x, _ in batches], 0) for k in batches[0][0]}
-    ys = tf.concat([y for _, y in batches], 0)
-    ds = tf.data.Dataset.from_tensor_slices((xs, ys)).batch(int(batches[0][1].shape[0]))
-    hist = model.fit(ds, epochs=1, verbose=0, shuffle=False).history
-    return {"predictions": np.asarray(model.predict_on_batch(probe)), "auc": hist["auc"][-1],
-            "loss": hist["loss"][-1], **snapshot(model)}
 
 
 @pytest.mark.parametrize("name", list(BUILDERS))
@@ -88,45 +75,42 @@ def test_negative_table_also_read_by_a_layer_that_is_not_substituted():
     assert "emb_f0 (Keras Embedding, width 4, field 'f0'): NOT substituted" in text
 
 
-def test_negative_fm_over_different_widths():
-    x = _inputs()
-    e = tf.stack([L.Embedding(V, 4 if f != "f3" else 3)(x[f]) for f in FIELDS[:3]] +
-                 [L.Embedding(V, 4)(x["f3"])], axis=1)
-    s = tf.reduce_sum(e, axis=1)
-    fm = 0.5 * tf.reduce_sum(s * s - tf.reduce_sum(e * e, axis=1), axis=1, keepdims=True)
-    model = tf.keras.Model(x, tf.sigmoid(fm))
-    assert rules_and_reasons(model)[0] == []
-    x = _inputs()
-    vs = [L.Embedding(V, 4)(x[f]) for f in FIELDS[:2]] + [L.Embedding(V, 3)(x[f]) for f in FIELDS[2:]]
-    e = L.Concatenate(axis=1)([L.Reshape((1, -1))(v) for v in vs])       # cannot concatenate [.,1,4] and [.,1,3]
-    assert e is not None
-
-
 def rules_and_reasons(model):
     matches, rejections = find_substitutions(Graph(model))
     return sorted(m.rule for m in matches), [str(r) for r in rejections]
 
 
-def test_negative_fm_layer_over_fields_of_different_widths_names_the_widths():
+def _fm(e):
+    s = tf.reduce_sum(e, axis=1)
+    return 0.5 * tf.reduce_sum(s * s - tf.reduce_sum(e * e, axis=1), axis=1, keepdims=True)
+
+
+def test_negative_fm_over_fields_of_different_widths():
+    """f3's 8-wide embedding enters the FM as two 4-wide rows: not one row per field."""
+    x = _inputs()
+    rows = [L.Reshape((1, 4))(L.Embedding(V, 4)(x[f])) for f in FIELDS[:3]]
+    rows.append(L.Reshape((2, 4), name="f3_as_two_rows")(L.Embedding(V, 8)(x["f3"])))
+    model = tf.keras.Model(x, tf.sigmoid(_fm(L.Concatenate(axis=1)(rows))))
+    text = _report(model)
+    assert "not substituted: fm_interaction" in text and "f3_as_two_rows" in text, text
+
+
+def test_a_per_field_layer_is_part_of_the_field_and_a_user_fm_layer_opts_in():
     class MyFM(L.Layer):
         des_substitute = "fm_interaction"
 
         def call(self, e):
-            s = tf.reduce_sum(e, axis=1)
-            return 0.5 * tf.reduce_sum(s * s - tf.reduce_sum(e * e, axis=1), axis=1, keepdims=True)
+            return _fm(e)
 
     x = _inputs()
     e = L.Concatenate(axis=1)([L.Reshape((1, 4))(L.Embedding(V, 4)(x["f0"])),
-                               L.Reshape((1, 4))(L.Dense(4)(L.Embedding(V, 2)(x["f1"])))])
+                               L.Reshape((1, 4))(L.Dense(4, name="f1_proj")(L.Embedding(V, 2)(x["f1"])))])
     model = tf.keras.Model(x, tf.sigmoid(MyFM(name="my_fm")(e)))
-    rules, why = rules_and_reasons(model)
-    assert rules == ["fm_interaction"] and why == []          # a per-field Dense is part of f1's chain
-    x = _inputs()
-    e = tf.stack([L.Embedding(V, 4)(x["f0"]), L.Embedding(V, 4)(x["f1"])], axis=1)
-    mixed = L.Concatenate(axis=-1)([e, tf.stack([L.Embedding(V, 2)(x["f2"]), L.Embedding(V, 2)(x["f3"])], 1)])
-    model = tf.keras.Model(x, tf.sigmoid(MyFM(name="my_fm")(mixed)))
-    text = _report(model)
-    assert "fm_interaction at 'my_fm'" in text and "not substituted" in text
+    assert rules_and_reasons(model) == (["fm_interaction"], [])   # f1's Dense moves with f1's table
+    new, _ = des.transform(model, comm=LocalCommunicator())
+    assert any(l.name == "f1_proj" for l in new.des_layer.owned)
+    xb = {f: tf.constant(np.arange(1, 9) % V, tf.int64) for f in FIELDS}
+    np.testing.assert_allclose(new.predict_on_batch(xb), model.predict_on_batch(xb), atol=1e-6)
 
 
 def test_negative_nonlinear_op_between_lookups_and_the_sum():
@@ -134,7 +118,8 @@ def test_negative_nonlinear_op_between_lookups_and_the_sum():
     w = L.Concatenate()([L.Embedding(V, 1)(x[f]) for f in FIELDS])           # [B, F]
     model = tf.keras.Model(x, tf.sigmoid(tf.reduce_sum(tf.nn.relu(w), axis=1, keepdims=True)))
     text = _report(model)
-    assert "NOT substituted: its field vector reaches 'concatenate" in text or "tf.nn.relu" in text, text
+    assert "(Keras Embedding, width 1, field 'f0'): NOT substituted: its field vector reaches 'tf.nn.relu' " \
+           "(tf:nn.relu), which mixes 4 tables" in text, text
 
 
 def test_transformed_model_keeps_rank0_weights_and_trained_values():

@@ -1,0 +1,47 @@
+"""One process of the bring-your-own-model runs under mpirun (used by tests/test_mpi.py):
+
+    mpirun -np 3 python scripts/mpi_gallery.py OUT_DIR deepctr_deepfm tfra_deepfm
+
+For each named model of tests/gallery.py: every rank builds it (its own random weights),
+rank 0 saves its initial weights, des.transform (Horovod) gives every rank rank 0's weights
+and its fields, and each rank fits 20 steps and pickles its snapshot to
+OUT_DIR/<model>.rank<r>.pkl (rank 0 also the report).
+"""
+import os
+import pickle
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+import tensorflow as tf  # noqa: E402
+
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(1)
+
+import des  # noqa: E402
+from des.verify import fit_and_snapshot  # noqa: E402
+from des_ops.comm import HorovodCommunicator  # noqa: E402
+from gallery import BUILDERS, batches_for  # noqa: E402
+
+
+def main(out: str, names: list[str]) -> None:
+    comm = HorovodCommunicator()
+    for name in names:
+        model = BUILDERS[name]()
+        initial = model.get_weights()
+        batches = batches_for(model, 20, 32, seed=4)
+        probe = batches_for(model, 1, 16, seed=99)[0][0]
+        model, report = des.transform(model, comm=comm)
+        snap = fit_and_snapshot(model, batches, probe)
+        snap["payload_bytes"] = int(comm.payload_bytes.numpy())
+        snap["floats_per_sample"] = report.floats_per_sample
+        if comm.rank == 0:
+            snap["initial"], snap["report"] = initial, str(report)
+            print(report, flush=True)
+        with open(os.path.join(out, f"{name}.rank{comm.rank}.pkl"), "wb") as fh:
+            pickle.dump(snap, fh)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
