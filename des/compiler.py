@@ -41,6 +41,7 @@ class Report:
     costs: list = dataclasses.field(default_factory=list)   # des.cost.estimate(...), when known
     tables: list[str] = dataclasses.field(default_factory=list)      # one line per table
     unsubstituted: list[str] = dataclasses.field(default_factory=list)   # names of tables left as they were
+    penalty_column: bool = False
 
     def estimate_costs(self, batch_size: int, unique_per_slice: dict[str, float]) -> list:
         """DES vs PS bytes per operator (des.cost); kept for printing with the report."""
@@ -71,6 +72,9 @@ class Report:
                 lines.append(f"  {m.rule:<20} at {m.root.layer.name!r}: {len(m.vectors)} field vectors, "
                              f"partial width {self.widths.get(m.root.layer.name, '?')}"
                              + (f", {len(m.others)} replicated input(s)" if m.others else ""))
+            if self.penalty_column:
+                lines.append("  + 1 float per sample for the weight penalties (regularizers) of owned tables "
+                             "and kernel rows, so every process reports the whole loss")
             lines.append(f"  one fused allreduce of {self.floats_per_sample} floats per sample "
                          f"= {self.payload_bytes(1)} bytes/sample; at B=4096: "
                          f"{self.payload_bytes(4096):,} bytes handed over, "
@@ -151,18 +155,26 @@ def explain_tables(graph: Graph, fields: FieldAnalysis, matches: list[Match],
     for m in matches:
         for v in m.vectors:
             used.setdefault(v.table.index, []).append(f"{m.rule} at {m.root.layer.name!r}")
-    lines, left = [], []
+    lines, left, groups = [], [], {}
     for n in graph.nodes:
         if n.kind != "table":
             continue
         src = n.attrs["source"]
         head = f"{n.layer.name} ({src.name}, width {n.attrs['dim']}, field {fields.ids_input(n)!r})"
         if n.index in used:
-            lines.append(f"{head}: substituted in {', '.join(used[n.index])}")
+            groups.setdefault((src.name, n.attrs["dim"], ", ".join(used[n.index])), []).append(head)
             continue
         left.append(n.layer.name)
         lines.append(f"{head}: NOT substituted: {_why_table(graph, fields, n, rejections)}")
-    return lines, left
+    done = []
+    for (src, dim, where), heads in groups.items():     # substituted alike: one line per group
+        if len(heads) <= 3:
+            done += [f"{h}: substituted in {where}" for h in heads]
+        else:
+            names = [h.split(" (")[0] for h in heads]
+            done.append(f"{len(heads)} tables ({src}, width {dim}: {', '.join(names[:2])}, ..., {names[-1]}): "
+                        f"substituted in {where}")
+    return done + lines, left
 
 
 def _why_table(graph: Graph, fields: FieldAnalysis, table: Node, rejections: list[Rejection]) -> str:
@@ -324,12 +336,21 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
         for v in m.vectors:
             skip |= v.chain
     given = {m.root.output: _finisher(graph, m, o) for m, o in zip(matches, outs)}
-    new_model = replay(graph, skip, given)
+    new_model = replay(graph, skip, given, cls=_model_class(model))
     new_model.des_layer = first
     new_model.des_plan = field_plan
     new_model.des_state = state.StateKeys.of_transform(graph, matches, first)
     report.plan, report.floats_per_sample, report.widths = field_plan, first.floats_per_sample(), widths
+    report.penalty_column = penalty_column
     return new_model, report
+
+
+def _model_class(model: tf.keras.Model) -> type:
+    """The user's functional Model subclass (its own train_step, test_step...) if it is one."""
+    cls = type(model)
+    if cls.__name__ in ("Functional", "Sequential") or cls is tf.keras.Model:
+        return tf.keras.Model
+    return cls
 
 
 def _finisher(graph: Graph, m: Match, combined):

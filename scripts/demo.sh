@@ -20,6 +20,10 @@ echo "== DES on 2 processes (mpirun + Horovod)"
 mpirun -np 2 --oversubscribe --bind-to none $PY -m des.train --mode des "${COMMON[@]}" \
   --threads 1 --replica-check 50 --checkpoint data/demo/ckpt --summary-json data/demo/des.json
 echo "== results: data/demo/single.json, data/demo/des.json.rank0, checkpoint in data/demo/ckpt"
+echo "== bring your own model: DeepCTR's DeepFM with one des.transform line, 1 process then DES on 2"
+$PY examples/byom.py --model deepctr --data "$DATA" --steps 100 2>&1 | grep "held-out"
+mpirun -np 2 --oversubscribe --bind-to none $PY examples/byom.py --model deepctr --data "$DATA" --steps 100 \
+  2>&1 | grep -v "^WARNING\|deepctr/#history"
 TEST=data/demo/test.txt
 if [ ! -f "$TEST" ]; then
   echo "== generating a test.txt (39 columns, no label) of the same task: other rows, same planted model"

@@ -68,7 +68,15 @@ if ! horovod_ok; then
   fi
 fi
 
-# 5. This project, editable.
+# 5. Test/extra dependency: DeepCTR, whose models the bring-your-own-model tests substitute. It
+#    pins an old TensorFlow in its metadata but builds on this one, so it goes in without deps.
+DEEPCTR_VERSION=0.9.4
+if ! "$PY" -c "import importlib.metadata as m; assert m.version('deepctr') == '$DEEPCTR_VERSION'" 2>/dev/null; then
+  say "installing deepctr $DEEPCTR_VERSION (tests only; --no-deps: it runs on this TensorFlow)"
+  "$PY" -m pip install -q --no-deps "deepctr==$DEEPCTR_VERSION"
+fi
+
+# 6. This project, editable.
 if [ ! -f "$VENV/.des-installed" ] || [ setup.cfg -nt "$VENV/.des-installed" ]; then
   say "installing this project in editable mode"
   "$PY" -m pip install -q --no-build-isolation --no-deps -e .

@@ -138,7 +138,9 @@ def hashing_preprocessing():
 
 
 class ClippedModel(tf.keras.Model):
-    """A user's functional model with its own train_step (global-norm clipping)."""
+    """A user's functional model with its own train_step: gradients clipped to [-0.01, 0.01]
+    (per entry, so the same on every process; a global-norm clip would need the norm over
+    all processes' tables)."""
 
     def train_step(self, data):
         x, y = data
@@ -146,7 +148,9 @@ class ClippedModel(tf.keras.Model):
             pred = self(x, training=True)
             loss = self.compiled_loss(y, pred, regularization_losses=self.losses)
         grads = tape.gradient(loss, self.trainable_variables)
-        grads, _ = tf.clip_by_global_norm(grads, 0.5)
+        grads = [tf.clip_by_value(g, -0.01, 0.01) if isinstance(g, tf.Tensor)
+                 else tf.IndexedSlices(tf.clip_by_value(g.values, -0.01, 0.01), g.indices, g.dense_shape)
+                 for g in grads]
         self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
         self.compiled_metrics.update_state(y, pred)
         return {m.name: m.result() for m in self.metrics}

@@ -35,7 +35,9 @@ def test_gallery_model_is_substituted_and_equivalent(name):
     for n in (1, 2, 3):
         # rank 0 starts from base's weights, the other ranks from their own random ones: the
         # transform's broadcast must give every rank rank 0's weights
-        ranks = run_in_process_world(n, build, lambda m: fit_and_snapshot(m, batches, probe), init_from=base)
+        ranks = run_in_process_world(n, build, lambda m: {**fit_and_snapshot(m, batches, probe),
+                                                           "class": type(m)}, init_from=base)
+        assert all(r["class"] is type(reference) or type(reference).__name__ == "Functional" for r in ranks)
         diff = compare(ref, ranks)
         for r in ranks:
             diff["auc"] = max(diff.get("auc", 0.0), abs(r["auc"] - ref["auc"]))
