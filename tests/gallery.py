@@ -128,13 +128,28 @@ def dense_feature_into_first_dense():
     return tf.keras.Model({**x, "num": num}, L.Dense(1, activation="sigmoid")(h))
 
 
-def hashing_preprocessing():
-    """String features hashed by a Keras Hashing layer (replicated preprocessing) before the lookup."""
+def lookup_preprocessing():
+    """String features mapped to ids by replicated preprocessing before the lookup: Keras
+    StringLookup (a vocabulary; unknown values -> 0) for two fields, Hashing for the others."""
     x = {f: tf.keras.Input(shape=(1,), dtype=tf.string, name=f) for f in FIELDS}
-    e = [L.Embedding(V, K)(L.Hashing(V)(x[f])) for f in FIELDS]
+    vocab = [str(i) for i in range(1, V // 2)]
+    ids = {f: (L.StringLookup(vocabulary=vocab)(x[f]) if f in FIELDS[:2] else L.Hashing(V)(x[f])) for f in FIELDS}
+    e = [L.Embedding(V, K)(ids[f]) for f in FIELDS]
     w = [L.Embedding(V, 1)(L.Hashing(V, salt=7)(x[f])) for f in FIELDS]
     deep = L.Dense(1)(L.Dense(8, activation="relu")(L.Flatten()(L.Concatenate()(e))))
     return tf.keras.Model(x, tf.sigmoid(L.Flatten()(L.Add()(w)) + deep))
+
+
+def regularized():
+    """Weight penalties everywhere: L2 on the tables, L2 on the first Dense's kernel (whose rows
+    are split by field, plus replicated rows for a numeric input) and L1 on its bias."""
+    x = _ids(shape=())
+    num = tf.keras.Input(shape=(2,), name="num")
+    reg = tf.keras.regularizers.l2(1e-2)
+    e = [L.Embedding(V, K, embeddings_regularizer=reg)(x[f]) for f in FIELDS]
+    h = L.Dense(8, activation="relu", kernel_regularizer=reg, bias_regularizer=tf.keras.regularizers.l1(1e-2))(
+        L.Concatenate()(e + [num]))
+    return tf.keras.Model({**x, "num": num}, L.Dense(1, activation="sigmoid")(h))
 
 
 class ClippedModel(tf.keras.Model):
@@ -180,7 +195,8 @@ BUILDERS = {
     "tfra_deepfm": tfra_deepfm,
     "multi_hot_combiner": multi_hot_combiner,
     "dense_feature_into_first_dense": dense_feature_into_first_dense,
-    "hashing_preprocessing": hashing_preprocessing,
+    "lookup_preprocessing": lookup_preprocessing,
+    "regularized": regularized,
     "custom_train_step": custom_train_step,
     "deepctr_deepfm": lambda: _deepctr("DeepFM"),
     "deepctr_wdl": lambda: _deepctr("WDL"),
@@ -198,7 +214,8 @@ EXPECTED = {
     "tfra_deepfm": ["embed_concat_dense", "fm_interaction", "lr_sum"],
     "multi_hot_combiner": ["embed_concat_dense"],
     "dense_feature_into_first_dense": ["embed_concat_dense"],
-    "hashing_preprocessing": ["embed_concat_dense", "lr_sum"],
+    "lookup_preprocessing": ["embed_concat_dense", "lr_sum"],
+    "regularized": ["embed_concat_dense"],
     "custom_train_step": ["embed_concat_dense"],
     "deepctr_deepfm": ["embed_concat_dense", "fm_interaction", "lr_sum"],
     "deepctr_wdl": ["embed_concat_dense", "lr_sum"],

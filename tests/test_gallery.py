@@ -134,3 +134,38 @@ def test_transformed_model_keeps_rank0_weights_and_trained_values():
     preds = run_in_process_world(2, build, lambda m: m.predict_on_batch(batches[0][0]), init_from=trained)
     for p in preds:
         np.testing.assert_allclose(p, expected, atol=1e-6)
+
+
+def test_regularizers_frozen_dense_and_constraints():
+    """The penalties of the gallery's regularized model are all counted once; a frozen first
+    Dense stays frozen; a kernel constraint (it spans processes) is a named rejection."""
+    model = BUILDERS["regularized"]()
+    new, report = des.transform(model, comm=LocalCommunicator())
+    assert report.penalty_column and report.floats_per_sample == 8 + 1
+    xb, _ = batches_for(model, 1, 8)[0]
+    new(xb)
+    # DES: one loss from the fused allreduce (owned tables + kernel block) + the bias and
+    # replicated-rows penalties of the tail; the plain model: 4 tables + kernel + bias
+    assert len(new.losses) == 3
+    plain = BUILDERS["regularized"]()
+    copy_state(model, plain)                          # the same weights in an untouched build
+    np.testing.assert_allclose(float(tf.add_n(new.losses)), float(tf.add_n(plain.losses)), rtol=1e-6)
+
+    x = _inputs()
+    dense = L.Dense(4, name="frozen")
+    dense.trainable = False
+    frozen = tf.keras.Model(x, L.Dense(1, activation="sigmoid")(dense(L.Concatenate()([L.Embedding(V, K)(x[f])
+                                                                                      for f in FIELDS]))))
+    before = dense.kernel.numpy()
+    new, _ = des.transform(frozen, comm=LocalCommunicator())
+    block = new.des_layer.ops[0].kernel_block
+    assert not block.trainable and all(v is not block for v in new.trainable_variables)
+    batches = batches_for(frozen, 3, 16)
+    fit_and_snapshot(new, batches, batches[0][0])
+    np.testing.assert_array_equal(block.numpy(), before)
+
+    x = _inputs()
+    h = L.Dense(4, kernel_constraint=tf.keras.constraints.MaxNorm(1.0), name="maxnorm")(
+        L.Concatenate()([L.Embedding(V, K)(x[f]) for f in FIELDS]))
+    text = _report(tf.keras.Model(x, h))
+    assert "embed_concat_dense at 'maxnorm': its kernel_constraint MaxNorm acts on whole columns" in text
