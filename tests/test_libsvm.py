@@ -65,6 +65,7 @@ FFM_SPEC = sparse_spec("F", [2, 2, 1], dim=4)
     ("1 3:5:1", "field index 3 in '3:5:1' is outside the spec's 3 fields"),
     ("1 2:5:1 2:6:1", "field 'F2' has more than 1 features (the spec's max_len)"),
     ("", "empty line (no label)"),
+    ("1 0:5:1e39", "value '1e39' of feature 1 '0:5:1e39' is not a finite float32"),
 ])
 def test_libffm_bad_lines_name_file_line_and_problem(tmp_path, bad, problem):
     p = write(tmp_path, "t.ffm", "1 0:1:1\n" * 4 + bad + "\n0 1:2:1\n")
@@ -77,12 +78,25 @@ def test_libffm_bad_lines_name_file_line_and_problem(tmp_path, bad, problem):
     ("3 5:1", "label '3' is not 0/1 or -1/+1"),
     ("1 5:1:1", "feature 1 '5:1:1' is not idx:val"),
     ("1 5:1 7:1 9:1", "the line has more than 2 features (one per field of the spec)"),
+    ("0 7:1", "the line has 1 features; the positional libsvm layout needs exactly one per field (2)"),
+    ("0", "the line has 0 features; the positional libsvm layout needs exactly one per field (2)"),
+    ("1 5:1e39 7:1", "value '1e39' of feature 1 '5:1e39' is not a finite float32"),
+    ("1 5:1 7:-4e38", "value '-4e38' of feature 2 '7:-4e38' is not a finite float32"),
 ])
 def test_libsvm_bad_lines(tmp_path, bad, problem):
     p = write(tmp_path, "t.svm", "1 5:1 7:1\n" + bad + "\n")
     with pytest.raises(tf.errors.OpError) as e:
         one_batch(p, "libsvm", sparse_spec("F", [1, 1], dim=4))
     assert f"{p}:2: {problem}" in str(e.value)
+
+
+def test_positional_line_with_a_missing_feature_is_skipped_and_counted(tmp_path):
+    p = write(tmp_path, "t.svm", "1 5:1 7:1\n0 7:1\n0 5:2 9:1e39\n1 6:1 8:1\n")
+    report = SkipReport()
+    x, y = one_batch(p, "libsvm", sparse_spec("F", [1, 1], dim=4), skip_bad_lines=True, skip_report=report)
+    assert y.tolist() == [1, 1] and report.total == 2
+    assert x["F0"][:, 0].tolist() == [int(feature_id("F0", "5")), int(feature_id("F0", "6"))]
+    assert np.isfinite(x["F1_weight"]).all()
 
 
 def test_undecodable_bytes_and_skip_mode(tmp_path):

@@ -70,6 +70,13 @@ class _SparseText:
     def place(self, cols, row, row_starts):  # -> (field int64 [n], idx string [n], pos int64 [n])
         raise NotImplementedError
 
+    def count_ok(self, counts: tf.Tensor) -> tf.Tensor:
+        """Whether a line may have this many features (bool per line)."""
+        return tf.ones_like(counts, tf.bool)
+
+    def count_problem(self, n: int) -> str | None:
+        return None
+
     def parse(self, lines):
         """Validate whole lines with one RE2 pass, split the good ones on single spaces, and
         decode the ``:``-separated tokens with decode_csv (the costly steps run in C++ once per
@@ -89,7 +96,8 @@ class _SparseText:
         nf = len(self.fields)
         fits = (field < nf) & (pos < tf.gather(tf.constant(self.max_len, tf.int64), tf.minimum(field, nf - 1)))
         row_fits = tf.math.unsorted_segment_min(tf.cast(fits, tf.int32), row, b) > 0  # no tokens: ok
-        ok = syntax_ok & row_fits
+        finite = tf.math.unsorted_segment_min(tf.cast(tf.math.is_finite(cols[-1]), tf.int32), row, b) > 0
+        ok = syntax_ok & row_fits & finite & self.count_ok(feats.row_lengths())
         label = tf.cast(tf.strings.regex_full_match(label_s, r"1|\+1"), tf.float32)
         keep = tf.gather(ok, row)
         names = tf.constant([f"{f.name}{SEP}" for f in self.fields])
@@ -126,7 +134,10 @@ class _SparseText:
             if counts[j] > self.fields[j].max_len:
                 return (f"field {self.fields[j].name!r} has more than {self.fields[j].max_len} "
                         f"features (the spec's max_len)")
-        return "line rejected by the parser"
+            value = t.rsplit(":", 1)[1]
+            if not np.isfinite(np.float32(float(value))):
+                return f"value {value!r} of feature {k + 1} {t!r} is not a finite float32"
+        return self.count_problem(len(toks) - 1) or "line rejected by the parser"
 
 
 class Libffm(_SparseText):
@@ -169,6 +180,17 @@ class Libsvm(_SparseText):
 
     def field_of(self, token: str, k: int) -> int:
         return 0 if self.layout == "bag" else k
+
+    def count_ok(self, counts):
+        if self.layout == "bag":
+            return super().count_ok(counts)
+        return tf.equal(counts, len(self.fields))          # a missing feature would shift the later ones
+
+    def count_problem(self, n: int) -> str | None:
+        if self.layout == "positional" and n != len(self.fields):
+            return (f"the line has {n} features; the positional libsvm layout needs exactly one per field "
+                    f"({len(self.fields)}), else later features would land in the wrong fields")
+        return None
 
     def too_many(self, token: str, k: int) -> str:
         return f"the line has more than {len(self.fields)} features (one per field of the spec)"
