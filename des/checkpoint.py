@@ -78,6 +78,23 @@ def load_config(directory: str) -> dict:
         return json.load(fh)
 
 
+MUST_MATCH = {"model": "--model", "mode": "--mode", "dim": "--dim", "hidden": "--hidden",
+              "optimizer": "--optimizer", "linear_optimizer": "--linear-optimizer"}
+
+
+def check_config(directory: str, config: dict) -> None:
+    """Raise ValueError naming every setting in which ``config`` (this run) differs from the
+    checkpoint's config.json: restoring would silently keep what matches and start the rest fresh."""
+    saved = load_config(directory)
+    diff = [f"{flag} {saved.get(k)} (this run: {config.get(k)})" for k, flag in MUST_MATCH.items()
+            if saved.get(k) != config.get(k)]
+    if saved.get("spec") is not None and config.get("spec") is not None and saved["spec"] != config["spec"]:
+        diff.append("another feature spec (fields, widths or vocabularies)")
+    if diff:
+        raise ValueError(f"{directory}: the checkpoint was written with {'; '.join(diff)}: "
+                         f"restore with the same settings")
+
+
 def restore(directory: str, model, optimizer=None, rank: int = 0, world_size: int = 1) -> str:
     """Read tables, dense weights and (given ``optimizer``) its slots; returns the folder read."""
     path = latest(directory, rank, world_size)

@@ -68,6 +68,13 @@ def count_lines(paths) -> int:
     return n
 
 
+def _config(a, spec) -> dict:
+    """What a checkpoint of this run is: written to config.json, checked on --restore."""
+    return {"model": a.model, "mode": a.mode, "format": a.format, "dim": a.dim, "hidden": a.hidden,
+            "seed": a.seed, "optimizer": a.optimizer, "linear_optimizer": a.linear_optimizer,
+            "spec": json.loads(spec.to_json())}
+
+
 def main(argv=None) -> int:
     a = _args(argv)
     import des  # first: it quiets TF logs before TF loads
@@ -133,6 +140,12 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    if a.restore:
+        try:
+            checkpoint.check_config(a.restore, _config(a, spec))
+        except (ValueError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     hidden = tuple(int(h) for h in a.hidden.split(",") if h)
     model = models.build(a.model, spec, seed=a.seed, hidden=hidden)
     plan = a.plan
@@ -222,12 +235,8 @@ def main(argv=None) -> int:
             f"analytic {summary['bytes_per_step_analytic']} (4*B*{report.floats_per_sample}); "
             f"ring sends {summary['ring_bytes_per_step']:.0f} per process")
     if a.checkpoint:
-        config = {"model": a.model, "mode": a.mode, "format": a.format, "dim": a.dim,
-                  "hidden": a.hidden, "seed": a.seed, "optimizer": a.optimizer,
-                  "linear_optimizer": a.linear_optimizer,
-                  "spec": json.loads(spec.to_json())}
         path = checkpoint.save(a.checkpoint, model, optimizer, getattr(model, "des_plan", None),
-                               comm.rank, comm.world_size, config=config)
+                               comm.rank, comm.world_size, config=_config(a, spec))
         log(f"checkpoint written to {path}")
     if a.summary_json:
         path = a.summary_json if comm.world_size == 1 else f"{a.summary_json}.rank{comm.rank}"

@@ -51,3 +51,13 @@ def test_linear_optimizer_option(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "optimizer adam (ftrl on the linear part)" in r.stdout
     assert json.load(open(tmp_path / "ck" / "config.json"))["linear_optimizer"] == "ftrl"
+    # --restore with other settings would keep what matches and start the rest fresh: refused
+    again = TRAIN + ["--data", data, "--model", "wdl", "--steps", "1", "--restore", str(tmp_path / "ck")]
+    r = subprocess.run(again + ["--optimizer", "adagrad"], env=ENV, cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert (f"error: {tmp_path / 'ck'}: the checkpoint was written with --optimizer adam (this run: adagrad); "
+            f"--linear-optimizer ftrl (this run: None): restore with the same settings") in r.stderr, r.stderr[-2000:]
+    r = subprocess.run(again + ["--linear-optimizer", "ftrl"], env=ENV, cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and "restored" in r.stdout, r.stderr[-3000:]
