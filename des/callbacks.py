@@ -45,8 +45,9 @@ class BytesPerStep(tf.keras.callbacks.Callback):
 
 
 class ReplicaCheck(tf.keras.callbacks.Callback):
-    """Every ``every`` steps, allreduce per-layer checksums of the replicated weights and
-    raise if processes disagree (names the step and the layers)."""
+    """Every ``every`` steps, allreduce per-layer checksums of the replicated weights and, in
+    the same allreduce, the fingerprint of the step's batch (des_ops DESFirstLayer); raise if
+    processes disagree (names the step, and the layers or the batch)."""
 
     def __init__(self, comm, every: int):
         super().__init__()
@@ -59,12 +60,19 @@ class ReplicaCheck(tf.keras.callbacks.Callback):
 
     def check(self) -> None:
         layers = self.replicated_layers()
-        own = np.array([_checksum(l) for l in layers], np.float32)
-        table = np.zeros((self.comm.world_size, len(layers)), np.float32)
+        des_layer = getattr(self.model, "des_layer", None)
+        own = np.array([_checksum(l) for l in layers] +
+                       [float(des_layer.batch_fingerprint.numpy()) if des_layer is not None else 0.0], np.float64)
+        table = np.zeros((self.comm.world_size, len(layers) + 1), np.float64)
         table[self.comm.rank] = own
         table = self.comm.allreduce(tf.constant(table)).numpy()
-        bad = [layers[j].name for j in range(len(layers)) if not np.all(table[:, j] == table[0, j])]
         self.checks += 1
+        if not np.all(table[:, -1] == table[0, -1]):
+            raise RuntimeError(f"processes read different batches at step {self.step} (batch fingerprints per "
+                               f"rank: {table[:, -1].tolist()}): every process must read the same batches in "
+                               f"the same order (same files, --seed and --shuffle-buffer)")
+        table = table[:, :-1].astype(np.float32)
+        bad = [layers[j].name for j in range(len(layers)) if not np.all(table[:, j] == table[0, j])]
         if bad:
             raise RuntimeError(f"replicas diverged at step {self.step}: layers {bad} differ across "
                                f"processes (checksums per rank: {table[:, [l.name for l in layers].index(bad[0])]})")

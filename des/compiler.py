@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from des.fields import GLUE, FieldAnalysis, FieldVector
 from des.ir import Graph, Node, call_node, has_weight_penalties, is_keras_tensor, replay, take_weight_penalties
-from des.plan import FieldCost, FieldPlan, make_plan
+from des.plan import FieldCost, FieldPlan, check_agreement, make_plan
 from des_ops.comm import Communicator, default_communicator
 from des_ops.suboperators import DESFirstLayer
 from rewrite_rules import RULES, Match, Rejection
@@ -298,6 +298,8 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
         field_plan = plan
     else:
         field_plan = make_plan(costs, comm.world_size, plan)
+    if comm.world_size > 1:
+        check_agreement(field_plan, comm)
     mine = set(field_plan.fields_of(comm.rank))
 
     owned_nodes: dict[int, Node] = {}

@@ -45,8 +45,9 @@ def _args(argv):
     ap.add_argument("--skip-bad-lines", action="store_true", help="drop and count malformed lines")
     ap.add_argument("--plan", default="balanced", choices=["balanced", "mod"])
     ap.add_argument("--comm", default="auto", choices=["auto", "horovod", "mpi4py", "local"])
-    ap.add_argument("--replica-check", type=int, default=0, metavar="K",
-                    help="check replicated weights agree every K steps (0: off)")
+    ap.add_argument("--replica-check", type=int, default=100, metavar="K",
+                    help="DES: every K steps check that replicated weights agree and that every process "
+                         "read the same batch, in one small allreduce (0: off)")
     ap.add_argument("--checkpoint", default=None, help="save to this folder after training")
     ap.add_argument("--restore", default=None, help="restore from this folder before training")
     ap.add_argument("--check-bytes", type=int, default=20, metavar="K",

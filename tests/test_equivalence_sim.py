@@ -116,6 +116,40 @@ def test_replica_check_names_the_step_and_the_diverged_layer():
         assert "replicas diverged at step 4" in msg and "dnn_1" in msg
 
 
+def test_processes_reading_different_batches_are_named_by_the_replica_check():
+    from des.callbacks import ReplicaCheck
+
+    def work(m, same):
+        comm = m.des_layer.comm
+        m.compile(models.make_optimizer("sgd", 0.1), "binary_crossentropy")
+        m.train_on_batch(*BATCHES[0 if same else comm.rank])
+        check = ReplicaCheck(comm, every=1)
+        check.set_model(m)
+        try:
+            check.on_train_batch_end(0)
+        except RuntimeError as e:
+            return str(e)
+        return "agree"
+
+    assert run_in_process_world(2, build("deepfm"), lambda m: work(m, True)) == ["agree", "agree"]
+    for msg in run_in_process_world(2, build("deepfm"), lambda m: work(m, False)):
+        assert "processes read different batches at step 1" in msg, msg
+
+
+def test_processes_with_different_field_plans_fail_at_transform():
+    from des.plan import FieldPlan
+    world = InProcessWorld(2)
+    names = SPEC.names()
+    a = FieldPlan(2, {f: i % 2 for i, f in enumerate(names)}, "mod")
+    b = FieldPlan(2, {f: int(i < 2) for i, f in enumerate(names)}, "mod")
+    des.transform(build("fm")(), comm=world.communicator(0), plan=a)
+    with pytest.raises(ValueError, match="rank 1 of 2: its field plan differs from rank 0's"):
+        des.transform(build("fm")(), comm=world.communicator(1), plan=b)
+    world = InProcessWorld(2)                     # same owners, other label: fine
+    des.transform(build("fm")(), comm=world.communicator(0), plan=a)
+    des.transform(build("fm")(), comm=world.communicator(1), plan=FieldPlan(2, dict(a.owner), "balanced"))
+
+
 MIXED = FeatureSpec((Field("u", "categorical", 3, 30), Field("tags", "multi", 3, 40, max_len=4),
                      Field("terms", "multi", 3, 60, max_len=5, weighted=True),
                      Field("ad", "categorical", 3, 20)))
