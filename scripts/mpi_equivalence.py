@@ -43,6 +43,7 @@ def main(name: str, optimizer: str, out: str, comm_kind: str = "horovod") -> Non
     if comm_kind == "horovod":
         snap["grad_raw_horovod"] = tape.gradient(raw, x).numpy()
     snap["payload_bytes"] = int(comm.payload_bytes.numpy())
+    snap["allreduce_calls"] = int(comm.calls.numpy())
     snap["floats_per_sample"] = report.floats_per_sample
     with open(os.path.join(out, f"rank{comm.rank}.pkl"), "wb") as fh:
         pickle.dump(snap, fh)

@@ -33,8 +33,10 @@ def main(out: str, names: list[str]) -> None:
         batches = batches_for(model, 20, 32, seed=4)
         probe = batches_for(model, 1, 16, seed=99)[0][0]
         model, report = des.transform(model, comm=comm)
+        calls, sent = int(comm.calls.numpy()), int(comm.payload_bytes.numpy())
         snap = fit_and_snapshot(model, batches, probe)
-        snap["payload_bytes"] = int(comm.payload_bytes.numpy())
+        snap["allreduce_calls"] = int(comm.calls.numpy()) - calls       # the communicator's own counter
+        snap["payload_bytes"] = int(comm.payload_bytes.numpy()) - sent
         snap["floats_per_sample"] = report.floats_per_sample
         if comm.rank == 0:
             snap["initial"], snap["report"] = initial, str(report)

@@ -45,6 +45,7 @@ def test_des_under_mpirun_equals_single_process(tmp_path, name, optimizer, n, co
             assert np.allclose(r["grad_raw_horovod"], n)                    # raw Horovod: N x
         # 20 train steps of 32 rows + 20 predictions of 16 rows + the gradient probe (2 floats)
         assert r["payload_bytes"] == 4 * r["floats_per_sample"] * (20 * 32 + 20 * 16) + 8
+        assert r["allreduce_calls"] == 20 + 20 + 1          # ONE allreduce per train and per predict step
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +162,5 @@ def test_users_models_under_mpirun_equal_single_process(tmp_path):
         assert max(diff.values()) < 1e-5, (name, diff)
         for r in ranks:
             assert np.array_equal(r["predictions"], ranks[0]["predictions"])     # replicas agree bitwise
+            assert r["allreduce_calls"] == 20 + 1                                # one per fit step, one predict
+            assert r["payload_bytes"] == 4 * r["floats_per_sample"] * (20 * 32 + 16)
