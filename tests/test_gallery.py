@@ -124,8 +124,8 @@ def test_negative_nonlinear_op_between_lookups_and_the_sum():
     w = L.Concatenate()([L.Embedding(V, 1)(x[f]) for f in FIELDS])           # [B, F]
     model = tf.keras.Model(x, tf.sigmoid(tf.reduce_sum(tf.nn.relu(w), axis=1, keepdims=True)))
     text = _report(model)
-    assert "(Keras Embedding, width 1, field 'f0'): NOT substituted: its field vector reaches 'tf.nn.relu' " \
-           "(tf:nn.relu), which mixes 4 tables" in text, text
+    assert re.search(r"\(Keras Embedding, width 1, field 'f0'\): NOT substituted: its field vector reaches "
+                     r"'tf.nn.relu(_\d+)?' \(tf:nn.relu\), which mixes 4 tables", text), text
 
 
 def test_transformed_model_keeps_rank0_weights_and_trained_values():
