@@ -195,7 +195,7 @@ def _why_table(graph: Graph, fields: FieldAnalysis, table: Node, rejections: lis
                 if r.root.index == u.index:
                     return f"reaches {u.layer.name!r}: {r.reason}"
             for r in rejections:
-                if r.root.index in fields.cone(graph.output_ids[0]) and u.index in _cone_nodes(fields, r.root):
+                if u.index in fields.cone(r.root.output):
                     return f"reaches {u.layer.name!r} on the way to {r.root.layer.name!r}: {r.reason}"
             return (f"its field vector reaches {u.layer.name!r} ({u.kind}), which mixes "
                     f"{len(fields.tables(u.output))} tables in a way no rule "
@@ -203,10 +203,6 @@ def _why_table(graph: Graph, fields: FieldAnalysis, table: Node, rejections: lis
         if t in graph.output_ids:
             return "its output is a model output"
     return "its output is not used by a substitutable operator"
-
-
-def _cone_nodes(fields: FieldAnalysis, node: Node) -> frozenset:
-    return fields.cone(node.output)
 
 
 def _field_costs(graph: Graph, matches: list[Match], spec=None) -> list[FieldCost]:
