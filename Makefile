@@ -13,4 +13,4 @@ demo: setup
 	@bash scripts/demo.sh
 
 test: setup
-	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+	@bash scripts/test.sh $(PYTEST_ARGS)

@@ -104,8 +104,29 @@ def restore(directory: str, model, optimizer=None, rank: int = 0, world_size: in
                                 f"(found: {others}); restore needs the same number of processes")
     _check_table_names(os.path.join(path, "ckpt"), model)
     parts = {"model": model} if optimizer is None else {"model": model, "optimizer": optimizer}
+    hypers = _hyperparameters(optimizer)
     tf.train.Checkpoint(**parts).read(os.path.join(path, "ckpt")).expect_partial()
+    for opt, values in hypers:           # this run's learning rate etc., not the saved ones
+        for name, value in values.items():
+            opt._get_hyper(name).assign(value)
     return path
+
+
+def _hyperparameters(optimizer) -> list[tuple]:
+    """(optimizer, {hyperparameter: value}) for a Keras (legacy) optimizer and the parts of a
+    models.optim.LinearAndRestOptimizer. Their variables are created now, so that restoring a
+    checkpoint writes into them at once (not later, when the first step would create them) and
+    the caller can put this run's values back: Keras checkpoints the learning rate, and
+    restoring it silently would ignore ``--lr``."""
+    if optimizer is None:
+        return []
+    parts = [optimizer.linear, optimizer.rest] if hasattr(optimizer, "rest") else [optimizer]
+    out = []
+    for opt in parts:
+        opt._create_hypers()
+        out.append((opt, {n: opt._get_hyper(n).numpy() for n in opt._hyper
+                          if isinstance(opt._get_hyper(n), tf.Variable)}))
+    return out
 
 
 def _check_table_names(prefix: str, model) -> None:

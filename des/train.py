@@ -301,6 +301,7 @@ class _FailAt:
         class Fail(tf.keras.callbacks.Callback):
             def on_train_batch_end(self, batch, logs=None):
                 if batch + 1 >= step:
+                    print(f"--fail-at-step {step}: this rank exits with code 17", file=sys.stderr, flush=True)
                     os._exit(17)
         return Fail()
 

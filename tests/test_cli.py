@@ -61,3 +61,23 @@ def test_linear_optimizer_option(tmp_path):
     r = subprocess.run(again + ["--linear-optimizer", "ftrl"], env=ENV, cwd=ROOT, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0 and "restored" in r.stdout, r.stderr[-3000:]
+
+
+def test_restore_brings_back_the_model_the_checkpoint_was_written_from(tmp_path):
+    """Train 3 steps and save; restore and take 3 more steps at learning rate 0 (Adam then moves
+    nothing): the held-out AUC and log loss equal those the saving run reported, to the bit. At
+    the saving run's learning rate the restored model goes on learning from there."""
+    data = str(tmp_path / "train.txt")
+    write_criteo(data, 2000, preset="tiny", seed=3, quiet=True)
+    base = TRAIN + ["--data", data, "--model", "wdl", "--steps", "3", "--holdout", "500"]
+    runs = {}
+    for name, extra in (("saved", ["--lr", "0.02", "--checkpoint", str(tmp_path / "ck")]),
+                        ("restored", ["--lr", "0", "--restore", str(tmp_path / "ck")]),
+                        ("continued", ["--lr", "0.02", "--restore", str(tmp_path / "ck")])):
+        r = subprocess.run(base + extra + ["--summary-json", str(tmp_path / f"{name}.json")], env=ENV,
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[name] = json.load(open(tmp_path / f"{name}.json"))
+    saved, restored, continued = runs["saved"], runs["restored"], runs["continued"]
+    assert (restored["auc"], restored["logloss"]) == (saved["auc"], saved["logloss"])
+    assert continued["logloss"] < saved["logloss"] - 1e-4

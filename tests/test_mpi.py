@@ -3,6 +3,7 @@ import glob
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 
@@ -83,8 +84,13 @@ def test_training_cli_des_under_mpirun(criteo_file, tmp_path):
 
 @pytest.mark.mpi
 def test_a_dying_rank_ends_the_job_with_an_error(criteo_file):
+    """The last rank dies hard at step 3: mpirun ends the whole job (no hang) with that rank's
+    exit code and says which process it was (an import error or a crash elsewhere fails this)."""
     run = mpirun(2, *TRAIN, "--mode", "des", "--data", criteo_file, "--fail-at-step", "3", timeout=300)
-    assert run.returncode != 0
+    out = run.stdout + run.stderr
+    assert run.returncode == 17, out[-3000:]
+    assert "--fail-at-step 3: this rank exits with code 17" in out, out[-3000:]
+    assert re.search(r"Process name: \[\[\d+,\d+\],1\]\s+Exit code:\s+17", out), out[-3000:]
 
 
 @pytest.mark.mpi
