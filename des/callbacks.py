@@ -1,4 +1,4 @@
-"""Keras callbacks of the DES runtime: throughput, bytes per step, replica agreement."""
+"""Keras callbacks of the DES runtime: throughput, bytes per step, replica agreement, checkpoints."""
 from __future__ import annotations
 
 import time
@@ -111,3 +111,36 @@ class CounterDeltas(tf.keras.callbacks.Callback):
 
     def median(self, key: str) -> float:
         return float(np.median([s[key] for s in self.steps])) if self.steps else 0.0
+
+
+class PeriodicCheckpoint(tf.keras.callbacks.Callback):
+    """Save every ``every`` training steps (counted over epochs) and at every epoch's end, with
+    the data position: ``save({"epoch": e, "step": s})`` where s batches of epoch e are done.
+
+    A save due after a step runs before the next step (or at the epoch's end, as the start of
+    the next epoch), so a checkpoint never points past the end of an epoch."""
+
+    def __init__(self, save, every: int, epoch: int = 0, step: int = 0):
+        super().__init__()
+        self.save, self.every = save, every
+        self.epoch, self.step, self.due, self.saves, self.total = epoch, step, False, 0, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch != self.epoch:
+            self.epoch, self.step = epoch, 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.due:
+            self._save(self.epoch, self.step)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step, self.total = self.step + 1, self.total + 1
+        self.due = self.every > 0 and self.total % self.every == 0
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._save(epoch + 1, 0)
+        self.epoch, self.step = epoch + 1, 0
+
+    def _save(self, epoch: int, step: int) -> None:
+        self.save({"epoch": epoch, "step": step})
+        self.due, self.saves = False, self.saves + 1

@@ -1,151 +1,215 @@
-"""Checkpoints that a crash while saving cannot corrupt.
+"""Checkpoints whose meaning does not depend on the mode or the number of processes that wrote
+them, so single, DES on N and PS on N can all restore them on any M.
 
-Each process writes ``<dir>/rank<r>-of-<N>/`` (tables, optimizer slots, dense weights via
-tf.train.Checkpoint, plus the field plan as plan.json). The new checkpoint is written to a
-temporary folder and swapped in by renames; until the swap completes the previous one
-stays readable (restore falls back to ``.old``).
+    >>> save("ckpt", model, optimizer, rank=comm.rank, world_size=comm.world_size, barrier=b,
+    ...      config={"model": "deepfm"}, position={"epoch": 1, "step": 0})
+    >>> restore("ckpt", model, optimizer, rank=0, world_size=1)      # any mode, any M
 
-The job's configuration (model, widths, spec, mode, number of processes) goes to
-``<dir>/config.json`` so that ``des.predict`` can rebuild the model.
+Layout (``ckpt/state/``, swapped in whole; ``state.old`` is read if a crash came mid-swap):
 
-    >>> save("ckpt", model, optimizer, plan, rank=0, world_size=1, config={"model": "deepfm"})
-    >>> restore("ckpt", model, optimizer, rank=0, world_size=1)
+- ``config.json`` (rank 0): the job's config (model, widths, FeatureSpec, mode, world size,
+  field plan), the data position (epoch, step, seed) and the optimizers' step counts;
+- ``rank<r>-of-<N>.npz``: what process r held, by rank-independent keys (des.state.pieces):
+  per table its rows as keys, values and each optimizer slot's rows; the kernel rows of each
+  field (DES owners); the replicated weights with their slots (rank 0 only).
+
+Restore reads every shard and keeps what the new model holds: a DES process the tables of
+its fields (all keys), a PS process the keys it owns (key mod M), one process everything.
+Slots travel with their rows. New keys after restore are initialised from (field, key, seed)
+as before, so a restored model continues exactly as the model that wrote it would.
 """
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-import tempfile
+import zipfile
+from typing import Callable
 
-import tensorflow as tf
+import numpy as np
 
 from des.plan import FieldPlan
 
+FORMAT = 2
 
-def _folder(directory: str, rank: int, world_size: int) -> str:
-    return os.path.join(directory, f"rank{rank}-of-{world_size}")
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: the message names the file and the problem."""
+
+
+def _shard_name(rank: int, world_size: int) -> str:
+    return f"rank{rank}-of-{world_size}.npz"
+
+
+def _write_npz(path: str, entries: dict) -> None:
+    index, arrays = [], {}
+    for (kind, key), entry in entries.items():
+        for name, value in entry.items():
+            arrays[f"a{len(index)}"] = np.asarray(value)
+            index.append([kind, key, name])
+    arrays["index"] = np.array(json.dumps(index))
+    with open(path + ".tmp", "wb") as fh:
+        np.savez(fh, **arrays)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(path + ".tmp", path)
 
 
 def save(directory: str, model, optimizer, plan: FieldPlan | None = None, rank: int = 0,
-         world_size: int = 1, config: dict | None = None) -> str:
-    os.makedirs(directory, exist_ok=True)
-    if config is not None and rank == 0:
-        tmp_config = os.path.join(directory, ".config.json.tmp")
-        with open(tmp_config, "w") as fh:
-            json.dump(dict(config, world_size=world_size), fh, indent=1)
-        os.replace(tmp_config, os.path.join(directory, "config.json"))
-    final = _folder(directory, rank, world_size)
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(final) + ".tmp-", dir=directory)
-    tf.train.Checkpoint(model=model, optimizer=optimizer).write(os.path.join(tmp, "ckpt"))
-    if plan is not None:
-        with open(os.path.join(tmp, "plan.json"), "w") as fh:
-            fh.write(plan.to_json())
-    old = final + ".old"
-    if os.path.isdir(old):
-        shutil.rmtree(old)
-    if os.path.isdir(final):
-        os.rename(final, old)
-    os.rename(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+         world_size: int = 1, config: dict | None = None, position: dict | None = None,
+         barrier: Callable[[], None] | None = None) -> str:
+    """Every process calls it at the same step (``barrier`` waits for all, as allreduce does).
+    A crash before the swap leaves the previous checkpoint as it was."""
+    from des.state import export_rows, optimizer_parts
+    barrier = barrier or (lambda: None)
+    incoming, final = os.path.join(directory, ".incoming"), os.path.join(directory, "state")
+    if rank == 0:
+        shutil.rmtree(incoming, ignore_errors=True)
+        os.makedirs(incoming)
+    barrier()
+    des_model = hasattr(model, "des_layer")
+    kinds = ["table", "owned"] if des_model else ["table"]
+    if rank == 0:
+        kinds += ["owned", "weight"] if not des_model else ["weight"]
+    entries = export_rows(model, optimizer, kinds=tuple(kinds))
+    if not des_model and not _sharded(model) and rank != 0:
+        entries = {}                     # a replicated single model: rank 0 writes it
+    _write_npz(os.path.join(incoming, _shard_name(rank, world_size)), entries)
+    barrier()
+    if rank == 0:
+        meta = dict(config or {}, format=FORMAT, world_size=world_size,
+                    plan=json.loads(plan.to_json()) if plan is not None else None,
+                    position=position or {},
+                    iterations=[int(optimizer.iterations.numpy())] +
+                               [int(p.iterations.numpy()) for p in optimizer_parts(optimizer)]
+                    if optimizer is not None else [])
+        with open(os.path.join(incoming, "config.json"), "w") as fh:
+            json.dump(meta, fh, indent=1)
+        old = final + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.isdir(final):
+            os.rename(final, old)
+        os.rename(incoming, final)
+        shutil.rmtree(old, ignore_errors=True)
+    barrier()
     return final
 
 
-def latest(directory: str, rank: int = 0, world_size: int = 1) -> str | None:
-    final = _folder(directory, rank, world_size)
-    for path in (final, final + ".old"):
-        if os.path.exists(os.path.join(path, "ckpt.index")):
+def _sharded(model) -> bool:
+    from des.state import pieces
+    return any(kind == "table" and getattr(var, "exchange", None) is not None
+               for kind, _, var, _ in pieces(model))
+
+
+def latest(directory: str) -> str | None:
+    """The folder of the newest complete checkpoint in ``directory`` (None if there is none)."""
+    for path in (os.path.join(directory, "state"), os.path.join(directory, "state.old")):
+        if os.path.exists(os.path.join(path, "config.json")):
             return path
     return None
 
 
-def load_plan(directory: str, rank: int = 0, world_size: int = 1) -> FieldPlan | None:
-    path = latest(directory, rank, world_size)
-    if path is None or not os.path.exists(os.path.join(path, "plan.json")):
-        return None
-    with open(os.path.join(path, "plan.json")) as fh:
-        return FieldPlan.from_json(fh.read())
+def _require(directory: str) -> str:
+    path = latest(directory)
+    if path is None:
+        if os.path.isdir(directory) and any(n.startswith("rank") for n in os.listdir(directory)):
+            raise CheckpointError(f"{directory}: a checkpoint of an older des.train (per-rank folders); "
+                                  f"train again to write one this version reads")
+        what = "no such folder" if not os.path.isdir(directory) else "no checkpoint in it (no state/config.json)"
+        raise CheckpointError(f"{directory}: {what}; des.train --checkpoint writes one")
+    return path
 
 
 def load_config(directory: str) -> dict:
-    """The job configuration saved with the checkpoint (see ``save``)."""
-    path = os.path.join(directory, "config.json")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such file; checkpoints written by des.train --checkpoint "
-                                f"have one")
-    with open(path) as fh:
-        return json.load(fh)
+    """The config saved with the checkpoint: model, spec, mode, world size, plan, position."""
+    path = os.path.join(_require(directory), "config.json")
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e})") from None
 
 
-MUST_MATCH = {"model": "--model", "mode": "--mode", "dim": "--dim", "hidden": "--hidden",
+def load_plan(directory: str, world_size: int) -> FieldPlan | None:
+    """The saved field plan if it was made for ``world_size`` processes (else None: make a new one)."""
+    plan = load_config(directory).get("plan")
+    return FieldPlan(**plan) if plan and plan["world_size"] == world_size else None
+
+
+MUST_MATCH = {"model": "--model", "dim": "--dim", "hidden": "--hidden",
               "optimizer": "--optimizer", "linear_optimizer": "--linear-optimizer"}
 
 
 def check_config(directory: str, config: dict) -> None:
-    """Raise ValueError naming every setting in which ``config`` (this run) differs from the
-    checkpoint's config.json: restoring would silently keep what matches and start the rest fresh."""
+    """Raise CheckpointError naming every setting in which ``config`` (this run) differs from the
+    checkpoint's: its rows would not fit this model (the mode and process count may differ)."""
     saved = load_config(directory)
     diff = [f"{flag} {saved.get(k)} (this run: {config.get(k)})" for k, flag in MUST_MATCH.items()
-            if saved.get(k) != config.get(k)]
+            if k in config and saved.get(k) != config.get(k)]
     if saved.get("spec") is not None and config.get("spec") is not None and saved["spec"] != config["spec"]:
         diff.append("another feature spec (fields, widths or vocabularies)")
     if diff:
-        raise ValueError(f"{directory}: the checkpoint was written with {'; '.join(diff)}: "
-                         f"restore with the same settings")
+        raise CheckpointError(f"{directory}: the checkpoint was written with {'; '.join(diff)}: "
+                              f"restore with the same settings")
+
+
+class _Shards:
+    """All shards of one checkpoint, read lazily: entries(kind, key) -> [{name: array}]."""
+
+    def __init__(self, path: str, world_size: int):
+        self.files, self.where = [], {}
+        for r in range(world_size):
+            name = os.path.join(path, _shard_name(r, world_size))
+            if not os.path.exists(name):
+                raise CheckpointError(f"{name}: missing (the checkpoint was written by {world_size} "
+                                      f"processes; this shard is gone)")
+            try:
+                npz = np.load(name, allow_pickle=False)
+                index = json.loads(str(npz["index"]))
+            except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as e:
+                raise CheckpointError(f"{name}: truncated or not a checkpoint shard ({e})") from None
+            self.files.append((name, npz))
+            for i, (kind, key, field) in enumerate(index):
+                self.where.setdefault((kind, key), {}).setdefault(r, {})[field] = f"a{i}"
+
+    def __call__(self, kind: str, key: str):
+        for r, fields in sorted(self.where.get((kind, key), {}).items()):
+            name, npz = self.files[r]
+            try:
+                yield {f: npz[a] for f, a in fields.items()}
+            except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+                raise CheckpointError(f"{name}: truncated or corrupt ({e})") from None
 
 
 def restore(directory: str, model, optimizer=None, rank: int = 0, world_size: int = 1) -> str:
-    """Read tables, dense weights and (given ``optimizer``) its slots; returns the folder read."""
-    path = latest(directory, rank, world_size)
-    if path is None:
-        others = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
-        raise FileNotFoundError(f"no checkpoint for rank {rank} of {world_size} in {directory!r} "
-                                f"(found: {others}); restore needs the same number of processes")
-    _check_table_names(os.path.join(path, "ckpt"), model)
-    parts = {"model": model} if optimizer is None else {"model": model, "optimizer": optimizer}
-    hypers = _hyperparameters(optimizer)
-    tf.train.Checkpoint(**parts).read(os.path.join(path, "ckpt")).expect_partial()
-    for opt, values in hypers:           # this run's learning rate etc., not the saved ones
-        for name, value in values.items():
-            opt._get_hyper(name).assign(value)
+    """Read the rows, weights and (given ``optimizer``) slots and step counts this process holds;
+    the checkpoint may come from any mode and any number of processes. Returns the folder read."""
+    from des.state import create_slots, load_rows, optimizer_parts
+    path = _require(directory)
+    config = load_config(directory)
+    if config.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: checkpoint format {config.get('format')}, this version reads {FORMAT}")
+    shards = _Shards(path, int(config["world_size"]))
+    if optimizer is not None:
+        create_slots(model, optimizer)
+
+    def keep_key(layer):
+        ex = getattr(layer, "exchange", None)
+        if ex is None or ex.world_size == 1:
+            return None
+        return lambda keys: np.mod(keys, ex.world_size) == ex.rank
+    missing = load_rows(model, optimizer, shards, keep_key)
+    if missing:
+        raise CheckpointError(f"{path}: holds no {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}: "
+                              f"it was written by another model")
+    if optimizer is not None and config.get("iterations"):
+        counters = [optimizer.iterations] + [p.iterations for p in optimizer_parts(optimizer)]
+        for var, value in zip(counters, config["iterations"]):
+            var.assign(value)
     return path
 
 
-def _hyperparameters(optimizer) -> list[tuple]:
-    """(optimizer, {hyperparameter: value}) for a Keras (legacy) optimizer and the parts of a
-    models.optim.LinearAndRestOptimizer. Their variables are created now, so that restoring a
-    checkpoint writes into them at once (not later, when the first step would create them) and
-    the caller can put this run's values back: Keras checkpoints the learning rate, and
-    restoring it silently would ignore ``--lr``."""
-    if optimizer is None:
-        return []
-    parts = [optimizer.linear, optimizer.rest] if hasattr(optimizer, "rest") else [optimizer]
-    out = []
-    for opt in parts:
-        opt._create_hypers()
-        out.append((opt, {n: opt._get_hyper(n).numpy() for n in opt._hyper
-                          if isinstance(opt._get_hyper(n), tf.Variable)}))
-    return out
+def position(directory: str) -> dict:
+    """Where the job that wrote the checkpoint was in its data: {"epoch", "step", "seed"}."""
+    return dict(load_config(directory).get("position") or {})
 
-
-def _check_table_names(prefix: str, model) -> None:
-    """TFRA keys a table's rows by the table's name; a model whose tables got other names
-    (``table_name`` numbers the second model built in a process) would silently keep its own
-    rows. Make that an error instead."""
-    from des.verify import table_layers
-    if model is None:
-        return
-    saved = set()
-    for key, _ in tf.train.list_variables(prefix):
-        found = re.search(r"tables_of_(.+?)/\d+/\.ATTRIBUTES/table-keys$", key)
-        if found:
-            saved.add(found.group(1))
-    missing = [t.params.name for t in table_layers(model) if t.params.name not in saved]
-    saved = sorted(n for n in saved if n.endswith("-parameter"))  # not the optimizer slot tables
-    if missing:
-        raise ValueError(
-            f"{prefix}: the checkpoint has no rows for tables {missing[:4]} (it holds "
-            f"{saved[:4]}{' ...' if len(saved) > 4 else ''}). TFRA keys tables by name, and this "
-            f"model's tables were named differently because another model was built first in this "
-            f"process: restore in a fresh process, building this model first.")

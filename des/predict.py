@@ -4,8 +4,9 @@
     mpirun -np 4 python -m des.predict --checkpoint ckpt --data test.txt --out predictions.txt
 
 Writes one probability per input line, in input order. The model, widths and FeatureSpec
-come from ``<checkpoint>/config.json``. A DES checkpoint is read under mpirun with the
-number of processes that wrote it (each process restores its own fields); rank 0 writes.
+come from the checkpoint's config. Any checkpoint (single, DES or PS, any number of processes)
+is read by one process, or by DES on any number under mpirun (each process restores its own
+fields); rank 0 writes. ``--checkpoint`` may also be a folder written by ``des.export``.
 Criteo's ``test.txt`` (39 columns, no label) and Avazu's ``test.csv`` (no click column) are
 recognised from the first line; labelled files work too, and then AUC and log loss are
 printed. A malformed line stops the run naming file and line (predictions must stay aligned
@@ -21,7 +22,8 @@ import sys
 
 def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True, help="folder written by des.train --checkpoint")
+    ap.add_argument("--checkpoint", required=True,
+                    help="folder written by des.train --checkpoint, or by des.export")
     ap.add_argument("--data", required=True, nargs="+", help="input files (.gz allowed)")
     ap.add_argument("--out", required=True, help="output: one probability per input line")
     ap.add_argument("--format", default=None,
@@ -70,38 +72,36 @@ def main(argv=None) -> int:
     from des.data.readers import make_dataset
     from des_ops.comm import default_communicator
 
+    from des import export
+    exported = export.is_export(a.checkpoint)
     try:
-        config = checkpoint.load_config(a.checkpoint)
+        config = export.load_config(a.checkpoint) if exported else checkpoint.load_config(a.checkpoint)
         fmt = a.format or detect_format(config["format"], a.data[0])
-    except (FileNotFoundError, DataError) as e:
+    except (FileNotFoundError, DataError, checkpoint.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if config["mode"] == "ps":
-        print(f"error: {a.checkpoint} was written by --mode ps; prediction reads single-process and "
-              f"DES checkpoints", file=sys.stderr)
-        return 2
-    comm = default_communicator("auto" if config["mode"] == "des" else "local")
+    comm = default_communicator("local" if exported else "auto")
     log = (lambda *m: print(*m, flush=True)) if comm.rank == 0 else (lambda *m: None)
-    if comm.world_size != config["world_size"]:
-        print(f"error: {a.checkpoint} was written by {config['world_size']} process(es); run with "
-              f"mpirun -np {config['world_size']} (this job has {comm.world_size})", file=sys.stderr)
-        return 2
 
     spec = FeatureSpec.from_json(json.dumps(config["spec"]))
-    hidden = tuple(int(h) for h in config["hidden"].split(",") if h)
-    model = models.build(config["model"], spec, seed=config["seed"], hidden=hidden)
-    if config["mode"] == "des":
-        plan = checkpoint.load_plan(a.checkpoint, comm.rank, comm.world_size)
-        model, _ = des.transform(model, comm=comm, plan=plan or "balanced", spec=spec)
     try:
-        checkpoint.restore(a.checkpoint, model, None, comm.rank, comm.world_size)
+        if exported:
+            serve = tf.saved_model.load(a.checkpoint).signatures["serving_default"]
+            predict = lambda x: serve(**export.serving_inputs(x, serve))["probability"]  # noqa: E731
+        else:
+            hidden = tuple(int(h) for h in config["hidden"].split(",") if h)
+            model = models.build(config["model"], spec, seed=config["seed"], hidden=hidden)
+            if comm.world_size > 1:
+                plan = checkpoint.load_plan(a.checkpoint, comm.world_size)
+                model, _ = des.transform(model, comm=comm, plan=plan or "balanced", spec=spec)
+            checkpoint.restore(a.checkpoint, model, None, comm.rank, comm.world_size)
+            predict = tf.function(lambda x: model(x, training=False))
         data = make_dataset(a.data, fmt, spec, a.batch)
-        predict = tf.function(lambda x: model(x, training=False))
         probs, labels = [], []
         for x, y in data:
             probs.append(predict(x).numpy().reshape(-1))
             labels.append(y.numpy())
-    except (FileNotFoundError, DataError) as e:
+    except (FileNotFoundError, DataError, checkpoint.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except tf.errors.OpError as e:
@@ -112,7 +112,8 @@ def main(argv=None) -> int:
         tmp = a.out + ".tmp"
         np.savetxt(tmp, p, fmt="%.9g")
         os.replace(tmp, a.out)
-    log(f"wrote {p.size} predictions to {a.out} ({config['model']}, {config['mode']}, "
+    how = "export" if exported else f"{config['mode']} checkpoint of {config['world_size']} process(es)"
+    log(f"wrote {p.size} predictions to {a.out} ({config['model']}, {how}, read by "
         f"{comm.world_size} process(es), format {fmt})")
     if not fmt.endswith("-test"):
         y = np.concatenate(labels)

@@ -20,7 +20,7 @@ from des.ir import Graph
 def _layer_keys(graph: Graph) -> dict[int, str]:
     keys = {}
     for n in graph.nodes:
-        keys.setdefault(id(n.layer), f"{n.index}:{type(n.layer).__name__}")
+        keys.setdefault(id(n.layer), f"{n.index}:{getattr(n.layer, 'des_state_class', type(n.layer).__name__)}")
     return keys
 
 
@@ -176,3 +176,143 @@ def sync_from_root(graph: Graph, comm, root: int = 0) -> None:
             value = comm.broadcast(w.numpy(), root)
             if comm.rank != root:
                 w.assign(value)
+
+
+# --- Rows with their optimizer slots, for checkpoints (any mode, any number of processes) -----
+
+def optimizer_parts(optimizer) -> list:
+    """The Keras optimizers that own slots: ``[optimizer]``, or the linear and rest parts of a
+    models.optim.LinearAndRestOptimizer."""
+    if optimizer is None:
+        return []
+    return [optimizer.linear, optimizer.rest] if hasattr(optimizer, "rest") else [optimizer]
+
+
+def _part_of(optimizer, var):
+    if optimizer is None:
+        return None
+    if hasattr(optimizer, "rest"):
+        return optimizer.linear if getattr(var, "des_linear_part", False) else optimizer.rest
+    return optimizer
+
+
+def create_slots(model: tf.keras.Model, optimizer) -> None:
+    """Create the optimizer's slots (and step counters) for ``model``'s trainable weights now;
+    Keras would create them at the first step, after a restore had nowhere to write them."""
+    optimizer.iterations  # noqa: B018 - creates the step counter
+    for part in optimizer_parts(optimizer):
+        mine = [v for v in model.trainable_variables if _part_of(optimizer, v) is part]
+        part._create_all_weights(mine)
+
+
+def _trainable_of(layer, source):
+    """The variable the optimizer sees for a table layer (TFRA: its shadow; Keras: the matrix)."""
+    return layer.shadow if source.dynamic else layer.embeddings
+
+
+def _slot_names(optimizer, var) -> list[str]:
+    part = _part_of(optimizer, var)
+    return [] if part is None else list(part.get_slot_names())
+
+
+def _rows(value: np.ndarray, ranges) -> np.ndarray:
+    return np.concatenate([value[a:b] for a, b in ranges]) if ranges is not None else value
+
+
+def _put_rows(full: np.ndarray, ranges, value: np.ndarray) -> np.ndarray:
+    if ranges is None:
+        return value.reshape(full.shape)
+    at = 0
+    for a, b in ranges:
+        b = len(full) if b is None else b
+        full[a:b] = value[at:at + b - a]
+        at += b - a
+    return full
+
+
+def pieces(model: tf.keras.Model) -> list[tuple]:
+    """Everything a model holds, as (kind, key, var, row ranges): kind "table" (var is the
+    layer; rows are keyed), "owned" (one field's block: kernel rows or a field chain's weights)
+    or "weight" (replicated). The same key names the same thing in any mode and on any N."""
+    sk = state_keys(model)
+    out = [("table", key, layer, None) for key, (layer, _) in sk.tables.items()]
+    for var, parts in sk.owned.values():
+        out += [("owned", key, var, [(a, b)]) for key, a, b in parts]
+    out += [("weight", key, var, None) for var, key in sk.weights.values()]
+    for wid, (key, reps) in sk.kernel_parts.items():
+        out.append(("weight", key, sk.owned[wid][0], reps))
+    return out
+
+
+def export_rows(model: tf.keras.Model, optimizer, kinds=("table", "owned", "weight")) -> dict:
+    """{(kind, key): {"keys"?: [n], "value": array, "slot:<name>": array}} for ``kinds``.
+
+    Tables give all the rows this process holds (keys + values + each slot's rows)."""
+    sk = state_keys(model)
+    out = {}
+    for kind, key, var, ranges in pieces(model):
+        if kind not in kinds:
+            continue
+        if kind == "table":
+            source = sk.tables[key][1]
+            keys, values = source.export(var)
+            entry = {"keys": np.asarray(keys, np.int64), "value": np.asarray(values, np.float32)}
+            trainable = _trainable_of(var, source)
+            for name in _slot_names(optimizer, trainable):
+                slot = _part_of(optimizer, trainable).get_slot(trainable, name)
+                if source.dynamic:
+                    found, exists = slot.params.lookup(tf.constant(entry["keys"]), return_exists=True)
+                    entry[f"slot:{name}"] = found.numpy()
+                    entry[f"has:{name}"] = exists.numpy()
+                else:
+                    entry[f"slot:{name}"] = slot.numpy()
+        else:
+            entry = {"value": _rows(var.numpy(), ranges)}
+            for name in _slot_names(optimizer, var):
+                entry[f"slot:{name}"] = _rows(_part_of(optimizer, var).get_slot(var, name).numpy(), ranges)
+        out[(kind, key)] = entry
+    return out
+
+
+def load_rows(model: tf.keras.Model, optimizer, entries, keep_key=None) -> list[str]:
+    """Write rows saved by ``export_rows`` (possibly by other processes, in another mode) into
+    ``model`` and ``optimizer``'s slots. ``entries(kind, key)`` yields every saved entry of
+    that piece (one per process that wrote it; none: the piece is missing). ``keep_key(layer)``
+    gives a function keys -> bool mask of the rows this process holds (PS: key mod N == rank),
+    or None for all. Returns the keys of missing pieces."""
+    sk = state_keys(model)
+    missing = []
+    for kind, key, var, ranges in pieces(model):
+        saved = list(entries(kind, key))
+        if not saved:
+            missing.append(f"{kind} {key}")
+            continue
+        if kind == "table":
+            source = sk.tables[key][1]
+            keep = keep_key(var) if keep_key else None
+            parts = [(e["keys"], e) for e in saved]
+            keys = np.concatenate([k for k, _ in parts]) if parts else np.zeros(0, np.int64)
+            mask = keep(keys) if keep is not None else np.ones(len(keys), bool)
+            cat = lambda name: np.concatenate([e[name] for _, e in parts])[mask]  # noqa: E731
+            source.load(var, keys[mask], cat("value"))
+            trainable = _trainable_of(var, source)
+            for name in _slot_names(optimizer, trainable):
+                slot = _part_of(optimizer, trainable).get_slot(trainable, name)
+                if f"slot:{name}" not in saved[0]:
+                    raise KeyError(f"table {key}: the checkpoint has no optimizer slot {name!r}")
+                if source.dynamic:
+                    has = cat(f"has:{name}")
+                    slot.params.clear()
+                    if has.any():
+                        slot.params.upsert(tf.constant(keys[mask][has]), tf.constant(cat(f"slot:{name}")[has]))
+                else:
+                    slot.assign(cat(f"slot:{name}"))
+            continue
+        entry = saved[0]
+        var.assign(_put_rows(var.numpy(), ranges, entry["value"]))
+        for name in _slot_names(optimizer, var):
+            if f"slot:{name}" not in entry:
+                raise KeyError(f"{kind} {key}: the checkpoint has no optimizer slot {name!r}")
+            slot = _part_of(optimizer, var).get_slot(var, name)
+            slot.assign(_put_rows(slot.numpy(), ranges, entry[f"slot:{name}"]))
+    return missing

@@ -31,7 +31,8 @@ def _args(argv):
     ap.add_argument("--eval-data", nargs="+", default=None,
                     help="evaluate on these files (same format) instead of holding out lines of --data")
     ap.add_argument("--batch", type=int, default=1024)
-    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--epochs", type=int, default=1,
+                    help="epochs in total: with --restore, training continues from the saved epoch/step")
     ap.add_argument("--steps", type=int, default=None, help="stop each epoch after this many steps")
     ap.add_argument("--optimizer", default="adam", choices=["sgd", "adagrad", "adam", "ftrl"])
     ap.add_argument("--lr", type=float, default=None)
@@ -48,8 +49,12 @@ def _args(argv):
     ap.add_argument("--replica-check", type=int, default=100, metavar="K",
                     help="DES: every K steps check that replicated weights agree and that every process "
                          "read the same batch, in one small allreduce (0: off)")
-    ap.add_argument("--checkpoint", default=None, help="save to this folder after training")
-    ap.add_argument("--restore", default=None, help="restore from this folder before training")
+    ap.add_argument("--checkpoint", default=None, help="save to this folder at every epoch's end")
+    ap.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                    help="also save every K training steps (needs --checkpoint)")
+    ap.add_argument("--restore", default=None,
+                    help="start from this checkpoint (any mode, any number of processes) and continue "
+                         "at its epoch and step")
     ap.add_argument("--check-bytes", type=int, default=20, metavar="K",
                     help="ps: recompute the analytic bytes of the first K steps and compare")
     ap.add_argument("--threads", type=int, default=0, help="TF intra/inter-op threads (0: TF default)")
@@ -133,25 +138,34 @@ def main(argv=None) -> int:
         shard_of = (comm.rank, comm.world_size)
         global_batch = a.batch * (comm.world_size if a.ps_batch == "per-process" else 1)
     try:
-        train = make_dataset(a.data, a.format, spec, global_batch, shuffle_buffer=a.shuffle_buffer,
-                             seed=a.seed, take_lines=n_train, shard=shard_of, **common)
+        def train(epoch: int):
+            """The batches of one epoch: shuffled by (seed, epoch), so a resumed job sees the
+            same order as an uninterrupted one."""
+            return make_dataset(a.data, a.format, spec, global_batch, shuffle_buffer=a.shuffle_buffer,
+                                seed=epoch_seed(a.seed, epoch), take_lines=n_train, shard=shard_of, **common)
+        train(0)   # reports a bad path or format now
         evald = make_dataset(eval_files, a.format, spec, max(global_batch, 4096), skip_lines=eval_skip,
                              shard=shard_of, **common) if (held or a.eval_data) else None
     except (DataError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    start = {"epoch": 0, "step": 0}
+    if a.checkpoint_every and not a.checkpoint:
+        print("error: --checkpoint-every needs --checkpoint FOLDER", file=sys.stderr)
+        return 2
     if a.restore:
         try:
             checkpoint.check_config(a.restore, _config(a, spec))
-        except (ValueError, FileNotFoundError) as e:
+            start = _start_position(a, checkpoint.load_config(a.restore), global_batch)
+        except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
     hidden = tuple(int(h) for h in a.hidden.split(",") if h)
     model = models.build(a.model, spec, seed=a.seed, hidden=hidden)
     plan = a.plan
     if a.restore and a.mode == "des":
-        plan = checkpoint.load_plan(a.restore, comm.rank, comm.world_size) or plan
+        plan = checkpoint.load_plan(a.restore, comm.world_size) or plan
     report = None
     if a.mode == "des":
         model, report = des.transform(model, comm=comm, plan=plan, spec=spec)
@@ -172,7 +186,12 @@ def main(argv=None) -> int:
                   metrics=[tf.keras.metrics.AUC(num_thresholds=10_000, name="auc"),
                            tf.keras.metrics.BinaryCrossentropy(name="logloss")])
     if a.restore:
-        log(f"restored {checkpoint.restore(a.restore, model, optimizer, comm.rank, comm.world_size)}")
+        try:
+            path = checkpoint.restore(a.restore, model, optimizer, comm.rank, comm.world_size)
+        except checkpoint.CheckpointError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        log(f"restored {path}; continuing at epoch {start['epoch'] + 1}, step {start['step']}")
 
     speed = Throughput(global_batch)
     curve = _AucCurve()
@@ -187,6 +206,17 @@ def main(argv=None) -> int:
         from des.callbacks import CounterDeltas
         traffic = CounterDeltas(exchange.counters)
         callbacks.append(traffic)
+    saver = None
+    if a.checkpoint:
+        from des.callbacks import PeriodicCheckpoint
+        barrier = _barrier(a.mode, comm, exchange)
+        saver = PeriodicCheckpoint(
+            lambda pos: checkpoint.save(a.checkpoint, model, optimizer, getattr(model, "des_plan", None),
+                                        comm.rank, comm.world_size, config=_config(a, spec),
+                                        position=dict(pos, seed=a.seed, global_batch=global_batch),
+                                        barrier=barrier),
+            a.checkpoint_every, start["epoch"], start["step"])
+        callbacks.append(saver)
     if a.fail_at_step is not None and comm.rank == comm.world_size - 1:
         callbacks.append(_FailAt(a.fail_at_step))
     log(f"training {a.model} ({a.mode}, {comm.world_size} process(es)) on "
@@ -195,8 +225,16 @@ def main(argv=None) -> int:
         f"{f' ({a.linear_optimizer} on the linear part)' if a.linear_optimizer else ''}")
     try:
         verbose = (1 if sys.stdout.isatty() else 2) if rank0 else 0
-        model.fit(train, epochs=a.epochs, steps_per_epoch=a.steps, verbose=verbose,
-                  callbacks=callbacks)
+        if start["epoch"] >= a.epochs:
+            log(f"the checkpoint has {start['epoch']} epoch(s) done; --epochs {a.epochs}: nothing to train")
+        for epoch in range(start["epoch"], a.epochs):
+            skip = start["step"] if epoch == start["epoch"] else 0
+            steps = None if a.steps is None else a.steps - skip
+            if steps is not None and steps <= 0:
+                continue
+            data = train(epoch)
+            model.fit(data.skip(skip) if skip else data, initial_epoch=epoch, epochs=epoch + 1,
+                      steps_per_epoch=steps, verbose=verbose, callbacks=callbacks)
         result = model.evaluate(evald, verbose=0, return_dict=True) if evald is not None else {}
         if a.mode == "ps" and evald is not None:
             result = ps.aggregate_metrics(model, exchange)
@@ -235,15 +273,42 @@ def main(argv=None) -> int:
         log(f"DES bytes/step handed to allreduce: measured {summary['bytes_per_step_measured']:.0f}, "
             f"analytic {summary['bytes_per_step_analytic']} (4*B*{report.floats_per_sample}); "
             f"ring sends {summary['ring_bytes_per_step']:.0f} per process")
-    if a.checkpoint:
-        path = checkpoint.save(a.checkpoint, model, optimizer, getattr(model, "des_plan", None),
-                               comm.rank, comm.world_size, config=_config(a, spec))
-        log(f"checkpoint written to {path}")
+    if saver is not None and saver.saves:
+        log(f"checkpoint written to {a.checkpoint} ({saver.saves} save(s); the last at epoch "
+            f"{saver.epoch}, step {saver.step})")
     if a.summary_json:
         path = a.summary_json if comm.world_size == 1 else f"{a.summary_json}.rank{comm.rank}"
         with open(path, "w") as fh:
             json.dump(summary, fh, indent=1)
     return 0
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The shuffle seed of one epoch (epoch 0: ``seed`` itself)."""
+    return seed + 1_000_003 * epoch
+
+
+def _start_position(a, saved: dict, global_batch: int) -> dict:
+    """Where a restored job continues: the checkpoint's epoch and step, with its shuffle seed."""
+    pos = saved.get("position") or {}
+    start = {"epoch": int(pos.get("epoch", 0)), "step": int(pos.get("step", 0))}
+    if start["step"] and pos.get("global_batch") not in (None, global_batch):
+        raise ValueError(f"{a.restore}: saved in the middle of epoch {start['epoch'] + 1} with a global batch "
+                         f"of {pos['global_batch']}; this run's is {global_batch}: resume with the same "
+                         f"batch (or from a checkpoint at an epoch's end)")
+    if "seed" in pos:
+        a.seed = int(pos["seed"])
+    return start
+
+
+def _barrier(mode: str, comm, exchange):
+    """Waits for every process (one tiny allreduce): checkpoints are written together."""
+    import tensorflow as tf
+    if mode == "ps" and exchange.world_size > 1:
+        return lambda: exchange.allreduce_sum(tf.zeros([1]), counter=None)
+    if mode == "des" and comm.world_size > 1:
+        return lambda: comm.allreduce(tf.zeros([1]))
+    return None
 
 
 def _spec(a, meta: dict):

@@ -99,6 +99,8 @@ class KeyExchange:
 class ShardedFieldEmbedding(FieldEmbedding):
     """FieldEmbedding whose rows live with their owner process (see the module docstring)."""
 
+    des_state_class = "FieldEmbedding"   # its rows are keyed as the unsharded table's (checkpoints)
+
     def __init__(self, field: str, dim: int, exchange: KeyExchange, seed: int = 0,
                  init_scale: float = 0.05, name: str | None = None, linear: bool = False, **kwargs):
         super().__init__(field, dim, seed, init_scale, name=name or f"ps{dim}_{field}", linear=linear, **kwargs)
