@@ -77,7 +77,7 @@ def save(directory: str, model, optimizer, plan: FieldPlan | None = None, rank: 
     _write_npz(os.path.join(incoming, _shard_name(rank, world_size)), entries)
     barrier()
     if rank == 0:
-        meta = dict(config or {}, format=FORMAT, world_size=world_size,
+        meta = dict(config or {}, checkpoint_format=FORMAT, world_size=world_size,
                     plan=json.loads(plan.to_json()) if plan is not None else None,
                     position=position or {},
                     iterations=[int(optimizer.iterations.numpy())] +
@@ -187,8 +187,8 @@ def restore(directory: str, model, optimizer=None, rank: int = 0, world_size: in
     from des.state import create_slots, load_rows, optimizer_parts
     path = _require(directory)
     config = load_config(directory)
-    if config.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: checkpoint format {config.get('format')}, this version reads {FORMAT}")
+    if config.get("checkpoint_format") != FORMAT:
+        raise CheckpointError(f"{path}: checkpoint format {config.get('checkpoint_format')}, this version reads {FORMAT}")
     shards = _Shards(path, int(config["world_size"]))
     if optimizer is not None:
         create_slots(model, optimizer)

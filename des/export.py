@@ -148,7 +148,7 @@ def load_seconds(path: str) -> float:
     """Load ``path`` with plain tf.saved_model.load in a fresh process that imports neither this
     package nor TFRA; the seconds it took."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH="")
-    done = subprocess.run([sys.executable, "-c", LOAD_CHECK, path], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", LOAD_CHECK, os.path.abspath(path)], capture_output=True, text=True,
                           env=env, cwd="/")
     if done.returncode != 0:
         raise RuntimeError(f"{path}: tf.saved_model.load failed: {done.stderr.strip().splitlines()[-1:]}")

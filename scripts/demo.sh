@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's demo: generate Criteo-like data, train DeepFM on one process, then the same
 # model with DES on 2 processes under mpirun; both print AUC next to the Bayes-optimal AUC.
-# The DES checkpoint then predicts a generated test.txt (Criteo's 39-column test layout).
+# The DES checkpoint then predicts a generated test.txt (Criteo's 39-column test layout), and
+# its export (one SavedModel) predicts it again on one process.
 # Then a small DES vs parameter-server vs one-process comparison (table + plots).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +34,11 @@ echo "== predicting $TEST with the DES checkpoint on 2 processes"
 mpirun -np 2 --oversubscribe --bind-to none $PY -m des.predict --checkpoint data/demo/ckpt \
   --data "$TEST" --out data/demo/predictions.txt --threads 1
 echo "   first predictions: $(head -3 data/demo/predictions.txt | tr '\n' ' ')"
+echo "== exporting the DES checkpoint as one SavedModel (served without TFRA), predicting with it on 1 process"
+rm -rf data/demo/served
+$PY -m des.export --checkpoint data/demo/ckpt --out data/demo/served
+$PY -m des.predict --checkpoint data/demo/served --data "$TEST" --out data/demo/predictions_served.txt --threads 1
+echo "   first predictions: $(head -3 data/demo/predictions_served.txt | tr '\n' ' ')"
 echo "== comparison: DES vs parameter server vs one process (lr, deepfm; N=2; a few minutes)"
 $PY -m des.compare --models lr,deepfm --np 2 --preset criteo-like --rows 40000 --batch 2048 \
   --steps 15 --hidden 64,32 --batches 256,512,1024,2048,4096 --out reports/demo

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+
 from des.data.synth import write_criteo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +52,7 @@ def test_linear_optimizer_option(tmp_path):
                        env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "optimizer adam (ftrl on the linear part)" in r.stdout
-    assert json.load(open(tmp_path / "ck" / "config.json"))["linear_optimizer"] == "ftrl"
+    assert json.load(open(tmp_path / "ck" / "state" / "config.json"))["linear_optimizer"] == "ftrl"
     # --restore with other settings would keep what matches and start the rest fresh: refused
     again = TRAIN + ["--data", data, "--model", "wdl", "--steps", "1", "--restore", str(tmp_path / "ck")]
     r = subprocess.run(again + ["--optimizer", "adagrad"], env=ENV, cwd=ROOT, capture_output=True, text=True,
@@ -63,21 +65,58 @@ def test_linear_optimizer_option(tmp_path):
     assert r.returncode == 0 and "restored" in r.stdout, r.stderr[-3000:]
 
 
-def test_restore_brings_back_the_model_the_checkpoint_was_written_from(tmp_path):
-    """Train 3 steps and save; restore and take 3 more steps at learning rate 0 (Adam then moves
-    nothing): the held-out AUC and log loss equal those the saving run reported, to the bit. At
-    the saving run's learning rate the restored model goes on learning from there."""
+def test_restore_continues_where_the_checkpoint_stopped(tmp_path):
+    """Train 3 steps of epoch 1 and save; --restore with --epochs 2 trains epoch 2 only. At
+    learning rate 0 (Adam moves nothing) the held-out AUC and log loss equal the saving run's, to
+    the bit; at the saving run's learning rate the restored model goes on learning from there;
+    with --epochs 1 there is nothing left to train."""
     data = str(tmp_path / "train.txt")
     write_criteo(data, 2000, preset="tiny", seed=3, quiet=True)
     base = TRAIN + ["--data", data, "--model", "wdl", "--steps", "3", "--holdout", "500"]
-    runs = {}
+    runs, out = {}, {}
     for name, extra in (("saved", ["--lr", "0.02", "--checkpoint", str(tmp_path / "ck")]),
-                        ("restored", ["--lr", "0", "--restore", str(tmp_path / "ck")]),
-                        ("continued", ["--lr", "0.02", "--restore", str(tmp_path / "ck")])):
+                        ("restored", ["--lr", "0", "--epochs", "2", "--restore", str(tmp_path / "ck")]),
+                        ("continued", ["--lr", "0.02", "--epochs", "2", "--restore", str(tmp_path / "ck")]),
+                        ("done", ["--lr", "0.02", "--restore", str(tmp_path / "ck")])):
         r = subprocess.run(base + extra + ["--summary-json", str(tmp_path / f"{name}.json")], env=ENV,
                            cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
-        runs[name] = json.load(open(tmp_path / f"{name}.json"))
+        runs[name], out[name] = json.load(open(tmp_path / f"{name}.json")), r.stdout
     saved, restored, continued = runs["saved"], runs["restored"], runs["continued"]
+    assert "continuing at epoch 2, step 0" in out["continued"]
     assert (restored["auc"], restored["logloss"]) == (saved["auc"], saved["logloss"])
     assert continued["logloss"] < saved["logloss"] - 1e-4
+    assert "1 epoch(s) done; --epochs 1: nothing to train" in out["done"]
+    assert (runs["done"]["auc"], runs["done"]["logloss"]) == (saved["auc"], saved["logloss"])
+
+
+def test_resume_after_a_crash_equals_the_uninterrupted_run(tmp_path):
+    """2 epochs straight, against the same job killed at step 7 of epoch 1 (checkpoints every 3
+    steps) and resumed with --restore: the same held-out AUC and log loss, to the bit, and the
+    same predictions (des.predict) within 1e-6."""
+    data = str(tmp_path / "train.txt")
+    write_criteo(data, 3000, preset="tiny", seed=4, quiet=True)
+    base = TRAIN + ["--data", data, "--model", "deepfm", "--epochs", "2", "--holdout", "500",
+                    "--optimizer", "adagrad", "--linear-optimizer", "ftrl"]
+    runs = {}
+    for name, extra in (("straight", ["--checkpoint", str(tmp_path / "a")]),
+                        ("killed", ["--checkpoint", str(tmp_path / "b"), "--checkpoint-every", "3",
+                                    "--fail-at-step", "7"]),
+                        ("resumed", ["--restore", str(tmp_path / "b"), "--checkpoint", str(tmp_path / "b")])):
+        r = subprocess.run(base + extra + ["--summary-json", str(tmp_path / f"{name}.json")], env=ENV,
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+        if name == "killed":
+            assert r.returncode == 17 and not (tmp_path / "killed.json").exists(), r.stderr[-3000:]
+            assert json.load(open(tmp_path / "b" / "state" / "config.json"))["position"]["step"] == 6
+            continue
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[name] = json.load(open(tmp_path / f"{name}.json"))
+    assert (runs["resumed"]["auc"], runs["resumed"]["logloss"]) == (runs["straight"]["auc"], runs["straight"]["logloss"])
+    preds = []
+    for ck in ("a", "b"):
+        r = subprocess.run([sys.executable, "-m", "des.predict", "--checkpoint", str(tmp_path / ck), "--data", data,
+                            "--out", str(tmp_path / f"{ck}.txt"), "--threads", "1"], env=ENV, cwd=ROOT,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        preds.append(np.loadtxt(tmp_path / f"{ck}.txt"))
+    assert preds[0].shape == (3000,) and np.abs(preds[0] - preds[1]).max() <= 1e-6

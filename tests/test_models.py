@@ -1,7 +1,4 @@
 """Reference models: key-deterministic tables, training to a real AUC, checkpoint round trip."""
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -105,54 +102,6 @@ def test_tfra_optimizers_update_table_rows_as_dense_keras_would(optimizer):
     assert checked == 8                                 # 4 fields x (linear + embedding) tables
 
 
-RESTORE = """
-import os, sys, numpy as np, tensorflow as tf
-import des, models
-from des import checkpoint
-from des.data import criteo_spec
-from des.data.readers import make_dataset
-path, ck, out, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-full = criteo_spec(dim=4)
-spec = type(full)(full.fields[10:18])   # 8 of the fields keep the test quick
-batches = list(make_dataset(path, "criteo", full, 256, take_lines=256 * 6))
-model = models.build("deepfm", spec, seed=2, hidden=(16,))
-opt = models.make_optimizer("adam", 0.01, linear=os.environ.get("LINEAR_OPTIMIZER") or None)
-model.compile(opt, "binary_crossentropy")
-if ck != "-":
-    checkpoint.restore(ck, model, opt)
-for x, y in batches[:steps]:
-    model.train_on_batch(x, y)
-if ck == "-":
-    checkpoint.save(sys.argv[5], model, opt)
-p1 = model.predict_on_batch(batches[5][0])
-model.train_on_batch(*batches[4])
-np.save(out, np.stack([p1, model.predict_on_batch(batches[5][0])]))
-"""
-
-
-@pytest.mark.parametrize("linear", ["", "ftrl"])
-def test_checkpoint_round_trip_restores_predictions_tables_and_slots(tmp_path, data, linear):
-    """Train 4 steps and save in one process; restore in a fresh process: same predictions,
-    and one more step gives the same result too (tables AND optimizer slots came back; with
-    FTRL on the linear part, the slots of both optimizers)."""
-    path, _ = data
-    script = tmp_path / "restore.py"
-    script.write_text(RESTORE)
-    ck = str(tmp_path / "ck")
-    env = dict(os.environ, LINEAR_OPTIMIZER=linear)
-    run = lambda *a: subprocess.run([sys.executable, str(script), path, *a], check=True,  # noqa: E731
-                                    capture_output=True, text=True, env=env)
-    run("-", str(tmp_path / "a.npy"), "4", ck)
-    run(ck, str(tmp_path / "b.npy"), "0")
-    saved, restored = np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy")
-    assert np.array_equal(saved[0], restored[0])
-    np.testing.assert_allclose(saved[1], restored[1], atol=1e-6)
-    assert not np.allclose(saved[0], saved[1], atol=1e-4)  # the extra step changed something
-    fresh_dir = tmp_path / "none"
-    run("-", str(tmp_path / "c.npy"), "0", str(fresh_dir))
-    assert not np.allclose(np.load(tmp_path / "c.npy")[0], saved[0], atol=1e-4)
-
-
 @pytest.mark.parametrize("name", ["fm", "wdl", "deepfm"])
 def test_ftrl_on_the_linear_part_adam_on_the_rest(name):
     """After one step from the same start, the linear part's rows equal an all-FTRL model's and
@@ -183,9 +132,9 @@ def test_ftrl_on_the_linear_part_adam_on_the_rest(name):
         np.testing.assert_array_equal(w, (ftrl if ":Bias/" in k else adam)["weights"][k])
 
 
-def test_restore_into_tables_of_other_names_is_a_clear_error(tmp_path):
-    """The second model built in a process gets numbered table names; TFRA would silently skip
-    its rows on restore, so restore refuses."""
+def test_a_second_model_built_in_one_process_restores_its_rows(tmp_path):
+    """TFRA names the tables of a second model built in a process differently; checkpoints key
+    rows by their place in the graph, so it restores the first model's rows all the same."""
     from des.verify import random_batches, small_spec
     spec = small_spec(2, dim=3)
     x, y = random_batches(spec, 1, 16, seed=1)[0]
@@ -193,11 +142,7 @@ def test_restore_into_tables_of_other_names_is_a_clear_error(tmp_path):
     a.compile(models.make_optimizer("adam", 0.01), "binary_crossentropy")
     a.train_on_batch(x, y)
     checkpoint.save(str(tmp_path), a, a.optimizer)
-    checkpoint.restore(str(tmp_path), a, a.optimizer)               # the same tables: fine
-    with pytest.raises(ValueError, match="restore in a fresh process"):
-        checkpoint.restore(str(tmp_path), models.build("fm", spec, seed=3))
-
-
-def test_restore_with_another_process_count_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="rank 0 of 2"):
-        checkpoint.restore(str(tmp_path), None, None, rank=0, world_size=2)
+    b = models.build("fm", spec, seed=3)
+    assert np.abs(b.predict_on_batch(x) - a.predict_on_batch(x)).max() > 1e-4
+    checkpoint.restore(str(tmp_path), b)
+    np.testing.assert_array_equal(b.predict_on_batch(x), a.predict_on_batch(x))
