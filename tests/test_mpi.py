@@ -85,10 +85,10 @@ def test_training_cli_des_under_mpirun(criteo_file, tmp_path):
 def test_a_killed_des_job_resumes_as_ps_on_3_processes_like_one_uninterrupted_process(criteo_file, tmp_path):
     """2 epochs of 4 steps in one process, against: DES on 2 processes saving every 3 steps, its
     last rank killed at step 4 (mpirun ends the job with that rank's code 17 and names it); then --mode ps on 3 processes restores that checkpoint (rows
-    re-sharded by key, slots with them) and finishes: the same held-out AUC and log loss (the
-    predictions of resumed checkpoints: tests/test_cli.py, tests/test_checkpoint.py)."""
+    re-sharded by key, slots with them) and finishes: the same held-out AUC and log loss; its
+    checkpoint, read by DES on 2 processes, predicts what the single process's does."""
     steps = ["--epochs", "2", "--steps", "4", "--optimizer", "adagrad", "--linear-optimizer", "ftrl"]
-    single = subprocess.run([sys.executable, *TRAIN, *steps, "--data", criteo_file,
+    single = subprocess.run([sys.executable, *TRAIN, *steps, "--data", criteo_file, "--checkpoint", str(tmp_path / "s"),
                              "--summary-json", str(tmp_path / "s.json")],
                             env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert single.returncode == 0, single.stderr[-3000:]
@@ -108,6 +108,18 @@ def test_a_killed_des_job_resumes_as_ps_on_3_processes_like_one_uninterrupted_pr
     print(f"AUC single {s['auc']:.7f} / DES 2 killed, PS 3 resumed {p['auc']:.7f}; "
           f"log loss {s['logloss']:.7f} / {p['logloss']:.7f}")
     assert abs(s["auc"] - p["auc"]) < 1e-5 and abs(s["logloss"] - p["logloss"]) < 1e-5
+    # PS 3 -> DES 2: the PS checkpoint read by DES on 2 processes predicts what one process's does
+    test = tmp_path / "test.txt"
+    test.write_text("".join(open(criteo_file).readlines()[:500]))
+    preds = []
+    for ck, n in (("s", 1), ("p", 2)):
+        r = mpirun(n, "-m", "des.predict", "--checkpoint", str(tmp_path / ck), "--data", str(test),
+                   "--out", str(tmp_path / f"{ck}.txt"), "--threads", "1")
+        assert r.returncode == 0, r.stderr[-3000:]
+        preds.append(np.loadtxt(tmp_path / f"{ck}.txt"))
+    assert "ps checkpoint of 3 process(es), read by 2" in r.stdout
+    print(f"PS 3 checkpoint read by DES 2 vs single: max diff {np.abs(preds[0] - preds[1]).max():.1e}")
+    assert preds[0].shape == (500,) and np.abs(preds[0] - preds[1]).max() < 1e-5
 
 
 @pytest.mark.mpi
