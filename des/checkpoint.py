@@ -67,13 +67,13 @@ def save(directory: str, model, optimizer, plan: FieldPlan | None = None, rank: 
         shutil.rmtree(incoming, ignore_errors=True)
         os.makedirs(incoming)
     barrier()
+    # DES: each process its tables and kernel rows; PS: each its key shard of every table;
+    # replicated weights (and everything of a replicated model): rank 0.
     des_model = hasattr(model, "des_layer")
-    kinds = ["table", "owned"] if des_model else ["table"]
-    if rank == 0:
-        kinds += ["owned", "weight"] if not des_model else ["weight"]
-    entries = export_rows(model, optimizer, kinds=tuple(kinds))
-    if not des_model and not _sharded(model) and rank != 0:
-        entries = {}                     # a replicated single model: rank 0 writes it
+    kinds = {"table", "owned", "weight"} if rank == 0 else set()
+    if rank != 0 and (des_model or _sharded(model)):
+        kinds |= {"table", "owned"} if des_model else {"table"}
+    entries = export_rows(model, optimizer, kinds=tuple(kinds)) if kinds else {}
     _write_npz(os.path.join(incoming, _shard_name(rank, world_size)), entries)
     barrier()
     if rank == 0:
@@ -181,6 +181,16 @@ class _Shards:
                 raise CheckpointError(f"{name}: truncated or corrupt ({e})") from None
 
 
+def reference_model(config: dict):
+    """(the single-process model a checkpoint's config describes, its FeatureSpec): built from
+    this project's reference models, ready for ``restore``."""
+    import models
+    from des.data import FeatureSpec
+    spec = FeatureSpec.from_json(json.dumps(config["spec"]))
+    hidden = tuple(int(h) for h in config["hidden"].split(",") if h)
+    return models.build(config["model"], spec, seed=config["seed"], hidden=hidden), spec
+
+
 def restore(directory: str, model, optimizer=None, rank: int = 0, world_size: int = 1) -> str:
     """Read the rows, weights and (given ``optimizer``) slots and step counts this process holds;
     the checkpoint may come from any mode and any number of processes. Returns the folder read."""
@@ -198,7 +208,10 @@ def restore(directory: str, model, optimizer=None, rank: int = 0, world_size: in
         if ex is None or ex.world_size == 1:
             return None
         return lambda keys: np.mod(keys, ex.world_size) == ex.rank
-    missing = load_rows(model, optimizer, shards, keep_key)
+    try:
+        missing = load_rows(model, optimizer, shards, keep_key)
+    except KeyError as e:          # a slot the optimizer has and the checkpoint lacks
+        raise CheckpointError(f"{path}: {e.args[0]}") from None
     if missing:
         raise CheckpointError(f"{path}: holds no {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}: "
                               f"it was written by another model")
@@ -207,9 +220,3 @@ def restore(directory: str, model, optimizer=None, rank: int = 0, world_size: in
         for var, value in zip(counters, config["iterations"]):
             var.assign(value)
     return path
-
-
-def position(directory: str) -> dict:
-    """Where the job that wrote the checkpoint was in its data: {"epoch", "step", "seed"}."""
-    return dict(load_config(directory).get("position") or {})
-

@@ -65,7 +65,6 @@ def main(argv=None) -> int:
     if a.threads:
         tf.config.threading.set_intra_op_parallelism_threads(a.threads)
         tf.config.threading.set_inter_op_parallelism_threads(a.threads)
-    import models
     from des import checkpoint
     from des.data import DataError, FeatureSpec
     from des.data.errors import op_error_message
@@ -83,14 +82,13 @@ def main(argv=None) -> int:
     comm = default_communicator("local" if exported else "auto")
     log = (lambda *m: print(*m, flush=True)) if comm.rank == 0 else (lambda *m: None)
 
-    spec = FeatureSpec.from_json(json.dumps(config["spec"]))
     try:
         if exported:
+            spec = FeatureSpec.from_json(json.dumps(config["spec"]))
             serve = tf.saved_model.load(a.checkpoint).signatures["serving_default"]
             predict = lambda x: serve(**export.serving_inputs(x, serve))["probability"]  # noqa: E731
         else:
-            hidden = tuple(int(h) for h in config["hidden"].split(",") if h)
-            model = models.build(config["model"], spec, seed=config["seed"], hidden=hidden)
+            model, spec = checkpoint.reference_model(config)
             if comm.world_size > 1:
                 plan = checkpoint.load_plan(a.checkpoint, comm.world_size)
                 model, _ = des.transform(model, comm=comm, plan=plan or "balanced", spec=spec)

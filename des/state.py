@@ -189,10 +189,12 @@ def optimizer_parts(optimizer) -> list:
 
 
 def _part_of(optimizer, var):
+    """The part of ``optimizer`` that updates ``var`` (as LinearAndRestOptimizer splits them)."""
+    from models.optim import is_linear
     if optimizer is None:
         return None
     if hasattr(optimizer, "rest"):
-        return optimizer.linear if getattr(var, "des_linear_part", False) else optimizer.rest
+        return optimizer.linear if is_linear(var) else optimizer.rest
     return optimizer
 
 
@@ -290,11 +292,11 @@ def load_rows(model: tf.keras.Model, optimizer, entries, keep_key=None) -> list[
         if kind == "table":
             source = sk.tables[key][1]
             keep = keep_key(var) if keep_key else None
-            parts = [(e["keys"], e) for e in saved]
-            keys = np.concatenate([k for k, _ in parts]) if parts else np.zeros(0, np.int64)
-            mask = keep(keys) if keep is not None else np.ones(len(keys), bool)
-            cat = lambda name: np.concatenate([e[name] for _, e in parts])[mask]  # noqa: E731
-            source.load(var, keys[mask], cat("value"))
+            every_key = np.concatenate([e["keys"] for e in saved])
+            mask = keep(every_key) if keep is not None else slice(None)
+            cat = lambda name: np.concatenate([e[name] for e in saved])[mask]  # noqa: E731
+            keys = cat("keys")
+            source.load(var, keys, cat("value"))
             trainable = _trainable_of(var, source)
             for name in _slot_names(optimizer, trainable):
                 slot = _part_of(optimizer, trainable).get_slot(trainable, name)
@@ -304,7 +306,7 @@ def load_rows(model: tf.keras.Model, optimizer, entries, keep_key=None) -> list[
                     has = cat(f"has:{name}")
                     slot.params.clear()
                     if has.any():
-                        slot.params.upsert(tf.constant(keys[mask][has]), tf.constant(cat(f"slot:{name}")[has]))
+                        slot.params.upsert(tf.constant(keys[has]), tf.constant(cat(f"slot:{name}")[has]))
                 else:
                     slot.assign(cat(f"slot:{name}"))
             continue
