@@ -40,15 +40,20 @@ class PSModel(tf.keras.Model):
         variables = self.trainable_variables
         grads = tape.gradient(loss, variables)
         dense = [i for i, v in enumerate(variables) if not isinstance(v, de.TrainableWrapper)]
-        if dense and self.exchange.world_size > 1:
-            parts = [tf.zeros_like(variables[i]) if grads[i] is None else tf.convert_to_tensor(grads[i])
-                     for i in dense]
-            total = self.exchange.allreduce_sum(tf.concat([tf.reshape(g, [-1]) for g in parts], 0))
-            sizes = [int(np.prod(variables[i].shape)) for i in dense]
-            for i, g in zip(dense, tf.split(total, sizes)):
-                grads[i] = tf.reshape(g, variables[i].shape)
+        summed = self.allreduce_dense([grads[i] for i in dense], [variables[i] for i in dense])
+        for i, g in zip(dense, summed):
+            grads[i] = g
         self.optimizer.apply_gradients([(g, v) for g, v in zip(grads, variables) if g is not None])
         return self.compute_metrics(x, y, pred, None)
+
+    def allreduce_dense(self, grads: list, variables: list) -> list:
+        """The dense gradients summed over processes in ONE allreduce (a missing one is zero)."""
+        if not variables or self.exchange.world_size == 1:
+            return grads
+        parts = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, variables)]
+        total = self.exchange.allreduce_sum(tf.concat([tf.reshape(g, [-1]) for g in parts], 0))
+        sizes = [int(np.prod(v.shape)) for v in variables]
+        return [tf.reshape(g, v.shape) for g, v in zip(tf.split(total, sizes), variables)]
 
 
     def _record(self, names, ids) -> None:
@@ -57,24 +62,27 @@ class PSModel(tf.keras.Model):
             self.recorded.append({n: t.numpy() for n, t in zip(names, ids)})
 
 
-def shard(model: tf.keras.Model, exchange: KeyExchange) -> PSModel:
-    """The same model with every FieldEmbedding replaced by a ShardedFieldEmbedding."""
+def shard(model: tf.keras.Model, exchange: KeyExchange, make_table=None, cls=PSModel,
+          mode: str = "ps") -> PSModel:
+    """The same model with every FieldEmbedding replaced by a ShardedFieldEmbedding
+    (or by ``make_table(old_layer)``, e.g. a cached one), as a ``cls`` model."""
     graph = Graph(model)
     embeds = [n for n in graph.nodes if n.kind == "table"]
     given = {}
     env = {t: graph.tensors[t] for t in graph.input_ids}
     for n in embeds:
         if not getattr(n.layer, "des_embedding", False):
-            raise ValueError(f"--mode ps shards this project's FieldEmbedding tables; {n.layer.name!r} is a "
+            raise ValueError(f"--mode {mode} shards this project's FieldEmbedding tables; {n.layer.name!r} is a "
                              f"{n.attrs['source'].name}")
         if any(graph.input_name(t) is None for t in n.tensor_operands()):
             raise ValueError(f"embedding {n.layer.name!r} does not read model inputs directly")
         old = n.layer
-        new = ShardedFieldEmbedding(old.field, old.dim, exchange, old.seed, old.init_scale, linear=old.linear)
+        new = make_table(old) if make_table else ShardedFieldEmbedding(old.field, old.dim, exchange, old.seed,
+                                                                          old.init_scale, linear=old.linear)
         args = tf.nest.map_structure(lambda t: env.get(id(t), t), n.call_args)
         out = new(*args, **n.call_kwargs)
         given[n.output] = lambda look, out=out: out
-    ps = replay(graph, {n.index for n in embeds}, given, cls=PSModel, suffix="ps")
+    ps = replay(graph, {n.index for n in embeds}, given, cls=cls, suffix=mode)
     ps.exchange = exchange
     return ps
 

@@ -1,0 +1,179 @@
+"""The HET embedding-cache mode (``--mode cache``): the PS mode's key-sharded tables, read through a
+bounded cache with bounded staleness on every worker (protocol: des_ops.cached).
+
+    >>> exchange = KeyExchange.horovod()
+    >>> model = cache(models.deepfm(spec), exchange, staleness=10, capacity=0.1, spec=spec)
+    >>> model.compile(make_optimizer("sgd"), "binary_crossentropy"); model.fit(my_slice)
+    >>> model.flush()        # push every pending update (fit does it at each epoch's end)
+
+Data parallel like the PS mode: each process trains on its slice of every global batch, the
+dense gradients go in one allreduce, and the loss is weighted by n_local / n_global.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import tensorflow as tf
+from tensorflow_recommenders_addons import dynamic_embedding as de
+
+from des.ir import Graph
+from des.ps import PSModel, shard
+from des_ops.cached import CacheConfig, CachedFieldEmbedding, new_counters
+from des_ops.sharded import KeyExchange
+
+
+class CacheModel(PSModel):
+    """A PS model whose training lookups go through the cached tables' fetch/accumulate/push."""
+
+    def cached_tables(self) -> list[tuple[CachedFieldEmbedding, str]]:
+        """(layer, ids input name) of every cached table, in graph order."""
+        return [(self.get_layer(name), ids) for name, ids in self.cache_plan.tables]
+
+    def _set_local_lr(self) -> None:
+        """HET applies plain SGD on the worker too: give SGD's learning rate to the tables it trains."""
+        from models.optim import LinearAndRestOptimizer, is_linear
+        for layer, _ in self.cached_tables():
+            opt = self.optimizer
+            if isinstance(opt, LinearAndRestOptimizer):
+                opt = opt.linear if is_linear(layer.shadow) else opt.rest
+            plain_sgd = isinstance(opt, tf.keras.optimizers.legacy.SGD) and not opt._momentum and not opt.nesterov
+            layer.local_lr = opt._get_hyper("learning_rate", tf.float32) if plain_sgd else None
+
+    def train_step(self, data):
+        x, y = data[0], data[1]
+        self._set_local_lr()
+        tables = self.cached_tables()
+        n_local = tf.cast(tf.shape(y)[0], tf.float32)
+        n_global = self.exchange.allreduce_sum(n_local[None], counter="control_bytes")[0]
+        step = self.optimizer.iterations
+        feeds = [layer.fetch(x[ids], step) for layer, ids in tables]
+        with tf.GradientTape() as tape:
+            tape.watch(feeds)
+            for (layer, _), feed in zip(tables, feeds):
+                layer.lines.feed = feed
+            try:
+                pred = self(x, training=True)
+            finally:
+                for layer, _ in tables:
+                    layer.lines.feed = None
+            loss = self.compute_loss(x, y, pred) * (n_local / n_global)
+        dense = [v for v in self.trainable_variables if not isinstance(v, de.TrainableWrapper)]
+        grads = tape.gradient(loss, feeds + dense)
+        g_dense = self.allreduce_dense(grads[len(feeds):], dense)
+        pushes = [(layer, layer.push(*layer.accumulate(g))) for (layer, _), g in zip(tables, grads[:len(feeds)])]
+        self.optimizer.apply_gradients(list(zip(g_dense, dense)) + self._owner_gradients(pushes))
+        return self.compute_metrics(x, y, pred, None)
+
+    @staticmethod
+    def _owner_gradients(pushes) -> list:
+        """The owner applies its optimizer to the pushed sums: d/d(row) of sum(row * pushed) is
+        the pushed sum, so the optimizer's own sparse update (and slots) of TFRA does the rest."""
+        with tf.GradientTape() as tape:
+            terms = [tf.reduce_sum(de.shadow_ops.embedding_lookup(layer.shadow, keys) * tf.stop_gradient(sums))
+                     for layer, (keys, sums) in pushes]
+            total = tf.add_n(terms)
+        shadows = [layer.shadow for layer, _ in pushes]
+        return list(zip(tape.gradient(total, shadows), shadows))
+
+    def flush(self) -> None:
+        """A sync point: every worker pushes every pending update and the owners apply them.
+        Collective (every process calls it); not a training step (optimizer steps unchanged)."""
+        self._set_local_lr()
+        if not hasattr(self, "_flush_fn"):
+            def run():
+                pushes = [(layer, layer.push(*layer.pending())) for layer, _ in self.cached_tables()]
+                self.optimizer.apply_gradients(self._owner_gradients(pushes))
+            self._flush_fn = tf.function(run)
+        steps = [(v, v.numpy()) for v in _iteration_variables(self.optimizer)]
+        self._flush_fn()
+        for v, n in steps:
+            v.assign(n)
+
+    def cache_counters(self) -> dict[str, int]:
+        tables = self.cached_tables()
+        return {k: int(v.numpy()) for k, v in tables[0][0].counters.items()} if tables else {}
+
+
+def _iteration_variables(optimizer) -> list:
+    out = [optimizer.iterations]
+    for part in ("linear", "rest"):
+        if hasattr(optimizer, part):
+            out.append(getattr(optimizer, part).iterations)
+    return out
+
+
+def capacity_rows(capacity: float, cardinality: int | None, field: str) -> int:
+    """``capacity``: rows (>= 1) or a fraction (< 1) of the field's cardinality."""
+    if capacity >= 1:
+        return int(capacity)
+    if not cardinality:
+        raise ValueError(f"--cache-size {capacity} is a fraction of a field's rows, but field {field!r} has no "
+                         f"known cardinality (give the cache size in rows)")
+    return max(1, int(math.ceil(capacity * cardinality)))
+
+
+def cache(model: tf.keras.Model, exchange: KeyExchange, staleness: float = 100.0, capacity: float = 0.1,
+          eviction: str = "lru", spec=None, audit: bool = False) -> CacheModel:
+    """The same model with every FieldEmbedding sharded by key and cached on every worker."""
+    counters = new_counters()
+
+    def make(old):
+        card = spec[old.field].cardinality if spec is not None else None
+        cfg = CacheConfig(staleness=float(staleness), capacity=capacity_rows(capacity, card, old.field),
+                          eviction=eviction, audit=audit)
+        return CachedFieldEmbedding(old.field, old.dim, exchange, cfg, old.seed, old.init_scale,
+                                    linear=old.linear, counters=counters)
+
+    out = shard(model, exchange, make_table=make, cls=CacheModel, mode="cache")
+    graph = Graph(out)
+    out.cache_plan = _Plan([(n.layer.name, graph.input_name(n.tensor_operands()[0]))
+                            for n in graph.nodes if n.kind == "table"])
+    return out
+
+
+class _Plan:
+    """Which input feeds which cached table (a plain object: Keras does not track it)."""
+
+    def __init__(self, tables: list[tuple[str, str]]):
+        self.tables = tables
+
+
+def parse_staleness(text: str) -> float:
+    """``--staleness``: a count of updates, or ``inf`` (never re-read: asynchronous)."""
+    value = float(text)
+    if value < 0 or (value != math.inf and value != int(value)):
+        raise ValueError(f"--staleness must be a whole number of updates >= 0 or inf, got {text!r}")
+    return value
+
+
+def parse_cache_size(text: str) -> float:
+    """``--cache-size``: rows per table (e.g. 5000), a fraction (0.1) or a percentage (10%)."""
+    value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    if value <= 0 or (value >= 1 and value != int(value)):
+        raise ValueError(f"--cache-size must be rows (>= 1), a fraction in (0, 1) or a percentage, got {text!r}")
+    return value
+
+
+def traffic_summary(steps: list[dict], n: int, dense_bytes: float) -> dict:
+    """Medians per step of the cache counters (deltas), bytes measured from the tensors handed to
+    all-to-all vs the analytic count, hit rates and HET's rows-moved-per-lookup."""
+    ring = 2.0 * (n - 1) / n
+    med = lambda v: float(np.median(v)) if len(v) else 0.0
+    a2a = [s["query_bytes"] + s["clock_bytes"] + s["fetch_bytes"] + s["push_bytes"] for s in steps]
+    exact = sum(s["query_bytes"] + s["clock_bytes"] + s["fetch_bytes"] + s["push_bytes"] == s["analytic_bytes"]
+                for s in steps)
+    tot = lambda k: sum(s[k] for s in steps)
+    return {"alltoall_bytes_per_step": med(a2a),
+            "sent_bytes_per_step": med([b + ring * (s.get("dense_bytes", 0) + s.get("control_bytes", 0))
+                                        for b, s in zip(a2a, steps)]),
+            "analytic_alltoall_bytes_per_step": med([s["analytic_bytes"] for s in steps]),
+            "bytes_exact_steps": f"{exact}/{len(steps)}",
+            "rows_fetched_per_step": med([s["fetched"] for s in steps]),
+            "rows_pushed_per_step": med([s["pushed"] for s in steps]),
+            "remote_lookups_per_step": med([s["queried"] for s in steps]),
+            "het_rows_per_lookup": (tot("fetched") + tot("pushed")) / max(1, tot("queried")),
+            "hit_rate": tot("hits") / max(1, tot("queried")),
+            "hit_rate_after_fill": (tot("hits_after_fill") / tot("queried_after_fill")
+                                    if tot("queried_after_fill") else None),
+            "evicted": tot("evicted")}

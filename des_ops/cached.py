@@ -1,0 +1,363 @@
+"""The HET embedding cache (``--mode cache``): key-sharded tables plus, on every worker, a bounded
+cache of other processes' rows read while they are at most ``staleness`` updates behind.
+
+HET (Miao et al., VLDB 2022) in this project's terms. The owner of key k (k mod N, as in the
+PS mode) keeps the row, its optimizer slots and a clock Ko(k): how many updates (one per worker
+and step that touched k) it has applied. A worker's cache line for a key another process owns
+holds the row, the clock c of the owner updates the row contains, the gradients it has not
+pushed yet (sum and count), and the last step / number of steps it was used (LRU / LFU). Per
+training step, per table, with a fixed number of all-to-alls (never one per id):
+
+  1. query: the worker sends every remote id of its slice with c (-1: not cached) to the owner
+     (12 B: id + clock); the owner answers Ko (4 B) and, for each id with Ko - c > s or not
+     cached, the row (4*dim B). A read therefore never lacks more than s of the owner's updates.
+  2. forward/backward on the rows (own keys: read from the own table, never cached);
+  3. push: the gradient of a cached row is added to its line; a line is pushed (id, count, sum:
+     12 + 4*dim B) when it has max(s, 1) updates, when it is evicted (cache over capacity after
+     the step: least recently / least frequently used lines first) and at flushes (epoch end,
+     evaluation, checkpoint). The owner adds the counts to Ko and applies the optimizer to the
+     pushed sums (the slots stay with the owner).
+
+With plain SGD the worker also applies its updates to its cached rows, as HET does (then c
+counts its own pushed updates); with other optimizers a cached row is a read replica and the
+worker's own updates reach it through the owner. s = 0 pushes every update and re-reads every
+row that changed: the PS mode, hence the single-process model, exactly. s = inf never
+re-reads a cached row (pushes at eviction and flushes only): the asynchronous limit.
+
+    >>> cfg = CacheConfig(staleness=10, capacity=1000, eviction="lru")
+    >>> emb = CachedFieldEmbedding("C1", 8, KeyExchange.horovod(), cfg, seed=0)
+
+Clocks and counts are float32 in the tables (exact up to 2^24 updates per key).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import tensorflow as tf
+from tensorflow_recommenders_addons import dynamic_embedding as de
+
+from des.data.spec import PAD_ID
+from des_ops.sharded import KeyExchange, ShardedFieldEmbedding
+from models.layers import key_init, pool
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """staleness: s (``math.inf``: never re-read); capacity: cached rows per table and worker;
+    eviction: ``lru`` or ``lfu``; audit: keep per-key totals of computed and applied gradients."""
+    staleness: float = 100.0
+    capacity: int = 1 << 30
+    eviction: str = "lru"
+    audit: bool = False
+
+    def __post_init__(self):
+        if self.eviction not in ("lru", "lfu"):
+            raise ValueError(f"eviction must be lru or lfu, got {self.eviction!r}")
+        if self.staleness < 0 or self.capacity < 0:
+            raise ValueError("staleness and capacity must be >= 0")
+
+    @property
+    def push_after(self) -> float:
+        """A line is pushed once it holds this many updates (inf: only at eviction and flush)."""
+        return max(self.staleness, 1.0)
+
+
+CACHE_COUNTERS = ("query_bytes", "clock_bytes", "fetch_bytes", "push_bytes", "analytic_bytes", "queried",
+                  "fetched", "pushed", "hits", "queried_after_fill", "hits_after_fill", "evicted",
+                  "over_capacity", "max_read_gap")
+
+
+def new_counters() -> dict[str, tf.Variable]:
+    """The int64 counters every cached table of a model adds to (kept off the Keras model)."""
+    return {n: tf.Variable(0, dtype=tf.int64, trainable=False, name=f"cache_{n}") for n in CACHE_COUNTERS}
+
+
+def _to_f32(keys: tf.Tensor) -> tf.Tensor:
+    """int64 [n] -> float32 [n, 2] with the same bits (ids ride in float tensors, exactly)."""
+    return tf.reshape(tf.bitcast(keys, tf.float32), [-1, 2])
+
+
+def _to_i64(bits: tf.Tensor) -> tf.Tensor:
+    return tf.bitcast(tf.reshape(bits, [-1, 2]), tf.int64)
+
+
+def _size(table) -> tf.Tensor:
+    """Rows in a TFRA table (de.Variable.size() keeps its op from the first graph it was traced in)."""
+    return tf.add_n([t.size() for t in table.tables])
+
+
+class _Lines:
+    """A worker's cache of one table (not tracked by Keras: it is not model state).
+
+    One TFRA table, key -> [row (dim) | clock | pending sum (dim) | pending count | last used | uses]."""
+
+    def __init__(self, name: str, dim: int, audit: bool):
+        self.dim = dim
+        self.width = 2 * dim + 4
+        self.table = de.Variable(key_dtype=tf.int64, value_dtype=tf.float32, dim=self.width,
+                                 initializer=0.0, trainable=False, name=f"{name}_cache")
+        self.clock = de.Variable(key_dtype=tf.int64, value_dtype=tf.float32, dim=1,
+                                 initializer=0.0, trainable=False, name=f"{name}_clock")   # the owner's Ko
+        self.audit = audit
+        if audit:
+            self.computed = de.Variable(key_dtype=tf.int64, value_dtype=tf.float32, dim=dim + 1,
+                                        initializer=0.0, trainable=False, name=f"{name}_computed")
+            self.applied = de.Variable(key_dtype=tf.int64, value_dtype=tf.float32, dim=dim + 1,
+                                       initializer=0.0, trainable=False, name=f"{name}_applied")
+        self.filled = tf.Variable(False, trainable=False, name=f"{name}_filled")  # reached capacity once
+        self.feed = None          # (rows of the slice's distinct ids) while a train step is traced
+        self.step_state = None    # what the forward half of a step hands to its push half
+
+    # column slices of a line
+    def row(self, lines):
+        return lines[:, :self.dim]
+
+    def parts(self, lines):
+        d = self.dim
+        lines = tf.reshape(lines, [-1, self.width])
+        return (lines[:, :d], lines[:, d], lines[:, d + 1:2 * d + 1], lines[:, 2 * d + 1],
+                lines[:, 2 * d + 2], lines[:, 2 * d + 3])
+
+    @staticmethod
+    def join(row, clock, pend, count, used, uses):
+        return tf.concat([row, clock[:, None], pend, count[:, None], used[:, None], uses[:, None]], 1)
+
+
+class CachedFieldEmbedding(ShardedFieldEmbedding):
+    """A ShardedFieldEmbedding whose training reads go through a bounded, stale-tolerant cache
+    (see the module docstring); inference reads the owners' rows as the PS mode does."""
+
+    def __init__(self, field: str, dim: int, exchange: KeyExchange, config: CacheConfig, seed: int = 0,
+                 init_scale: float = 0.05, name: str | None = None, linear: bool = False,
+                 counters: dict | None = None, **kwargs):
+        super().__init__(field, dim, exchange, seed, init_scale, name=name or f"cache{dim}_{field}",
+                         linear=linear, **kwargs)
+        self.config = config
+        self.lines = _Lines(self.name, self.dim, config.audit)
+        self.lines.counters = counters if counters is not None else new_counters()
+        self.local_lr = None      # set by the model: plain SGD's learning rate (HET's local update)
+
+    @property
+    def counters(self) -> dict:
+        return self.lines.counters
+
+    def call(self, inputs, training=None):
+        feed = self.lines.feed
+        if feed is None:
+            return super().call(inputs, training)
+        ids, weights = (inputs[0], inputs[1]) if isinstance(inputs, (list, tuple)) else (inputs, None)
+        ids = tf.convert_to_tensor(ids, tf.int64)
+        _, idx = tf.unique(tf.reshape(ids, [-1]))       # the same order as the step's own tf.unique
+        return pool(tf.gather(feed, idx), ids, weights, self.dim)
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _add(self, name: str, value) -> tf.Operation:
+        return self.counters[name].assign_add(tf.cast(value, tf.int64))
+
+    def _max(self, name: str, value) -> tf.Operation:
+        v = self.counters[name]
+        return v.assign(tf.maximum(v, tf.cast(value, tf.int64)))
+
+    def _alltoall(self, x: tf.Tensor, splits: tf.Tensor, counter: str):
+        """all-to-all of ``x`` (rows grouped by destination, ``splits`` per destination); counts the
+        bytes of the rows that leave this process (its own segment is not sent)."""
+        ex = self.exchange
+        if ex.world_size == 1:
+            return tf.identity(x), splits
+        row_bytes = x.dtype.size * int(x.shape[1]) if x.shape.rank == 2 else x.dtype.size
+        remote = tf.shape(x)[0] - splits[ex.rank]
+        with tf.control_dependencies([self._add(counter, remote * row_bytes)]):
+            return ex._hvd.alltoall(x, splits=splits)
+
+    def _owner_rows(self, keys: tf.Tensor) -> tf.Tensor:
+        """The owner's rows of ``keys`` (distinct), inserting missing ones with key_init."""
+        values, exists = self.params.lookup(keys, return_exists=True)
+        init = key_init(keys, self.salt, self.dim, self.init_scale)
+        missing = tf.logical_not(exists)
+        insert = self.params.upsert(tf.boolean_mask(keys, missing), tf.boolean_mask(init, missing))
+        with tf.control_dependencies([insert]):
+            return tf.where(exists[:, None], values, init)
+
+    # ---- one training step ---------------------------------------------------------------------
+    def fetch(self, ids: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
+        """Forward half of a step: the rows [distinct ids of ``ids``, dim] this worker trains on
+        (padding: zero), after querying owners and refreshing stale or missing cache lines."""
+        ex, cfg, L = self.exchange, self.config, self.lines
+        ids = tf.convert_to_tensor(ids, tf.int64)
+        uniq, _ = tf.unique(tf.reshape(ids, [-1]))
+        real = tf.where(uniq != PAD_ID)
+        keys = tf.gather_nd(uniq, real)
+        mine = ex.owner(keys) == ex.rank
+        own_pos, far_pos = tf.where(mine), tf.where(tf.logical_not(mine))
+        own, far = tf.gather_nd(keys, own_pos), tf.gather_nd(keys, far_pos)
+
+        # 1. query the owners of the remote ids: id + cached clock (-1: not cached)
+        lines, cached = L.table.lookup(far, return_exists=True)
+        row, clock, pend, count, used, uses = L.parts(lines)
+        clock = tf.where(cached, clock, -tf.ones_like(clock))
+        owner = ex.owner(far)
+        order = tf.argsort(owner, stable=True)
+        splits = tf.math.bincount(owner, minlength=ex.world_size, maxlength=ex.world_size, dtype=tf.int32)
+        query = tf.gather(tf.concat([_to_f32(far), clock[:, None]], 1), order)
+        asked, asked_splits = self._alltoall(query, splits, "query_bytes")
+        # the owner: its clock for every asked id, its row for the stale ones
+        akeys, aclock = _to_i64(asked[:, :2]), asked[:, 2]
+        ukeys, where = tf.unique(akeys)
+        urows = tf.reshape(self._owner_rows(ukeys), [-1, self.dim])
+        ko = tf.gather(tf.reshape(L.clock.lookup(ukeys), [-1]), where)
+        stale = self._stale(ko, aclock)
+        gap_served = tf.reduce_max(tf.concat([tf.boolean_mask(ko - aclock, tf.logical_not(stale)), [0.0]], 0))
+        source = tf.repeat(tf.range(ex.world_size), asked_splits)
+        row_splits = tf.math.unsorted_segment_sum(tf.cast(stale, tf.int32), source, ex.world_size)
+        ko_back, _ = self._alltoall(ko, asked_splits, "clock_bytes")
+        rows_back, _ = self._alltoall(tf.boolean_mask(tf.gather(urows, where), stale), row_splits, "fetch_bytes")
+        # the worker: the same staleness rule on the clocks it got back; fresh rows in query order
+        ko_mine = tf.gather(ko_back, tf.math.invert_permutation(order))
+        fresh = self._stale(ko_mine, clock)
+        fresh_sorted = tf.gather(fresh, order)
+        got = tf.scatter_nd(tf.where(fresh_sorted), rows_back, tf.shape(row, out_type=tf.int64))
+        got = tf.gather(got, tf.math.invert_permutation(order))
+        refreshed = got
+        if self.local_lr is not None:      # the worker's own unpushed SGD updates stay in its row
+            refreshed = got - self.local_lr * pend
+        row = tf.where(fresh[:, None], refreshed, row)
+        clock = tf.where(fresh, ko_mine, clock)
+        pend = tf.where(cached[:, None], pend, tf.zeros_like(pend))
+        count = tf.where(cached, count, tf.zeros_like(count))
+        step_f = tf.cast(step, tf.float32)
+        used = tf.fill(tf.shape(used), step_f)
+        uses = tf.where(cached, uses, tf.zeros_like(uses)) + 1.0
+        hits = tf.reduce_sum(tf.cast(tf.logical_and(cached, tf.logical_not(fresh)), tf.int64))
+        filled = L.filled
+        n_far = tf.size(far, out_type=tf.int64)
+        n_fresh = tf.reduce_sum(tf.cast(fresh, tf.int64))
+        # what this process sends: its queries (12 B), and as owner a clock (4 B) per query and a row
+        # (4*dim B) per stale one (it queries no id it owns, so nothing of this is a self-send)
+        n_asked, n_stale = tf.size(akeys, out_type=tf.int64), tf.reduce_sum(tf.cast(stale, tf.int64))
+        count_ops = [self._add("analytic_bytes", 12 * n_far + 4 * n_asked + 4 * self.dim * n_stale),
+                     self._add("queried", n_far), self._add("fetched", n_fresh),
+                     self._add("hits", hits), self._max("max_read_gap", gap_served),
+                     self._add("queried_after_fill", tf.where(filled, n_far, 0)),
+                     self._add("hits_after_fill", tf.where(filled, hits, 0))]
+        with tf.control_dependencies(count_ops):
+            upsert = L.table.upsert(far, L.join(row, clock, pend, count, used, uses))
+        with tf.control_dependencies([upsert]):
+            own_rows = self._owner_rows(own)
+        n = tf.size(keys, out_type=tf.int64)
+        rows = tf.scatter_nd(own_pos, own_rows, tf.stack([n, self.dim])) + \
+            tf.scatter_nd(far_pos, row, tf.stack([n, self.dim]))
+        L.step_state = dict(real=real, own=own, own_pos=own_pos, far=far, far_pos=far_pos,
+                            lines=L.join(row, clock, pend, count, used, uses), step=step_f)
+        return tf.scatter_nd(real, rows, tf.stack([tf.size(uniq, tf.int64), self.dim]))
+
+    def _stale(self, ko: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
+        s = self.config.staleness
+        if math.isinf(s):
+            return c < 0
+        return tf.logical_or(c < 0, ko - c > s)
+
+    def accumulate(self, grad: tf.Tensor):
+        """Backward half: add the gradient of the step's rows [distinct ids, dim] to their lines,
+        evict over capacity, and return what to push: (keys, counts, gradient sums)."""
+        L, cfg, st = self.lines, self.config, self.lines.step_state
+        g = tf.gather_nd(grad, st["real"])
+        g_own, g_far = tf.gather_nd(g, st["own_pos"]), tf.gather_nd(g, st["far_pos"])
+        row, clock, pend, count, used, uses = L.parts(st["lines"])
+        pend, count = pend + g_far, count + 1.0
+        if self.local_lr is not None:
+            row = row - self.local_lr * g_far
+        push = count >= cfg.push_after
+        keep = tf.logical_not(push)
+        if self.local_lr is not None:      # the owner will hold these updates: the row counts them
+            clock = tf.where(push, clock + count, clock)
+        push_keys, push_count, push_sum = (tf.boolean_mask(st["far"], push), tf.boolean_mask(count, push),
+                                           tf.boolean_mask(pend, push))
+        pend = tf.where(keep[:, None], pend, tf.zeros_like(pend))
+        count = tf.where(keep, count, tf.zeros_like(count))
+        audit = []
+        if L.audit:
+            audit.append(self._audit_add(L.computed, tf.concat([st["own"], st["far"]], 0),
+                                         tf.concat([g_own, g_far], 0)))
+        with tf.control_dependencies(audit):
+            upsert = L.table.upsert(st["far"], L.join(row, clock, pend, count, used, uses))
+        with tf.control_dependencies([upsert]):
+            ev_keys, ev_count, ev_sum = self._evict()
+        keys = tf.concat([st["own"], push_keys, ev_keys], 0)
+        counts = tf.concat([tf.ones_like(st["own"], tf.float32), push_count, ev_count], 0)
+        sums = tf.concat([g_own, push_sum, ev_sum], 0)
+        L.step_state = None
+        return keys, counts, sums
+
+    def _evict(self):
+        """Remove the lines over capacity (LRU: oldest use first; LFU: fewest uses, then oldest);
+        return the evicted lines' unpushed updates (keys, counts, sums)."""
+        L, cfg, d = self.lines, self.config, self.dim
+        excess = _size(L.table) - cfg.capacity
+
+        def evict():
+            keys, lines = L.table.export()
+            _, _, pend, count, used, uses = L.parts(lines)
+            used64 = tf.cast(used, tf.float64)
+            score = -used64 if cfg.eviction == "lru" else -(tf.cast(uses, tf.float64) * 2.0 ** 32 + used64)
+            _, victims = tf.math.top_k(score, k=tf.cast(excess, tf.int32))
+            vk, vc, vs = tf.gather(keys, victims), tf.gather(count, victims), tf.gather(pend, victims)
+            with tf.control_dependencies([L.table.remove(vk), self._add("evicted", tf.size(vk))]):
+                has = vc > 0
+                return tf.boolean_mask(vk, has), tf.boolean_mask(vc, has), tf.boolean_mask(vs, has)
+
+        def none():
+            return tf.zeros([0], tf.int64), tf.zeros([0], tf.float32), tf.zeros([0, d], tf.float32)
+
+        out = tf.cond(excess > 0, evict, none)
+        with tf.control_dependencies(list(out)):
+            size = _size(L.table)
+            check = [self._max("over_capacity", size - cfg.capacity),
+                     L.filled.assign(tf.logical_or(L.filled, size >= cfg.capacity))]
+        with tf.control_dependencies(check):
+            return tuple(tf.identity(t) for t in out)
+
+    def pending(self):
+        """Every line's unpushed updates (keys, counts, sums), and the lines marked pushed (flush)."""
+        L = self.lines
+        keys, lines = L.table.export()
+        row, clock, pend, count, used, uses = L.parts(lines)
+        has = count > 0
+        if self.local_lr is not None:
+            clock = clock + count
+        upsert = L.table.upsert(keys, L.join(row, clock, tf.zeros_like(pend), tf.zeros_like(count), used, uses))
+        with tf.control_dependencies([upsert]):
+            return (tf.boolean_mask(keys, has), tf.boolean_mask(count, has), tf.boolean_mask(pend, has))
+
+    def push(self, keys: tf.Tensor, counts: tf.Tensor, sums: tf.Tensor):
+        """Send pushed updates to their owners (one all-to-all). Returns, on the owner side, the
+        distinct received keys and their summed gradients; their clocks advance by the counts."""
+        ex, L = self.exchange, self.lines
+        owner = ex.owner(keys)
+        order = tf.argsort(owner, stable=True)
+        splits = tf.math.bincount(owner, minlength=ex.world_size, maxlength=ex.world_size, dtype=tf.int32)
+        msg = tf.gather(tf.concat([_to_f32(keys), counts[:, None], sums], 1), order)
+        remote = tf.size(keys) - splits[ex.rank]
+        with tf.control_dependencies([self._add("pushed", remote),
+                                      self._add("analytic_bytes", (12 + 4 * self.dim) * remote)]):
+            got, _ = self._alltoall(msg, splits, "push_bytes")
+        got = tf.reshape(got, [-1, 3 + self.dim])
+        gkeys, gcount, gsum = _to_i64(got[:, :2]), got[:, 2], got[:, 3:]
+        ukeys, where = tf.unique(gkeys)
+        n = tf.size(ukeys)
+        usum = tf.math.unsorted_segment_sum(gsum, where, n)
+        ucount = tf.math.unsorted_segment_sum(gcount, where, n)
+        ko = tf.reshape(L.clock.lookup(ukeys), [-1])
+        ops = [L.clock.upsert(ukeys, (ko + ucount)[:, None])]
+        if L.audit:
+            ops.append(self._audit_add(L.applied, ukeys, usum))
+        with tf.control_dependencies(ops):
+            return tf.identity(ukeys), tf.identity(usum)
+
+    @staticmethod
+    def _audit_add(table, keys, sums):
+        """table[key] += [sum, 1 per occurrence] (keys may repeat)."""
+        ukeys, where = tf.unique(keys)
+        n = tf.size(ukeys)
+        add = tf.math.unsorted_segment_sum(tf.concat([sums, tf.ones_like(sums[:, :1])], 1), where, n)
+        return table.upsert(ukeys, table.lookup(ukeys) + add)
