@@ -155,7 +155,7 @@ def parse_cache_size(text: str) -> float:
     return value
 
 
-def traffic_summary(steps: list[dict], n: int, dense_bytes: float) -> dict:
+def traffic_summary(steps: list[dict], n: int) -> dict:
     """Medians per step of the cache counters (deltas), bytes measured from the tensors handed to
     all-to-all vs the analytic count, hit rates and HET's rows-moved-per-lookup."""
     ring = 2.0 * (n - 1) / n

@@ -1,16 +1,19 @@
-"""DES vs the parameter-server baseline vs one process, on the same generated data, in one command.
+"""DES vs the parameter-server baseline (and the HET cache) vs one process, on the same data, in one command.
 
     python -m des.compare --models lr,wdl,deepfm --np 4 --preset criteo-like --batch 4096 --steps 40
+    python -m des.compare --models deepfm --modes single,des,ps,cache --staleness 0,10,100,inf
 
-For each model it runs ``des.train`` three times - one process (the reference), ``--mode des``
-and ``--mode ps`` under ``mpirun -np N`` - at the same global batch, then writes to ``--out``:
+For each model it runs ``des.train`` once per mode - one process (the reference), ``--mode des``,
+``--mode ps`` and (``--modes ...,cache``) ``--mode cache`` once per staleness, under
+``mpirun -np N`` - at the same global batch, then writes to ``--out``:
 
 - ``comparison.md`` / ``comparison.csv`` (and stdout): AUC, log loss, samples/s, bytes sent
   per step per process (measured and analytic), DES saving, unique ids per step, peak memory;
   the cost model's verdict per substituted operator;
 - ``bytes_vs_batch.png``: bytes/step/process vs global batch per mode (the formulas on the
   data's own ids at each batch size, with the measured points of the runs);
-- ``throughput.png`` and ``auc_vs_steps.png``.
+- ``throughput.png`` and ``auc_vs_steps.png``; with the cache, ``auc_vs_bytes.png`` (DES and PS
+  are points, the cache a curve over its staleness).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import sys
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODES = ("single", "des", "ps")
+MODES = ("single", "des", "ps")   # the default; "cache" adds one run per --staleness
 
 
 def _env() -> dict:
@@ -43,22 +46,26 @@ def ensure_data(preset: str, rows: int, seed: int, folder: str) -> str:
     return path
 
 
-def run(mode: str, model: str, data: str, a, out: str) -> dict:
-    """One des.train run; returns rank 0's summary plus the peak memory over processes."""
-    summary = os.path.join(out, f"{model}-{mode}.json")
-    args = ["-m", "des.train", "--mode", mode, "--model", model, "--data", data, "--batch", str(a.batch),
+def run(key: str, model: str, data: str, a, out: str) -> dict:
+    """One des.train run (``key``: a mode, or ``cache s=S``); returns rank 0's summary plus the
+    peak memory over processes."""
+    mode, extra = key, []
+    if key.startswith("cache"):
+        mode, extra = "cache", ["--staleness", key.split("=")[1], "--cache-size", a.cache_size]
+    summary = os.path.join(out, f"{model}-{key.replace(' ', '-').replace('=', '')}.json")
+    args = ["-m", "des.train", "--mode", mode, *extra, "--model", model, "--data", data, "--batch", str(a.batch),
             "--steps", str(a.steps), "--holdout", str(a.holdout), "--dim", str(a.dim), "--hidden", a.hidden,
             "--optimizer", a.optimizer, "--lr", str(a.lr), "--threads", "1", "--summary-json", summary,
             "--shuffle-buffer", str(a.shuffle_buffer)]
     cmd = [sys.executable, *args]
     if mode != "single":
         cmd = ["mpirun", "-np", str(a.np), "--oversubscribe", "--bind-to", "none", *cmd]
-    print(f"[compare] {model} {mode}: {' '.join(cmd)}", flush=True)
-    log = os.path.join(out, f"{model}-{mode}.log")
+    print(f"[compare] {model} {key}: {' '.join(cmd)}", flush=True)
+    log = summary[:-len(".json")] + ".log"
     with open(log, "w") as fh:
         done = subprocess.run(cmd, env=_env(), cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT)
     if done.returncode != 0:
-        raise SystemExit(f"{model} {mode} failed (exit {done.returncode}); see {log}")
+        raise SystemExit(f"{model} {key} failed (exit {done.returncode}); see {log}")
     paths = [summary] if mode == "single" else [f"{summary}.rank{r}" for r in range(a.np)]
     ranks = [json.load(open(p)) for p in paths]
     s = ranks[0]
@@ -101,16 +108,17 @@ def bytes_curve(model: str, data: str, fmt: str, a, batches: list[int]) -> dict[
 def table_rows(results: dict) -> list[dict]:
     rows = []
     for model, by_mode in results.items():
-        ps_sent = by_mode["ps"].get("sent_bytes_per_step")
-        for mode in MODES:
-            s = by_mode[mode]
+        ps_sent = by_mode.get("ps", {}).get("sent_bytes_per_step")
+        for mode, s in by_mode.items():
             sent = s.get("sent_bytes_per_step")
-            saving = 100.0 * (1 - sent / ps_sent) if mode == "des" and ps_sent else None
+            saving = 100.0 * (1 - sent / ps_sent) if mode not in ("single", "ps") and ps_sent and sent else None
             rows.append({"model": model, "mode": mode, "processes": s["world_size"],
                          "auc": s["auc"], "logloss": s["logloss"], "samples_per_s": s["samples_per_second"],
                          "bytes_step_measured": sent, "bytes_step_analytic": s.get("analytic_sent_bytes_per_step"),
                          "des_saving_pct": saving, "unique_ids_step": s.get("unique_ids_per_step"),
-                         "peak_mib": s["peak_rss_mib"]})
+                         "hit_rate": s.get("hit_rate"), "rows_fetched_step": s.get("rows_fetched_per_step"),
+                         "rows_pushed_step": s.get("rows_pushed_per_step"),
+                         "het_rows_per_lookup": s.get("het_rows_per_lookup"), "peak_mib": s["peak_rss_mib"]})
     return rows
 
 
@@ -122,22 +130,26 @@ def _fmt(v, spec: str = ",.0f") -> str:
 
 def markdown(rows: list[dict], results: dict, a, meta: dict) -> str:
     head = ["model", "mode", "N", "AUC", "log loss", "samples/s", "bytes/step/proc measured",
-            "analytic", "DES saving", "unique ids/step", "peak MiB"]
+            "analytic", "saving vs PS", "unique ids/step", "cache hit rate", "rows fetched+pushed/step", "peak MiB"]
     lines = [f"# DES vs PS vs one process - preset {a.preset}, N={a.np}, global batch {a.batch}, "
              f"{a.steps} steps", "",
              f"Bayes-optimal AUC of the data: {meta.get('bayes_auc')}. Bytes are sent per process per step "
              f"(DES: ring allreduce of the partials; PS: all-to-all of ids, rows, gradient rows + ring "
-             f"allreduce of dense gradients). samples/s = global batch / median step time.", "",
+             f"allreduce of dense gradients; cache: all-to-all of ids + clocks, clocks, stale rows, pushed "
+             f"rows + the same dense ring, cache size {a.cache_size} of each field). samples/s = global batch "
+             f"/ median step time.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join([
             r["model"], r["mode"], str(r["processes"]), _fmt(r["auc"], ".4f"), _fmt(r["logloss"], ".4f"),
             _fmt(r["samples_per_s"]), _fmt(r["bytes_step_measured"]), _fmt(r["bytes_step_analytic"]),
             _fmt(r["des_saving_pct"], ".1f") + ("%" if r["des_saving_pct"] is not None else ""),
-            _fmt(r["unique_ids_step"]), _fmt(r["peak_mib"], ".0f")]) + " |")
+            _fmt(r["unique_ids_step"]), _fmt(r["hit_rate"], ".3f"),
+            "-" if r["rows_fetched_step"] is None else _fmt(r["rows_fetched_step"] + r["rows_pushed_step"]),
+            _fmt(r["peak_mib"], ".0f")]) + " |")
     lines += ["", "Cost model (per substituted operator, from the first batch's distinct ids per process):", ""]
     for model, by_mode in results.items():
-        for c in by_mode["des"].get("costs", []):
+        for c in by_mode.get("des", {}).get("costs", []):
             lines.append(f"- {model} `{c['layer']}` ({c['rule']}): DES {c['des_bytes']:,.0f} B/step, "
                          f"PS {c['ps_bytes']:,.0f} B/step - {c['verdict']}")
     return "\n".join(lines) + "\n"
@@ -154,7 +166,7 @@ def plots(results: dict, curves: dict, batches: list[int], a, out: str) -> list[
         ax.plot(batches, c["des"], "-o", color=color, label=f"{model} DES")
         ax.plot(batches, c["ps"], "--s", color=color, label=f"{model} PS")
         for mode, mark in (("des", "*"), ("ps", "x")):
-            sent = results[model][mode].get("sent_bytes_per_step")
+            sent = results[model].get(mode, {}).get("sent_bytes_per_step")
             if sent:
                 ax.plot([a.batch], [sent], mark, color="k", markersize=10)
     ax.set(xscale="log", yscale="log", xlabel="global batch", ylabel="bytes sent / step / process",
@@ -163,22 +175,41 @@ def plots(results: dict, curves: dict, batches: list[int], a, out: str) -> list[
     files.append(_save(fig, out, "bytes_vs_batch.png"))
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     models_ = list(results)
-    for j, mode in enumerate(MODES):
-        ax.bar(np.arange(len(models_)) + 0.27 * (j - 1), [results[m][mode]["samples_per_second"] for m in models_],
-               0.27, label=mode if mode == "single" else f"{mode} (N={a.np})")
+    keys = list(results[models_[0]])
+    w = 0.8 / len(keys)
+    for j, mode in enumerate(keys):
+        ax.bar(np.arange(len(models_)) + w * (j - (len(keys) - 1) / 2),
+               [results[m][mode]["samples_per_second"] for m in models_],
+               w, label=mode if mode == "single" else f"{mode} (N={a.np})")
     ax.set(xticks=range(len(models_)), xticklabels=models_, ylabel="samples / s (global)",
            title=f"throughput, {a.preset}, global batch {a.batch}")
     ax.legend()
     files.append(_save(fig, out, "throughput.png"))
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for i, model in enumerate(models_):
-        for mode, style in zip(MODES, ("-", "--", ":")):
+        for mode, style in zip(results[model], ("-", "--", ":", "-.", (0, (1, 3)), (0, (5, 1)), (0, (3, 1, 1, 1)))):
             pts = results[model][mode].get("train_auc_by_step") or []
             if pts:
-                ax.plot(*zip(*pts), style, color=f"C{i}", label=f"{model} {mode}")
+                ax.plot(*zip(*pts), linestyle=style, color=f"C{i}", label=f"{model} {mode}")
     ax.set(xlabel="step", ylabel="training AUC (running, rank 0)", title=f"AUC vs steps, {a.preset}")
     ax.legend(fontsize=7)
     files.append(_save(fig, out, "auc_vs_steps.png"))
+    if any(k.startswith("cache") for k in keys):
+        fig, ax = plt.subplots(figsize=(6.5, 4.2))
+        for i, model in enumerate(models_):
+            by = results[model]
+            cached = [(by[k]["sent_bytes_per_step"], by[k]["auc"], k.split("=")[1]) for k in by if k.startswith("cache")]
+            ax.plot([c[0] for c in cached], [c[1] for c in cached], "-o", color=f"C{i}", label=f"{model} cache")
+            for x, y, s in cached:
+                ax.annotate(f"s={s}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            for mode, mark in (("des", "*"), ("ps", "s")):
+                if mode in by:
+                    ax.plot([by[mode]["sent_bytes_per_step"]], [by[mode]["auc"]], mark, color=f"C{i}",
+                            markersize=11, label=f"{model} {mode}")
+        ax.set(xscale="log", xlabel="bytes sent / step / process (measured)", ylabel="held-out AUC",
+               title=f"AUC vs bytes, {a.preset}, N={a.np}, cache {a.cache_size}")
+        ax.legend(fontsize=7)
+        files.append(_save(fig, out, "auc_vs_bytes.png"))
     return files
 
 
@@ -205,6 +236,9 @@ def main(argv=None) -> int:
     ap.add_argument("--optimizer", default="adam")
     ap.add_argument("--lr", type=float, default=0.002)
     ap.add_argument("--shuffle-buffer", type=int, default=20_000)
+    ap.add_argument("--modes", default="single,des,ps", help="of single, des, ps, cache")
+    ap.add_argument("--staleness", default="0,10,100,inf", help="cache: one run per staleness")
+    ap.add_argument("--cache-size", default="10%", help="cache: rows per table, or a fraction of each field")
     ap.add_argument("--out", default="reports/compare")
     a = ap.parse_args(argv)
     a.holdout = a.holdout or max(1, a.rows // 10)
@@ -215,8 +249,13 @@ def main(argv=None) -> int:
     fmt = meta["format"]
     batches = sorted({int(b) for b in a.batches.split(",")} | {a.batch})
     results, curves = {}, {}
+    keys = []
+    for mode in [m for m in a.modes.split(",") if m]:
+        if mode not in ("single", "des", "ps", "cache"):
+            raise SystemExit(f"--modes: unknown mode {mode!r}")
+        keys += [f"cache s={s}" for s in a.staleness.split(",") if s] if mode == "cache" else [mode]
     for model in [m for m in a.models.split(",") if m]:
-        results[model] = {mode: run(mode, model, data, a, out) for mode in MODES}
+        results[model] = {key: run(key, model, data, a, out) for key in keys}
         curves[model] = bytes_curve(model, data, fmt, a, batches)
     rows = table_rows(results)
     md = markdown(rows, results, a, meta)

@@ -17,10 +17,19 @@ import sys
 
 def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", choices=["single", "des", "ps"], default="single",
-                    help="des: field-partitioned first layers; ps: tables sharded by key (baseline)")
+    ap.add_argument("--mode", choices=["single", "des", "ps", "cache"], default="single",
+                    help="des: field-partitioned first layers; ps: tables sharded by key (baseline); "
+                         "cache: ps plus HET's bounded-staleness embedding cache on every worker")
+    ap.add_argument("--staleness", default="100", metavar="S",
+                    help="cache: a cached row is read while it lacks at most S of its owner's updates, and "
+                         "a row's updates are pushed every max(S, 1) of them; 0: exact (= ps); inf: never "
+                         "re-read (the asynchronous limit)")
+    ap.add_argument("--cache-size", default="10%", metavar="ROWS|FRACTION",
+                    help="cache: rows per table and process (e.g. 5000), or a fraction (0.1 / 10%%) of each "
+                         "field's cardinality")
+    ap.add_argument("--eviction", choices=["lru", "lfu"], default="lru", help="cache: which rows leave a full cache")
     ap.add_argument("--ps-batch", choices=["global", "per-process"], default="global",
-                    help="ps: each process reads batch/N rows of every global batch (global), "
+                    help="ps, cache: each process reads batch/N rows of every global batch (global), "
                          "or batch rows of a global batch of N*batch (per-process)")
     ap.add_argument("--model", default="deepfm", choices=["lr", "fm", "dnn", "wdl", "deepfm"])
     ap.add_argument("--data", required=True, nargs="+", help="input files (.gz allowed)")
@@ -99,7 +108,8 @@ def main(argv=None) -> int:
     from des_ops.comm import under_launcher
     from des_ops.sharded import KeyExchange
     exchange = None
-    if a.mode == "ps":
+    sharded = a.mode in ("ps", "cache")        # data parallel over key-sharded tables
+    if sharded:
         exchange = KeyExchange.horovod() if under_launcher() else KeyExchange.local()
         comm = default_communicator("local")
         comm.rank, comm.world_size = exchange.rank, exchange.world_size
@@ -134,7 +144,7 @@ def main(argv=None) -> int:
     skips = SkipReport()
     common = dict(skip_bad_lines=a.skip_bad_lines, skip_report=skips)
     global_batch, shard_of = a.batch, None
-    if a.mode == "ps":
+    if sharded:
         shard_of = (comm.rank, comm.world_size)
         global_batch = a.batch * (comm.world_size if a.ps_batch == "per-process" else 1)
     try:
@@ -180,6 +190,18 @@ def main(argv=None) -> int:
         model.record_ids = a.check_bytes
         log(f"PS: {len(ps.table_inputs(model))} tables sharded by key over {comm.world_size} process(es), "
             f"{ps.dense_parameters(model)} dense parameters allreduced; global batch {global_batch}")
+    elif a.mode == "cache":
+        from des import cache, ps
+        try:
+            model = cache.cache(model, exchange, cache.parse_staleness(a.staleness),
+                                cache.parse_cache_size(a.cache_size), a.eviction, spec=spec)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        sizes = sorted({l.config.capacity for l, _ in model.cached_tables()})
+        log(f"cache: {len(model.cached_tables())} tables sharded by key over {comm.world_size} "
+            f"process(es), each cached on every process (staleness {a.staleness}, {a.eviction}, "
+            f"{sizes[0]}..{sizes[-1]} rows per table); global batch {global_batch}")
     optimizer = models.make_optimizer(a.optimizer, a.lr, linear=a.linear_optimizer,
                                       linear_learning_rate=a.linear_lr)
     model.compile(optimizer, "binary_crossentropy",
@@ -202,16 +224,20 @@ def main(argv=None) -> int:
         callbacks.append(traffic)
         if a.replica_check:
             callbacks.append(ReplicaCheck(comm, a.replica_check))
-    if a.mode == "ps":
+    if sharded:
         from des.callbacks import CounterDeltas
-        traffic = CounterDeltas(exchange.counters)
+        counters = dict(exchange.counters)
+        if a.mode == "cache":
+            counters.update(model.cached_tables()[0][0].counters)
+            callbacks.append(_FlushAtEpochEnd())
+        traffic = CounterDeltas(counters)
         callbacks.append(traffic)
     saver = None
     if a.checkpoint:
         from des.callbacks import PeriodicCheckpoint
         barrier = _barrier(a.mode, comm, exchange)
         saver = PeriodicCheckpoint(
-            lambda pos: checkpoint.save(a.checkpoint, model, optimizer, getattr(model, "des_plan", None),
+            lambda pos: _flush(model) or checkpoint.save(a.checkpoint, model, optimizer, getattr(model, "des_plan", None),
                                         comm.rank, comm.world_size, config=_config(a, spec),
                                         position=dict(pos, seed=a.seed, global_batch=global_batch),
                                         barrier=barrier),
@@ -236,7 +262,7 @@ def main(argv=None) -> int:
             model.fit(data.skip(skip) if skip else data, initial_epoch=epoch, epochs=epoch + 1,
                       steps_per_epoch=steps, verbose=verbose, callbacks=callbacks)
         result = model.evaluate(evald, verbose=0, return_dict=True) if evald is not None else {}
-        if a.mode == "ps" and evald is not None:
+        if sharded and evald is not None:
             result = ps.aggregate_metrics(model, exchange)
     except tf.errors.OpError as e:
         print(f"error: {op_error_message(e)}", file=sys.stderr)
@@ -251,6 +277,14 @@ def main(argv=None) -> int:
                        bytes_per_step_measured=traffic.median(),
                        bytes_per_step_analytic=report.payload_bytes(a.batch),
                        ring_bytes_per_step=report.ring_bytes(a.batch))
+    if a.mode == "cache":
+        summary.update(cache.traffic_summary(traffic.steps, comm.world_size),
+                       staleness=a.staleness, cache_size=a.cache_size, eviction=a.eviction)
+        log(f"cache bytes/step sent per process: measured {summary['sent_bytes_per_step']:.0f} (all-to-all "
+            f"{summary['alltoall_bytes_per_step']:.0f}, analytic {summary['analytic_alltoall_bytes_per_step']:.0f}; "
+            f"equal in {summary['bytes_exact_steps']} steps); rows fetched {summary['rows_fetched_per_step']:.0f}, "
+            f"pushed {summary['rows_pushed_per_step']:.0f} of {summary['remote_lookups_per_step']:.0f} remote "
+            f"lookups per step; hit rate {summary['hit_rate']:.3f}")
     if a.mode == "ps":
         summary.update(ps.traffic_summary(model, traffic.steps, comm.rank, comm.world_size))
         log(f"PS bytes/step sent per process: measured {summary['sent_bytes_per_step']:.0f} "
@@ -304,11 +338,27 @@ def _start_position(a, saved: dict, global_batch: int) -> dict:
 def _barrier(mode: str, comm, exchange):
     """Waits for every process (one tiny allreduce): checkpoints are written together."""
     import tensorflow as tf
-    if mode == "ps" and exchange.world_size > 1:
+    if mode in ("ps", "cache") and exchange.world_size > 1:
         return lambda: exchange.allreduce_sum(tf.zeros([1]), counter=None)
     if mode == "des" and comm.world_size > 1:
         return lambda: comm.allreduce(tf.zeros([1]))
     return None
+
+
+def _flush(model) -> None:
+    """Cache mode: push every pending update before the owners' rows are saved."""
+    if hasattr(model, "flush"):
+        model.flush()
+
+
+def _FlushAtEpochEnd():
+    """Cache mode: every epoch ends with a flush (a sync point), before checkpoints and evaluation."""
+    import tensorflow as tf
+
+    class Flush(tf.keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.flush()
+    return Flush()
 
 
 def _spec(a, meta: dict):

@@ -1,0 +1,161 @@
+"""--mode cache (HET): exact at staleness 0, bounded staleness, bounded size, no lost update, bytes.
+
+The semantics run under a real mpirun on 3 processes (one launch, several configurations:
+scripts/mpi_cache.py); argument parsing and the world of one run in process.
+"""
+import json
+import math
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import models
+from des.cache import cache, capacity_rows, parse_cache_size, parse_staleness
+from des.data.readers import _slice_batch
+from des.verify import PS_SPEC, optimizer_factory, ps_batches
+from des_ops.cached import CacheConfig
+from des_ops.sharded import KeyExchange
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+           OMPI_MCA_mpi_yield_when_idle="1", PYTHONPATH=ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from mpi_cache import CONFIGS, LR, batches_of  # noqa: E402
+
+N = 3
+
+
+def single_process_predictions(model_name, optimizer, kind):
+    batches, probe = batches_of(kind)
+    ref = models.build(model_name, PS_SPEC, seed=3, hidden=(8, 4))
+    ref.compile(optimizer_factory(optimizer, LR)(), "binary_crossentropy")
+    out = []
+    for x, y in batches:
+        ref.train_on_batch(x, y)
+        out.append(ref.predict_on_batch(probe))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cache")
+    cmd = ["mpirun", "-np", str(N), "--oversubscribe", "--bind-to", "none", sys.executable,
+           "scripts/mpi_cache.py", str(out)]
+    done = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return {name: [pickle.load(open(out / f"{name}.rank{r}.pkl", "rb")) for r in range(N)] for name in CONFIGS}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n.startswith("exact")])
+def test_staleness_0_is_the_single_process_model_after_every_step(runs, name):
+    """s = 0: every update is pushed at once and every changed row re-read, so 3 processes on
+    slices of the global batch make the single process's updates, also with a cache of 4 rows
+    (evictions every step) and with a rank whose slice is empty."""
+    model_name, optimizer, *_ , kind = CONFIGS[name]
+    expected = single_process_predictions(model_name, optimizer, kind)
+    for r in runs[name]:
+        diff = max(float(np.abs(a - b).max()) for a, b in zip(expected, r["predictions"]))
+        print(f"cache s=0 {name}: max diff {diff:.1e}")
+        assert diff < 1e-6
+    hits = sum(s["hits"] for r in runs[name] for s in r["steps"])
+    if optimizer == "sgd":   # HET's local SGD update keeps a row valid after the worker's own push
+        assert hits > 0
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", [n for n in CONFIGS if not n.startswith("exact")])
+def test_bounded_staleness_size_and_no_lost_update(runs, name):
+    _, optimizer, staleness, capacity, _, _ = CONFIGS[name]
+    ranks = runs[name]
+    for r in ranks:
+        gaps = [s["max_read_gap"] for s in r["steps"]]
+        if not math.isinf(staleness):
+            assert max(gaps) <= staleness                          # no read lacked more than s updates
+        assert max(s["over_capacity"] for s in r["steps"]) <= 0   # never more lines than the capacity
+        assert sum(s["evicted"] for s in r["steps"]) > 0
+        for s in r["steps"]:                                     # tensors handed to all-to-all == the count
+            sent = s["query_bytes"] + s["clock_bytes"] + s["fetch_bytes"] + s["push_bytes"]
+            assert sent == s["analytic_bytes"] > 0
+    # staleness really happens (reads served from the cache while the owner moved on)
+    assert max(max(s["max_read_gap"] for s in r["steps"]) for r in ranks) > 0
+    assert sum(s["hits"] for r in ranks for s in r["steps"]) > 0
+    # no update lost: after the flush, what the owners applied is what the workers computed
+    for table in ranks[0]["tables"]:
+        computed, applied = {}, {}
+        for r in ranks:
+            for keys, values, into in ((*r["tables"][table]["computed"], computed),
+                                       (*r["tables"][table]["applied"], applied)):
+                for k, v in zip(keys.tolist(), values[:, :-1]):
+                    into[k] = into.get(k, 0) + v
+        assert set(computed) == set(applied) and computed
+        err = max(float(np.abs(computed[k] - applied[k]).max()) for k in computed)
+        assert err < 1e-5, (table, err)
+        if optimizer == "sgd":       # and the owner's row moved by exactly -lr * that sum
+            for r in ranks:
+                keys, rows, init = r["tables"][table]["rows"]
+                want = init - r["lr"] * np.stack([applied[k] for k in keys.tolist()])
+                assert np.abs(rows - want).max() < 1e-5
+
+
+@pytest.mark.mpi
+def test_cache_cli_under_mpirun(tmp_path):
+    """des.train --mode cache on 2 processes: trains, evaluates (summed over slices), writes the
+    cache figures; a checkpoint it saves is read by a single process with the same AUC."""
+    data = tmp_path / "train.txt"
+    subprocess.run([sys.executable, "-m", "des.data.synth", "--preset", "tiny", "--rows", "3000", "--out", str(data)],
+                   env=ENV, cwd=ROOT, check=True, capture_output=True)
+    train = ["-m", "des.train", "--model", "fm", "--data", str(data), "--batch", "256", "--optimizer", "sgd"]
+    cmd = ["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, *train, "--mode", "cache",
+           "--staleness", "5", "--cache-size", "50%", "--checkpoint", str(tmp_path / "ck"),
+           "--summary-json", str(tmp_path / "c.json")]
+    done = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "cache bytes/step sent per process" in done.stdout
+    s = [json.load(open(tmp_path / f"c.json.rank{r}")) for r in range(2)]
+    assert s[0]["auc"] == s[1]["auc"] and s[0]["auc"] > 0.6
+    assert s[0]["bytes_exact_steps"].split("/")[0] == s[0]["bytes_exact_steps"].split("/")[1]
+    assert 0 < s[0]["hit_rate"] < 1 and s[0]["rows_fetched_per_step"] > 0
+    pred = subprocess.run([sys.executable, "-m", "des.train", *train[2:], "--restore", str(tmp_path / "ck"),
+                           "--summary-json", str(tmp_path / "r.json")], env=ENV, cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert pred.returncode == 0, pred.stderr[-3000:]
+    again = json.load(open(tmp_path / "r.json"))
+    assert abs(again["auc"] - s[0]["auc"]) < 2e-4      # the same rows, evaluated by one process
+
+
+def test_a_world_of_one_caches_nothing_and_is_the_model():
+    """One process owns every key: nothing is cached or sent, and training is the plain model's."""
+    batches, probe = ps_batches()
+    model = cache(models.build("deepfm", PS_SPEC, seed=3, hidden=(8, 4)), KeyExchange.local(), staleness=10,
+                  capacity=5)
+    model.compile(optimizer_factory("adam", LR)(), "binary_crossentropy")
+    ref = models.build("deepfm", PS_SPEC, seed=3, hidden=(8, 4))
+    ref.compile(optimizer_factory("adam", LR)(), "binary_crossentropy")
+    for x, y in batches[:4]:
+        model.train_on_batch(*_slice_batch(x, y, 0, 1))
+        ref.train_on_batch(x, y)
+    assert np.abs(model.predict_on_batch(probe) - ref.predict_on_batch(probe)).max() < 1e-6
+    c = model.cache_counters()
+    assert c["queried"] == 0 and c["query_bytes"] + c["push_bytes"] == 0
+
+
+def test_options_are_checked():
+    assert parse_staleness("inf") == math.inf and parse_staleness("10") == 10
+    assert parse_cache_size("10%") == pytest.approx(0.1) and parse_cache_size("5000") == 5000
+    for bad in ("-1", "2.5", "x"):
+        with pytest.raises(ValueError):
+            parse_staleness(bad)
+    for bad in ("0", "150%", "2.5"):
+        with pytest.raises(ValueError):
+            parse_cache_size(bad)
+    assert capacity_rows(0.1, 1001, "C1") == 101 and capacity_rows(300, None, "C1") == 300
+    with pytest.raises(ValueError, match="C1.*cardinality"):
+        capacity_rows(0.1, None, "C1")
+    with pytest.raises(ValueError):
+        CacheConfig(eviction="fifo")
+    assert CacheConfig(staleness=0).push_after == 1 and CacheConfig(staleness=math.inf).push_after == math.inf
