@@ -102,16 +102,29 @@ def test_bounded_staleness_size_and_no_lost_update(runs, name):
                 assert np.abs(rows - want).max() < 1e-5
 
 
+def small_libffm(path, rows: int):
+    """A learnable libffm file with 4 fields (a few tables: the CLI test traces fast)."""
+    rng = np.random.default_rng(0)
+    sizes, weight = (200, 50, 300, 20), [rng.normal(0, 1, n) for n in (200, 50, 300, 20)]
+    lines = []
+    for _ in range(rows):
+        ids = [rng.zipf(1.3, 2 if f == 2 else 1) % sizes[f] for f in range(4)]
+        logit = sum(weight[f][i].sum() for f, i in enumerate(ids)) - 0.5
+        label = int(rng.random() < 1 / (1 + np.exp(-logit)))
+        lines.append(f"{label} " + " ".join(f"{f}:{i}:1" for f, i_s in enumerate(ids) for i in i_s))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 @pytest.mark.mpi
 def test_cache_cli_under_mpirun(tmp_path):
     """des.train --mode cache on 2 processes: trains, evaluates (summed over slices), writes the
     cache figures; a checkpoint it saves is read by a single process with the same AUC."""
-    data = tmp_path / "train.txt"
-    subprocess.run([sys.executable, "-m", "des.data.synth", "--preset", "tiny", "--rows", "3000", "--out", str(data)],
-                   env=ENV, cwd=ROOT, check=True, capture_output=True)
-    train = ["-m", "des.train", "--model", "fm", "--data", str(data), "--batch", "256", "--optimizer", "sgd"]
+    data = small_libffm(tmp_path / "train.ffm", rows=3000)
+    train = ["-m", "des.train", "--model", "fm", "--data", str(data), "--format", "libffm", "--batch", "256",
+             "--optimizer", "sgd", "--epochs", "2"]
     cmd = ["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, *train, "--mode", "cache",
-           "--staleness", "5", "--cache-size", "50%", "--checkpoint", str(tmp_path / "ck"),
+           "--staleness", "5", "--cache-size", "40", "--checkpoint", str(tmp_path / "ck"),
            "--summary-json", str(tmp_path / "c.json")]
     done = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
