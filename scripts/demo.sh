@@ -3,7 +3,7 @@
 # model with DES on 2 processes under mpirun; both print AUC next to the Bayes-optimal AUC.
 # The DES checkpoint then predicts a generated test.txt (Criteo's 39-column test layout), and
 # its export (one SavedModel) predicts it again on one process.
-# Then a small DES vs parameter-server vs one-process comparison (table + plots).
+# Then a small DES vs parameter-server vs HET-cache vs one-process comparison (table + plots).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -39,6 +39,7 @@ rm -rf data/demo/served
 $PY -m des.export --checkpoint data/demo/ckpt --out data/demo/served
 $PY -m des.predict --checkpoint data/demo/served --data "$TEST" --out data/demo/predictions_served.txt --threads 1
 echo "   first predictions: $(head -3 data/demo/predictions_served.txt | tr '\n' ' ')"
-echo "== comparison: DES vs parameter server vs one process (lr, deepfm; N=2; a few minutes)"
+echo "== comparison: DES vs parameter server vs HET cache (s=100) vs one process (lr, deepfm; N=2; several minutes)"
 $PY -m des.compare --models lr,deepfm --np 2 --preset criteo-like --rows 40000 --batch 2048 \
+  --modes single,des,ps,cache --staleness 100 --cache-size 10% \
   --steps 15 --hidden 64,32 --batches 256,512,1024,2048,4096 --out reports/demo

@@ -172,3 +172,26 @@ def test_options_are_checked():
     with pytest.raises(ValueError):
         CacheConfig(eviction="fifo")
     assert CacheConfig(staleness=0).push_after == 1 and CacheConfig(staleness=math.inf).push_after == math.inf
+
+
+def test_compare_report_has_cache_rows_and_the_auc_vs_bytes_plot(tmp_path):
+    """des.compare's table and plots with cache runs: savings against the PS, hit rates, rows moved."""
+    import argparse
+    from des.compare import markdown, plots, table_rows
+    base = {"world_size": 4, "logloss": 0.5, "samples_per_second": 1000.0, "peak_rss_mib": 900.0,
+            "train_auc_by_step": [(1, 0.5), (2, 0.6)]}
+    run = lambda auc, sent, **kw: dict(base, auc=auc, sent_bytes_per_step=sent, **kw)
+    cache_fields = lambda h: dict(hit_rate=h, rows_fetched_per_step=10.0, rows_pushed_per_step=5.0,
+                                  het_rows_per_lookup=0.3)
+    results = {"deepfm": {"single": dict(run(0.75, None), world_size=1), "des": run(0.75, 1000.0),
+                          "ps": run(0.75, 4000.0), "cache s=0": run(0.75, 3000.0, **cache_fields(0.2)),
+                          "cache s=inf": run(0.74, 500.0, **cache_fields(0.9))}}
+    rows = table_rows(results)
+    by = {r["mode"]: r for r in rows}
+    assert by["des"]["des_saving_pct"] == pytest.approx(75.0)
+    assert by["cache s=inf"]["des_saving_pct"] == pytest.approx(87.5) and by["ps"]["des_saving_pct"] is None
+    a = argparse.Namespace(preset="criteo-like", np=4, batch=1024, steps=10, cache_size="10%")
+    md = markdown(rows, results, a, {"bayes_auc": 0.78})
+    assert "| deepfm | cache s=inf | 4 | 0.7400 |" in md and "| 0.900 | 15 |" in md
+    files = plots(results, {"deepfm": {"des": [1.0, 2.0], "ps": [3.0, 4.0]}}, [512, 1024], a, str(tmp_path))
+    assert os.path.basename(files[-1]) == "auc_vs_bytes.png" and os.path.getsize(files[-1]) > 10_000
