@@ -56,10 +56,20 @@ def main(argv=None) -> int:
         pivot = stale[-2] if len(stale) > 1 else stale[0]
         grid = [(s, sizes[0] if len(sizes) == 1 else sizes[1]) for s in stale]
         grid += [(pivot, z) for z in sizes if (pivot, z) not in grid]
-    results = {"des": run("des", a.model, data, a, out), "ps": run("ps", a.model, data, a, out)}
+    def once(key: str, folder: str) -> dict:
+        """A run, or its summaries from an earlier invocation (same --out) if they are all there."""
+        os.makedirs(folder, exist_ok=True)
+        base = os.path.join(folder, f"{a.model}-{key.replace(' ', '-').replace('=', '')}.json")
+        paths = [f"{base}.rank{r}" for r in range(a.np)]
+        if all(os.path.exists(p) for p in paths):
+            ranks = [json.load(open(p)) for p in paths]
+            return dict(ranks[0], peak_rss_mib=max(r["peak_rss_mib"] for r in ranks))
+        return run(key, a.model, data, a, folder)
+
+    results = {"des": once("des", out), "ps": once("ps", out)}
     for s, z in grid:
         a.cache_size = z
-        results[f"cache s={s} size={z}"] = run(f"cache s={s}", a.model, data, a, os.path.join(out, z.replace("%", "pct")))
+        results[f"cache s={s} size={z}"] = once(f"cache s={s}", os.path.join(out, z.replace("%", "pct")))
     ps_sent = results["ps"]["sent_bytes_per_step"]
     head = ["run", "AUC", "log loss", "bytes/step/proc", "vs PS", "rows moved/remote lookup (HET)",
             "hit rate after fill", "samples/s"]
