@@ -103,17 +103,17 @@ def _iteration_variables(optimizer) -> list:
     return out
 
 
-def capacity_rows(capacity: float, cardinality: int | None, field: str) -> int:
-    """``capacity``: rows (>= 1) or a fraction (< 1) of the field's cardinality."""
-    if capacity >= 1:
-        return int(capacity)
+def capacity_rows(capacity: int | float, cardinality: int | None, field: str) -> int:
+    """``capacity``: rows (an int) or a fraction in (0, 1] (a float) of the field's cardinality."""
+    if isinstance(capacity, int):
+        return capacity
     if not cardinality:
-        raise ValueError(f"--cache-size {capacity} is a fraction of a field's rows, but field {field!r} has no "
+        raise ValueError(f"--cache-size {capacity:g} is a fraction of a field's rows, but field {field!r} has no "
                          f"known cardinality (give the cache size in rows)")
     return max(1, int(math.ceil(capacity * cardinality)))
 
 
-def cache(model: tf.keras.Model, exchange: KeyExchange, staleness: float = 100.0, capacity: float = 0.1,
+def cache(model: tf.keras.Model, exchange: KeyExchange, staleness: float = 100.0, capacity: int | float = 0.1,
           eviction: str = "lru", spec=None, audit: bool = False) -> CacheModel:
     """The same model with every FieldEmbedding sharded by key and cached on every worker."""
     counters = new_counters()
@@ -147,12 +147,22 @@ def parse_staleness(text: str) -> float:
     return value
 
 
-def parse_cache_size(text: str) -> float:
-    """``--cache-size``: rows per table (e.g. 5000), a fraction (0.1) or a percentage (10%)."""
-    value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
-    if value <= 0 or (value >= 1 and value != int(value)):
-        raise ValueError(f"--cache-size must be rows (>= 1), a fraction in (0, 1) or a percentage, got {text!r}")
-    return value
+def parse_cache_size(text: str) -> int | float:
+    """``--cache-size``: rows per table (an integer, e.g. 5000: an int) or a fraction of each
+    field's cardinality (0.1 or 10%: a float in (0, 1]; 100% is every row, not one row)."""
+    try:
+        if text.endswith("%"):
+            value = float(text[:-1]) / 100
+            if 0 < value <= 1:
+                return value
+        elif float(text) >= 1 and float(text) == int(float(text)):
+            return int(float(text))
+        elif 0 < float(text) < 1:
+            return float(text)
+    except ValueError:
+        pass
+    raise ValueError(f"--cache-size must be rows (an integer >= 1), a fraction in (0, 1) or a percentage "
+                     f"up to 100%, got {text!r}")
 
 
 def traffic_summary(steps: list[dict], n: int) -> dict:

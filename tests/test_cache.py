@@ -160,13 +160,17 @@ def test_a_world_of_one_caches_nothing_and_is_the_model():
 def test_options_are_checked():
     assert parse_staleness("inf") == math.inf and parse_staleness("10") == 10
     assert parse_cache_size("10%") == pytest.approx(0.1) and parse_cache_size("5000") == 5000
+    assert parse_cache_size("100%") == 1.0 and isinstance(parse_cache_size("100%"), float)   # every row
+    assert isinstance(parse_cache_size("1"), int) and parse_cache_size("0.5") == 0.5
+    assert capacity_rows(parse_cache_size("100%"), 1001, "C1") == 1001
     for bad in ("-1", "2.5", "x"):
         with pytest.raises(ValueError):
             parse_staleness(bad)
-    for bad in ("0", "150%", "2.5"):
+    for bad in ("0", "150%", "2.5", "0%", "x"):
         with pytest.raises(ValueError):
             parse_cache_size(bad)
     assert capacity_rows(0.1, 1001, "C1") == 101 and capacity_rows(300, None, "C1") == 300
+    assert capacity_rows(1, 1001, "C1") == 1
     with pytest.raises(ValueError, match="C1.*cardinality"):
         capacity_rows(0.1, None, "C1")
     with pytest.raises(ValueError):
