@@ -22,15 +22,24 @@ def build(name):
     return lambda: models.build(name, SPEC, seed=3, hidden=(8, 4))
 
 
+# N = 5 > 4 fields: one rank owns no field (idle). It runs for one optimizer per model, every
+# optimizer at least once. What an idle rank holds - replicated dense weights only, no table, no
+# kernel block - every rank holds at N = 2 and 3 too, and those run for every model x optimizer
+# below; what is idle-specific (zeros as its partial results, nothing to look up or update)
+# depends on the model, not on the optimizer. The plan side of an idle rank: tests/test_rules.py.
+IDLE_RANK_OPTIMIZER = {"lr": "ftrl", "fm": "adagrad", "dnn": "sgd", "wdl": "ftrl", "deepfm": "adam"}
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam", "ftrl"])
 @pytest.mark.parametrize("name", ["lr", "fm", "dnn", "wdl", "deepfm"])
 def test_sweep_n_2_3_5(name, optimizer):
-    """Every model x optimizer at N = 2, 3 and 5 (more ranks than fields: one is idle). N = 1 is
-    test_n1_des_equals_plain_model; N = 4 runs under mpirun (tests/test_mpi.py)."""
+    """Every model x optimizer at N = 2 and 3, and at N = 5 (more ranks than fields: one is
+    idle) with IDLE_RANK_OPTIMIZER[name]. N = 1 is test_n1_des_equals_plain_model; N = 4 runs
+    under mpirun (tests/test_mpi.py)."""
     work = lambda m: train_and_snapshot(m, optimizer, LR[optimizer], BATCHES, PROBE)
     ref = work(build(name)())
     assert np.ptp(ref["predictions"][:, 0]) > 1e-3          # training moved the predictions
-    for n in (2, 3, 5):                                      # 5 > 4 fields: one rank is idle
+    for n in (2, 3, 5) if IDLE_RANK_OPTIMIZER[name] == optimizer else (2, 3):
         diff = compare(ref, run_in_process_world(n, build(name), work))
         print(f"{name} {optimizer} N={n}: {diff}")
         assert max(diff.values()) < TOL, (n, diff)
