@@ -39,3 +39,17 @@ def copy_meta(src: str, dst: str) -> None:
     """Give ``dst`` (lines taken from ``src``) the metadata of ``src``: its format and spec."""
     with open(src + ".meta.json") as fh, open(dst + ".meta.json", "w") as out:
         out.write(fh.read())
+
+
+def single_process_predictions(name: str, optimizer: str, learning_rates: dict, batches, probe) -> list:
+    """The untouched reference model (PS_SPEC, seed 3, hidden 8,4) trained on whole global batches:
+    its predictions on ``probe`` after every step (what the PS and cache mpirun runs must match)."""
+    import models
+    from des.verify import PS_SPEC, optimizer_factory
+    ref = models.build(name, PS_SPEC, seed=3, hidden=(8, 4))
+    ref.compile(optimizer_factory(optimizer, learning_rates)(), "binary_crossentropy")
+    out = []
+    for x, y in batches:
+        ref.train_on_batch(x, y)
+        out.append(ref.predict_on_batch(probe))
+    return out

@@ -25,19 +25,9 @@ ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", OMPI_ALLOW_RUN_AS_ROOT="1", OMP
            OMPI_MCA_mpi_yield_when_idle="1", PYTHONPATH=ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from mpi_cache import CONFIGS, LR, batches_of  # noqa: E402
+from helpers import single_process_predictions  # noqa: E402
 
 N = 3
-
-
-def single_process_predictions(model_name, optimizer, kind):
-    batches, probe = batches_of(kind)
-    ref = models.build(model_name, PS_SPEC, seed=3, hidden=(8, 4))
-    ref.compile(optimizer_factory(optimizer, LR)(), "binary_crossentropy")
-    out = []
-    for x, y in batches:
-        ref.train_on_batch(x, y)
-        out.append(ref.predict_on_batch(probe))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +47,7 @@ def test_staleness_0_is_the_single_process_model_after_every_step(runs, name):
     slices of the global batch make the single process's updates, also with a cache of 4 rows
     (evictions every step) and with a rank whose slice is empty."""
     model_name, optimizer, *_ , kind = CONFIGS[name]
-    expected = single_process_predictions(model_name, optimizer, kind)
+    expected = single_process_predictions(model_name, optimizer, LR, *batches_of(kind))
     for r in runs[name]:
         diff = max(float(np.abs(a - b).max()) for a, b in zip(expected, r["predictions"]))
         print(f"cache s=0 {name}: max diff {diff:.1e}")

@@ -12,7 +12,7 @@ import pytest
 
 import models
 from des.verify import compare, optimizer_factory, random_batches, small_spec, train_and_snapshot
-from helpers import write_small_ffm
+from helpers import single_process_predictions, write_small_ffm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
@@ -138,17 +138,11 @@ def test_ps_under_mpirun_equals_single_process_and_counts_bytes_exactly(tmp_path
     """Sharded tables + all-to-all + dense allreduce on slices of the global batch make the same
     updates as one process on the whole batch: every gradient reaches its row although keys
     repeat across processes, and a process with an empty slice (no ids) takes part."""
-    from des.verify import PS_SPEC, ps_batches
+    from des.verify import ps_batches
     run = mpirun(n, "scripts/mpi_ps.py", name, optimizer, str(tmp_path))
     assert run.returncode == 0, run.stderr[-3000:]
     ranks = [pickle.load(open(tmp_path / f"rank{r}.pkl", "rb")) for r in range(n)]
-    batches, probe = ps_batches()
-    ref = models.build(name, PS_SPEC, seed=3, hidden=(8, 4))
-    ref.compile(optimizer_factory(optimizer, LR)(), "binary_crossentropy")
-    expected = []
-    for x, y in batches:
-        ref.train_on_batch(x, y)
-        expected.append(ref.predict_on_batch(probe))
+    expected = single_process_predictions(name, optimizer, LR, *ps_batches())
     if n == 3:
         assert [r["rows"][-2] for r in ranks] == [0, 1, 1]           # rank 0 had no ids in that step
     for r in ranks:
