@@ -18,7 +18,7 @@ import tensorflow as tf
 from tensorflow_recommenders_addons import dynamic_embedding as de
 
 from des.ir import Graph
-from des.ps import PSModel, shard
+from des.ps import PSModel, per_destination, shard
 from des_ops.cached import CacheConfig, CachedFieldEmbedding, new_counters
 from des_ops.sharded import KeyExchange
 
@@ -165,9 +165,11 @@ def parse_cache_size(text: str) -> int | float:
                      f"up to 100%, got {text!r}")
 
 
-def traffic_summary(steps: list[dict], n: int) -> dict:
+def traffic_summary(steps: list[dict], rank: int, n: int) -> dict:
     """Medians per step of the cache counters (deltas), bytes measured from the tensors handed to
-    all-to-all vs the analytic count, hit rates and HET's rows-moved-per-lookup."""
+    all-to-all (what leaves this process) vs the analytic count, per destination
+    (``ps.per_destination``), hit rates and HET's rows-moved-per-lookup. The dense allreduce's
+    wire bytes are the ring model 2(N-1)/N of its measured payload (analytic)."""
     ring = 2.0 * (n - 1) / n
     med = lambda v: float(np.median(v)) if len(v) else 0.0
     a2a = [s["query_bytes"] + s["clock_bytes"] + s["fetch_bytes"] + s["push_bytes"] for s in steps]
@@ -186,4 +188,6 @@ def traffic_summary(steps: list[dict], n: int) -> dict:
             "hit_rate": tot("hits") / max(1, tot("queried")),
             "hit_rate_after_fill": (tot("hits_after_fill") / tot("queried_after_fill")
                                     if tot("queried_after_fill") else None),
-            "evicted": tot("evicted")}
+            "evicted": tot("evicted"),
+            "allreduce_payload_bytes_per_step": med([s.get("dense_bytes", 0) + s.get("control_bytes", 0) for s in steps]),
+            **per_destination(steps, rank, n)}

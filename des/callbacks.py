@@ -44,6 +44,31 @@ class BytesPerStep(tf.keras.callbacks.Callback):
         return float(np.median(self.per_step)) if self.per_step else 0.0
 
 
+class WireBytes(tf.keras.callbacks.Callback):
+    """Bytes this host put on its network interface per training step, from the kernel's counter
+    (``/sys/class/net/IF/statistics/tx_bytes``): on the netbed (des.netbed) each process is alone
+    on its host, so this is what it really sent - headers, MPI's algorithm and Horovod's own
+    coordination messages included."""
+
+    def __init__(self, interface: str):
+        super().__init__()
+        self.path = f"/sys/class/net/{interface}/statistics/tx_bytes"
+        self.per_step: list[int] = []
+
+    def _read(self) -> int:
+        with open(self.path) as fh:
+            return int(fh.read())
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._start = self._read()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.per_step.append(self._read() - self._start)
+
+    def median(self) -> float:
+        return float(np.median(self.per_step)) if self.per_step else 0.0
+
+
 class ReplicaCheck(tf.keras.callbacks.Callback):
     """Every ``every`` steps, allreduce per-layer checksums of the replicated weights and, in
     the same allreduce, the fingerprint of the step's batch (des_ops DESFirstLayer); raise if
@@ -65,7 +90,7 @@ class ReplicaCheck(tf.keras.callbacks.Callback):
                        [float(des_layer.batch_fingerprint.numpy()) if des_layer is not None else 0.0], np.float64)
         table = np.zeros((self.comm.world_size, len(layers) + 1), np.float64)
         table[self.comm.rank] = own
-        table = self.comm.allreduce(tf.constant(table)).numpy()
+        table = self.comm.allreduce_counted(tf.constant(table), "check").numpy()
         self.checks += 1
         if not np.all(table[:, -1] == table[0, -1]):
             raise RuntimeError(f"processes read different batches at step {self.step} (batch fingerprints per "
@@ -92,22 +117,24 @@ def _checksum(layer) -> float:
 
 
 class CounterDeltas(tf.keras.callbacks.Callback):
-    """Per training step, how much each counter (a dict of int64 tf.Variables) grew."""
+    """Per training step, how much each counter (a dict of int64 tf.Variables, scalars or vectors
+    such as bytes per destination process) grew."""
 
     def __init__(self, counters: dict):
         super().__init__()
         self.counters = counters
-        self.steps: list[dict[str, int]] = []
+        self.steps: list[dict] = []
 
-    def _read(self) -> dict[str, int]:
-        return {k: int(v.numpy()) for k, v in self.counters.items()}
+    def _read(self) -> dict:
+        return {k: v.numpy() for k, v in self.counters.items()}
 
     def on_train_batch_begin(self, batch, logs=None):
         self._start = self._read()
 
     def on_train_batch_end(self, batch, logs=None):
         now = self._read()
-        self.steps.append({k: now[k] - self._start[k] for k in now})
+        self.steps.append({k: int(now[k] - self._start[k]) if np.ndim(now[k]) == 0 else (now[k] - self._start[k]).tolist()
+                           for k in now})
 
     def median(self, key: str) -> float:
         return float(np.median([s[key] for s in self.steps])) if self.steps else 0.0

@@ -46,9 +46,10 @@ def ensure_data(preset: str, rows: int, seed: int, folder: str) -> str:
     return path
 
 
-def run(key: str, model: str, data: str, a, out: str) -> dict:
+def run(key: str, model: str, data: str, a, out: str, launcher: list[str] | None = None) -> dict:
     """One des.train run (``key``: a mode, or ``cache s=S``); returns rank 0's summary plus the
-    peak memory over processes."""
+    peak memory over processes and, on the netbed, the mean over hosts of the bytes per step
+    each host sent on its interface. ``launcher``: the mpirun command (default: local mpirun)."""
     mode, extra = key, []
     if key.startswith("cache"):
         mode, extra = "cache", ["--staleness", key.split("=")[1], "--cache-size", a.cache_size]
@@ -59,7 +60,7 @@ def run(key: str, model: str, data: str, a, out: str) -> dict:
             "--shuffle-buffer", str(a.shuffle_buffer)]
     cmd = [sys.executable, *args]
     if mode != "single":
-        cmd = ["mpirun", "-np", str(a.np), "--oversubscribe", "--bind-to", "none", *cmd]
+        cmd = [*(launcher or ["mpirun", "-np", str(a.np), "--oversubscribe", "--bind-to", "none"]), *cmd]
     print(f"[compare] {model} {key}: {' '.join(cmd)}", flush=True)
     log = summary[:-len(".json")] + ".log"
     with open(log, "w") as fh:
@@ -70,6 +71,8 @@ def run(key: str, model: str, data: str, a, out: str) -> dict:
     ranks = [json.load(open(p)) for p in paths]
     s = ranks[0]
     s["peak_rss_mib"] = max(r["peak_rss_mib"] for r in ranks)
+    if all("wire_bytes_per_step" in r for r in ranks):
+        s["wire_bytes_per_host_step"] = float(np.mean([r["wire_bytes_per_step"] for r in ranks]))
     return s
 
 
@@ -118,7 +121,8 @@ def table_rows(results: dict) -> list[dict]:
                          "des_saving_pct": saving, "unique_ids_step": s.get("unique_ids_per_step"),
                          "hit_rate": s.get("hit_rate"), "rows_fetched_step": s.get("rows_fetched_per_step"),
                          "rows_pushed_step": s.get("rows_pushed_per_step"),
-                         "het_rows_per_lookup": s.get("het_rows_per_lookup"), "peak_mib": s["peak_rss_mib"]})
+                         "het_rows_per_lookup": s.get("het_rows_per_lookup"),
+                         "wire_bytes_host_step": s.get("wire_bytes_per_host_step"), "peak_mib": s["peak_rss_mib"]})
     return rows
 
 
@@ -129,20 +133,28 @@ def _fmt(v, spec: str = ",.0f") -> str:
 
 
 def markdown(rows: list[dict], results: dict, a, meta: dict) -> str:
-    head = ["model", "mode", "N", "AUC", "log loss", "samples/s", "bytes/step/proc measured",
-            "analytic", "saving vs PS", "unique ids/step", "cache hit rate", "rows fetched+pushed/step", "peak MiB"]
+    head = ["model", "mode", "N", "AUC", "log loss", "samples/s", "bytes/step/proc (a2a measured + ring model)",
+            "analytic (formulas)", "wire B/step/host (interface)", "saving vs PS", "unique ids/step", "cache hit rate", "rows fetched+pushed/step", "peak MiB"]
+    net = (f", netbed: one process per emulated host, {a.rate} per host"
+           if getattr(a, "net", "local") == "netbed" else "")
     lines = [f"# DES vs PS vs one process - preset {a.preset}, N={a.np}, global batch {a.batch}, "
-             f"{a.steps} steps", "",
-             f"Bayes-optimal AUC of the data: {meta.get('bayes_auc')}. Bytes are sent per process per step "
-             f"(DES: ring allreduce of the partials; PS: all-to-all of ids, rows, gradient rows + ring "
-             f"allreduce of dense gradients; cache: all-to-all of ids + clocks, clocks, stale rows, pushed "
-             f"rows + the same dense ring, cache size {a.cache_size} of each field). samples/s = global batch "
-             f"/ median step time.", "",
+             f"{a.steps} steps{net}", "",
+             f"Bayes-optimal AUC of the data: {meta.get('bayes_auc')}. Bytes per process per step, rank 0. "
+             f"Measured where each collective is called: the size of every tensor handed to all-to-all for "
+             f"another process (PS: ids out, rows in, gradient rows out of this process's lookups; cache: "
+             f"ids + clocks, clocks, stale rows, pushed rows leaving the process) and every allreduce payload "
+             f"(DES: the partials, plus the replica check's; PS/cache: dense gradients). An allreduce's wire "
+             f"bytes depend on MPI's algorithm: shown as the ring model 2(N-1)/N x payload, an analytic "
+             f"figure. 'analytic (formulas)': the same from the ids by formula. 'wire' (--net netbed only): "
+             f"what each host put on its interface per step (kernel counter; headers, MPI's algorithm and "
+             f"Horovod's coordination included), mean over hosts. Cache size {a.cache_size} "
+             f"of each field. samples/s = global batch / median step time.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join([
             r["model"], r["mode"], str(r["processes"]), _fmt(r["auc"], ".4f"), _fmt(r["logloss"], ".4f"),
             _fmt(r["samples_per_s"]), _fmt(r["bytes_step_measured"]), _fmt(r["bytes_step_analytic"]),
+            _fmt(r.get("wire_bytes_host_step")),
             _fmt(r["des_saving_pct"], ".1f") + ("%" if r["des_saving_pct"] is not None else ""),
             _fmt(r["unique_ids_step"]), _fmt(r["hit_rate"], ".3f"),
             "-" if r["rows_fetched_step"] is None else _fmt(r["rows_fetched_step"] + r["rows_pushed_step"]),
@@ -170,7 +182,7 @@ def plots(results: dict, curves: dict, batches: list[int], a, out: str) -> list[
             if sent:
                 ax.plot([a.batch], [sent], mark, color="k", markersize=10)
     ax.set(xscale="log", yscale="log", xlabel="global batch", ylabel="bytes sent / step / process",
-           title=f"{a.preset}, N={a.np} (lines: formulas on the data; black: measured)")
+           title=f"{a.preset}, N={a.np} (lines: formulas on the data; black: the runs)")
     ax.legend(fontsize=7)
     files.append(_save(fig, out, "bytes_vs_batch.png"))
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
@@ -206,7 +218,7 @@ def plots(results: dict, curves: dict, batches: list[int], a, out: str) -> list[
                 if mode in by:
                     ax.plot([by[mode]["sent_bytes_per_step"]], [by[mode]["auc"]], mark, color=f"C{i}",
                             markersize=11, label=f"{model} {mode}")
-        ax.set(xscale="log", xlabel="bytes sent / step / process (measured)", ylabel="held-out AUC",
+        ax.set(xscale="log", xlabel="bytes / step / process (all-to-all measured + allreduce ring model)", ylabel="held-out AUC",
                title=f"AUC vs bytes, {a.preset}, N={a.np}, cache {a.cache_size}")
         ax.legend(fontsize=7)
         files.append(_save(fig, out, "auc_vs_bytes.png"))
@@ -239,6 +251,9 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="single,des,ps", help="of single, des, ps, cache")
     ap.add_argument("--staleness", default="0,10,100,inf", help="cache: one run per staleness")
     ap.add_argument("--cache-size", default="10%", help="cache: rows per table, or a fraction of each field")
+    ap.add_argument("--net", default="local", choices=["local", "netbed"],
+                    help="netbed: one process per emulated host (des.netbed; root), wire bytes measured")
+    ap.add_argument("--rate", default="1gbit", help="netbed: each host's sending rate (tc units)")
     ap.add_argument("--out", default="reports/compare")
     a = ap.parse_args(argv)
     a.holdout = a.holdout or max(1, a.rows // 10)
@@ -254,9 +269,19 @@ def main(argv=None) -> int:
         if mode not in ("single", "des", "ps", "cache"):
             raise SystemExit(f"--modes: unknown mode {mode!r}")
         keys += [f"cache s={s}" for s in a.staleness.split(",") if s] if mode == "cache" else [mode]
-    for model in [m for m in a.models.split(",") if m]:
-        results[model] = {key: run(key, model, data, a, out) for key in keys}
-        curves[model] = bytes_curve(model, data, fmt, a, batches)
+    bed = None
+    if a.net == "netbed":
+        from des.netbed import Netbed
+        bed = Netbed(a.np, rate=a.rate).up()
+    try:
+        for model in [m for m in a.models.split(",") if m]:
+            results[model] = {key: run(key, model, data, a, out, bed.mpirun(a.np) if bed else None)
+                              for key in keys}
+            curves[model] = bytes_curve(model, data, fmt, a, batches)
+    finally:
+        if bed is not None:
+            from des.netbed import down
+            down()
     rows = table_rows(results)
     md = markdown(rows, results, a, meta)
     with open(os.path.join(out, "comparison.md"), "w") as fh:

@@ -131,7 +131,12 @@ def table_inputs(model: tf.keras.Model) -> list[tuple[str, str | None, int]]:
 
 def traffic_summary(model: PSModel, steps: list[dict], rank: int, n: int) -> dict:
     """Medians of the PS counters per step, and the analytic bytes of the first steps (by the
-    formulas, in numpy, from the ids those steps trained on) compared with what was measured."""
+    formulas, in numpy, from the ids those steps trained on) compared with what was measured.
+
+    Measured: the all-to-all bytes of this process's lookups (ids out, rows in, gradient rows out:
+    segments handed to / returned by all-to-all for other processes) and the allreduce payloads;
+    per destination in ``per_destination``. Analytic: ``analytic_bytes`` and the ring model
+    2(N-1)/N of the allreduce payload (what MPI puts on the wire depends on its algorithm)."""
     ring = 2.0 * (n - 1) / n
     sent = [s["ids_bytes"] + s["rows_bytes"] + s["grad_bytes"] + ring * (s["dense_bytes"] + s["control_bytes"])
             for s in steps]
@@ -145,10 +150,25 @@ def traffic_summary(model: PSModel, steps: list[dict], rank: int, n: int) -> dic
     med = lambda v: float(np.median(v)) if len(v) else 0.0
     return {"sent_bytes_per_step": med(sent), "analytic_sent_bytes_per_step": med(analytic),
             "alltoall_bytes_per_step": med([s["ids_bytes"] + s["rows_bytes"] + s["grad_bytes"] for s in steps]),
+            "allreduce_payload_bytes_per_step": med([s["dense_bytes"] + s["control_bytes"] for s in steps]),
             "dense_ring_bytes_per_step": med([ring * (s["dense_bytes"] + s["control_bytes"]) for s in steps]),
             "unique_ids_per_step": med([s["unique_ids"] for s in steps]),
             "remote_ids_per_step": med([s["remote_ids"] for s in steps]),
-            "bytes_exact_steps": f"{exact}/{len(analytic)}"}
+            "bytes_exact_steps": f"{exact}/{len(analytic)}", **per_destination(steps, rank, n)}
+
+
+def per_destination(steps: list[dict], rank: int, n: int) -> dict:
+    """Bytes per step (mean over steps) handed to all-to-all for each process (``alltoall_sent_to``,
+    all kinds together) and received from each (``alltoall_received_from``), measured where the
+    collective is called; entry ``rank`` is the self-send, which never leaves the process."""
+    def mean(side):
+        per_step = [np.sum([s[f"{side}_{k}"] for k in KeyExchange.KINDS], 0) for s in steps]
+        return np.mean(per_step, 0) if per_step else np.zeros(n)
+    sent, received = mean("sent"), mean("received")
+    return {"alltoall_sent_to": sent.tolist(), "alltoall_received_from": received.tolist(),
+            "self_bytes_per_step": float(sent[rank]),
+            "wire_out_bytes_per_step": float(sent.sum() - sent[rank]),
+            "wire_in_bytes_per_step": float(received.sum() - received[rank])}
 
 
 def aggregate_metrics(model: tf.keras.Model, exchange: KeyExchange) -> dict[str, float]:
@@ -157,7 +177,7 @@ def aggregate_metrics(model: tf.keras.Model, exchange: KeyExchange) -> dict[str,
     out = {}
     for m in model.metrics:
         for v in m.variables:
-            v.assign(exchange.allreduce_sum(tf.convert_to_tensor(v), counter=None))
+            v.assign(exchange.allreduce_sum(tf.convert_to_tensor(v), counter="metrics_bytes"))
         r = m.result()
         if isinstance(r, dict):
             out.update({k: float(x) for k, x in r.items()})

@@ -227,11 +227,18 @@ def main(argv=None) -> int:
     if sharded:
         from des.callbacks import CounterDeltas
         counters = dict(exchange.counters)
+        counters.update({f"sent_{k}": v for k, v in exchange.sent.items()})
+        counters.update({f"received_{k}": v for k, v in exchange.received.items()})
         if a.mode == "cache":
             counters.update(model.cached_tables()[0][0].counters)
             callbacks.append(_FlushAtEpochEnd())
         traffic = CounterDeltas(counters)
         callbacks.append(traffic)
+    wire = None
+    if os.environ.get("DES_WIRE_INTERFACE"):        # set by des.netbed: one process per emulated host
+        from des.callbacks import WireBytes
+        wire = WireBytes(os.environ["DES_WIRE_INTERFACE"])
+        callbacks.append(wire)
     saver = None
     if a.checkpoint:
         from des.callbacks import PeriodicCheckpoint
@@ -273,12 +280,16 @@ def main(argv=None) -> int:
                "bad_lines_skipped": skips.total, "global_batch": global_batch,
                "train_auc_by_step": curve.points, "peak_rss_mib": _peak_rss_mib()}
     if report is not None:
+        counted = comm.counted()
         summary.update(floats_per_sample=report.floats_per_sample,
                        bytes_per_step_measured=traffic.median(),
                        bytes_per_step_analytic=report.payload_bytes(a.batch),
-                       ring_bytes_per_step=report.ring_bytes(a.batch))
+                       ring_bytes_per_step=report.ring_bytes(a.batch), collectives=counted,
+                       check_bytes_per_step=counted["check"]["bytes"] / max(1, len(traffic.per_step)))
+    if sharded:
+        summary["collectives"] = {k: v for k, v in exchange.snapshot().items() if k in ("metrics_bytes", "barrier_bytes")}
     if a.mode == "cache":
-        summary.update(cache.traffic_summary(traffic.steps, comm.world_size),
+        summary.update(cache.traffic_summary(traffic.steps, comm.rank, comm.world_size),
                        staleness=a.staleness, cache_size=a.cache_size, eviction=a.eviction)
         log(f"cache bytes/step sent per process: measured {summary['sent_bytes_per_step']:.0f} (all-to-all "
             f"{summary['alltoall_bytes_per_step']:.0f}, analytic {summary['analytic_alltoall_bytes_per_step']:.0f}; "
@@ -288,15 +299,20 @@ def main(argv=None) -> int:
     if a.mode == "ps":
         summary.update(ps.traffic_summary(model, traffic.steps, comm.rank, comm.world_size))
         log(f"PS bytes/step sent per process: measured {summary['sent_bytes_per_step']:.0f} "
-            f"(all-to-all {summary['alltoall_bytes_per_step']:.0f} + dense ring "
+            f"(all-to-all {summary['alltoall_bytes_per_step']:.0f} + dense ring model "
             f"{summary['dense_ring_bytes_per_step']:.0f}), analytic {summary['analytic_sent_bytes_per_step']:.0f}; "
             f"{summary['unique_ids_per_step']:.0f} unique ids per step; measured == analytic in "
             f"{summary['bytes_exact_steps']} steps")
     elif report is not None:
-        summary.update(sent_bytes_per_step=comm.ring_bytes(summary["bytes_per_step_measured"]),
+        summary.update(sent_bytes_per_step=comm.ring_bytes(summary["bytes_per_step_measured"]
+                                                           + summary["check_bytes_per_step"]),
                        analytic_sent_bytes_per_step=report.ring_bytes(a.batch),
                        costs=[dict(rule=c.rule, layer=c.layer, des_bytes=c.des_bytes, ps_bytes=c.ps_bytes,
                                    verdict=c.verdict) for c in report.costs])
+    if wire is not None:
+        summary["wire_bytes_per_step"] = wire.median()
+        log(f"bytes/step this host sent on its interface (measured, {os.environ['DES_WIRE_INTERFACE']}): "
+            f"{summary['wire_bytes_per_step']:.0f}")
     if a.skip_bad_lines:
         log(str(skips))
     if evald is not None:
@@ -304,9 +320,11 @@ def main(argv=None) -> int:
             f"log loss {summary['logloss']:.4f} on {eval_name}")
     log(f"{summary['samples_per_second']:.0f} samples/s (global batch {global_batch} / median step time)")
     if report is not None:
+        c = summary["collectives"]
         log(f"DES bytes/step handed to allreduce: measured {summary['bytes_per_step_measured']:.0f}, "
-            f"analytic {summary['bytes_per_step_analytic']} (4*B*{report.floats_per_sample}); "
-            f"ring sends {summary['ring_bytes_per_step']:.0f} per process")
+            f"analytic {summary['bytes_per_step_analytic']} (4*B*{report.floats_per_sample}); a ring would send "
+            f"{summary['ring_bytes_per_step']:.0f} per process (model); replica checks "
+            f"{c['check']['bytes']} B in {c['check']['calls']} allreduce(s), broadcasts {c['broadcast']['bytes']} B")
     if saver is not None and saver.saves:
         log(f"checkpoint written to {a.checkpoint} ({saver.saves} save(s); the last at epoch "
             f"{saver.epoch}, step {saver.step})")
@@ -339,9 +357,9 @@ def _barrier(mode: str, comm, exchange):
     """Waits for every process (one tiny allreduce): checkpoints are written together."""
     import tensorflow as tf
     if mode in ("ps", "cache") and exchange.world_size > 1:
-        return lambda: exchange.allreduce_sum(tf.zeros([1]), counter=None)
+        return lambda: exchange.allreduce_sum(tf.zeros([1]), counter="barrier_bytes")
     if mode == "des" and comm.world_size > 1:
-        return lambda: comm.allreduce(tf.zeros([1]))
+        return lambda: comm.allreduce_counted(tf.zeros([1]), "barrier")
     return None
 
 

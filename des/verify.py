@@ -73,16 +73,23 @@ def train_and_snapshot(model, optimizer, learning_rate: float | None, batches, p
     return {"predictions": np.stack(preds), **snapshot(model)}
 
 
-def fit_and_snapshot(model, batches, probe, optimizer: str = "adam", learning_rate: float = 0.02) -> dict:
-    """The user's loop: compile with an AUC metric and fit one epoch over ``batches`` in order;
-    then predictions on ``probe``, the fit's last AUC and loss, and the snapshot."""
+def fit_and_snapshot(model, batches, probe, optimizer: str = "adam", learning_rate: float = 0.02,
+                     epochs: int = 1, shuffle_seed: int | None = None, shuffle_buffer: int | None = None) -> dict:
+    """The user's loop: compile with an AUC metric and fit ``epochs`` epochs over the rows of
+    ``batches``, batched as they are; in order, or with ``shuffle_seed`` through tf.data
+    ``shuffle(shuffle_buffer or all rows, seed, reshuffle_each_iteration=True)`` (a new order
+    every epoch, the same sequence of orders wherever the seeds are the same); then predictions on ``probe``,
+    the fit's last AUC and loss, and the snapshot."""
     from models.optim import make_optimizer
     model.compile(make_optimizer(optimizer, learning_rate), "binary_crossentropy",
                   metrics=[tf.keras.metrics.AUC(name="auc")])
     xs = {k: tf.concat([x[k] for x, _ in batches], 0) for k in batches[0][0]}
     ys = tf.concat([y for _, y in batches], 0)
-    ds = tf.data.Dataset.from_tensor_slices((xs, ys)).batch(int(batches[0][1].shape[0]))
-    hist = model.fit(ds, epochs=1, verbose=0, shuffle=False).history
+    ds = tf.data.Dataset.from_tensor_slices((xs, ys))
+    if shuffle_seed is not None:
+        ds = ds.shuffle(shuffle_buffer or int(ys.shape[0]), seed=shuffle_seed, reshuffle_each_iteration=True)
+    ds = ds.batch(int(batches[0][1].shape[0]))
+    hist = model.fit(ds, epochs=epochs, verbose=0, shuffle=False).history
     return {"predictions": np.asarray(model.predict_on_batch(probe)), "auc": hist["auc"][-1],
             "loss": hist["loss"][-1], **snapshot(model)}
 

@@ -162,15 +162,9 @@ class CachedFieldEmbedding(ShardedFieldEmbedding):
         return v.assign(tf.maximum(v, tf.cast(value, tf.int64)))
 
     def _alltoall(self, x: tf.Tensor, splits: tf.Tensor, counter: str):
-        """all-to-all of ``x`` (rows grouped by destination, ``splits`` per destination); counts the
-        bytes of the rows that leave this process (its own segment is not sent)."""
-        ex = self.exchange
-        if ex.world_size == 1:
-            return tf.identity(x), splits
-        row_bytes = x.dtype.size * int(x.shape[1]) if x.shape.rank == 2 else x.dtype.size
-        remote = tf.shape(x)[0] - splits[ex.rank]
-        with tf.control_dependencies([self._add(counter, remote * row_bytes)]):
-            return ex._hvd.alltoall(x, splits=splits)
+        """all-to-all of ``x`` (rows grouped by destination, ``splits`` per destination), counted by
+        the exchange per destination; ``counter`` gets the bytes that leave this process."""
+        return self.exchange.alltoall(x, splits, counter.replace("_bytes", ""), add_sent=self.counters[counter])
 
     def _owner_rows(self, keys: tf.Tensor) -> tf.Tensor:
         """The owner's rows of ``keys`` (distinct), inserting missing ones with key_init."""

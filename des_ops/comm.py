@@ -18,14 +18,41 @@ import tensorflow as tf
 
 
 class Communicator:
-    """rank, world_size and a raw sum-allreduce of a float32 tensor (no gradient)."""
+    """rank, world_size and a raw sum-allreduce of a float32 tensor (no gradient).
+
+    Every collective is counted where it is called, by purpose: ``step`` (the DES allreduce of
+    training and predict steps: ``payload_bytes``, ``calls``), ``check`` (the replica check),
+    ``barrier`` (checkpoint barriers) and ``broadcast`` (rank 0's weights and plan at transform).
+    Bytes are those of the tensors handed over; what a process puts on the wire for them depends
+    on MPI's algorithm (``ring_bytes`` is the ring model, an analytic figure).
+    """
     name = "base"
     rank = 0
     world_size = 1
+    PURPOSES = ("step", "check", "barrier", "broadcast")
 
     def __init__(self) -> None:
-        self.payload_bytes = tf.Variable(0, dtype=tf.int64, trainable=False, name="des_payload_bytes")
-        self.calls = tf.Variable(0, dtype=tf.int64, trainable=False, name="des_allreduce_calls")
+        self.bytes = {p: tf.Variable(0, dtype=tf.int64, trainable=False, name=f"des_{p}_bytes")
+                      for p in self.PURPOSES}
+        self.ncalls = {p: tf.Variable(0, dtype=tf.int64, trainable=False, name=f"des_{p}_calls")
+                       for p in self.PURPOSES}
+        self.payload_bytes, self.calls = self.bytes["step"], self.ncalls["step"]
+
+    def count(self, purpose: str, nbytes) -> tf.Operation:
+        """Add one collective call of ``nbytes`` handed over to the counters of ``purpose``."""
+        return tf.group(self.bytes[purpose].assign_add(tf.cast(nbytes, tf.int64)),
+                        self.ncalls[purpose].assign_add(1))
+
+    def allreduce_counted(self, x: tf.Tensor, purpose: str) -> tf.Tensor:
+        """``allreduce`` of ``x`` (no gradient), counted under ``purpose``."""
+        x = tf.convert_to_tensor(x)
+        with tf.control_dependencies([self.count(purpose, tf.size(x, tf.int64) * x.dtype.size)]):
+            return self.allreduce(x)
+
+    def counted(self) -> dict[str, dict[str, int]]:
+        """Bytes handed over and calls so far, per purpose."""
+        return {p: {"bytes": int(self.bytes[p].numpy()), "calls": int(self.ncalls[p].numpy())}
+                for p in self.PURPOSES}
 
     def allreduce(self, x: tf.Tensor) -> tf.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
@@ -70,6 +97,7 @@ class HorovodCommunicator(Communicator):
 
     def broadcast(self, a, root=0):
         self._broadcasts = getattr(self, "_broadcasts", 0) + 1
+        self.count("broadcast", np.asarray(a).nbytes)
         return self._hvd.broadcast(tf.constant(a), root_rank=root, name=f"des_broadcast_{self._broadcasts}").numpy()
 
 
@@ -95,6 +123,7 @@ class Mpi4pyCommunicator(Communicator):
 
     def broadcast(self, a, root=0):
         buf = np.ascontiguousarray(a).copy()
+        self.count("broadcast", buf.nbytes)
         self._comm.Bcast(buf, root=root)
         return buf
 
@@ -154,13 +183,13 @@ class InProcessCommunicator(Communicator):
         return tf.ensure_shape(y, x.shape)
 
     def broadcast(self, a, root=0):
+        self.count("broadcast", np.asarray(a).nbytes)
         return self.world.broadcast(self.rank, a, root)
 
 
 def allreduce_sum(comm: Communicator, x: tf.Tensor) -> tf.Tensor:
-    """Sum of x over all ranks, with an identity gradient; counts the bytes handed over."""
-    count = tf.group(comm.payload_bytes.assign_add(tf.cast(tf.size(x), tf.int64) * x.dtype.size),
-                     comm.calls.assign_add(1))
+    """Sum of x over all ranks, with an identity gradient; counts the bytes handed over ("step")."""
+    count = comm.count("step", tf.cast(tf.size(x), tf.int64) * x.dtype.size)
 
     @tf.custom_gradient
     def _sum(v):

@@ -16,9 +16,12 @@ model starts from exactly the weights of the single-process model.
     >>> emb = ShardedFieldEmbedding("C1", 8, exchange, seed=0)
     >>> rows = emb(ids)                                   # [B, 8], this process's slice
 
-Bytes are counted from the tensors handed to all-to-all, for the ids THIS process asks
-other processes for (its own shard is not sent): ids out (8 B each), rows back (4*dim B)
-and, in backward, gradient rows out (4*dim B).
+Bytes are measured where the collective is called (``KeyExchange.alltoall``): per destination
+process, the size of the segment of the tensor handed to all-to-all (``sent[kind]``) and of the
+segment that came back from each source (``received[kind]``), self-sends kept apart (they stay
+in the process). The lookup counters (``ids_bytes``, ``rows_bytes``, ``grad_bytes``) are the
+remote parts of those for THIS process's lookups: ids out (8 B each), rows in (4*dim B) and, in
+backward, gradient rows out (4*dim B) - what ``des.ps.analytic_bytes`` computes from the ids.
 """
 from __future__ import annotations
 
@@ -31,13 +34,19 @@ from models.layers import FieldEmbedding, pool
 class KeyExchange:
     """Routes keys to their owner (key mod world_size) and rows back; counts bytes and keys."""
 
-    COUNTERS = ("ids_bytes", "rows_bytes", "grad_bytes", "dense_bytes", "control_bytes",
+    COUNTERS = ("ids_bytes", "rows_bytes", "grad_bytes", "dense_bytes", "control_bytes", "metrics_bytes",
+                "barrier_bytes",
                 "unique_ids", "remote_ids")
+    # what travels by all-to-all: PS ids / rows / gradient rows; cache queries / clocks / rows / pushes
+    KINDS = ("ids", "rows", "grads", "query", "clock", "fetch", "push")
 
     def __init__(self, rank: int, world_size: int, hvd=None):
         self.rank, self.world_size, self._hvd = rank, world_size, hvd
         self.counters = {n: tf.Variable(0, dtype=tf.int64, trainable=False, name=f"ps_{n}")
                          for n in self.COUNTERS}
+        vector = lambda name: tf.Variable(tf.zeros([world_size], tf.int64), trainable=False, name=name)  # noqa: E731
+        self.sent = {k: vector(f"a2a_sent_{k}") for k in self.KINDS}
+        self.received = {k: vector(f"a2a_received_{k}") for k in self.KINDS}
 
     @classmethod
     def horovod(cls) -> "KeyExchange":
@@ -65,35 +74,73 @@ class KeyExchange:
         order = tf.argsort(owner, stable=True)
         splits = tf.math.bincount(owner, minlength=self.world_size, maxlength=self.world_size, dtype=tf.int32)
         remote = n - splits[self.rank]
-        count = tf.group(self._add("unique_ids", n), self._add("remote_ids", remote),
-                         self._add("ids_bytes", 8 * remote), self._add("rows_bytes", 4 * dim * remote))
+        count = tf.group(self._add("unique_ids", n), self._add("remote_ids", remote))
         with tf.control_dependencies([count]):
-            received, received_splits = self._hvd.alltoall(tf.gather(uniq, order), splits=splits)
+            received, received_splits = self.alltoall(tf.gather(uniq, order), splits, "ids", add_sent="ids_bytes")
         keys, where = tf.unique(received)                 # the same key may come from several processes
-        rows = tf.gather(local_rows(keys), where)
-        back, _ = self._hvd.alltoall(rows, splits=received_splits)
-        back = self._count_gradient(back, remote, dim)
+        rows = tf.reshape(tf.gather(local_rows(keys), where), [-1, dim])
+        back, _ = self.alltoall(rows, received_splits, "rows", add_received="rows_bytes",
+                                grad_kind="grads", grad_add_sent="grad_bytes")
         return tf.gather(back, tf.math.invert_permutation(order))
 
-    def _count_gradient(self, x: tf.Tensor, remote: tf.Tensor, dim: int) -> tf.Tensor:
-        @tf.custom_gradient
-        def counted(v):
-            def grad(dy):
-                with tf.control_dependencies([self._add("grad_bytes", 4 * dim * remote)]):
-                    return tf.identity(dy)
-            return tf.identity(v), grad
-        return counted(x)
+    def alltoall(self, x: tf.Tensor, splits: tf.Tensor, kind: str, add_sent=None, add_received=None,
+                 grad_kind: str | None = None, grad_add_sent=None):
+        """Horovod all-to-all of ``x`` (rows grouped by destination, ``splits[d]`` rows to process d):
+        returns (rows from every source, rows per source). Counts, per process, the bytes of the
+        segments handed over (``sent[kind]``) and received (``received[kind]``); ``add_sent`` /
+        ``add_received`` (a counter's name or an int64 variable) also get the remote (not self) part. With
+        ``grad_kind`` the backward pass is one all-to-all of the gradient rows back to the sources,
+        counted the same way (Horovod's own gradient, made countable).
 
-    def allreduce_sum(self, x: tf.Tensor, counter: str | None = "dense_bytes") -> tf.Tensor:
-        """Sum over processes (no gradient); counts the bytes handed over."""
+            >>> rows, per_source = exchange.alltoall(values, splits, "rows", grad_kind="grads")
+        """
+        if self.world_size == 1:
+            return tf.identity(x), splits
+        row_bytes = x.dtype.size * tf.reduce_prod(tf.shape(x, out_type=tf.int64)[1:])   # rank known at run time
+
+        def counted(result, out_splits, in_splits, name, scalar_sent, scalar_received):
+            sent = tf.cast(out_splits, tf.int64) * row_bytes
+            came = tf.cast(in_splits, tf.int64) * row_bytes
+            ops = [self.sent[name].assign_add(sent), self.received[name].assign_add(came)]
+            for scalar, per_process in ((scalar_sent, sent), (scalar_received, came)):
+                if scalar is not None:
+                    var = self.counters[scalar] if isinstance(scalar, str) else scalar
+                    ops.append(var.assign_add(tf.reduce_sum(per_process) - per_process[self.rank]))
+            with tf.control_dependencies(ops):
+                return tf.identity(result)
+
+        if grad_kind is None:
+            got, in_splits = self._hvd.alltoall(x, splits=splits)
+            return counted(got, splits, in_splits, kind, add_sent, add_received), in_splits
+
+        per_source = []
+
+        @tf.custom_gradient
+        def differentiable(v):
+            got, in_splits = self._hvd.alltoall(v, splits=splits)
+            per_source.append(in_splits)
+
+            def grad(dy):
+                back, back_splits = self._hvd.alltoall(dy, splits=in_splits)
+                return counted(back, in_splits, back_splits, grad_kind, grad_add_sent, None)
+            return got, grad
+
+        got = differentiable(x)
+        return counted(got, splits, per_source[0], kind, add_sent, add_received), per_source[0]
+
+    def allreduce_sum(self, x: tf.Tensor, counter: str = "dense_bytes") -> tf.Tensor:
+        """Sum over processes (no gradient); adds the bytes handed over to ``counter``."""
         if self.world_size == 1:
             return tf.identity(x)
-        deps = [self._add(counter, tf.size(x) * x.dtype.size)] if counter else []
-        with tf.control_dependencies(deps):
+        with tf.control_dependencies([self._add(counter, tf.size(x) * x.dtype.size)]):
             return self._hvd.allreduce(x, op=self._hvd.Sum)
 
-    def snapshot(self) -> dict[str, int]:
-        return {n: int(v.numpy()) for n, v in self.counters.items()}
+    def snapshot(self) -> dict:
+        """The scalar counters, and ``sent``/``received`` bytes per process per all-to-all kind."""
+        out: dict = {n: int(v.numpy()) for n, v in self.counters.items()}
+        out["sent"] = {k: v.numpy().tolist() for k, v in self.sent.items()}
+        out["received"] = {k: v.numpy().tolist() for k, v in self.received.items()}
+        return out
 
 
 class ShardedFieldEmbedding(FieldEmbedding):

@@ -2,7 +2,8 @@
 
     mpirun -np 3 python scripts/mpi_equivalence.py deepfm adam OUT_DIR [horovod|mpi4py]
 
-Each rank trains the DES model on the shared toy batches and pickles its snapshot
+Each rank trains the DES model on the shared toy batches (PS_SPEC: one-hot, multi-valued and
+weighted multi-valued fields) and pickles its snapshot
 (predictions after every step, owned table rows, weights) to OUT_DIR/rank<r>.pkl, plus the
 gradient a raw hvd.allreduce would give, to show why DES needs the identity gradient.
 """
@@ -19,7 +20,7 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 import horovod.tensorflow as hvd  # noqa: E402
 
 import models  # noqa: E402
-from des.verify import optimizer_factory, random_batches, small_spec, train_and_snapshot  # noqa: E402
+from des.verify import PS_SPEC, optimizer_factory, random_batches, train_and_snapshot  # noqa: E402
 from des_ops.comm import HorovodCommunicator, Mpi4pyCommunicator, allreduce_sum  # noqa: E402
 
 LR = {"sgd": 0.2, "adagrad": 0.05, "adam": 0.01, "ftrl": 0.05}
@@ -27,7 +28,7 @@ LR = {"sgd": 0.2, "adagrad": 0.05, "adam": 0.01, "ftrl": 0.05}
 
 def main(name: str, optimizer: str, out: str, comm_kind: str = "horovod") -> None:
     comm = HorovodCommunicator() if comm_kind == "horovod" else Mpi4pyCommunicator()
-    spec = small_spec(4, dim=3)
+    spec = PS_SPEC            # one-hot, multi-valued and weighted multi-valued fields
     batches = random_batches(spec, 20, 32, seed=4)
     probe = random_batches(spec, 1, 16, seed=99)[0][0]
     model, report = des.transform(models.build(name, spec, seed=3, hidden=(8, 4)), comm=comm)

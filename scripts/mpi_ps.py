@@ -5,7 +5,9 @@
 Each rank trains the PS model on ITS slice of the shared global batches (keys repeat within
 and across slices; the last global batch has fewer rows than processes, so some rank gets
 none), predicts the shared probe after every step, and pickles to OUT_DIR/rank<r>.pkl the
-predictions plus, per step, the bytes and ids counted by the exchange and the analytic ones.
+predictions, the final snapshot (this process's share of every table's rows, the weights) and,
+per step, the bytes and ids counted by the exchange (scalars, and the bytes per destination
+and per source of every all-to-all kind) and the analytic ones.
 """
 import os
 import pickle
@@ -20,7 +22,7 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 import models  # noqa: E402
 from des.data.readers import _slice_batch  # noqa: E402
 from des.ps import analytic_bytes, dense_parameters, shard, table_inputs  # noqa: E402
-from des.verify import optimizer_factory, ps_batches, PS_SPEC  # noqa: E402
+from des.verify import optimizer_factory, ps_batches, PS_SPEC, snapshot  # noqa: E402
 from des_ops.sharded import KeyExchange  # noqa: E402
 
 LR = {"sgd": 0.2, "adagrad": 0.05, "adam": 0.01, "ftrl": 0.05}
@@ -39,12 +41,16 @@ def main(name: str, optimizer: str, out: str) -> None:
         before = exchange.snapshot()
         model.train_on_batch(xs, ys)
         after = exchange.snapshot()
-        measured.append({k: after[k] - before[k] for k in after})
+        delta = {k: after[k] - before[k] for k in after if k not in ("sent", "received")}
+        for side in ("sent", "received"):
+            delta[side] = {k: [a - b for a, b in zip(after[side][k], before[side][k])] for k in after[side]}
+        measured.append(delta)
         analytic.append(analytic_bytes({k: v.numpy() for k, v in xs.items()}, tables, rank, n, dense))
         rows.append(int(ys.shape[0]))
         preds.append(model.predict_on_batch(probe))
     with open(os.path.join(out, f"rank{rank}.pkl"), "wb") as fh:
-        pickle.dump({"predictions": preds, "measured": measured, "analytic": analytic, "rows": rows}, fh)
+        pickle.dump({"predictions": preds, "measured": measured, "analytic": analytic, "rows": rows,
+                     "snapshot": snapshot(model), "rank": rank}, fh)
 
 
 if __name__ == "__main__":

@@ -41,15 +41,17 @@ def copy_meta(src: str, dst: str) -> None:
         out.write(fh.read())
 
 
-def single_process_predictions(name: str, optimizer: str, learning_rates: dict, batches, probe) -> list:
+def single_process_predictions(name: str, optimizer: str, learning_rates: dict, batches, probe,
+                               with_snapshot: bool = False):
     """The untouched reference model (PS_SPEC, seed 3, hidden 8,4) trained on whole global batches:
-    its predictions on ``probe`` after every step (what the PS and cache mpirun runs must match)."""
+    its predictions on ``probe`` after every step (what the PS and cache mpirun runs must match);
+    ``with_snapshot``: also its final rows and weights (des.verify.snapshot)."""
     import models
-    from des.verify import PS_SPEC, optimizer_factory
+    from des.verify import PS_SPEC, optimizer_factory, snapshot
     ref = models.build(name, PS_SPEC, seed=3, hidden=(8, 4))
     ref.compile(optimizer_factory(optimizer, learning_rates)(), "binary_crossentropy")
     out = []
     for x, y in batches:
         ref.train_on_batch(x, y)
         out.append(ref.predict_on_batch(probe))
-    return out
+    return (out, snapshot(ref)) if with_snapshot else out

@@ -187,5 +187,6 @@ def test_compare_report_has_cache_rows_and_the_auc_vs_bytes_plot(tmp_path):
     a = argparse.Namespace(preset="criteo-like", np=4, batch=1024, steps=10, cache_size="10%")
     md = markdown(rows, results, a, {"bayes_auc": 0.78})
     assert "| deepfm | cache s=inf | 4 | 0.7400 |" in md and "| 0.900 | 15 |" in md
+    assert "(a2a measured + ring model)" in md and "analytic (formulas)" in md   # what is a formula is labelled
     files = plots(results, {"deepfm": {"des": [1.0, 2.0], "ps": [3.0, 4.0]}}, [512, 1024], a, str(tmp_path))
     assert os.path.basename(files[-1]) == "auc_vs_bytes.png" and os.path.getsize(files[-1]) > 10_000

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import models
-from des.verify import compare, optimizer_factory, random_batches, small_spec, train_and_snapshot
+from des.verify import PS_SPEC, compare, optimizer_factory, random_batches, train_and_snapshot
 from helpers import single_process_predictions, write_small_ffm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,7 +33,7 @@ def test_des_under_mpirun_equals_single_process(tmp_path, name, optimizer, n, co
     run = mpirun(n, "scripts/mpi_equivalence.py", name, optimizer, str(tmp_path), comm)
     assert run.returncode == 0, run.stderr[-3000:]
     ranks = [pickle.load(open(tmp_path / f"rank{r}.pkl", "rb")) for r in range(n)]
-    spec = small_spec(4, dim=3)
+    spec = PS_SPEC                 # one-hot, multi-valued and weighted fields, as scripts/mpi_equivalence.py
     ref = train_and_snapshot(models.build(name, spec, seed=3, hidden=(8, 4)), optimizer_factory(optimizer, LR), None,
                              random_batches(spec, 20, 32, seed=4), random_batches(spec, 1, 16, seed=99)[0][0])
     diff = compare(ref, ranks)
@@ -84,6 +84,9 @@ def test_training_cli_des_under_mpirun(data_file, single_run, tmp_path):
     s = single_run
     assert abs(ranks[0]["auc"] - s["auc"]) < 1e-4 and ranks[0]["auc"] > 0.55
     assert ranks[0]["bytes_per_step_measured"] == ranks[0]["bytes_per_step_analytic"] == 4 * 512 * 17
+    check = ranks[0]["collectives"]["check"]            # the replica check's allreduce is counted too
+    assert check["calls"] == 4 and check["bytes"] > 0 and check["bytes"] % (4 * 2 * 8) == 0   # 4 x N x float64
+    assert ranks[0]["check_bytes_per_step"] == check["bytes"] / 20
     assert sorted(os.listdir(tmp_path / "ck" / "state")) == ["config.json", "rank0-of-2.npz", "rank1-of-2.npz"]
     saved = json.load(open(tmp_path / "ck" / "state" / "config.json"))
     assert saved["plan"]["world_size"] == 2 and saved["position"] == {"epoch": 1, "step": 0, "seed": 0,
@@ -142,7 +145,7 @@ def test_ps_under_mpirun_equals_single_process_and_counts_bytes_exactly(tmp_path
     run = mpirun(n, "scripts/mpi_ps.py", name, optimizer, str(tmp_path))
     assert run.returncode == 0, run.stderr[-3000:]
     ranks = [pickle.load(open(tmp_path / f"rank{r}.pkl", "rb")) for r in range(n)]
-    expected = single_process_predictions(name, optimizer, LR, *ps_batches())
+    expected, ref = single_process_predictions(name, optimizer, LR, *ps_batches(), with_snapshot=True)
     if n == 3:
         assert [r["rows"][-2] for r in ranks] == [0, 1, 1]           # rank 0 had no ids in that step
     for r in ranks:
@@ -153,7 +156,34 @@ def test_ps_under_mpirun_equals_single_process_and_counts_bytes_exactly(tmp_path
             for k in ("ids_bytes", "rows_bytes", "grad_bytes", "unique_ids", "remote_ids", "dense_bytes"):
                 assert m[k] == a[k], (step, k, m[k], a[k])
             assert m["control_bytes"] == 4
+            # per destination, measured at the all-to-all; the self-send kept apart
+            own = r["rank"]
+            assert m["sent"]["ids"][own] == 8 * (m["unique_ids"] - m["remote_ids"])
+            assert sum(m["sent"]["ids"]) - m["sent"]["ids"][own] == m["ids_bytes"]
+            assert sum(m["received"]["rows"]) - m["received"]["rows"][own] == m["rows_bytes"]
+            assert sum(m["sent"]["grads"]) - m["sent"]["grads"][own] == m["grad_bytes"]
         assert sum(m["remote_ids"] for m in r["measured"]) > 0
+    # what r handed to all-to-all for d is what d received from r, in every step and kind
+    for step in range(len(ranks[0]["measured"])):
+        for kind in ("ids", "rows", "grads"):
+            for r in range(n):
+                for d in range(n):
+                    assert ranks[r]["measured"][step]["sent"][kind][d] == \
+                        ranks[d]["measured"][step]["received"][kind][r], (step, kind, r, d)
+    # rows and weights, not only predictions: the shards are disjoint, held by key mod N, and
+    # together equal the single process's tables row by row; every rank holds its weights
+    merged = {"predictions": np.stack(ranks[0]["predictions"]), "owned": ranks[0]["snapshot"]["owned"],
+              "weights": ranks[0]["snapshot"]["weights"], "tables": {}}
+    for r in ranks:
+        for key, rows in r["snapshot"]["tables"].items():
+            assert all(k % n == r["rank"] for k in rows), (key, r["rank"])
+            assert not set(rows) & set(merged["tables"].get(key, {}))
+            merged["tables"].setdefault(key, {}).update(rows)
+    diffs = [compare(dict(ref, predictions=np.stack(expected)),
+                     [dict(merged, predictions=np.stack(r["predictions"]), weights=r["snapshot"]["weights"])])
+             for r in ranks]
+    print(f"PS rows/weights vs single process: {diffs[0]}")
+    assert all(max(d.values()) < 1e-5 for d in diffs), diffs
 
 
 @pytest.mark.mpi
