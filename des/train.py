@@ -381,7 +381,8 @@ def _FlushAtEpochEnd():
 
 def _spec(a, meta: dict):
     """The FeatureSpec of the data: named by the format, or (libsvm/libffm) from the generator's
-    metadata, else scanned from the files."""
+    metadata, else scanned from the files - the training AND the --eval-data files, so an
+    evaluation file with longer bags (more features in a field) than any training line works."""
     from des.data import FeatureSpec, avazu_spec, criteo_spec
     from des.data.libsvm import scan_spec
     if a.format == "criteo":
@@ -390,7 +391,7 @@ def _spec(a, meta: dict):
         return avazu_spec(a.dim)
     if "spec" in meta and meta.get("format") == a.format:
         return FeatureSpec.from_json(json.dumps(meta["spec"])).with_dim(a.dim)
-    return scan_spec(a.data, a.format, a.dim)
+    return scan_spec(list(a.data) + list(getattr(a, "eval_data", None) or []), a.format, a.dim)
 
 
 def _bayes_auc(a, meta: dict):

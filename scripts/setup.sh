@@ -13,7 +13,7 @@ HOROVOD_VERSION=0.28.1
 say() { printf '[setup] %s\n' "$*" >&2; }
 
 # 1. System packages: Open MPI (runtime + headers, for mpi4py and Horovod) and a C++ toolchain.
-APT_PKGS="libopenmpi-dev openmpi-bin cmake g++ make"
+APT_PKGS="libopenmpi-dev openmpi-bin cmake g++ make iproute2"
 missing=""
 for p in $APT_PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

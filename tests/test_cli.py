@@ -41,6 +41,22 @@ def test_eval_data_file_equals_holding_out_the_same_lines(tmp_path):
     assert runs["eval"][0]["logloss"] == runs["holdout"][0]["logloss"]
 
 
+def test_eval_file_with_longer_bags_than_training_is_sized_from_both(tmp_path):
+    """libffm without metadata: the spec is scanned from --data AND --eval-data, so a field with
+    more features per line in the evaluation file than in any training line is evaluated (it
+    stopped with "field 'F1' has more than 1 features (the spec's max_len)")."""
+    rng = np.random.default_rng(0)
+    line = lambda n1: " ".join([str(int(rng.random() < 0.3)), f"0:{rng.integers(1, 50)}:1"] +   # noqa: E731
+                               [f"1:{rng.integers(1, 80)}:1" for _ in range(n1)])
+    (tmp_path / "train.ffm").write_text("\n".join(line(1) for _ in range(600)) + "\n")
+    (tmp_path / "eval.ffm").write_text("\n".join(line(3) for _ in range(200)) + "\n")
+    r = subprocess.run(TRAIN + ["--format", "libffm", "--data", str(tmp_path / "train.ffm"), "--eval-data",
+                                str(tmp_path / "eval.ffm"), "--summary-json", str(tmp_path / "s.json")],
+                       env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert 0 < json.load(open(tmp_path / "s.json"))["auc"] < 1
+
+
 def test_missing_eval_file_is_a_clear_error(tmp_path):
     data = str(tmp_path / "train.txt")
     write_small_ffm(data, 300, seed=3)
