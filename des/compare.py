@@ -46,18 +46,19 @@ def ensure_data(preset: str, rows: int, seed: int, folder: str) -> str:
     return path
 
 
-def run(key: str, model: str, data: str, a, out: str, launcher: list[str] | None = None) -> dict:
+def run(key: str, model: str, data: str, a, out: str, launcher: list[str] | None = None,
+        options: tuple[str, ...] = (), tag: str = "") -> dict:
     """One des.train run (``key``: a mode, or ``cache s=S``); returns rank 0's summary plus the
     peak memory over processes and, on the netbed, the mean over hosts of the bytes per step
     each host sent on its interface. ``launcher``: the mpirun command (default: local mpirun)."""
     mode, extra = key, []
     if key.startswith("cache"):
         mode, extra = "cache", ["--staleness", key.split("=")[1], "--cache-size", a.cache_size]
-    summary = os.path.join(out, f"{model}-{key.replace(' ', '-').replace('=', '')}.json")
+    summary = os.path.join(out, f"{model}-{key.replace(' ', '-').replace('=', '')}{tag}.json")
     args = ["-m", "des.train", "--mode", mode, *extra, "--model", model, "--data", data, "--batch", str(a.batch),
             "--steps", str(a.steps), "--holdout", str(a.holdout), "--dim", str(a.dim), "--hidden", a.hidden,
             "--optimizer", a.optimizer, "--lr", str(a.lr), "--threads", "1", "--summary-json", summary,
-            "--shuffle-buffer", str(a.shuffle_buffer)]
+            "--shuffle-buffer", str(a.shuffle_buffer), *options]
     cmd = [sys.executable, *args]
     if mode != "single":
         cmd = [*(launcher or ["mpirun", "-np", str(a.np), "--oversubscribe", "--bind-to", "none"]), *cmd]
@@ -69,8 +70,9 @@ def run(key: str, model: str, data: str, a, out: str, launcher: list[str] | None
         raise SystemExit(f"{model} {key} failed (exit {done.returncode}); see {log}")
     paths = [summary] if mode == "single" else [f"{summary}.rank{r}" for r in range(a.np)]
     ranks = [json.load(open(p)) for p in paths]
-    s = ranks[0]
+    s = dict(ranks[0])
     s["peak_rss_mib"] = max(r["peak_rss_mib"] for r in ranks)
+    s["ranks"] = ranks
     if all("wire_bytes_per_step" in r for r in ranks):
         s["wire_bytes_per_host_step"] = float(np.mean([r["wire_bytes_per_step"] for r in ranks]))
     return s
@@ -235,7 +237,7 @@ def _save(fig, out: str, name: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="lr,wdl,deepfm")
-    ap.add_argument("--np", type=int, default=4)
+    ap.add_argument("--np", default="4", help="processes; with --bandwidth a list to project (4,8,16,64)")
     ap.add_argument("--preset", default="criteo-like", choices=["criteo-like", "tiny", "wide"])
     ap.add_argument("--rows", type=int, default=100_000, help="rows of generated data")
     ap.add_argument("--seed", type=int, default=0)
@@ -254,14 +256,31 @@ def main(argv=None) -> int:
     ap.add_argument("--net", default="local", choices=["local", "netbed"],
                     help="netbed: one process per emulated host (des.netbed; root), wire bytes measured")
     ap.add_argument("--rate", default="1gbit", help="netbed: each host's sending rate (tc units)")
+    ap.add_argument("--bandwidth", default=None, help="project samples/s at this bandwidth per host (des.projection)")
+    ap.add_argument("--latency", default="20us", help="with --bandwidth: per message")
+    ap.add_argument("--cycle", type=float, default=1.0, help="with --bandwidth: Horovod's cycle time (ms)")
     ap.add_argument("--out", default="reports/compare")
     a = ap.parse_args(argv)
     a.holdout = a.holdout or max(1, a.rows // 10)
+    nps = [int(x) for x in a.np.split(",") if x]
+    if len(nps) != 1 and not a.bandwidth:
+        ap.error("--np: one number (a list only with --bandwidth, to project)")
     out = os.path.join(a.out, a.preset)
     os.makedirs(out, exist_ok=True)
     data = ensure_data(a.preset, a.rows, a.seed, os.path.join(a.out, "data"))
     meta = json.load(open(data + ".meta.json"))
     fmt = meta["format"]
+    if a.bandwidth:
+        from des import projection
+        rows = projection.project([m for m in a.models.split(",") if m], data, fmt, a, nps, out)
+        md = projection.markdown(rows, a)
+        with open(os.path.join(out, "projection.md"), "w") as fh:
+            fh.write(md)
+        with open(os.path.join(out, "projection.json"), "w") as fh:
+            json.dump(rows, fh, indent=1)
+        print(md)
+        return 0
+    a.np = nps[0]
     batches = sorted({int(b) for b in a.batches.split(",")} | {a.batch})
     results, curves = {}, {}
     keys = []

@@ -48,12 +48,16 @@ class Netbed:
     """``n`` hosts on one bridge; ``rate`` (tc units: 1gbit, 100mbit) and ``delay`` (100us, 1ms)
     shape every host's outgoing traffic. A context manager: torn down on exit (also on errors)."""
 
-    def __init__(self, n: int, rate: str | None = "1gbit", delay: str | None = None, burst: str = "256kb"):
+    def __init__(self, n: int, rate: str | None = "1gbit", delay: str | None = None, burst: str | None = None):
         if n < 1 or n > 250:
             raise ValueError(f"netbed: 1..250 hosts, not {n}")
         if os.geteuid() != 0:
             raise PermissionError("netbed: network namespaces need root")
-        self.n, self.rate, self.delay, self.burst = n, rate, delay, burst
+        self.n, self.rate, self.delay = n, rate, delay
+        if burst is None and rate:             # 1 ms at the rate (a bigger bucket lets messages pass unshaped)
+            from des.timemodel import parse_rate
+            burst = f"{max(16384, int(parse_rate(rate) * 1e-3))}b"
+        self.burst = burst
 
     def address(self, k: int) -> str:
         return f"{SUBNET}.{k}"

@@ -54,7 +54,9 @@ def _args(argv):
     ap.add_argument("--shuffle-buffer", type=int, default=50_000)
     ap.add_argument("--skip-bad-lines", action="store_true", help="drop and count malformed lines")
     ap.add_argument("--plan", default="balanced", choices=["balanced", "mod"])
-    ap.add_argument("--comm", default="auto", choices=["auto", "horovod", "mpi4py", "local"])
+    ap.add_argument("--comm", default="auto", choices=["auto", "horovod", "mpi4py", "local", "noop"],
+                    help="noop: the launcher's rank and size but no collective (times the computation "
+                         "alone, for des.timemodel; results are not the model's)")
     ap.add_argument("--replica-check", type=int, default=100, metavar="K",
                     help="DES: every K steps check that replicated weights agree and that every process "
                          "read the same batch, in one small allreduce (0: off)")
@@ -110,7 +112,8 @@ def main(argv=None) -> int:
     exchange = None
     sharded = a.mode in ("ps", "cache")        # data parallel over key-sharded tables
     if sharded:
-        exchange = KeyExchange.horovod() if under_launcher() else KeyExchange.local()
+        exchange = (KeyExchange.noop() if a.comm == "noop" else
+                    KeyExchange.horovod() if under_launcher() else KeyExchange.local())
         comm = default_communicator("local")
         comm.rank, comm.world_size = exchange.rank, exchange.world_size
     else:
@@ -297,7 +300,8 @@ def main(argv=None) -> int:
             f"pushed {summary['rows_pushed_per_step']:.0f} of {summary['remote_lookups_per_step']:.0f} remote "
             f"lookups per step; hit rate {summary['hit_rate']:.3f}")
     if a.mode == "ps":
-        summary.update(ps.traffic_summary(model, traffic.steps, comm.rank, comm.world_size))
+        summary.update(ps.traffic_summary(model, traffic.steps, comm.rank, comm.world_size),
+                       tables=len(ps.table_inputs(model)))
         log(f"PS bytes/step sent per process: measured {summary['sent_bytes_per_step']:.0f} "
             f"(all-to-all {summary['alltoall_bytes_per_step']:.0f} + dense ring model "
             f"{summary['dense_ring_bytes_per_step']:.0f}), analytic {summary['analytic_sent_bytes_per_step']:.0f}; "

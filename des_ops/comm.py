@@ -81,6 +81,25 @@ class LocalCommunicator(Communicator):
         return a
 
 
+class NoopCommunicator(Communicator):
+    """This process's rank and world size from the launcher, but no collective: allreduce and
+    broadcast return their input. For timing a step's computation alone (des.timemodel); the
+    results are not the DES model's (the partials are not summed)."""
+    name = "noop"
+
+    def __init__(self, rank: int | None = None, world_size: int | None = None) -> None:
+        env_rank, env_size = launcher_rank()
+        self.rank = env_rank if rank is None else rank
+        self.world_size = env_size if world_size is None else world_size
+        super().__init__()
+
+    def allreduce(self, x):
+        return tf.identity(x)
+
+    def broadcast(self, a, root=0):
+        return a
+
+
 class HorovodCommunicator(Communicator):
     """Horovod (MPI) allreduce; the default under mpirun / horovodrun."""
     name = "horovod"
@@ -211,9 +230,19 @@ def under_launcher() -> bool:
     return False
 
 
+def launcher_rank() -> tuple[int, int]:
+    """(rank, world size) that mpirun / horovodrun gave this process (0, 1 without a launcher)."""
+    for rank, size in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
+                       ("HOROVOD_RANK", "HOROVOD_SIZE")):
+        if size in os.environ:
+            return int(os.environ.get(rank, "0")), int(os.environ[size])
+    return 0, 1
+
+
 def default_communicator(kind: str = "auto") -> Communicator:
-    """``auto``: Horovod when launched with several processes, else a world of one."""
+    """``auto``: Horovod when launched with several processes, else a world of one; ``noop``:
+    the launcher's rank and size without collectives (timing only)."""
     if kind == "auto":
         kind = "horovod" if under_launcher() else "local"
     return {"horovod": HorovodCommunicator, "mpi4py": Mpi4pyCommunicator,
-            "local": LocalCommunicator}[kind]()
+            "local": LocalCommunicator, "noop": NoopCommunicator}[kind]()

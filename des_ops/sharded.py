@@ -58,6 +58,14 @@ class KeyExchange:
     def local(cls) -> "KeyExchange":
         return cls(0, 1, None)
 
+    @classmethod
+    def noop(cls) -> "KeyExchange":
+        """The launcher's rank and size, but every all-to-all and allreduce returns its input:
+        each process looks up its own ids locally. For timing a PS step's computation alone
+        (des.timemodel); not a PS model's results."""
+        from des_ops.comm import launcher_rank
+        return cls(*launcher_rank(), _NoCollectives())
+
     def owner(self, keys: tf.Tensor) -> tf.Tensor:
         return tf.cast(tf.math.floormod(keys, self.world_size), tf.int32)
 
@@ -141,6 +149,19 @@ class KeyExchange:
         out["sent"] = {k: v.numpy().tolist() for k, v in self.sent.items()}
         out["received"] = {k: v.numpy().tolist() for k, v in self.received.items()}
         return out
+
+
+class _NoCollectives:
+    """Horovod's alltoall / allreduce signatures, each returning its input (KeyExchange.noop)."""
+    Sum = None
+
+    @staticmethod
+    def alltoall(x, splits):
+        return tf.identity(x), tf.identity(splits)
+
+    @staticmethod
+    def allreduce(x, op=None):
+        return tf.identity(x)
 
 
 class ShardedFieldEmbedding(FieldEmbedding):

@@ -1,0 +1,92 @@
+"""Samples/s of DES and the PS on a cluster you do not have: des.timemodel fed with this
+machine's computation per process and the data's own bytes at each N.
+
+    python -m des.compare --models deepfm --bandwidth 10gbit --latency 20us --np 4,8,16,64
+
+Per model and N: each mode's step is timed with no-op collectives in ONE process that takes
+rank 0 of N (``des.train --comm noop`` with the launcher's variables set: on a real cluster each
+host has its own cores); the bytes per process come from the formulas on the data's first
+global batch (DES 4 B w; PS the all-to-all of distinct remote ids, rows and gradient rows, mean
+over the N slices, and the dense allreduce); the model adds Horovod's cycles and the calls.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from des import timemodel
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def compute_seconds(mode: str, model: str, data: str, a, n: int, out: str) -> float:
+    """Median seconds per step of rank 0 of ``n`` with no-op collectives, alone on this machine."""
+    from des.compare import _env
+    summary = os.path.join(out, f"{model}-{mode}-compute-n{n}.json")
+    env = dict(_env(), OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE=str(n))
+    cmd = [sys.executable, "-m", "des.train", "--mode", mode, "--comm", "noop", "--model", model, "--data", data,
+           "--batch", str(a.batch), "--steps", str(a.steps), "--holdout", "0", "--dim", str(a.dim),
+           "--hidden", a.hidden, "--optimizer", a.optimizer, "--lr", str(a.lr), "--threads", "1",
+           "--replica-check", "0", "--shuffle-buffer", str(a.shuffle_buffer), "--summary-json", summary]
+    print(f"[project] {model} {mode} compute at N={n}", flush=True)
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed: {done.stderr[-2000:]}")
+    with open(summary + f".rank0") as fh:
+        return a.batch / json.load(fh)["samples_per_second"]
+
+
+def traffic_at(model: str, data: str, fmt: str, a, n: int) -> dict[str, dict]:
+    """The model's per-process traffic of DES and the PS at ``n`` processes, from the data."""
+    import argparse
+    import models
+    from des import ps
+    from des.compiler import transform
+    from des.data.readers import make_dataset
+    from des.train import _spec
+    from des_ops.comm import LocalCommunicator
+    meta = json.load(open(data + ".meta.json"))
+    spec = _spec(argparse.Namespace(format=fmt, dim=a.dim, data=[data]), meta)
+    hidden = tuple(int(h) for h in a.hidden.split(",") if h)
+    plain = models.build(model, spec, hidden=hidden)
+    tables, dense = ps.table_inputs(plain), ps.dense_parameters(plain)
+    _, report = transform(models.build(model, spec, hidden=hidden), comm=LocalCommunicator())
+    x, _ = next(iter(make_dataset([data], fmt, spec, a.batch, take_lines=a.batch)))
+    x = {k: v.numpy() for k, v in x.items()}
+    b = a.batch
+    a2a = np.mean([ps.analytic_bytes({k: v[b * r // n: b * (r + 1) // n] for k, v in x.items()},
+                                     tables, r, n, dense)["alltoall_bytes"] for r in range(n)])
+    return {"des": timemodel.des_traffic(4.0 * b * report.floats_per_sample),
+            "ps": timemodel.ps_traffic(len(tables), a2a, a2a, 4.0 * dense)}
+
+
+def project(models_: list[str], data: str, fmt: str, a, nps: list[int], out: str) -> list[dict]:
+    net = timemodel.Network.parse(a.bandwidth, a.latency, a.cycle / 1e3)
+    rows = []
+    for model in models_:
+        for n in nps:
+            traffic = traffic_at(model, data, fmt, a, n)
+            for mode in ("des", "ps"):
+                t = timemodel.step_time(compute_seconds(mode, model, data, a, n, out), traffic[mode], n, net)
+                rows.append(dict(model=model, mode=mode, n=n, samples_per_s=a.batch / t["total"], **t))
+    return rows
+
+
+def markdown(rows: list[dict], a) -> str:
+    lines = [f"# Projected samples/s - {a.preset}, global batch {a.batch}, {a.bandwidth} per host, "
+             f"{a.latency} per message, Horovod cycle {a.cycle} ms", "",
+             "Computation measured here (rank 0 of N alone, no-op collectives); communication by "
+             "des.timemodel from the data's bytes. DES/PS = the speed-up.", "",
+             "| model | N | DES samples/s | PS samples/s | DES/PS | DES comm share | PS comm share | "
+             "PS ms: compute + fixed + bytes |", "|" + "---|" * 8]
+    by = {(r["model"], r["n"], r["mode"]): r for r in rows}
+    for model, n in dict.fromkeys((r["model"], r["n"]) for r in rows):
+        d, p = by[(model, n, "des")], by[(model, n, "ps")]
+        lines.append(f"| {model} | {n} | {d['samples_per_s']:,.0f} | {p['samples_per_s']:,.0f} | "
+                     f"{d['samples_per_s'] / p['samples_per_s']:.2f}x | {d['comm_share']:.0%} | {p['comm_share']:.0%} | "
+                     f"{p['compute'] * 1e3:.1f} + {p['fixed'] * 1e3:.1f} + {p['bandwidth'] * 1e3:.1f} |")
+    return "\n".join(lines) + "\n"

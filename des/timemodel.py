@@ -1,0 +1,89 @@
+"""A step-time model: computation (measured) + collectives (fixed costs + bytes over bandwidth).
+
+    >>> net = Network.parse("10gbit", latency="20us")
+    >>> t = step_time(0.012, des_traffic(4 * 4096 * 17), n=16, net=net)
+    >>> t["total"], 4096 / t["total"]                       # seconds per step, samples/s
+
+Per process and step, with bandwidth b (bytes/s per host and direction):
+
+- fixed: every dependent *phase* waits one Horovod cycle (``cycle``; a collective whose input
+  depends on an earlier one cannot join that one's cycle), and every collective call costs its
+  MPI messages: ``call`` seconds if measured (scripts/bench_collectives.py), else 2(N-1) x
+  ``latency`` (ring allreduce: 2(N-1) steps; all-to-all: split sizes, then the data);
+- bandwidth: a ring allreduce of P bytes sends 2(N-1)/N P; an all-to-all sends its segments for
+  other processes and receives theirs: max(out, in) / b.
+
+DES: one phase, ONE allreduce of 4 B w bytes (w floats per sample). PS: the slice-size allreduce;
+per table an all-to-all of ids, then one of rows (forward), then one of gradient rows (backward);
+then the dense allreduce - 5 phases, 3 T + 2 calls. Computation is measured with the collectives
+replaced by no-ops (``des.train --comm noop``). ``b`` is the effective bandwidth: on the netbed
+MPI over TCP reaches about 60 % of the token bucket's rate (measured), so calibrate it with
+scripts/bench_collectives.py.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_RATE = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8,
+         "bps": 1.0, "kbps": 1e3, "mbps": 1e6, "gbps": 1e9}
+_TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+HOROVOD_CYCLE = 1e-3      # Horovod's default cycle time (HOROVOD_CYCLE_TIME, ms)
+
+
+def parse_rate(text: str) -> float:
+    """'10gbit' -> bytes per second (tc's units: bit, kbit, mbit, gbit; bps, kbps, ... are bytes)."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]+)\s*", text)
+    if not m or m.group(2).lower() not in _RATE:
+        raise ValueError(f"bandwidth {text!r}: a number and one of {', '.join(_RATE)} (e.g. 10gbit)")
+    return float(m.group(1)) * _RATE[m.group(2).lower()]
+
+
+def parse_time(text: str) -> float:
+    """'20us' -> seconds."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-z]+)\s*", text)
+    if not m or m.group(2) not in _TIME:
+        raise ValueError(f"time {text!r}: a number and one of {', '.join(_TIME)} (e.g. 20us)")
+    return float(m.group(1)) * _TIME[m.group(2)]
+
+
+@dataclass(frozen=True)
+class Network:
+    bandwidth: float                   # effective bytes/s per host and direction
+    latency: float = 20e-6             # seconds per message
+    cycle: float = HOROVOD_CYCLE       # seconds a dependent phase waits
+    call: float | None = None          # measured seconds per call within a phase (else from latency)
+
+    @classmethod
+    def parse(cls, bandwidth: str, latency: str = "20us", cycle: float = HOROVOD_CYCLE) -> "Network":
+        return cls(parse_rate(bandwidth), parse_time(latency), cycle)
+
+    def call_time(self, n: int) -> float:
+        return self.call if self.call is not None else 2 * (n - 1) * self.latency
+
+
+def step_time(compute: float, traffic: dict, n: int, net: Network) -> dict:
+    """Seconds per step and its terms. ``traffic`` (one process, one step): {"phases": k,
+    "allreduce": [payload bytes per call], "alltoall": [(bytes out, bytes in) per call]}."""
+    fixed = bandwidth = 0.0
+    if n > 1:
+        calls = len(traffic.get("allreduce", [])) + len(traffic.get("alltoall", []))
+        fixed = traffic.get("phases", 1) * net.cycle + calls * net.call_time(n)
+        bandwidth = sum(2.0 * (n - 1) / n * p for p in traffic.get("allreduce", [])) / net.bandwidth
+        bandwidth += sum(max(o, i) for o, i in traffic.get("alltoall", [])) / net.bandwidth
+    total = compute + fixed + bandwidth
+    return {"n": n, "compute": compute, "fixed": fixed, "bandwidth": bandwidth, "total": total,
+            "comm_share": (fixed + bandwidth) / total if total else 0.0}
+
+
+def des_traffic(payload_bytes: float) -> dict:
+    """DES: one phase, one allreduce of the partials (4 B w bytes)."""
+    return {"phases": 1, "allreduce": [payload_bytes]}
+
+
+def ps_traffic(tables: int, alltoall_out: float, alltoall_in: float, dense_bytes: float) -> dict:
+    """PS: 5 phases; slice sizes (4 B), 3 all-to-alls per table (this process's bytes out / in
+    to other processes, spread over them), the dense gradients' allreduce."""
+    calls = max(1, 3 * tables)
+    return {"phases": 5, "allreduce": [4.0, dense_bytes],
+            "alltoall": [(alltoall_out / calls, alltoall_in / calls)] * calls}

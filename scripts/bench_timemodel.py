@@ -1,0 +1,121 @@
+"""Validate des.timemodel on the emulated cluster: predicted vs measured step time, DES and PS.
+
+    python scripts/bench_timemodel.py --np 2,4 --rates 100mbit,300mbit,1gbit     # root (netbed)
+
+For each N: the computation per step, timed with no-op collectives (``des.train --comm noop``
+under a local mpirun, so the N processes share the cores as on the netbed). For each N and rate:
+the netbed up; Horovod's cycle, the cost of a call within a phase and the effective bandwidth
+(scripts/bench_collectives.py); one DES and one PS run, whose measured bytes (summaries) feed the
+model; the predicted step time next to the measured one (global batch / samples/s). Writes
+<out>/timemodel.json, .md and predicted_vs_measured.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from des import compare, timemodel  # noqa: E402
+from des.netbed import Netbed  # noqa: E402
+
+
+def calibrate(bed: Netbed, n: int) -> dict:
+    cmd = bed.mpirun(n) + [sys.executable, os.path.join(ROOT, "scripts", "bench_collectives.py")]
+    done = subprocess.run(cmd, env=compare._env(), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"bench_collectives failed: {done.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def traffic(mode: str, s: dict) -> dict:
+    """The model's traffic from a run's summaries (the busiest process: steps are synchronous)."""
+    if mode == "des":
+        return timemodel.des_traffic(s["bytes_per_step_measured"])
+    ranks = s["ranks"]
+    return timemodel.ps_traffic(s["tables"], max(r["wire_out_bytes_per_step"] for r in ranks),
+                                max(r["wire_in_bytes_per_step"] for r in ranks),
+                                max(r["allreduce_payload_bytes_per_step"] for r in ranks) - 4)
+
+
+def step_seconds(s: dict, batch: int) -> float:
+    return batch / s["samples_per_second"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="deepfm")
+    ap.add_argument("--preset", default="criteo-like")
+    ap.add_argument("--rows", type=int, default=30_000)
+    ap.add_argument("--batch", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--np", default="2,4")
+    ap.add_argument("--rates", default="100mbit,300mbit,1gbit")
+    ap.add_argument("--out", default="reports/timemodel")
+    a = ap.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    data = compare.ensure_data(a.preset, a.rows, 0, os.path.join(a.out, "data"))
+    run_args = argparse.Namespace(batch=a.batch, steps=a.steps, holdout=1000, dim=8, hidden="128,64",
+                                  optimizer="adam", lr=0.002, shuffle_buffer=5000, cache_size="10%", np=0)
+    rows = []
+    for n in [int(x) for x in a.np.split(",")]:
+        run_args.np = n
+        compute = {m: step_seconds(compare.run(m, a.model, data, run_args, a.out, options=("--comm", "noop"),
+                                               tag=f"-noop-n{n}"), a.batch) for m in ("des", "ps")}
+        for rate in a.rates.split(","):
+            with Netbed(n, rate=rate) as bed:
+                cal = calibrate(bed, n)
+                net = timemodel.Network(cal["effective_bandwidth_Bps_1MiB"], cycle=cal["cycle"],
+                                        call=max(0.0, cal["per_call_in_a_phase"]))
+                for mode in ("des", "ps"):
+                    s = compare.run(mode, a.model, data, run_args, a.out, launcher=bed.mpirun(n),
+                                    tag=f"-n{n}-{rate}")
+                    pred = timemodel.step_time(compute[mode], traffic(mode, s), n, net)
+                    measured = step_seconds(s, a.batch)
+                    rows.append(dict(n=n, rate=rate, mode=mode, measured=measured, error=pred["total"] / measured - 1,
+                                     predicted=pred["total"], compute=pred["compute"], fixed=pred["fixed"],
+                                     bandwidth_term=pred["bandwidth"], effective_bandwidth=net.bandwidth,
+                                     cycle=net.cycle, call=net.call, calibration=cal,
+                                     wire_bytes_per_host_step=s.get("wire_bytes_per_host_step")))
+                    r = rows[-1]
+                    print(f"[timemodel] N={n} {rate:>8} {mode:<3}: measured {measured * 1e3:7.1f} ms, predicted "
+                          f"{r['predicted'] * 1e3:7.1f} ms ({r['error']:+.1%}) = compute {r['compute'] * 1e3:.1f} + "
+                          f"fixed {r['fixed'] * 1e3:.1f} + bytes {r['bandwidth_term'] * 1e3:.1f}", flush=True)
+    with open(os.path.join(a.out, "timemodel.json"), "w") as fh:
+        json.dump(rows, fh, indent=1)
+    head = "| N | rate | mode | measured ms | predicted ms | error | compute | fixed | bytes/bw | eff. bandwidth MB/s |"
+    md = [f"# Time model vs the netbed: {a.model}, {a.preset}, global batch {a.batch}", "", head, "|" + "---|" * 10]
+    for r in rows:
+        md.append(f"| {r['n']} | {r['rate']} | {r['mode']} | {r['measured'] * 1e3:.1f} | {r['predicted'] * 1e3:.1f} | "
+                  f"{r['error']:+.1%} | {r['compute'] * 1e3:.1f} | {r['fixed'] * 1e3:.1f} | "
+                  f"{r['bandwidth_term'] * 1e3:.1f} | {r['effective_bandwidth'] / 1e6:.1f} |")
+    with open(os.path.join(a.out, "timemodel.md"), "w") as fh:
+        fh.write("\n".join(md) + "\n")
+    print("\n".join(md))
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    top = max(max(r["measured"], r["predicted"]) for r in rows) * 1.1e3
+    ax.plot([0, top], [0, top], "k-", lw=0.8)
+    ax.fill_between([0, top], [0, 0.8 * top], [0, 1.2 * top], color="0.9", label="±20 %")
+    for mode, marker in (("des", "o"), ("ps", "s")):
+        for n, color in ((2, "tab:blue"), (4, "tab:red")):
+            pts = [r for r in rows if r["mode"] == mode and r["n"] == n]
+            ax.scatter([r["measured"] * 1e3 for r in pts], [r["predicted"] * 1e3 for r in pts], marker=marker,
+                       color=color, label=f"{mode.upper()} N={n}")
+    ax.set(xlabel="measured step time on the netbed (ms)", ylabel="predicted (ms)", xlim=(0, top), ylim=(0, top),
+           title=f"{a.model}, {a.preset}, batch {a.batch}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(a.out, "predicted_vs_measured.png"), dpi=110)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""des.timemodel against hand-computed step times; options parsed or refused with a message.
+(Its validation against the emulated cluster is a benchmark: scripts/bench_timemodel.py.)"""
+import pytest
+
+from des import timemodel
+from des.timemodel import Network, des_traffic, parse_rate, parse_time, ps_traffic, step_time
+
+
+def test_units():
+    assert parse_rate("10gbit") == 1.25e9 and parse_rate("100mbit") == 12.5e6 and parse_rate("5MBps") == 5e6
+    assert parse_time("20us") == pytest.approx(2e-5) and parse_time("1.5ms") == pytest.approx(1.5e-3)
+    with pytest.raises(ValueError, match="bandwidth '10 furlongs'"):
+        parse_rate("10 furlongs")
+    with pytest.raises(ValueError, match="e.g. 20us"):
+        parse_time("20")
+
+
+def test_des_step_by_hand():
+    """N=4, 100 MB/s, 10 us per message, 1 ms cycle; 10 ms of computation; 1 MB of partials:
+    fixed 1 ms + 2*3*10 us = 1.06 ms; ring 2*3/4 * 1e6 B / 1e8 B/s = 15 ms; total 26.06 ms."""
+    t = step_time(0.010, des_traffic(1e6), 4, Network(1e8, latency=1e-5, cycle=1e-3))
+    assert t["fixed"] == pytest.approx(1.06e-3) and t["bandwidth"] == pytest.approx(0.015)
+    assert t["total"] == pytest.approx(0.02606) and t["comm_share"] == pytest.approx(0.01606 / 0.02606)
+
+
+def test_ps_step_by_hand():
+    """2 tables: 6 all-to-alls + 2 allreduces in 5 phases; 1.2 MB out, 0.9 MB in over the
+    all-to-alls, 400 kB of dense gradients; measured 50 us per call. N=2, 50 MB/s:
+    fixed 5 ms + 8 * 50 us = 5.4 ms; bytes (max(out,in) 1.2e6 + 1*(4 + 4e5)) / 5e7 = 32.00008 ms."""
+    t = step_time(0.004, ps_traffic(2, 1.2e6, 0.9e6, 4e5), 2, Network(5e7, cycle=1e-3, call=5e-5))
+    assert t["fixed"] == pytest.approx(5.4e-3)
+    assert t["bandwidth"] == pytest.approx((1.2e6 + 4 + 4e5) / 5e7)
+    assert t["total"] == pytest.approx(0.004 + 5.4e-3 + (1.2e6 + 4 + 4e5) / 5e7)
+
+
+def test_one_process_has_no_communication():
+    t = step_time(0.01, ps_traffic(39, 1e6, 1e6, 1e6), 1, Network.parse("1gbit"))
+    assert t["total"] == 0.01 and t["comm_share"] == 0.0
+    assert timemodel.HOROVOD_CYCLE == 1e-3
