@@ -23,6 +23,7 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFIX, BRIDGE, SUBNET = "desh", "desbr0", "10.77.0"
@@ -125,12 +126,26 @@ class Netbed:
         down()
 
 
-def down() -> None:
-    """Remove every netbed namespace and the bridge (their veths go with them); idempotent."""
+def _links() -> list[str]:
+    return [d for d in os.listdir("/sys/class/net") if d == BRIDGE or (d.startswith("desv") and d[4:].isdigit())]
+
+
+def down(timeout: float = 15.0) -> None:
+    """Remove every netbed namespace, veth and the bridge; idempotent. Waits until the kernel
+    has released them (a namespace's veth outlives ``ip netns del`` for a moment, and a new
+    netbed made at once would find its name taken)."""
     for ns in hosts():
         _ip("ip", "netns", "del", ns, check=False)
-    if os.path.exists(f"/sys/class/net/{BRIDGE}"):
-        _ip("ip", "link", "del", BRIDGE, check=False)
+    deadline = time.monotonic() + timeout
+    while True:
+        left = _links()
+        for link in left:
+            _ip("ip", "link", "del", link, check=False)
+        if not _links() or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    if _links():
+        raise RuntimeError(f"netbed: could not remove {_links()}")
 
 
 def main(argv: list[str] | None = None) -> int:

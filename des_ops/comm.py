@@ -88,6 +88,7 @@ class NoopCommunicator(Communicator):
     name = "noop"
 
     def __init__(self, rank: int | None = None, world_size: int | None = None) -> None:
+        start_horovod_thread()
         env_rank, env_size = launcher_rank()
         self.rank = env_rank if rank is None else rank
         self.world_size = env_size if world_size is None else world_size
@@ -228,6 +229,14 @@ def under_launcher() -> bool:
         if int(os.environ.get(var, "1")) > 1:
             return True
     return False
+
+
+def start_horovod_thread() -> None:
+    """Under mpirun, start Horovod (its background thread polls every cycle and takes CPU from the
+    step, as in a real run) without calling any collective; alone, nothing."""
+    if under_launcher() and "OMPI_COMM_WORLD_LOCAL_RANK" in os.environ:
+        import horovod.tensorflow as hvd
+        hvd.init()
 
 
 def launcher_rank() -> tuple[int, int]:

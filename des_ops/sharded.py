@@ -63,7 +63,8 @@ class KeyExchange:
         """The launcher's rank and size, but every all-to-all and allreduce returns its input:
         each process looks up its own ids locally. For timing a PS step's computation alone
         (des.timemodel); not a PS model's results."""
-        from des_ops.comm import launcher_rank
+        from des_ops.comm import launcher_rank, start_horovod_thread
+        start_horovod_thread()
         return cls(*launcher_rank(), _NoCollectives())
 
     def owner(self, keys: tf.Tensor) -> tf.Tensor:
