@@ -78,10 +78,30 @@ class Netbed:
                 _ip("ip", "link", "set", "eth0", "up", ns=ns)
                 _ip("ip", "link", "set", "lo", "up", ns=ns)
                 self._shape(ns)
+            self._wait_ready()
         except BaseException:
             down()
             raise
         return self
+
+    def _wait_ready(self, timeout: float = 15.0) -> None:
+        """Until the bridge and every port forward (mpirun's daemons started earlier could not
+        reach back and crashed now and then)."""
+        def state(path: str) -> str:
+            try:
+                with open(path) as fh:
+                    return fh.read().strip()
+            except OSError:
+                return ""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ports = [state(f"/sys/class/net/desv{k}/brport/state") for k in range(1, self.n + 1)]
+            links = [state(f"/sys/class/net/desv{k}/operstate") for k in range(1, self.n + 1)]
+            if state(f"/sys/class/net/{BRIDGE}/operstate") == "up" and set(ports) == {"3"} and set(links) == {"up"}:
+                time.sleep(0.5)
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"netbed: links not ready after {timeout:.0f} s")
 
     def _shape(self, ns: str) -> None:
         parent = ["root"]
