@@ -2,10 +2,13 @@
 
     python -m des.compare --models lr,wdl,deepfm --np 4 --preset criteo-like --batch 4096 --steps 40
     python -m des.compare --models deepfm --modes single,des,ps,cache --staleness 0,10,100,inf
+    python -m des.compare --models lr,deepfm --np 4 --data train.txt --format criteo --eval-data test.txt
 
 For each model it runs ``des.train`` once per mode - one process (the reference), ``--mode des``,
 ``--mode ps`` and (``--modes ...,cache``) ``--mode cache`` once per staleness, under
-``mpirun -np N`` - at the same global batch, then writes to ``--out``:
+``mpirun -np N`` - at the same global batch, on a generated preset (``--preset``, ``--rows``) or on
+your own files (``--data FILE... --format F [--eval-data FILE...]``), then writes to
+``--out``/<preset> (with ``--data``: ``--out``/<name of the first data file>):
 
 - ``comparison.md`` / ``comparison.csv`` (and stdout): AUC, log loss, samples/s, bytes sent
   per step per process (measured and analytic), DES saving, unique ids per step, peak memory;
@@ -36,6 +39,31 @@ def _env() -> dict:
                 PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
+def _files(data) -> list[str]:
+    """``data``: one path (a preset's file) or a list of paths."""
+    return [data] if isinstance(data, str) else list(data)
+
+
+def _meta(path: str) -> dict:
+    """The generator's metadata of a data file (<path>.meta.json), or {} when there is none."""
+    if not os.path.exists(path + ".meta.json"):
+        return {}
+    with open(path + ".meta.json") as fh:
+        return json.load(fh)
+
+
+def _source(a, short: bool = False) -> str:
+    """What the runs read, for titles: the preset, or the data (and evaluation) files."""
+    data = getattr(a, "data", None)
+    if not data:
+        return a.preset if short else f"preset {a.preset}"
+    name = (lambda p: os.path.basename(p)) if short else (lambda p: p)
+    text = ", ".join(name(p) for p in data)
+    if getattr(a, "eval_data", None):
+        text += " (eval " + ", ".join(name(p) for p in a.eval_data) + ")"
+    return text if short else f"data {text}"
+
+
 def ensure_data(preset: str, rows: int, seed: int, folder: str) -> str:
     """The generated training file of a preset (written once; reused if the metadata matches)."""
     ext = "ffm" if preset == "wide" else "txt"
@@ -50,13 +78,18 @@ def run(key: str, model: str, data: str, a, out: str, launcher: list[str] | None
         options: tuple[str, ...] = (), tag: str = "") -> dict:
     """One des.train run (``key``: a mode, or ``cache s=S``); returns rank 0's summary plus the
     peak memory over processes and, on the netbed, the mean over hosts of the bytes per step
-    each host sent on its interface. ``launcher``: the mpirun command (default: local mpirun)."""
+    each host sent on its interface. ``launcher``: the mpirun command (default: local mpirun).
+    ``data``: a file or a list of files; ``a.format`` (if set) is passed as --format, and
+    ``a.eval_data`` (if set) as --eval-data instead of --holdout."""
     mode, extra = key, []
     if key.startswith("cache"):
         mode, extra = "cache", ["--staleness", key.split("=")[1], "--cache-size", a.cache_size]
+    fmt, evals = getattr(a, "format", None), getattr(a, "eval_data", None)
+    data_args = ["--data", *_files(data), *(["--format", fmt] if fmt else [])]
+    eval_args = ["--eval-data", *evals] if evals else ["--holdout", str(a.holdout)]
     summary = os.path.join(out, f"{model}-{key.replace(' ', '-').replace('=', '')}{tag}.json")
-    args = ["-m", "des.train", "--mode", mode, *extra, "--model", model, "--data", data, "--batch", str(a.batch),
-            "--steps", str(a.steps), "--holdout", str(a.holdout), "--dim", str(a.dim), "--hidden", a.hidden,
+    args = ["-m", "des.train", "--mode", mode, *extra, "--model", model, *data_args, "--batch", str(a.batch),
+            "--steps", str(a.steps), *eval_args, "--dim", str(a.dim), "--hidden", a.hidden,
             "--optimizer", a.optimizer, "--lr", str(a.lr), "--threads", "1", "--summary-json", summary,
             "--shuffle-buffer", str(a.shuffle_buffer), *options]
     cmd = [sys.executable, *args]
@@ -78,9 +111,12 @@ def run(key: str, model: str, data: str, a, out: str, launcher: list[str] | None
     return s
 
 
-def bytes_curve(model: str, data: str, fmt: str, a, batches: list[int]) -> dict[str, list[float]]:
+def bytes_curve(model: str, data, fmt: str, a, batches: list[int], meta: dict | None = None) -> dict[str, list[float]]:
     """Analytic bytes/step/process at each global batch, on the data's first rows:
-    DES 2(N-1)/N*4*B*floats; PS: the all-to-all of each process's remote distinct ids + dense ring."""
+    DES 2(N-1)/N*4*B*floats; PS: the all-to-all of each process's remote distinct ids + dense ring.
+    ``data``: a file or a list of files; the spec is des.train's (from ``meta``, default the first
+    file's .meta.json if any, else scanned from the files and ``a.eval_data``). A batch larger
+    than the data is computed on the rows there are (PS; DES's bytes do not depend on the ids)."""
     import des  # noqa: F401
     import models
     from des import ps
@@ -88,8 +124,10 @@ def bytes_curve(model: str, data: str, fmt: str, a, batches: list[int]) -> dict[
     from des.data.readers import make_dataset
     from des.train import _spec
     from des_ops.comm import LocalCommunicator
-    meta = json.load(open(data + ".meta.json"))
-    spec = _spec(argparse.Namespace(format=fmt, dim=a.dim, data=[data]), meta)
+    files = _files(data)
+    meta = _meta(files[0]) if meta is None else meta
+    spec = _spec(argparse.Namespace(format=fmt, dim=a.dim, data=files,
+                                    eval_data=getattr(a, "eval_data", None)), meta)
     hidden = tuple(int(h) for h in a.hidden.split(",") if h)
     plain = models.build(model, spec, hidden=hidden)
     tables, dense = ps.table_inputs(plain), ps.dense_parameters(plain)
@@ -98,11 +136,11 @@ def bytes_curve(model: str, data: str, fmt: str, a, batches: list[int]) -> dict[
     ring = 2.0 * (n - 1) / n
     out = {"des": [], "ps": []}
     for b in batches:
-        x, _ = next(iter(make_dataset([data], fmt, spec, b, take_lines=b)))
-        x = {k: v.numpy() for k, v in x.items()}
+        x, y = next(iter(make_dataset(files, fmt, spec, b, take_lines=b)))
+        x, m = {k: v.numpy() for k, v in x.items()}, int(y.shape[0])   # m < b: the data is shorter
         per_rank = []
         for r in range(n):
-            part = {k: v[b * r // n: b * (r + 1) // n] for k, v in x.items()}
+            part = {k: v[m * r // n: m * (r + 1) // n] for k, v in x.items()}
             an = ps.analytic_bytes(part, tables, r, n, dense)
             per_rank.append(an["alltoall_bytes"] + an["dense_ring_bytes"] + ring * 4)
         out["ps"].append(float(np.mean(per_rank)))
@@ -139,9 +177,10 @@ def markdown(rows: list[dict], results: dict, a, meta: dict) -> str:
             "analytic (formulas)", "wire B/step/host (interface)", "saving vs PS", "unique ids/step", "cache hit rate", "rows fetched+pushed/step", "peak MiB"]
     net = (f", netbed: one process per emulated host, {a.rate} per host"
            if getattr(a, "net", "local") == "netbed" else "")
-    lines = [f"# DES vs PS vs one process - preset {a.preset}, N={a.np}, global batch {a.batch}, "
+    bayes = meta.get("bayes_auc")
+    lines = [f"# DES vs PS vs one process - {_source(a)}, N={a.np}, global batch {a.batch}, "
              f"{a.steps} steps{net}", "",
-             f"Bayes-optimal AUC of the data: {meta.get('bayes_auc')}. Bytes per process per step, rank 0. "
+             f"Bayes-optimal AUC of the data: {'unknown' if bayes is None else bayes}. Bytes per process per step, rank 0. "
              f"Measured where each collective is called: the size of every tensor handed to all-to-all for "
              f"another process (PS: ids out, rows in, gradient rows out of this process's lookups; cache: "
              f"ids + clocks, clocks, stale rows, pushed rows leaving the process) and every allreduce payload "
@@ -184,7 +223,7 @@ def plots(results: dict, curves: dict, batches: list[int], a, out: str) -> list[
             if sent:
                 ax.plot([a.batch], [sent], mark, color="k", markersize=10)
     ax.set(xscale="log", yscale="log", xlabel="global batch", ylabel="bytes sent / step / process",
-           title=f"{a.preset}, N={a.np} (lines: formulas on the data; black: the runs)")
+           title=f"{_source(a, short=True)}, N={a.np} (lines: formulas on the data; black: the runs)")
     ax.legend(fontsize=7)
     files.append(_save(fig, out, "bytes_vs_batch.png"))
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
@@ -196,7 +235,7 @@ def plots(results: dict, curves: dict, batches: list[int], a, out: str) -> list[
                [results[m][mode]["samples_per_second"] for m in models_],
                w, label=mode if mode == "single" else f"{mode} (N={a.np})")
     ax.set(xticks=range(len(models_)), xticklabels=models_, ylabel="samples / s (global)",
-           title=f"throughput, {a.preset}, global batch {a.batch}")
+           title=f"throughput, {_source(a, short=True)}, global batch {a.batch}")
     ax.legend()
     files.append(_save(fig, out, "throughput.png"))
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
@@ -205,7 +244,7 @@ def plots(results: dict, curves: dict, batches: list[int], a, out: str) -> list[
             pts = results[model][mode].get("train_auc_by_step") or []
             if pts:
                 ax.plot(*zip(*pts), linestyle=style, color=f"C{i}", label=f"{model} {mode}")
-    ax.set(xlabel="step", ylabel="training AUC (running, rank 0)", title=f"AUC vs steps, {a.preset}")
+    ax.set(xlabel="step", ylabel="training AUC (running, rank 0)", title=f"AUC vs steps, {_source(a, short=True)}")
     ax.legend(fontsize=7)
     files.append(_save(fig, out, "auc_vs_steps.png"))
     if any(k.startswith("cache") for k in keys):
@@ -221,7 +260,7 @@ def plots(results: dict, curves: dict, batches: list[int], a, out: str) -> list[
                     ax.plot([by[mode]["sent_bytes_per_step"]], [by[mode]["auc"]], mark, color=f"C{i}",
                             markersize=11, label=f"{model} {mode}")
         ax.set(xscale="log", xlabel="bytes / step / process (all-to-all measured + allreduce ring model)", ylabel="held-out AUC",
-               title=f"AUC vs bytes, {a.preset}, N={a.np}, cache {a.cache_size}")
+               title=f"AUC vs bytes, {_source(a, short=True)}, N={a.np}, cache {a.cache_size}")
         ax.legend(fontsize=7)
         files.append(_save(fig, out, "auc_vs_bytes.png"))
     return files
@@ -238,19 +277,28 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="lr,wdl,deepfm")
     ap.add_argument("--np", default="4", help="processes; with --bandwidth a list to project (4,8,16,64)")
-    ap.add_argument("--preset", default="criteo-like", choices=["criteo-like", "tiny", "wide"])
-    ap.add_argument("--rows", type=int, default=100_000, help="rows of generated data")
+    ap.add_argument("--preset", default="criteo-like", choices=["criteo-like", "tiny", "wide"],
+                    help="generated data (ignored with --data)")
+    ap.add_argument("--rows", type=int, default=100_000, help="rows of generated data (ignored with --data)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data", nargs="+", default=None, metavar="FILE",
+                    help="your own training files (.gz allowed) instead of a generated preset")
+    ap.add_argument("--format", default=None, choices=["criteo", "avazu", "libsvm", "libffm"],
+                    help="with --data: the files' format (default: the one in <first file>.meta.json)")
+    ap.add_argument("--eval-data", nargs="+", default=None, metavar="FILE",
+                    help="with --data: evaluate on these files (same format) instead of held-out lines")
     ap.add_argument("--batch", type=int, default=4096, help="global batch (every mode)")
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--holdout", type=int, default=None, help="held-out rows (default: rows/10)")
+    ap.add_argument("--holdout", type=float, default=None,
+                    help="held-out lines at the end of the data: a count, or a fraction (<1) "
+                         "(default: rows/10 of a preset; 0.1 of --data; unused with --eval-data)")
     ap.add_argument("--batches", default="512,1024,2048,4096,8192", help="batch sizes of the bytes curve")
     ap.add_argument("--dim", type=int, default=8)
     ap.add_argument("--hidden", default="128,64")
     ap.add_argument("--optimizer", default="adam")
     ap.add_argument("--lr", type=float, default=0.002)
     ap.add_argument("--shuffle-buffer", type=int, default=20_000)
-    ap.add_argument("--modes", default="single,des,ps", help="of single, des, ps, cache")
+    ap.add_argument("--modes", default="single,des,ps", help="of single, des, ps, cache, auto (des or ps by des.auto)")
     ap.add_argument("--staleness", default="0,10,100,inf", help="cache: one run per staleness")
     ap.add_argument("--cache-size", default="10%", help="cache: rows per table, or a fraction of each field")
     ap.add_argument("--net", default="local", choices=["local", "netbed"],
@@ -261,18 +309,34 @@ def main(argv=None) -> int:
     ap.add_argument("--cycle", type=float, default=1.0, help="with --bandwidth: Horovod's cycle time (ms)")
     ap.add_argument("--out", default="reports/compare")
     a = ap.parse_args(argv)
-    a.holdout = a.holdout or max(1, a.rows // 10)
+    if a.eval_data and not a.data:
+        ap.error("--eval-data needs --data (a preset holds out its last lines)")
+    if a.format and not a.data:
+        ap.error("--format needs --data (a preset's format is known)")
     nps = [int(x) for x in a.np.split(",") if x]
     if len(nps) != 1 and not a.bandwidth:
         ap.error("--np: one number (a list only with --bandwidth, to project)")
-    out = os.path.join(a.out, a.preset)
+    if a.data:   # the user's files: nothing generated; --preset and --rows unused
+        meta = _meta(a.data[0])
+        a.format = a.format or meta.get("format")
+        if not a.format:
+            ap.error(f"--format criteo|avazu|libsvm|libffm is required with --data "
+                     f"({a.data[0]}.meta.json, which would name it, does not exist or has no format)")
+        a.holdout = a.holdout or 0.1
+        data, fmt = list(a.data), a.format
+        out = os.path.join(a.out, os.path.basename(a.data[0]))
+    else:
+        a.holdout = a.holdout or max(1, a.rows // 10)
+        data = ensure_data(a.preset, a.rows, a.seed, os.path.join(a.out, "data"))
+        meta = json.load(open(data + ".meta.json"))
+        fmt = meta["format"]
+        out = os.path.join(a.out, a.preset)
+    if a.holdout >= 1:
+        a.holdout = int(a.holdout)   # a count of lines
     os.makedirs(out, exist_ok=True)
-    data = ensure_data(a.preset, a.rows, a.seed, os.path.join(a.out, "data"))
-    meta = json.load(open(data + ".meta.json"))
-    fmt = meta["format"]
     if a.bandwidth:
         from des import projection
-        rows = projection.project([m for m in a.models.split(",") if m], data, fmt, a, nps, out)
+        rows = projection.project([m for m in a.models.split(",") if m], _files(data), fmt, a, nps, out)
         md = projection.markdown(rows, a)
         with open(os.path.join(out, "projection.md"), "w") as fh:
             fh.write(md)
@@ -285,7 +349,7 @@ def main(argv=None) -> int:
     results, curves = {}, {}
     keys = []
     for mode in [m for m in a.modes.split(",") if m]:
-        if mode not in ("single", "des", "ps", "cache"):
+        if mode not in ("single", "des", "ps", "cache", "auto"):
             raise SystemExit(f"--modes: unknown mode {mode!r}")
         keys += [f"cache s={s}" for s in a.staleness.split(",") if s] if mode == "cache" else [mode]
     bed = None
@@ -296,13 +360,14 @@ def main(argv=None) -> int:
         for model in [m for m in a.models.split(",") if m]:
             results[model] = {key: run(key, model, data, a, out, bed.mpirun(a.np) if bed else None)
                               for key in keys}
-            curves[model] = bytes_curve(model, data, fmt, a, batches)
+            curves[model] = bytes_curve(model, data, fmt, a, batches, meta)
     finally:
         if bed is not None:
             from des.netbed import down
             down()
     rows = table_rows(results)
-    md = markdown(rows, results, a, meta)
+    from des.train import _bayes_auc   # of the evaluated data: --eval-data's own metadata if given
+    md = markdown(rows, results, a, dict(meta, bayes_auc=_bayes_auc(a, meta)))
     with open(os.path.join(out, "comparison.md"), "w") as fh:
         fh.write(md)
     with open(os.path.join(out, "comparison.csv"), "w", newline="") as fh:

@@ -16,19 +16,18 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 
 from des import timemodel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def compute_seconds(mode: str, model: str, data: str, a, n: int, out: str) -> float:
+def compute_seconds(mode: str, model: str, data: list[str], fmt: str, a, n: int, out: str) -> float:
     """Median seconds per step of rank 0 of ``n`` with no-op collectives, alone on this machine."""
     from des.compare import _env
     summary = os.path.join(out, f"{model}-{mode}-compute-n{n}.json")
     env = dict(_env(), OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE=str(n))
-    cmd = [sys.executable, "-m", "des.train", "--mode", mode, "--comm", "noop", "--model", model, "--data", data,
+    cmd = [sys.executable, "-m", "des.train", "--mode", mode, "--comm", "noop", "--model", model, "--data", *data, "--format", fmt,
            "--batch", str(a.batch), "--steps", str(a.steps), "--holdout", "0", "--dim", str(a.dim),
            "--hidden", a.hidden, "--optimizer", a.optimizer, "--lr", str(a.lr), "--threads", "1",
            "--replica-check", "0", "--shuffle-buffer", str(a.shuffle_buffer), "--summary-json", summary]
@@ -40,44 +39,39 @@ def compute_seconds(mode: str, model: str, data: str, a, n: int, out: str) -> fl
         return a.batch / json.load(fh)["samples_per_second"]
 
 
-def traffic_at(model: str, data: str, fmt: str, a, n: int) -> dict[str, dict]:
-    """The model's per-process traffic of DES and the PS at ``n`` processes, from the data."""
-    import argparse
+def traffic_at(model: str, data: list[str], fmt: str, a, n: int) -> dict[str, dict]:
+    """The model's per-process traffic of DES and the PS at ``n`` processes, from the data's first
+    global batch (the same formulas plan="auto" decides by: des.auto.traffic)."""
     import models
-    from des import ps
-    from des.compiler import transform
-    from des.data.readers import make_dataset
-    from des.train import _spec
-    from des_ops.comm import LocalCommunicator
-    meta = json.load(open(data + ".meta.json"))
-    spec = _spec(argparse.Namespace(format=fmt, dim=a.dim, data=[data]), meta)
-    hidden = tuple(int(h) for h in a.hidden.split(",") if h)
-    plain = models.build(model, spec, hidden=hidden)
-    tables, dense = ps.table_inputs(plain), ps.dense_parameters(plain)
-    _, report = transform(models.build(model, spec, hidden=hidden), comm=LocalCommunicator())
-    x, _ = next(iter(make_dataset([data], fmt, spec, a.batch, take_lines=a.batch)))
-    x = {k: v.numpy() for k, v in x.items()}
-    b = a.batch
-    a2a = np.mean([ps.analytic_bytes({k: v[b * r // n: b * (r + 1) // n] for k, v in x.items()},
-                                     tables, r, n, dense)["alltoall_bytes"] for r in range(n)])
-    return {"des": timemodel.des_traffic(4.0 * b * report.floats_per_sample),
-            "ps": timemodel.ps_traffic(len(tables), a2a, a2a, 4.0 * dense)}
+    from des.auto import traffic
+    from des.data.readers import make_dataset, spec_for
+    meta = {}
+    if os.path.exists(data[0] + ".meta.json"):
+        with open(data[0] + ".meta.json") as fh:
+            meta = json.load(fh)
+    spec = spec_for(fmt, data, a.dim, meta, getattr(a, "eval_data", None) or [])
+    plain = models.build(model, spec, hidden=tuple(int(h) for h in a.hidden.split(",") if h))
+    x, _ = next(iter(make_dataset(data, fmt, spec, a.batch, take_lines=a.batch)))
+    t = traffic(plain, {k: v.numpy() for k, v in x.items()}, n)
+    return {"des": timemodel.des_traffic(t["des_payload"]),
+            "ps": timemodel.ps_traffic(t["tables"], t["ps_alltoall"], t["ps_alltoall"], t["ps_dense_payload"])}
 
 
-def project(models_: list[str], data: str, fmt: str, a, nps: list[int], out: str) -> list[dict]:
+def project(models_: list[str], data: list[str], fmt: str, a, nps: list[int], out: str) -> list[dict]:
     net = timemodel.Network.parse(a.bandwidth, a.latency, a.cycle / 1e3)
     rows = []
     for model in models_:
         for n in nps:
             traffic = traffic_at(model, data, fmt, a, n)
             for mode in ("des", "ps"):
-                t = timemodel.step_time(compute_seconds(mode, model, data, a, n, out), traffic[mode], n, net)
+                t = timemodel.step_time(compute_seconds(mode, model, data, fmt, a, n, out), traffic[mode], n, net)
                 rows.append(dict(model=model, mode=mode, n=n, samples_per_s=a.batch / t["total"], **t))
     return rows
 
 
 def markdown(rows: list[dict], a) -> str:
-    lines = [f"# Projected samples/s - {a.preset}, global batch {a.batch}, {a.bandwidth} per host, "
+    from des.compare import _source
+    lines = [f"# Projected samples/s - {_source(a)}, global batch {a.batch}, {a.bandwidth} per host, "
              f"{a.latency} per message, Horovod cycle {a.cycle} ms", "",
              "Computation measured here (rank 0 of N alone, no-op collectives); communication by "
              "des.timemodel from the data's bytes. DES/PS = the speed-up.", "",

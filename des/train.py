@@ -17,9 +17,10 @@ import sys
 
 def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", choices=["single", "des", "ps", "cache"], default="single",
+    ap.add_argument("--mode", choices=["single", "des", "ps", "cache", "auto"], default="single",
                     help="des: field-partitioned first layers; ps: tables sharded by key (baseline); "
-                         "cache: ps plus HET's bounded-staleness embedding cache on every worker")
+                         "cache: ps plus HET's bounded-staleness embedding cache on every worker; "
+                         "auto: des or ps, whichever moves fewer bytes on the first batch (des.auto)")
     ap.add_argument("--staleness", default="100", metavar="S",
                     help="cache: a cached row is read while it lacks at most S of its owner's updates, and "
                          "a row's updates are pushed every max(S, 1) of them; 0: exact (= ps); inf: never "
@@ -33,8 +34,9 @@ def _args(argv):
                          "or batch rows of a global batch of N*batch (per-process)")
     ap.add_argument("--model", default="deepfm", choices=["lr", "fm", "dnn", "wdl", "deepfm"])
     ap.add_argument("--data", required=True, nargs="+", help="input files (.gz allowed)")
-    ap.add_argument("--format", default=None, choices=["criteo", "avazu", "libsvm", "libffm"],
-                    help="default: the format in <data>.meta.json if present, else criteo")
+    ap.add_argument("--format", default=None, choices=["criteo", "avazu", "libsvm", "libffm", "columnar"],
+                    help="default: columnar for a folder written by des.data.convert (a DES process then "
+                         "reads only its own fields' columns), else the format in <data>.meta.json, else criteo")
     ap.add_argument("--holdout", type=float, default=0.1,
                     help="held-out lines at the end: a fraction (<1) or a count")
     ap.add_argument("--eval-data", nargs="+", default=None,
@@ -77,6 +79,9 @@ def _args(argv):
 
 def count_lines(paths) -> int:
     import gzip
+    from des.data import columnar
+    if columnar.is_columnar(paths):
+        return int(columnar.manifest(paths[0])["rows"])
     n = 0
     for p in paths:
         with (gzip.open(p, "rb") if p.endswith(".gz") else open(p, "rb")) as fh:
@@ -104,9 +109,39 @@ def main(argv=None) -> int:
     from des.callbacks import BytesPerStep, ReplicaCheck, Throughput
     from des.data import DataError, SkipReport
     from des.data.errors import op_error_message
-    from des.data.readers import make_dataset
     from des_ops.comm import default_communicator
 
+    meta = {}
+    meta_path = a.data[0] + ".meta.json"
+    if os.path.exists(meta_path):
+        with open(meta_path) as fh:
+            meta = json.load(fh)
+    from des.data import columnar
+    if a.format in (None, "columnar") and columnar.is_columnar(a.data):
+        a.format, meta = "columnar", columnar.manifest(a.data[0])
+    a.format = a.format or meta.get("format", "criteo")
+    try:
+        spec = _spec(a, meta)
+        header = 1 if a.format == "avazu" else 0
+        total = None if a.eval_data else count_lines(a.data) - header * len(a.data)
+    except (FileNotFoundError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if total is not None and total <= 0:
+        print(f"error: {a.data[0]}: file is empty", file=sys.stderr)
+        return 2
+    prebuilt, auto = None, None
+    if a.mode == "auto":          # des or ps for this model, from the first global batch (des.auto)
+        from des import auto as auto_mode
+        from des_ops.comm import launcher_rank
+        try:
+            first, _ = next(iter(_dataset(a, spec, a.batch, take_lines=min(a.batch, total or a.batch))))
+        except (DataError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        prebuilt = models.build(a.model, spec, seed=a.seed, hidden=_hidden(a))
+        auto = auto_mode.choose(prebuilt, {k: v.numpy() for k, v in first.items()}, launcher_rank()[1])
+        a.mode = auto.mode
     from des_ops.comm import under_launcher
     from des_ops.sharded import KeyExchange
     exchange = None
@@ -121,22 +156,6 @@ def main(argv=None) -> int:
     rank0 = comm.rank == 0
     log = (lambda *m: print(*m, flush=True)) if rank0 else (lambda *m: None)
 
-    meta = {}
-    meta_path = a.data[0] + ".meta.json"
-    if os.path.exists(meta_path):
-        with open(meta_path) as fh:
-            meta = json.load(fh)
-    a.format = a.format or meta.get("format", "criteo")
-    try:
-        spec = _spec(a, meta)
-        header = 1 if a.format == "avazu" else 0
-        total = None if a.eval_data else count_lines(a.data) - header * len(a.data)
-    except (FileNotFoundError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if total is not None and total <= 0:
-        print(f"error: {a.data[0]}: file is empty", file=sys.stderr)
-        return 2
     if a.eval_data:  # train on every line of --data; no counting pass
         held, n_train, eval_files, eval_skip = 0, None, a.eval_data, 0
         eval_name = " ".join(a.eval_data)
@@ -154,11 +173,15 @@ def main(argv=None) -> int:
         def train(epoch: int):
             """The batches of one epoch: shuffled by (seed, epoch), so a resumed job sees the
             same order as an uninterrupted one."""
-            return make_dataset(a.data, a.format, spec, global_batch, shuffle_buffer=a.shuffle_buffer,
-                                seed=epoch_seed(a.seed, epoch), take_lines=n_train, shard=shard_of, **common)
+            return _dataset(a, spec, global_batch, shuffle_buffer=a.shuffle_buffer, inputs=read_inputs,
+                            seed=epoch_seed(a.seed, epoch), take_lines=n_train, shard=shard_of, **common)
+
+        def evaluation():
+            return _dataset(a, spec, max(global_batch, 4096), eval_files, skip_lines=eval_skip, inputs=read_inputs,
+                            shard=shard_of, **common) if (held or a.eval_data) else None
+        read_inputs = None         # all; a DES process on columnar data: its own fields' (set below)
         train(0)   # reports a bad path or format now
-        evald = make_dataset(eval_files, a.format, spec, max(global_batch, 4096), skip_lines=eval_skip,
-                             shard=shard_of, **common) if (held or a.eval_data) else None
+        evaluation()
     except (DataError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -174,8 +197,9 @@ def main(argv=None) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    hidden = tuple(int(h) for h in a.hidden.split(",") if h)
-    model = models.build(a.model, spec, seed=a.seed, hidden=hidden)
+    model = prebuilt or models.build(a.model, spec, seed=a.seed, hidden=_hidden(a))
+    if auto is not None:
+        log(auto)
     plan = a.plan
     if a.restore and a.mode == "des":
         plan = checkpoint.load_plan(a.restore, comm.world_size) or plan
@@ -183,10 +207,14 @@ def main(argv=None) -> int:
     if a.mode == "des":
         model, report = des.transform(model, comm=comm, plan=plan, spec=spec)
         from des.cost import unique_ids_per_slice
-        first, _ = next(iter(make_dataset(a.data, a.format, spec, a.batch, take_lines=min(a.batch, n_train or a.batch))))
+        first, _ = next(iter(_dataset(a, spec, a.batch, take_lines=min(a.batch, n_train or a.batch))))
         report.estimate_costs(a.batch, unique_ids_per_slice({k: v.numpy() for k, v in first.items()},
                                                             spec, comm.world_size))
         log(report)
+        if a.format == "columnar":
+            read_inputs = _own_inputs(model, spec, comm.rank)
+            log(f"columnar data: each process reads the labels and its own fields' columns (rank 0: "
+                f"{len(read_inputs)} of {len(spec.input_names())} inputs)")
     elif a.mode == "ps":
         from des import ps
         model = ps.shard(model, exchange)
@@ -218,6 +246,7 @@ def main(argv=None) -> int:
             return 2
         log(f"restored {path}; continuing at epoch {start['epoch'] + 1}, step {start['step']}")
 
+    evald = evaluation()
     speed = Throughput(global_batch)
     curve = _AucCurve()
     callbacks = [speed, curve]
@@ -282,6 +311,10 @@ def main(argv=None) -> int:
                "samples_per_second": speed.samples_per_second(), "bayes_auc": _bayes_auc(a, meta),
                "bad_lines_skipped": skips.total, "global_batch": global_batch,
                "train_auc_by_step": curve.points, "peak_rss_mib": _peak_rss_mib()}
+    summary["inputs_read"] = len(read_inputs) if read_inputs is not None else len(spec.input_names())
+    if auto is not None:
+        summary["auto"] = {"chosen": auto.mode, "des_bytes_estimate": auto.des_bytes,
+                           "ps_bytes_estimate": auto.ps_bytes}
     if report is not None:
         counted = comm.counted()
         summary.update(floats_per_sample=report.floats_per_sample,
@@ -384,18 +417,44 @@ def _FlushAtEpochEnd():
 
 
 def _spec(a, meta: dict):
-    """The FeatureSpec of the data: named by the format, or (libsvm/libffm) from the generator's
-    metadata, else scanned from the files - the training AND the --eval-data files, so an
-    evaluation file with longer bags (more features in a field) than any training line works."""
-    from des.data import FeatureSpec, avazu_spec, criteo_spec
-    from des.data.libsvm import scan_spec
-    if a.format == "criteo":
-        return criteo_spec(a.dim, cardinalities=meta.get("cardinalities"))
-    if a.format == "avazu":
-        return avazu_spec(a.dim)
-    if "spec" in meta and meta.get("format") == a.format:
-        return FeatureSpec.from_json(json.dumps(meta["spec"])).with_dim(a.dim)
-    return scan_spec(list(a.data) + list(getattr(a, "eval_data", None) or []), a.format, a.dim)
+    """The FeatureSpec of the data (des.data.readers.spec_for): the training AND the --eval-data
+    files are scanned, so an evaluation file with longer bags than any training line works."""
+    from des.data.readers import spec_for
+    return spec_for(a.format, a.data, a.dim, meta, getattr(a, "eval_data", None) or [])
+
+
+def _hidden(a) -> tuple[int, ...]:
+    return tuple(int(h) for h in a.hidden.split(",") if h)
+
+
+def _dataset(a, spec, batch_size: int, paths=None, inputs=None, skip_bad_lines: bool = False,
+             skip_report=None, **kw):
+    """The text readers (des.data.readers) or, for a folder of des.data.convert, the columnar
+    reader reading only ``inputs`` (None: all)."""
+    from des.data import DataError, columnar
+    from des.data.readers import make_dataset
+    paths = list(paths or a.data)
+    if a.format == "columnar":
+        bad = [p for p in paths if not columnar.is_columnar([p])]
+        if bad or len(paths) != 1:
+            raise DataError(f"{(bad or paths)[0]}: with columnar --data, --eval-data must be one columnar "
+                            f"folder too (python -m des.data.convert)")
+        return columnar.make_dataset(paths[0], spec, batch_size, inputs=inputs, **kw)
+    return make_dataset(paths, a.format, spec, batch_size, skip_bad_lines=skip_bad_lines,
+                        skip_report=skip_report, **kw)
+
+
+def _own_inputs(model, spec, rank: int) -> list[str]:
+    """The inputs a DES process needs: its own fields' ids (and weights), plus the first field's,
+    which every process reads so the replica check's batch fingerprint stays comparable."""
+    plan = model.des_plan
+    first = spec.sparse()[0].name
+    fields = [f for f in spec if f.kind == "numeric" or plan.owner.get(f.name) == rank or f.name == first]
+    unknown = [f.name for f in spec.sparse() if f.name not in plan.owner]
+    if unknown:            # the plan's fields are not the spec's: read everything
+        return spec.input_names()
+    model.des_layer.fingerprint_inputs = (first,)
+    return [n for f in fields for n in ([f.name, f.weight_name] if f.weighted else [f.name])]
 
 
 def _bayes_auc(a, meta: dict):

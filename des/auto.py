@@ -1,0 +1,105 @@
+"""plan="auto": choose DES or the parameter server for a model, from the first batch's ids.
+
+DES moves the partials of every substituted operator in one ring allreduce, 2(N-1)/N * 4*B*w
+bytes per process and step, whatever the ids. A PS moves, per table, the distinct ids of a
+process's slice that live elsewhere (8-byte keys, rows back, gradient rows out) plus the ring
+allreduce of the dense gradients. Both are computed here on the real first global batch (the
+PS figure with des.ps.analytic_bytes, the formula its measured bytes equal), and the mode that
+moves fewer bytes per step wins. The choice is per model: every process computes it from the
+same batch, so all choose alike without a collective.
+
+    >>> choice = choose(model, first_batch, world_size=4)
+    >>> choice.mode, print(choice)
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import tensorflow as tf
+
+from des.cost import OperatorCost
+
+
+@dataclasses.dataclass
+class Choice:
+    mode: str                     # "des" or "ps"
+    des_bytes: float              # per process and step, ring allreduce of the partials
+    ps_bytes: float               # per process and step, mean over processes: all-to-all + dense ring
+    world_size: int
+    batch_size: int
+    operators: list[OperatorCost]
+
+    def __str__(self) -> str:
+        if self.world_size == 1:
+            return "plan auto: one process, nothing to move; DES (a world of one equals the model)"
+        win, lose = (self.des_bytes, self.ps_bytes) if self.mode == "des" else (self.ps_bytes, self.des_bytes)
+        ratio = lose / win if win > 0 else float("inf")
+        lines = [f"plan auto: {self.mode.upper()} - on the first global batch of {self.batch_size} at "
+                 f"N={self.world_size}, DES would send {self.des_bytes:,.0f} B/step per process and a PS "
+                 f"{self.ps_bytes:,.0f} ({ratio:.2f}x {'more' if self.mode == 'des' else 'fewer for DES'})"]
+        lines += [f"  {c}" for c in self.operators]
+        return "\n".join(lines)
+
+
+def des_floats_per_sample(model: tf.keras.Model) -> tuple[int, list]:
+    """Floats per sample DES would allreduce for ``model`` (nothing is built) and the matches."""
+    from des.compiler import find_substitutions, _rule
+    from des.ir import Graph
+    matches, _ = find_substitutions(Graph(model))
+    width = 0
+    for m in matches:
+        width += _rule(m.rule).sub_operator(m, [], name=f"auto_{m.rule}").width
+    return width, matches
+
+
+def traffic(model: tf.keras.Model, first_batch: dict, world_size: int) -> dict:
+    """Per process and step at N = ``world_size``, by the formulas on a global batch of ids:
+    ``des_payload`` (4*B*floats handed to the allreduce), ``des_bytes`` (its ring share),
+    ``ps_alltoall`` (ids, rows, gradient rows of remote distinct ids; mean over the N slices),
+    ``ps_dense_payload`` (dense gradients), ``ps_bytes`` (all-to-all + dense ring + the loss
+    weight), ``tables``; and ``matches``, the substitutions DES would make."""
+    from des import ps
+    feats = {k: np.asarray(v) for k, v in first_batch.items()}
+    b, n = len(next(iter(feats.values()))), world_size
+    ring = 2.0 * (n - 1) / n
+    floats, matches = des_floats_per_sample(model)
+    tables, dense = ps.table_inputs(model), ps.dense_parameters(model)
+    a2a, total = [], []
+    for r in range(n):
+        an = ps.analytic_bytes({k: v[b * r // n: b * (r + 1) // n] for k, v in feats.items()}, tables, r, n, dense)
+        a2a.append(an["alltoall_bytes"])
+        total.append(an["alltoall_bytes"] + an["dense_ring_bytes"] + (ring * 4 if n > 1 else 0))
+    return {"des_payload": 4.0 * b * floats, "des_bytes": ring * 4.0 * b * floats,
+            "ps_alltoall": float(np.mean(a2a)), "ps_dense_payload": 4.0 * dense, "ps_bytes": float(np.mean(total)),
+            "tables": len(tables), "matches": matches, "batch": b}
+
+
+def choose(model: tf.keras.Model, first_batch: dict, world_size: int) -> Choice:
+    """DES or PS for ``model`` (unchanged, single-process) on N = ``world_size`` processes."""
+    t = traffic(model, first_batch, world_size)
+    if not t["matches"]:
+        raise ValueError("plan auto: des.transform finds nothing to substitute in this model")
+    feats = {k: np.asarray(v) for k, v in first_batch.items()}
+    operators = _per_operator(t["matches"], feats, world_size, t["batch"])
+    mode = "des" if world_size == 1 or t["des_bytes"] <= t["ps_bytes"] else "ps"
+    return Choice(mode, t["des_bytes"], t["ps_bytes"], world_size, t["batch"], operators)
+
+
+def _per_operator(matches, feats: dict, n: int, b: int) -> list[OperatorCost]:
+    """The cost model's verdict per substituted operator (des.cost), for the report."""
+    import types
+    from des.cost import estimate
+    from des.compiler import _rule
+    widths = {m.root.layer.name: _rule(m.rule).sub_operator(m, [], name=f"auto_{m.rule}").width for m in matches}
+    uniq = {}
+    for name, ids in feats.items():
+        if ids.dtype.kind not in "iu":
+            continue
+        counts = []
+        for r in range(n):
+            part = ids[b * r // n: b * (r + 1) // n].reshape(-1)
+            counts.append(len(np.unique(part[part != -1])))
+        uniq[name] = float(np.mean(counts))
+    report = types.SimpleNamespace(world_size=max(n, 1), substitutions=matches, widths=widths)
+    return estimate(report, b, uniq) if n > 1 else []
