@@ -74,6 +74,31 @@ def ensure_data(preset: str, rows: int, seed: int, folder: str) -> str:
     return path
 
 
+def ensure_columnar(files: list[str], fmt: str, eval_files: list[str] | None, meta: dict) -> tuple[str, str | None]:
+    """Columnar copies (des.data.columnar) of the data and evaluation files, written once beside
+    them (``<first file>.cols``) and reused while newer than the files."""
+    from des.data import columnar
+    from des.data.readers import spec_for
+    spec = spec_for(fmt, files, 8, meta, eval_files or [])
+    made = []
+    for group in (files, eval_files):
+        if not group:
+            made.append(None)
+            continue
+        folder = group[0] + ".cols"
+        fresh = columnar.is_columnar([folder]) and columnar.manifest(folder)["source"] == list(group) and \
+            os.path.getmtime(os.path.join(folder, columnar.MANIFEST)) >= max(os.path.getmtime(f) for f in group)
+        if not fresh:
+            if os.path.exists(folder):
+                import shutil
+                shutil.rmtree(folder)
+            print(f"[compare] converting {', '.join(group)} to {folder} (columnar)", flush=True)
+            columnar.convert(group, fmt, spec, folder,
+                             extra={"bayes_auc": meta["bayes_auc"]} if "bayes_auc" in meta and group is files else None)
+        made.append(folder)
+    return made[0], made[1]
+
+
 def run(key: str, model: str, data: str, a, out: str, launcher: list[str] | None = None,
         options: tuple[str, ...] = (), tag: str = "") -> dict:
     """One des.train run (``key``: a mode, or ``cache s=S``); returns rank 0's summary plus the
@@ -307,6 +332,9 @@ def main(argv=None) -> int:
     ap.add_argument("--bandwidth", default=None, help="project samples/s at this bandwidth per host (des.projection)")
     ap.add_argument("--latency", default="20us", help="with --bandwidth: per message")
     ap.add_argument("--cycle", type=float, default=1.0, help="with --bandwidth: Horovod's cycle time (ms)")
+    ap.add_argument("--columnar", action="store_true",
+                    help="convert the data once (des.data.convert) and let every run read the columnar copy: "
+                         "a DES process reads only its own fields' columns, a PS process only its slice's rows")
     ap.add_argument("--out", default="reports/compare")
     a = ap.parse_args(argv)
     if a.eval_data and not a.data:
@@ -356,9 +384,15 @@ def main(argv=None) -> int:
     if a.net == "netbed":
         from des.netbed import Netbed
         bed = Netbed(a.np, rate=a.rate).up()
+    run_data, run_a = data, a
+    if a.columnar:
+        import copy
+        run_a = copy.copy(a)
+        run_data, evals = ensure_columnar(_files(data), fmt, a.eval_data, meta)
+        run_a.format, run_a.eval_data = "columnar", [evals] if evals else None
     try:
         for model in [m for m in a.models.split(",") if m]:
-            results[model] = {key: run(key, model, data, a, out, bed.mpirun(a.np) if bed else None)
+            results[model] = {key: run(key, model, run_data, run_a, out, bed.mpirun(a.np) if bed else None)
                               for key in keys}
             curves[model] = bytes_curve(model, data, fmt, a, batches, meta)
     finally:

@@ -134,14 +134,17 @@ class DESFirstLayer(tf.keras.layers.Layer):
         self._penalties = list(owned_penalties)
         self.penalty_column = penalty_column
         self.widths = [op.width for op in self.ops]
-        # of the last training batch: the replica check compares it across processes
+        # of the last training batch: the replica check compares it across processes. Over the inputs
+        # named in ``fingerprint_inputs`` (None: all), e.g. the ones every process reads
+        self.fingerprint_inputs = None
         self.batch_fingerprint = self.add_weight("batch_fingerprint", shape=(), dtype=tf.float64,
                                                  trainable=False, initializer="zeros")
 
     def call(self, inputs: dict, training=None):
         batch = tf.shape(next(iter(inputs.values())))[0]
         if training:
-            self.batch_fingerprint.assign(dm.fingerprint([inputs[k] for k in sorted(inputs)]))
+            keys = sorted(inputs) if self.fingerprint_inputs is None else sorted(self.fingerprint_inputs)
+            self.batch_fingerprint.assign(dm.fingerprint([inputs[k] for k in keys]))
         vectors = self._field_vectors(inputs)
         flat = {t: tf.reshape(v, tf.stack([batch, -1])) for t, v in vectors.items()}
         parts = [op.partial([flat[t] for t in ids], batch) for op, ids in zip(self.ops, self._op_inputs)]

@@ -5,6 +5,7 @@ removed, as a user's file has none: the spec is then scanned from the training a
 files, and the Bayes-optimal AUC is unknown."""
 import argparse
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -72,3 +73,29 @@ def test_markdown_without_metadata_says_the_bayes_auc_is_unknown():
     md = markdown(table_rows(results), results, a, {})
     assert md.startswith("# DES vs PS vs one process - data a.ffm, b.ffm, N=2")
     assert "Bayes-optimal AUC of the data: unknown." in md
+
+
+def test_columnar_copies_are_made_once_and_remade_when_the_data_changes(tmp_path):
+    """des.compare --columnar: the data and eval files get columnar copies beside them with the spec
+    scanned from both (the eval file's longer bags fit), reused while fresh, remade when a file is newer."""
+    import time
+    from des.compare import ensure_columnar
+    from des.data import columnar
+    train, evalf = str(tmp_path / "train.ffm"), str(tmp_path / "eval.ffm")
+    write_small_ffm(train, 300, seed=1)
+    write_small_ffm(evalf, 100, seed=2)
+    with open(evalf, "a") as fh:
+        fh.write("1 0:1:1 1:7:1 1:8:1 1:9:1\n")          # field 1 holds 3 features here only
+    meta = json.load(open(train + ".meta.json"))
+    meta.pop("spec")                                      # scan the spec from both files
+    cols, ecols = ensure_columnar([train], "libffm", [evalf], meta)
+    assert (cols, ecols) == (train + ".cols", evalf + ".cols")
+    assert columnar.manifest(cols)["rows"] == 300 and columnar.manifest(ecols)["rows"] == 101
+    assert columnar.spec_of(cols)["F1"].max_len == columnar.spec_of(ecols)["F1"].max_len == 3
+    stamp = os.path.getmtime(os.path.join(cols, "columns.json"))
+    assert ensure_columnar([train], "libffm", [evalf], meta) == (cols, ecols)
+    assert os.path.getmtime(os.path.join(cols, "columns.json")) == stamp            # reused
+    time.sleep(0.05)
+    write_small_ffm(train, 200, seed=3)
+    ensure_columnar([train], "libffm", [evalf], meta)
+    assert columnar.manifest(cols)["rows"] == 200                                    # remade

@@ -60,10 +60,11 @@ def spec_of(folder: str) -> FeatureSpec:
 
 
 def convert(paths: Sequence[str], fmt: str, spec: FeatureSpec, out: str, *, chunk: int = 65_536,
-            skip_bad_lines: bool = False, skip_report=None) -> dict:
+            skip_bad_lines: bool = False, skip_report=None, extra: dict | None = None) -> dict:
     """Parse ``paths`` once with the text readers (same checks, same file:line errors) and write
     one column file per model input plus the labels into the new folder ``out``. Returns the
-    manifest. Written to ``out + '.incoming'`` first and renamed when complete."""
+    manifest (``extra`` is merged into it, e.g. the generator's Bayes-optimal AUC). Written to
+    ``out + '.incoming'`` first and renamed when complete."""
     from des.data.readers import make_dataset
     if os.path.exists(out):
         raise DataError(f"{out}: already exists; remove it or choose another --out")
@@ -97,7 +98,7 @@ def convert(paths: Sequence[str], fmt: str, spec: FeatureSpec, out: str, *, chun
     if rows == 0:
         raise DataError(f"{paths[0]}: no data lines")
     meta = {"rows": rows, "spec": json.loads(spec.to_json()), "source": [str(p) for p in paths],
-            "source_format": fmt, "columns": columns}
+            "source_format": fmt, "columns": columns, **(extra or {})}
     with open(os.path.join(tmp, MANIFEST), "w") as fh:
         json.dump(meta, fh, indent=1)
     os.rename(tmp, out)

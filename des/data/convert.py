@@ -37,7 +37,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         spec = spec_for(fmt, a.data, 8, meta, a.eval_data)
-        out = convert(a.data, fmt, spec, a.out, skip_bad_lines=a.skip_bad_lines, skip_report=skips)
+        extra = {"bayes_auc": meta["bayes_auc"]} if "bayes_auc" in meta else None   # the generator's facts
+        out = convert(a.data, fmt, spec, a.out, skip_bad_lines=a.skip_bad_lines, skip_report=skips, extra=extra)
     except (DataError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -45,12 +46,6 @@ def main(argv=None) -> int:
     print(f"{a.out}: {out['rows']:,} rows, {len(out['columns']) - 1} input columns + labels, "
           f"{size / 2**20:.1f} MiB, {time.perf_counter() - t0:.1f} s"
           + (f"; {skips}" if a.skip_bad_lines else ""))
-    if "bayes_auc" in meta:   # the generator's facts travel with the data
-        with open(os.path.join(a.out, "columns.json")) as fh:
-            m = json.load(fh)
-        m["bayes_auc"] = meta["bayes_auc"]
-        with open(os.path.join(a.out, "columns.json"), "w") as fh:
-            json.dump(m, fh, indent=1)
     return 0
 
 
