@@ -168,16 +168,9 @@ def make_dataset(folder: str, spec: FeatureSpec, batch_size: int, *, shuffle_buf
             out[n] = tf.ensure_shape(t, [None, *col["shape"]])
         return out, tf.ensure_shape(got[-1], [None])
 
-    ds = tf.data.Dataset.range(rows)
-    if skip_lines:
-        ds = ds.skip(skip_lines)
-    if take_lines is not None:
-        ds = ds.take(take_lines)
-    if epochs != 1:
-        ds = ds.repeat(None if epochs < 0 else epochs)
-    if shuffle_buffer > 1:
-        ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
-    ds = ds.batch(batch_size, drop_remainder=drop_remainder)
+    from des.data.readers import order
+    ds = order(tf.data.Dataset.range(rows), skip_lines=skip_lines, take_lines=take_lines, epochs=epochs,
+               shuffle_buffer=shuffle_buffer, seed=seed).batch(batch_size, drop_remainder=drop_remainder)
     if shard is not None:
         rank, world = shard
         ds = ds.map(lambda idx: _slice(idx, rank, world))

@@ -74,15 +74,8 @@ def make_dataset(paths: Sequence[str] | str, fmt: str, spec: FeatureSpec, batch_
             ds = ds.skip(1)
         return ds.map(lambda i, line: (path, i, line))
 
-    ds = tf.data.Dataset.from_tensor_slices(files).flat_map(lines_of)
-    if skip_lines:
-        ds = ds.skip(skip_lines)
-    if take_lines is not None:
-        ds = ds.take(take_lines)
-    if epochs != 1:
-        ds = ds.repeat(None if epochs < 0 else epochs)
-    if shuffle_buffer > 1:
-        ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
+    ds = order(tf.data.Dataset.from_tensor_slices(files).flat_map(lines_of), skip_lines=skip_lines,
+               take_lines=take_lines, epochs=epochs, shuffle_buffer=shuffle_buffer, seed=seed)
 
     def on_bad(path, lineno, line, bad):
         def record(p, n, text, b):
@@ -116,6 +109,21 @@ def make_dataset(paths: Sequence[str] | str, fmt: str, spec: FeatureSpec, batch_
         rank, world = shard
         ds = ds.map(lambda f, y: _slice_batch(f, y, rank, world))
     return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def order(ds: tf.data.Dataset, *, skip_lines: int = 0, take_lines: int | None = None, epochs: int = 1,
+          shuffle_buffer: int = 0, seed: int = 0) -> tf.data.Dataset:
+    """The line range, the epochs and the seeded shuffle, in this order: the one definition of
+    which line comes when, shared by the text and columnar readers (same arguments, same order)."""
+    if skip_lines:
+        ds = ds.skip(skip_lines)
+    if take_lines is not None:
+        ds = ds.take(take_lines)
+    if epochs != 1:
+        ds = ds.repeat(None if epochs < 0 else epochs)
+    if shuffle_buffer > 1:
+        ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
+    return ds
 
 
 def _drop_bad(feats, label, bad):
