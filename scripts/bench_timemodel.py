@@ -56,12 +56,17 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--np", default="2,4")
     ap.add_argument("--rates", default="100mbit,300mbit,1gbit")
+    ap.add_argument("--columnar", action="store_true", help="every run reads a columnar copy (des.data.convert)")
     ap.add_argument("--out", default="reports/timemodel")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     data = compare.ensure_data(a.preset, a.rows, 0, os.path.join(a.out, "data"))
     run_args = argparse.Namespace(batch=a.batch, steps=a.steps, holdout=1000, dim=8, hidden="128,64",
                                   optimizer="adam", lr=0.002, shuffle_buffer=5000, cache_size="10%", np=0)
+    if a.columnar:
+        data, _ = compare.ensure_columnar([data], json.load(open(data + ".meta.json"))["format"], None,
+                                          json.load(open(data + ".meta.json")))
+        run_args.format = "columnar"
     rows = []
     for n in [int(x) for x in a.np.split(",")]:
         run_args.np = n
@@ -89,7 +94,8 @@ def main(argv=None) -> int:
     with open(os.path.join(a.out, "timemodel.json"), "w") as fh:
         json.dump(rows, fh, indent=1)
     head = "| N | rate | mode | measured ms | predicted ms | error | compute | fixed | bytes/bw | eff. bandwidth MB/s |"
-    md = [f"# Time model vs the netbed: {a.model}, {a.preset}, global batch {a.batch}", "", head, "|" + "---|" * 10]
+    md = [f"# Time model vs the netbed: {a.model}, {a.preset}{' (columnar)' if a.columnar else ''}, global batch "
+          f"{a.batch}", "", head, "|" + "---|" * 10]
     for r in rows:
         md.append(f"| {r['n']} | {r['rate']} | {r['mode']} | {r['measured'] * 1e3:.1f} | {r['predicted'] * 1e3:.1f} | "
                   f"{r['error']:+.1%} | {r['compute'] * 1e3:.1f} | {r['fixed'] * 1e3:.1f} | "
