@@ -78,7 +78,7 @@ def ensure_columnar(files: list[str], fmt: str, eval_files: list[str] | None, me
     """Columnar copies (des.data.columnar) of the data and evaluation files, written once beside
     them (``<first file>.cols``) and reused while newer than the files."""
     from des.data import columnar
-    from des.data.readers import spec_for
+    from des.data.resolve import spec_for
     spec = spec_for(fmt, files, 8, meta, eval_files or [])
     made = []
     for group in (files, eval_files):

@@ -44,7 +44,8 @@ def traffic_at(model: str, data: list[str], fmt: str, a, n: int) -> dict[str, di
     global batch (the same formulas plan="auto" decides by: des.auto.traffic)."""
     import models
     from des.auto import traffic
-    from des.data.readers import make_dataset, spec_for
+    from des.data.readers import make_dataset
+    from des.data.resolve import spec_for
     meta = {}
     if os.path.exists(data[0] + ".meta.json"):
         with open(data[0] + ".meta.json") as fh:

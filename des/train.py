@@ -419,7 +419,7 @@ def _FlushAtEpochEnd():
 def _spec(a, meta: dict):
     """The FeatureSpec of the data (des.data.readers.spec_for): the training AND the --eval-data
     files are scanned, so an evaluation file with longer bags than any training line works."""
-    from des.data.readers import spec_for
+    from des.data.resolve import spec_for
     return spec_for(a.format, a.data, a.dim, meta, getattr(a, "eval_data", None) or [])
 
 

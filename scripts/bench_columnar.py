@@ -35,7 +35,8 @@ def main() -> None:
     import des  # noqa: F401
     from bench_readers import time_reader
     from des.data import columnar
-    from des.data.readers import make_dataset, spec_for
+    from des.data.readers import make_dataset
+    from des.data.resolve import spec_for
     from des.plan import FieldCost, make_plan
 
     tmp = tempfile.mkdtemp()

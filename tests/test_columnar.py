@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from des.data import DataError, columnar
-from des.data.readers import make_dataset, spec_for
+from des.data.readers import make_dataset
+from des.data.resolve import spec_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",

@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     import des  # noqa: F401  (quiets TF's logs)
     from des.data import DataError, SkipReport
     from des.data.columnar import convert
-    from des.data.readers import spec_for
+    from des.data.resolve import spec_for
     meta = {}
     if os.path.exists(a.data[0] + ".meta.json"):
         with open(a.data[0] + ".meta.json") as fh:

@@ -12,7 +12,6 @@ Bad lines stop the run with a ``DataError`` naming file, line and problem; with
 from __future__ import annotations
 
 import gzip
-import json
 import os
 from typing import Sequence
 
@@ -137,22 +136,3 @@ def _slice_batch(feats, label, rank: int, world: int):
     lo, hi = b * rank // world, b * (rank + 1) // world
     return {k: v[lo:hi] for k, v in feats.items()}, label[lo:hi]
 
-
-def spec_for(fmt: str, paths: Sequence[str], dim: int, meta: dict | None = None,
-             eval_paths: Sequence[str] = ()) -> FeatureSpec:
-    """The FeatureSpec of a data set: named by the format (criteo, avazu), read from a columnar
-    folder or from the generator's metadata, else scanned from the files - the training AND the
-    evaluation files, so an evaluation file with longer bags than any training line fits."""
-    from des.data import columnar
-    from des.data.spec import avazu_spec, criteo_spec
-    meta = meta or {}
-    if fmt == "columnar":
-        return columnar.spec_of(paths[0]).with_dim(dim)
-    if fmt == "criteo":
-        return criteo_spec(dim, cardinalities=meta.get("cardinalities"))
-    if fmt == "avazu":
-        return avazu_spec(dim)
-    if "spec" in meta and meta.get("format") == fmt:
-        return FeatureSpec.from_json(json.dumps(meta["spec"])).with_dim(dim)
-    from des.data.libsvm import scan_spec
-    return scan_spec(list(paths) + list(eval_paths or []), fmt, dim)
