@@ -14,11 +14,12 @@ same batch, so all choose alike without a collective.
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import numpy as np
 import tensorflow as tf
 
-from des.cost import OperatorCost
+from des.cost import OperatorCost, estimate, unique_ids_per_slice
 
 
 @dataclasses.dataclass
@@ -42,15 +43,14 @@ class Choice:
         return "\n".join(lines)
 
 
-def des_floats_per_sample(model: tf.keras.Model) -> tuple[int, list]:
-    """Floats per sample DES would allreduce for ``model`` (nothing is built) and the matches."""
+def des_widths(model: tf.keras.Model) -> tuple[dict[str, int], list]:
+    """The partial's width (floats per sample) of each operator DES would substitute in ``model``,
+    by its layer's name (nothing is built), and the matches."""
     from des.compiler import find_substitutions, _rule
     from des.ir import Graph
     matches, _ = find_substitutions(Graph(model))
-    width = 0
-    for m in matches:
-        width += _rule(m.rule).sub_operator(m, [], name=f"auto_{m.rule}").width
-    return width, matches
+    return {m.root.layer.name: _rule(m.rule).sub_operator(m, [], name=f"auto_{m.rule}").width
+            for m in matches}, matches
 
 
 def traffic(model: tf.keras.Model, first_batch: dict, world_size: int) -> dict:
@@ -58,12 +58,13 @@ def traffic(model: tf.keras.Model, first_batch: dict, world_size: int) -> dict:
     ``des_payload`` (4*B*floats handed to the allreduce), ``des_bytes`` (its ring share),
     ``ps_alltoall`` (ids, rows, gradient rows of remote distinct ids; mean over the N slices),
     ``ps_dense_payload`` (dense gradients), ``ps_bytes`` (all-to-all + dense ring + the loss
-    weight), ``tables``; and ``matches``, the substitutions DES would make."""
+    weight), ``tables``; and ``matches`` and ``widths``, the substitutions DES would make."""
     from des import ps
     feats = {k: np.asarray(v) for k, v in first_batch.items()}
     b, n = len(next(iter(feats.values()))), world_size
     ring = 2.0 * (n - 1) / n
-    floats, matches = des_floats_per_sample(model)
+    widths, matches = des_widths(model)
+    floats = sum(widths.values())
     tables, dense = ps.table_inputs(model), ps.dense_parameters(model)
     a2a, total = [], []
     for r in range(n):
@@ -72,7 +73,7 @@ def traffic(model: tf.keras.Model, first_batch: dict, world_size: int) -> dict:
         total.append(an["alltoall_bytes"] + an["dense_ring_bytes"] + (ring * 4 if n > 1 else 0))
     return {"des_payload": 4.0 * b * floats, "des_bytes": ring * 4.0 * b * floats,
             "ps_alltoall": float(np.mean(a2a)), "ps_dense_payload": 4.0 * dense, "ps_bytes": float(np.mean(total)),
-            "tables": len(tables), "matches": matches, "batch": b}
+            "tables": len(tables), "matches": matches, "widths": widths, "batch": b}
 
 
 def choose(model: tf.keras.Model, first_batch: dict, world_size: int) -> Choice:
@@ -80,26 +81,12 @@ def choose(model: tf.keras.Model, first_batch: dict, world_size: int) -> Choice:
     t = traffic(model, first_batch, world_size)
     if not t["matches"]:
         raise ValueError("plan auto: des.transform finds nothing to substitute in this model")
-    feats = {k: np.asarray(v) for k, v in first_batch.items()}
-    operators = _per_operator(t["matches"], feats, world_size, t["batch"])
+    operators = []
+    if world_size > 1:     # the cost model's verdict per substituted operator (des.cost), for the report
+        feats = {k: np.asarray(v) for k, v in first_batch.items()}
+        uniq = unique_ids_per_slice(feats, [k for k, v in feats.items() if v.dtype.kind in "iu"], world_size)
+        report = types.SimpleNamespace(world_size=world_size, substitutions=t["matches"], widths=t["widths"])
+        operators = estimate(report, t["batch"], uniq)
     mode = "des" if world_size == 1 or t["des_bytes"] <= t["ps_bytes"] else "ps"
     return Choice(mode, t["des_bytes"], t["ps_bytes"], world_size, t["batch"], operators)
 
-
-def _per_operator(matches, feats: dict, n: int, b: int) -> list[OperatorCost]:
-    """The cost model's verdict per substituted operator (des.cost), for the report."""
-    import types
-    from des.cost import estimate
-    from des.compiler import _rule
-    widths = {m.root.layer.name: _rule(m.rule).sub_operator(m, [], name=f"auto_{m.rule}").width for m in matches}
-    uniq = {}
-    for name, ids in feats.items():
-        if ids.dtype.kind not in "iu":
-            continue
-        counts = []
-        for r in range(n):
-            part = ids[b * r // n: b * (r + 1) // n].reshape(-1)
-            counts.append(len(np.unique(part[part != -1])))
-        uniq[name] = float(np.mean(counts))
-    report = types.SimpleNamespace(world_size=max(n, 1), substitutions=matches, widths=widths)
-    return estimate(report, b, uniq) if n > 1 else []

@@ -44,14 +44,6 @@ def _files(data) -> list[str]:
     return [data] if isinstance(data, str) else list(data)
 
 
-def _meta(path: str) -> dict:
-    """The generator's metadata of a data file (<path>.meta.json), or {} when there is none."""
-    if not os.path.exists(path + ".meta.json"):
-        return {}
-    with open(path + ".meta.json") as fh:
-        return json.load(fh)
-
-
 def _source(a, short: bool = False) -> str:
     """What the runs read, for titles: the preset, or the data (and evaluation) files."""
     data = getattr(a, "data", None)
@@ -144,32 +136,19 @@ def bytes_curve(model: str, data, fmt: str, a, batches: list[int], meta: dict | 
     than the data is computed on the rows there are (PS; DES's bytes do not depend on the ids)."""
     import des  # noqa: F401
     import models
-    from des import ps
-    from des.compiler import transform
+    from des.auto import traffic
     from des.data.readers import make_dataset
-    from des.train import _spec
-    from des_ops.comm import LocalCommunicator
+    from des.data.resolve import metadata, spec_for
     files = _files(data)
-    meta = _meta(files[0]) if meta is None else meta
-    spec = _spec(argparse.Namespace(format=fmt, dim=a.dim, data=files,
-                                    eval_data=getattr(a, "eval_data", None)), meta)
-    hidden = tuple(int(h) for h in a.hidden.split(",") if h)
-    plain = models.build(model, spec, hidden=hidden)
-    tables, dense = ps.table_inputs(plain), ps.dense_parameters(plain)
-    _, report = transform(models.build(model, spec, hidden=hidden), comm=LocalCommunicator())
-    n = a.np
-    ring = 2.0 * (n - 1) / n
+    meta = metadata(files[0]) if meta is None else meta
+    spec = spec_for(fmt, files, a.dim, meta, getattr(a, "eval_data", None) or [])
+    plain = models.build(model, spec, hidden=tuple(int(h) for h in a.hidden.split(",") if h))
     out = {"des": [], "ps": []}
     for b in batches:
-        x, y = next(iter(make_dataset(files, fmt, spec, b, take_lines=b)))
-        x, m = {k: v.numpy() for k, v in x.items()}, int(y.shape[0])   # m < b: the data is shorter
-        per_rank = []
-        for r in range(n):
-            part = {k: v[m * r // n: m * (r + 1) // n] for k, v in x.items()}
-            an = ps.analytic_bytes(part, tables, r, n, dense)
-            per_rank.append(an["alltoall_bytes"] + an["dense_ring_bytes"] + ring * 4)
-        out["ps"].append(float(np.mean(per_rank)))
-        out["des"].append(ring * 4 * b * report.floats_per_sample)
+        x, _ = next(iter(make_dataset(files, fmt, spec, b, take_lines=b)))
+        t = traffic(plain, {k: v.numpy() for k, v in x.items()}, a.np)   # t["batch"] < b: the data is shorter
+        out["ps"].append(t["ps_bytes"])
+        out["des"].append(t["des_bytes"] * b / t["batch"])
     return out
 
 
@@ -345,7 +324,8 @@ def main(argv=None) -> int:
     if len(nps) != 1 and not a.bandwidth:
         ap.error("--np: one number (a list only with --bandwidth, to project)")
     if a.data:   # the user's files: nothing generated; --preset and --rows unused
-        meta = _meta(a.data[0])
+        from des.data.resolve import metadata
+        meta = metadata(a.data[0])
         a.format = a.format or meta.get("format")
         if not a.format:
             ap.error(f"--format criteo|avazu|libsvm|libffm is required with --data "

@@ -42,16 +42,18 @@ class OperatorCost:
 
 def unique_ids_per_slice(feats: dict, spec, world_size: int) -> dict[str, float]:
     """Mean over processes of the distinct non-padding ids per field in a process's slice of
-    a global batch (the rows ``[b*r//N, b*(r+1)//N)``, as the readers' ``shard=`` gives)."""
+    a global batch (the rows ``[b*r//N, b*(r+1)//N)``, as the readers' ``shard=`` gives).
+    ``spec``: a FeatureSpec (its sparse fields) or the id input names."""
+    names = [f.name for f in spec.sparse()] if hasattr(spec, "sparse") else list(spec)
     out = {}
-    for f in spec.sparse():
-        ids = np.asarray(feats[f.name])
+    for name in names:
+        ids = np.asarray(feats[name])
         b = ids.shape[0]
         counts = []
         for r in range(world_size):
             part = ids[b * r // world_size: b * (r + 1) // world_size].reshape(-1)
             counts.append(len(np.unique(part[part != PAD_ID])))
-        out[f.name] = float(np.mean(counts))
+        out[name] = float(np.mean(counts))
     return out
 
 

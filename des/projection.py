@@ -45,12 +45,8 @@ def traffic_at(model: str, data: list[str], fmt: str, a, n: int) -> dict[str, di
     import models
     from des.auto import traffic
     from des.data.readers import make_dataset
-    from des.data.resolve import spec_for
-    meta = {}
-    if os.path.exists(data[0] + ".meta.json"):
-        with open(data[0] + ".meta.json") as fh:
-            meta = json.load(fh)
-    spec = spec_for(fmt, data, a.dim, meta, getattr(a, "eval_data", None) or [])
+    from des.data.resolve import metadata, spec_for
+    spec = spec_for(fmt, data, a.dim, metadata(data[0]), getattr(a, "eval_data", None) or [])
     plain = models.build(model, spec, hidden=tuple(int(h) for h in a.hidden.split(",") if h))
     x, _ = next(iter(make_dataset(data, fmt, spec, a.batch, take_lines=a.batch)))
     t = traffic(plain, {k: v.numpy() for k, v in x.items()}, n)

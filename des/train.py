@@ -111,12 +111,9 @@ def main(argv=None) -> int:
     from des.data.errors import op_error_message
     from des_ops.comm import default_communicator
 
-    meta = {}
-    meta_path = a.data[0] + ".meta.json"
-    if os.path.exists(meta_path):
-        with open(meta_path) as fh:
-            meta = json.load(fh)
     from des.data import columnar
+    from des.data.resolve import metadata
+    meta = metadata(a.data[0])
     if a.format in (None, "columnar") and columnar.is_columnar(a.data):
         a.format, meta = "columnar", columnar.manifest(a.data[0])
     a.format = a.format or meta.get("format", "criteo")
@@ -130,12 +127,19 @@ def main(argv=None) -> int:
     if total is not None and total <= 0:
         print(f"error: {a.data[0]}: file is empty", file=sys.stderr)
         return 2
-    prebuilt, auto = None, None
+    if a.eval_data:  # train on every line of --data; no counting pass
+        held, n_train, eval_files, eval_skip = 0, None, a.eval_data, 0
+        eval_name = " ".join(a.eval_data)
+    else:
+        held = int(a.holdout * total) if a.holdout < 1 else int(a.holdout)
+        n_train, eval_files, eval_skip = total - held, a.data, total - held
+        eval_name = f"{held} held-out lines"
+    prebuilt, auto, first = None, None, None
     if a.mode == "auto":          # des or ps for this model, from the first global batch (des.auto)
         from des import auto as auto_mode
         from des_ops.comm import launcher_rank
         try:
-            first, _ = next(iter(_dataset(a, spec, a.batch, take_lines=min(a.batch, total or a.batch))))
+            first, _ = next(iter(_dataset(a, spec, a.batch, take_lines=min(a.batch, n_train or a.batch))))
         except (DataError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -156,13 +160,6 @@ def main(argv=None) -> int:
     rank0 = comm.rank == 0
     log = (lambda *m: print(*m, flush=True)) if rank0 else (lambda *m: None)
 
-    if a.eval_data:  # train on every line of --data; no counting pass
-        held, n_train, eval_files, eval_skip = 0, None, a.eval_data, 0
-        eval_name = " ".join(a.eval_data)
-    else:
-        held = int(a.holdout * total) if a.holdout < 1 else int(a.holdout)
-        n_train, eval_files, eval_skip = total - held, a.data, total - held
-        eval_name = f"{held} held-out lines"
     skips = SkipReport()
     common = dict(skip_bad_lines=a.skip_bad_lines, skip_report=skips)
     global_batch, shard_of = a.batch, None
@@ -207,7 +204,8 @@ def main(argv=None) -> int:
     if a.mode == "des":
         model, report = des.transform(model, comm=comm, plan=plan, spec=spec)
         from des.cost import unique_ids_per_slice
-        first, _ = next(iter(_dataset(a, spec, a.batch, take_lines=min(a.batch, n_train or a.batch))))
+        if first is None:      # --mode auto read it already
+            first, _ = next(iter(_dataset(a, spec, a.batch, take_lines=min(a.batch, n_train or a.batch))))
         report.estimate_costs(a.batch, unique_ids_per_slice({k: v.numpy() for k, v in first.items()},
                                                             spec, comm.world_size))
         log(report)
@@ -417,7 +415,7 @@ def _FlushAtEpochEnd():
 
 
 def _spec(a, meta: dict):
-    """The FeatureSpec of the data (des.data.readers.spec_for): the training AND the --eval-data
+    """The FeatureSpec of the data (des.data.resolve.spec_for): the training AND the --eval-data
     files are scanned, so an evaluation file with longer bags than any training line works."""
     from des.data.resolve import spec_for
     return spec_for(a.format, a.data, a.dim, meta, getattr(a, "eval_data", None) or [])

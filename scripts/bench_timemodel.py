@@ -64,8 +64,9 @@ def main(argv=None) -> int:
     run_args = argparse.Namespace(batch=a.batch, steps=a.steps, holdout=1000, dim=8, hidden="128,64",
                                   optimizer="adam", lr=0.002, shuffle_buffer=5000, cache_size="10%", np=0)
     if a.columnar:
-        data, _ = compare.ensure_columnar([data], json.load(open(data + ".meta.json"))["format"], None,
-                                          json.load(open(data + ".meta.json")))
+        from des.data.resolve import metadata
+        meta = metadata(data)
+        data, _ = compare.ensure_columnar([data], meta["format"], None, meta)
         run_args.format = "columnar"
     rows = []
     for n in [int(x) for x in a.np.split(",")]:

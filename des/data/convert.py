@@ -9,7 +9,6 @@ conversion with file:line, or are dropped and counted with ``--skip-bad-lines``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -27,11 +26,8 @@ def main(argv=None) -> int:
     import des  # noqa: F401  (quiets TF's logs)
     from des.data import DataError, SkipReport
     from des.data.columnar import convert
-    from des.data.resolve import spec_for
-    meta = {}
-    if os.path.exists(a.data[0] + ".meta.json"):
-        with open(a.data[0] + ".meta.json") as fh:
-            meta = json.load(fh)
+    from des.data.resolve import metadata, spec_for
+    meta = metadata(a.data[0])
     fmt = a.format or meta.get("format", "criteo")
     skips = SkipReport()
     t0 = time.perf_counter()

@@ -6,10 +6,19 @@ generator's metadata, else scanned from the files.
 from __future__ import annotations
 
 import json
+import os
 from typing import Sequence
 
 from des.data import columnar
 from des.data.spec import FeatureSpec, avazu_spec, criteo_spec
+
+
+def metadata(path: str) -> dict:
+    """The generator's metadata of a data file (``<path>.meta.json``), or {} when there is none."""
+    if not os.path.exists(path + ".meta.json"):
+        return {}
+    with open(path + ".meta.json") as fh:
+        return json.load(fh)
 
 
 def spec_for(fmt: str, paths: Sequence[str], dim: int, meta: dict | None = None,
