@@ -157,7 +157,7 @@ def run_in_process_world(world_size: int, build: Callable[[], tf.keras.Model],
             results[r] = work(des_models[r])
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append((r, e, traceback.format_exc()))
-            world._barrier.abort()
+            world.abort()
 
     threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world_size)]
     for t in threads:
@@ -166,6 +166,36 @@ def run_in_process_world(world_size: int, build: Callable[[], tf.keras.Model],
         t.join()
     if errors:
         r, e, tb = min(errors, key=lambda x: "BrokenBarrierError" in x[2])
+        raise RuntimeError(f"simulated rank {r} failed: {e}\n{tb}")
+    return results
+
+
+def run_sharded_world(world_size: int, work: Callable[[object], object]) -> list:
+    """The PS / cache modes in the simulated world: ``work(exchange)`` on every rank in its own
+    thread, ``exchange`` a des_ops.sharded.KeyExchange of an InProcessWorld; returns each rank's
+    result. Collectives meet by name (the table and the kind), so ranks may run them in any order.
+
+        >>> outs = run_sharded_world(3, lambda ex: train(ps.shard(build(), ex), slices_of(ex.rank)))
+    """
+    from des_ops.sharded import KeyExchange
+    world = InProcessWorld(world_size)
+    results: list = [None] * world_size
+    errors: list = []
+
+    def run(r):
+        try:
+            results[r] = work(KeyExchange.in_process(world, r))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append((r, e, traceback.format_exc()))
+            world.abort()
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        r, e, tb = min(errors, key=lambda x: "another simulated rank failed" in x[2] or "Broken" in x[2])
         raise RuntimeError(f"simulated rank {r} failed: {e}\n{tb}")
     return results
 

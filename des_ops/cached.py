@@ -164,7 +164,8 @@ class CachedFieldEmbedding(ShardedFieldEmbedding):
     def _alltoall(self, x: tf.Tensor, splits: tf.Tensor, counter: str):
         """all-to-all of ``x`` (rows grouped by destination, ``splits`` per destination), counted by
         the exchange per destination; ``counter`` gets the bytes that leave this process."""
-        return self.exchange.alltoall(x, splits, counter.replace("_bytes", ""), add_sent=self.counters[counter])
+        return self.exchange.alltoall(x, splits, counter.replace("_bytes", ""), add_sent=self.counters[counter],
+                                      tag=self.tag)
 
     def _owner_rows(self, keys: tf.Tensor) -> tf.Tensor:
         """The owner's rows of ``keys`` (distinct), inserting missing ones with key_init."""

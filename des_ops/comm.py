@@ -162,6 +162,9 @@ class InProcessWorld:
         self._published: dict = {}
         self._broadcasts = [0] * world_size
         self._cond = threading.Condition()
+        self._sequence: list[dict] = [{} for _ in range(world_size)]
+        self._meetings: dict = {}
+        self._aborted = False
 
     def communicator(self, rank: int) -> "InProcessCommunicator":
         return InProcessCommunicator(self, rank)
@@ -176,6 +179,47 @@ class InProcessWorld:
         return total
 
 
+    def rendezvous(self, rank: int, tag: str, value, combine):
+        """Meet the other ranks at their call of the same ``tag`` (the n-th call of a tag meets the
+        others' n-th, in whatever order the ranks' graphs run their collectives) and return
+        ``combine(values of every rank, rank)``."""
+        n = self.world_size
+        with self._cond:
+            seq = self._sequence[rank].get(tag, 0)
+            self._sequence[rank][tag] = seq + 1
+            slot = self._meetings.setdefault((tag, seq), {"values": [None] * n, "arrived": 0, "left": 0})
+            slot["values"][rank] = value
+            slot["arrived"] += 1
+            self._cond.notify_all()
+            if not self._cond.wait_for(lambda: slot["arrived"] == n or self._aborted, timeout=self._timeout):
+                raise TimeoutError(f"rank {rank}: collective {tag!r} #{seq}: only {slot['arrived']} of {n} ranks came")
+            if self._aborted:
+                raise RuntimeError(f"rank {rank}: another simulated rank failed")
+            out = combine(slot["values"], rank)
+            slot["left"] += 1
+            if slot["left"] == n:
+                del self._meetings[(tag, seq)]
+            return out
+
+    def alltoall(self, rank: int, tag: str, x: np.ndarray, splits: np.ndarray):
+        """Rows ``splits[d]`` of ``x`` (grouped by destination) go to rank d: returns (rows from
+        every source, in source order; rows per source)."""
+        def combine(values, r):
+            parts, came = [], []
+            for xs, sp in values:
+                lo = int(np.sum(sp[:r]))
+                parts.append(xs[lo:lo + int(sp[r])])
+                came.append(int(sp[r]))
+            return np.concatenate(parts, 0), np.asarray(came, splits.dtype)
+        return self.rendezvous(rank, tag, (x, np.asarray(splits)), combine)
+
+    def abort(self) -> None:
+        """Wake every waiting rank with an error (a rank failed)."""
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+        self._barrier.abort()
+
     def broadcast(self, rank: int, a: np.ndarray, root: int) -> np.ndarray:
         """The root publishes without waiting (so ranks may transform one after another in one
         thread); the others wait for the root's n-th broadcast."""
@@ -189,6 +233,32 @@ class InProcessWorld:
             if not self._cond.wait_for(lambda: n in self._published, timeout=self._timeout):
                 raise TimeoutError(f"rank {rank}: no broadcast {n} from rank {root}")
             return self._published[n].copy()
+
+
+class InProcessCollectives:
+    """Horovod's ``alltoall`` / ``allreduce`` signatures over an InProcessWorld, for
+    des_ops.sharded.KeyExchange (the PS and cache modes in the simulated world). ``name`` must
+    say which collective this is (the same on every rank): ranks meet by name, not by order."""
+    Sum = "sum"
+
+    def __init__(self, world: InProcessWorld, rank: int):
+        self.world, self.rank = world, rank
+
+    def alltoall(self, x, splits, name: str):
+        x = tf.convert_to_tensor(x)
+        got, came = tf.numpy_function(lambda a, s: self.world.alltoall(self.rank, name, a, s),
+                                      [x, splits], [x.dtype, splits.dtype], stateful=True)
+        return tf.ensure_shape(got, [None, *x.shape[1:]]), tf.ensure_shape(came, [self.world.world_size])
+
+    def allreduce(self, x, op=None, name: str = "allreduce"):
+        def total(values, r):
+            out = values[0].copy()
+            for v in values[1:]:
+                out += v
+            return out
+        y = tf.numpy_function(lambda a: self.world.rendezvous(self.rank, name, a, total), [x], x.dtype,
+                              stateful=True)
+        return tf.ensure_shape(y, x.shape)
 
 
 class InProcessCommunicator(Communicator):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from des.data.spec import PAD_ID
+from des_ops.comm import InProcessCollectives
 from models.layers import FieldEmbedding, pool
 
 
@@ -55,6 +56,13 @@ class KeyExchange:
         return cls(hvd.rank(), hvd.size(), hvd)
 
     @classmethod
+    def in_process(cls, world, rank: int) -> "KeyExchange":
+        """Rank ``rank`` of a des_ops.comm.InProcessWorld: the PS and cache modes in the simulated
+        world (fast, wide tests; one thread per rank)."""
+        from des_ops.comm import InProcessCollectives
+        return cls(rank, world.world_size, InProcessCollectives(world, rank))
+
+    @classmethod
     def local(cls) -> "KeyExchange":
         return cls(0, 1, None)
 
@@ -73,8 +81,9 @@ class KeyExchange:
     def _add(self, name: str, value) -> tf.Operation:
         return self.counters[name].assign_add(tf.cast(value, tf.int64))
 
-    def lookup(self, local_rows, uniq: tf.Tensor, dim: int) -> tf.Tensor:
-        """Rows [n, dim] of distinct keys ``uniq`` [n]; ``local_rows(keys)`` reads the owner's table."""
+    def lookup(self, local_rows, uniq: tf.Tensor, dim: int, tag: str = "") -> tf.Tensor:
+        """Rows [n, dim] of distinct keys ``uniq`` [n]; ``local_rows(keys)`` reads the owner's table.
+        ``tag`` names the table alike on every process (the in-process world meets by name)."""
         n = tf.size(uniq)
         if self.world_size == 1:
             with tf.control_dependencies([self._add("unique_ids", n)]):
@@ -85,15 +94,16 @@ class KeyExchange:
         remote = n - splits[self.rank]
         count = tf.group(self._add("unique_ids", n), self._add("remote_ids", remote))
         with tf.control_dependencies([count]):
-            received, received_splits = self.alltoall(tf.gather(uniq, order), splits, "ids", add_sent="ids_bytes")
+            received, received_splits = self.alltoall(tf.gather(uniq, order), splits, "ids", add_sent="ids_bytes",
+                                                          tag=tag)
         keys, where = tf.unique(received)                 # the same key may come from several processes
         rows = tf.reshape(tf.gather(local_rows(keys), where), [-1, dim])
         back, _ = self.alltoall(rows, received_splits, "rows", add_received="rows_bytes",
-                                grad_kind="grads", grad_add_sent="grad_bytes")
+                                grad_kind="grads", grad_add_sent="grad_bytes", tag=tag)
         return tf.gather(back, tf.math.invert_permutation(order))
 
     def alltoall(self, x: tf.Tensor, splits: tf.Tensor, kind: str, add_sent=None, add_received=None,
-                 grad_kind: str | None = None, grad_add_sent=None):
+                 grad_kind: str | None = None, grad_add_sent=None, tag: str = ""):
         """Horovod all-to-all of ``x`` (rows grouped by destination, ``splits[d]`` rows to process d):
         returns (rows from every source, rows per source). Counts, per process, the bytes of the
         segments handed over (``sent[kind]``) and received (``received[kind]``); ``add_sent`` /
@@ -119,18 +129,18 @@ class KeyExchange:
                 return tf.identity(result)
 
         if grad_kind is None:
-            got, in_splits = self._hvd.alltoall(x, splits=splits)
+            got, in_splits = self._alltoall(x, splits, f"{tag}/{kind}")
             return counted(got, splits, in_splits, kind, add_sent, add_received), in_splits
 
         per_source = []
 
         @tf.custom_gradient
         def differentiable(v):
-            got, in_splits = self._hvd.alltoall(v, splits=splits)
+            got, in_splits = self._alltoall(v, splits, f"{tag}/{kind}")
             per_source.append(in_splits)
 
             def grad(dy):
-                back, back_splits = self._hvd.alltoall(dy, splits=in_splits)
+                back, back_splits = self._alltoall(dy, in_splits, f"{tag}/{grad_kind}")
                 return counted(back, in_splits, back_splits, grad_kind, grad_add_sent, None)
             return got, grad
 
@@ -142,7 +152,14 @@ class KeyExchange:
         if self.world_size == 1:
             return tf.identity(x)
         with tf.control_dependencies([self._add(counter, tf.size(x) * x.dtype.size)]):
+            if isinstance(self._hvd, InProcessCollectives):
+                return self._hvd.allreduce(x, name=counter)
             return self._hvd.allreduce(x, op=self._hvd.Sum)
+
+    def _alltoall(self, x, splits, name: str):
+        if isinstance(self._hvd, InProcessCollectives):
+            return self._hvd.alltoall(x, splits, name)
+        return self._hvd.alltoall(x, splits=splits)
 
     def snapshot(self) -> dict:
         """The scalar counters, and ``sent``/``received`` bytes per process per all-to-all kind."""
@@ -175,12 +192,18 @@ class ShardedFieldEmbedding(FieldEmbedding):
         super().__init__(field, dim, seed, init_scale, name=name or f"ps{dim}_{field}", linear=linear, **kwargs)
         self.exchange = exchange
 
+    @property
+    def tag(self) -> str:
+        """The table's name alike on every process (layer names get suffixes in a process that
+        built several models, e.g. the simulated world)."""
+        return f"{self.field}:{self.dim}:{'linear' if self.linear else 'rows'}"
+
     def call(self, inputs, training=None):
         ids, weights = (inputs[0], inputs[1]) if isinstance(inputs, (list, tuple)) else (inputs, None)
         ids = tf.convert_to_tensor(ids, tf.int64)
         uniq, idx = tf.unique(tf.reshape(ids, [-1]))
         real = tf.where(uniq != PAD_ID)
         found = self.exchange.lookup(lambda k: FieldEmbedding.rows(self, k, training),
-                                     tf.gather_nd(uniq, real), self.dim)
+                                     tf.gather_nd(uniq, real), self.dim, tag=self.tag)
         rows = tf.scatter_nd(real, found, tf.stack([tf.size(uniq, tf.int64), self.dim]))
         return pool(tf.gather(rows, idx), ids, weights, self.dim)

@@ -1,0 +1,220 @@
+"""Which process trains which sample of a global batch (``--allocate``), for the data-parallel
+modes (``ps``, ``cache``): the input-scheduling seam between the reader and the trainer.
+
+A synchronous PS step applies the sum of the gradients of the whole global batch, so WHICH process
+handles WHICH sample does not change the update: every allocation is exact. It changes what moves:
+a process fetches the rows of the keys its samples use that it neither owns (key mod N) nor holds
+in a valid cache line, once per distinct key.
+
+    contiguous  rows [b*r//N, b*(r+1)//N) of a batch of b rows (the default, the readers' ``shard=``)
+    random      a seeded permutation of the batch, cut into the same sizes
+    laia        Herald's locality-aware input allocation, online (below)
+
+laia scores sample i for process w by how many of its ids w holds: keys w owns, keys in w's
+simulated cache (``capacity`` rows per input, LRU over the keys w looked up; 0 for the PS mode)
+and keys of samples already given to w in this batch (so samples sharing keys go together and a
+key is fetched by fewer processes). It takes the samples in chunks, gives each chunk's
+(sample, process) pairs greedily by score, each process taking at most its fair share of the
+chunk and, over the batch, exactly its contiguous size (so the batch stays balanced), breaking ties by a preference that rotates every batch, and
+never looks past the current batch. Every process runs the same allocator on the same global
+batches in the same order, so all compute the same allocation with no collective
+(``digest`` lets a test compare them).
+
+    >>> alloc = make("laia", world_size=4, keys=["C1", "C2"])
+    >>> parts = alloc({"C1": ids1, "C2": ids2}, batch=len(ids1))   # [indices for rank 0, ..., 3]
+    >>> ds = ds.map(Share(alloc, rank).take)                       # this process's samples
+
+What laia's score does not model: whether a cached row is still valid (at staleness 0 a row
+another process updated is re-read); the simulated cache counts it as held. That only weakens
+the score - correctness never depends on it.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+import numpy as np
+
+PAD_ID = -1  # des.data.spec.PAD_ID (kept local: this module imports nothing of the project)
+CHOICES = ("contiguous", "random", "laia")
+
+
+def sizes(batch: int, world_size: int) -> np.ndarray:
+    """Samples per process: the contiguous slices' sizes (differ by at most one)."""
+    r = np.arange(world_size + 1)
+    return np.diff(batch * r // world_size)
+
+
+class Allocator:
+    """``alloc(feats, batch)`` -> one int64 index array per process, together a permutation of
+    range(batch). Stateful (laia's caches, random's generator): call it on every global batch in
+    order. ``inputs``: the feature names it reads."""
+
+    name = "contiguous"
+    inputs: tuple[str, ...] = ()
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.batches = 0
+        self._digest = hashlib.sha1()
+
+    def __call__(self, feats: dict, batch: int) -> list[np.ndarray]:
+        parts = self.allocate(feats, batch)
+        self.batches += 1
+        for p in parts:
+            self._digest.update(np.asarray(p, np.int64).tobytes() + b"|")
+        return parts
+
+    def allocate(self, feats: dict, batch: int) -> list[np.ndarray]:
+        bounds = np.concatenate([[0], np.cumsum(sizes(batch, self.world_size))])
+        return [np.arange(bounds[r], bounds[r + 1], dtype=np.int64) for r in range(self.world_size)]
+
+    @property
+    def digest(self) -> str:
+        """A hash of every allocation so far (equal on every process that allocated alike)."""
+        return self._digest.hexdigest()[:16]
+
+
+class RandomAllocation(Allocator):
+    name = "random"
+
+    def __init__(self, world_size: int, seed: int = 0):
+        super().__init__(world_size)
+        self._rng = np.random.default_rng(seed)
+
+    def allocate(self, feats, batch):
+        perm = self._rng.permutation(batch).astype(np.int64)
+        bounds = np.concatenate([[0], np.cumsum(sizes(batch, self.world_size))])
+        return [np.sort(perm[bounds[r]:bounds[r + 1]]) for r in range(self.world_size)]
+
+
+class LaiaAllocation(Allocator):
+    """Locality-aware allocation (see the module docstring). ``keys``: the id inputs of the
+    sharded tables; ``capacity``: cached rows per input and process (0 or missing: no cache)."""
+
+    name = "laia"
+
+    def __init__(self, world_size: int, keys: Sequence[str], capacity: dict[str, int] | None = None,
+                 chunk: int = 0):
+        super().__init__(world_size)
+        self.inputs = tuple(dict.fromkeys(keys))
+        self.capacity = {k: int((capacity or {}).get(k, 0)) for k in self.inputs}
+        self.chunk = chunk or 16 * world_size
+        # per process and input: cached keys (sorted) and the batch number each was last used
+        empty = lambda: (np.zeros(0, np.int64), np.zeros(0, np.int64))  # noqa: E731
+        self.cache = [{k: empty() for k in self.inputs} for _ in range(world_size)]
+        self.scores: list[float] = []      # mean score of the chosen process per sample (diagnostics)
+
+    def _tokens(self, feats: dict, batch: int):
+        """(sample of each id occurrence, token of it, key per token, input index per token)."""
+        samples, tokens, keys, which = [], [], [], []
+        offset = 0
+        for t, name in enumerate(self.inputs):
+            ids = np.asarray(feats[name]).reshape(batch, -1)
+            s = np.repeat(np.arange(batch), ids.shape[1])
+            flat = ids.reshape(-1)
+            real = flat != PAD_ID
+            uniq, inv = np.unique(flat[real], return_inverse=True)
+            samples.append(s[real])
+            tokens.append(inv + offset)
+            keys.append(uniq)
+            which.append(np.full(len(uniq), t))
+            offset += len(uniq)
+        cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)  # noqa: E731
+        return cat(samples, np.int64), cat(tokens, np.int64), cat(keys, np.int64), cat(which, np.int64)
+
+    def allocate(self, feats, batch):
+        n = self.world_size
+        if n == 1 or batch == 0 or not self.inputs:
+            return super().allocate(feats, batch)
+        sample, token, keys, which = self._tokens(feats, batch)
+        have = np.zeros((n, len(keys)), bool)
+        have[np.mod(keys, n), np.arange(len(keys))] = True
+        for w in range(n):
+            for t, name in enumerate(self.inputs):
+                cached = self.cache[w][name][0]
+                if len(cached):
+                    sel = np.flatnonzero(which == t)
+                    have[w, sel] |= np.isin(keys[sel], cached, assume_unique=True)
+        order = np.argsort(sample, kind="stable")
+        sample, token = sample[order], token[order]
+        starts = np.searchsorted(sample, np.arange(0, batch + 1))
+        quota = sizes(batch, n).copy()
+        owner = np.full(batch, -1, np.int64)
+        rot = self.batches % n
+        tie = ((np.arange(n) - rot) % n) * 1e-3           # rotating preference among equal scores
+        chosen_scores = []
+        for lo in range(0, batch, self.chunk):
+            hi = min(batch, lo + self.chunk)
+            seg = slice(starts[lo], starts[hi])
+            local = sample[seg] - lo
+            score = np.stack([np.bincount(local, weights=have[w, token[seg]], minlength=hi - lo)
+                              for w in range(n)], 1) - tie[None, :]
+            room = np.minimum(quota, -(-(hi - lo) // n))   # at most a fair share of the chunk each
+            for sweep in (room, quota):                      # then, if that left samples over, any room
+                for p in np.argsort(-score, axis=None, kind="stable"):
+                    i, w = divmod(int(p), n)
+                    if owner[lo + i] < 0 and sweep[w] > 0:
+                        owner[lo + i] = w
+                        quota[w] -= 1
+                        room[w] -= 1
+                        chosen_scores.append(score[i, w])
+            for w in range(n):            # keys of samples just given to w are now held by w
+                mine = owner[lo + local] == w
+                have[w, token[seg][mine]] = True
+        self._update_caches(owner, sample, token, keys, which)
+        self.scores.append(float(np.mean(chosen_scores)) if chosen_scores else 0.0)
+        return [np.flatnonzero(owner == w).astype(np.int64) for w in range(n)]
+
+    def _update_caches(self, owner, sample, token, keys, which) -> None:
+        """LRU over the keys each process looked up and does not own, ``capacity`` per input."""
+        n = self.world_size
+        for w in range(n):
+            used = np.unique(token[owner[sample] == w])
+            used = used[np.mod(keys[used], n) != w]
+            for t, name in enumerate(self.inputs):
+                cap = self.capacity[name]
+                if cap <= 0:
+                    continue
+                new = keys[used[which[used] == t]]
+                old_keys, old_last = self.cache[w][name]
+                keep = ~np.isin(old_keys, new, assume_unique=True)
+                k = np.concatenate([old_keys[keep], new])
+                last = np.concatenate([old_last[keep], np.full(len(new), self.batches)])
+                if len(k) > cap:
+                    top = np.argsort(-last, kind="stable")[:cap]
+                    k, last = k[top], last[top]
+                srt = np.argsort(k)
+                self.cache[w][name] = (k[srt], last[srt])
+
+
+def make(kind: str, world_size: int, keys: Sequence[str] = (), capacity: dict[str, int] | None = None,
+         seed: int = 0) -> Allocator:
+    """The allocator named ``kind`` (one of CHOICES)."""
+    if kind == "contiguous":
+        return Allocator(world_size)
+    if kind == "random":
+        return RandomAllocation(world_size, seed)
+    if kind == "laia":
+        return LaiaAllocation(world_size, keys, capacity)
+    raise ValueError(f"--allocate must be one of {', '.join(CHOICES)}, got {kind!r}")
+
+
+class Share:
+    """This process's samples of every global batch, for ``tf.data``: ``ds.map(Share(alloc, rank).take)``.
+    The allocator runs in the input pipeline (in order: a ``map`` without parallel calls)."""
+
+    def __init__(self, allocator: Allocator, rank: int):
+        self.allocator, self.rank = allocator, rank
+
+    def _mine(self, batch, *cols) -> np.ndarray:
+        parts = self.allocator(dict(zip(self.allocator.inputs, cols)), int(batch))
+        return parts[self.rank]
+
+    def take(self, feats: dict, label):
+        import tensorflow as tf
+        b = tf.shape(label, out_type=tf.int64)[0]
+        idx = tf.numpy_function(self._mine, [b] + [feats[k] for k in self.allocator.inputs], tf.int64,
+                                stateful=True)
+        idx = tf.ensure_shape(idx, [None])
+        return {k: tf.gather(v, idx) for k, v in feats.items()}, tf.gather(label, idx)

@@ -1,0 +1,118 @@
+"""--allocate: which process trains which sample of a global batch (des.allocate).
+
+Any allocation is exact under the synchronous PS (the update sums the whole batch's gradients);
+laia moves fewer rows. Exactness runs in the simulated world (N = 2..4, the PS and the cache at
+staleness 0 against the untouched single-process model); under a real mpirun: tests/test_mpi.py.
+"""
+import numpy as np
+import pytest
+
+import models
+from des import allocate
+from des.cache import cache
+from des.ps import shard
+from des.verify import PS_SPEC, optimizer_factory, ps_batches, run_sharded_world
+from helpers import single_process_predictions
+
+LR = {"sgd": 0.2, "adagrad": 0.05, "adam": 0.01, "ftrl": 0.05}
+KEYS = [f.name for f in PS_SPEC.sparse()]
+
+
+def remote_ids(feats: dict, parts: list, n: int) -> int:
+    """Distinct ids of each process's samples that another process owns, summed over processes."""
+    total = 0
+    for w, idx in enumerate(parts):
+        for k in KEYS if "u" in feats else list(feats):
+            u = np.unique(np.asarray(feats[k])[idx])
+            u = u[u != -1]
+            total += int(np.sum(u % n != w))
+    return total
+
+
+def test_laia_gives_each_sample_to_the_owner_of_its_keys():
+    """4 samples of one key each, keys 2, 3, 4, 5: process 0 owns the even ones. Contiguous
+    slices fetch 2 remote keys; laia none."""
+    feats = {"k": np.array([2, 3, 4, 5], np.int64)}
+    laia = allocate.make("laia", 2, ["k"])(feats, 4)
+    assert [p.tolist() for p in laia] == [[0, 2], [1, 3]]
+    assert remote_ids(feats, allocate.make("contiguous", 2)(feats, 4), 2) == 2
+    assert remote_ids(feats, laia, 2) == 0
+
+
+def test_laia_puts_samples_that_share_keys_together():
+    """Keys 7, 9, 7, 9 (all owned by process 1), chunks of one sample per process: process 0
+    takes both samples of one key (1 remote key), not one of each (2)."""
+    feats = {"k": np.array([7, 9, 7, 9], np.int64)}
+    alloc = allocate.LaiaAllocation(2, ["k"], chunk=2)
+    parts = alloc(feats, 4)
+    assert sorted(len(p) for p in parts) == [2, 2]
+    assert len(np.unique(feats["k"][parts[0]])) == 1
+
+
+@pytest.mark.parametrize("kind", allocate.CHOICES)
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_every_sample_once_balanced_and_the_same_on_every_process(kind, n):
+    batches, _ = ps_batches(steps=6, batch=50)
+    a, b = allocate.make(kind, n, KEYS, {k: 10 for k in KEYS}, seed=1), allocate.make(kind, n, KEYS, {k: 10 for k in KEYS}, seed=1)
+    for x, y in batches:
+        feats = {k: v.numpy() for k, v in x.items()}
+        parts = a(feats, len(y))
+        assert sorted(np.concatenate(parts).tolist()) == list(range(len(y)))
+        assert [len(p) for p in parts] == allocate.sizes(len(y), n).tolist()
+        assert [p.tolist() for p in parts] == [p.tolist() for p in b(feats, len(y))]
+    assert a.digest == b.digest and a.batches == len(batches)
+
+
+def test_laia_fetches_fewer_remote_ids_than_contiguous_slices():
+    from des.verify import random_batches
+    spec_batches = random_batches(PS_SPEC, 10, 256, seed=3)
+    n = 4
+    laia, cont = allocate.make("laia", n, KEYS), allocate.make("contiguous", n)
+    got = {"laia": 0, "contiguous": 0}
+    for x, y in spec_batches:
+        feats = {k: v.numpy() for k, v in x.items()}
+        got["laia"] += remote_ids(feats, laia(feats, len(y)), n)
+        got["contiguous"] += remote_ids(feats, cont(feats, len(y)), n)
+    print(got)
+    assert got["laia"] < 0.9 * got["contiguous"]
+
+
+def _train_allocated(model, exchange, kind, batches, probe, optimizer, capacity=None):
+    model.compile(optimizer_factory(optimizer, LR)(), "binary_crossentropy")
+    alloc = allocate.make(kind, exchange.world_size, KEYS, capacity, seed=5)
+    preds = []
+    for x, y in batches:
+        mine = alloc({k: v.numpy() for k, v in x.items()}, len(y))[exchange.rank]
+        model.train_on_batch({k: v.numpy()[mine] for k, v in x.items()}, y.numpy()[mine])
+        preds.append(model.predict_on_batch(probe))
+    return preds, alloc.digest
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ps_with_laia_is_the_single_process_model(n):
+    batches, probe = ps_batches()
+    expected = single_process_predictions("deepfm", "adam", LR, batches, probe)
+    outs = run_sharded_world(n, lambda ex: _train_allocated(
+        shard(models.build("deepfm", PS_SPEC, seed=3, hidden=(8, 4)), ex), ex, "laia", batches, probe, "adam"))
+    assert len({d for _, d in outs}) == 1
+    for preds, _ in outs:
+        diff = max(float(np.abs(a - b).max()) for a, b in zip(expected, preds))
+        print(f"ps laia N={n}: {diff:.1e}")
+        assert diff < 1e-6
+
+
+@pytest.mark.parametrize("n,kind,optimizer", [(2, "laia", "sgd"), (3, "laia", "ftrl+adam"), (3, "random", "adagrad")])
+def test_cache_at_staleness_0_with_laia_is_the_single_process_model(n, kind, optimizer):
+    batches, probe = ps_batches()
+    expected = single_process_predictions("wdl", optimizer, LR, batches, probe)
+    capacity = {k: 6 for k in KEYS}
+
+    def work(ex):
+        model = cache(models.build("wdl", PS_SPEC, seed=3, hidden=(8, 4)), ex, staleness=0, capacity=6)
+        return _train_allocated(model, ex, kind, batches, probe, optimizer, capacity)
+    outs = run_sharded_world(n, work)
+    assert len({d for _, d in outs}) == 1
+    for preds, _ in outs:
+        diff = max(float(np.abs(a - b).max()) for a, b in zip(expected, preds))
+        print(f"cache s=0 {kind} N={n} {optimizer}: {diff:.1e}")
+        assert diff < 1e-6
