@@ -56,23 +56,25 @@ class Allocator:
     def __init__(self, world_size: int):
         self.world_size = world_size
         self.batches = 0
-        self._digest = hashlib.sha1()
+        self.hashes: list[str] = []     # one per allocated batch
 
     def __call__(self, feats: dict, batch: int) -> list[np.ndarray]:
         parts = self.allocate(feats, batch)
         self.batches += 1
+        h = hashlib.sha1()
         for p in parts:
-            self._digest.update(np.asarray(p, np.int64).tobytes() + b"|")
+            h.update(np.asarray(p, np.int64).tobytes() + b"|")
+        self.hashes.append(h.hexdigest())
         return parts
 
     def allocate(self, feats: dict, batch: int) -> list[np.ndarray]:
         bounds = np.concatenate([[0], np.cumsum(sizes(batch, self.world_size))])
         return [np.arange(bounds[r], bounds[r + 1], dtype=np.int64) for r in range(self.world_size)]
 
-    @property
-    def digest(self) -> str:
-        """A hash of every allocation so far (equal on every process that allocated alike)."""
-        return self._digest.hexdigest()[:16]
+    def digest(self, batches: int | None = None) -> str:
+        """A hash of the first ``batches`` allocations (all: None), equal on every process that
+        allocated them alike."""
+        return hashlib.sha1("".join(self.hashes[:batches]).encode()).hexdigest()[:16]
 
 
 class RandomAllocation(Allocator):

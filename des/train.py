@@ -32,6 +32,10 @@ def _args(argv):
     ap.add_argument("--ps-batch", choices=["global", "per-process"], default="global",
                     help="ps, cache: each process reads batch/N rows of every global batch (global), "
                          "or batch rows of a global batch of N*batch (per-process)")
+    ap.add_argument("--allocate", choices=["contiguous", "random", "laia"], default="contiguous",
+                    help="ps, cache: which process trains which sample of a global batch (des.allocate): "
+                         "contiguous slices, a seeded random split, or laia (Herald's locality-aware "
+                         "allocation: samples go where their keys are owned or cached); exact in every case")
     ap.add_argument("--model", default="deepfm", choices=["lr", "fm", "dnn", "wdl", "deepfm"])
     ap.add_argument("--data", required=True, nargs="+", help="input files (.gz allowed)")
     ap.add_argument("--format", default=None, choices=["criteo", "avazu", "libsvm", "libffm", "columnar"],
@@ -150,6 +154,11 @@ def main(argv=None) -> int:
     from des_ops.sharded import KeyExchange
     exchange = None
     sharded = a.mode in ("ps", "cache")        # data parallel over key-sharded tables
+    if a.allocate != "contiguous" and not sharded:
+        print(f"error: --allocate {a.allocate} is for --mode ps and cache (under {a.mode} "
+              f"{'every process reads the whole batch' if a.mode == 'des' else 'there is one process'})",
+              file=sys.stderr)
+        return 2
     if sharded:
         exchange = (KeyExchange.noop() if a.comm == "noop" else
                     KeyExchange.horovod() if under_launcher() else KeyExchange.local())
@@ -171,12 +180,14 @@ def main(argv=None) -> int:
             """The batches of one epoch: shuffled by (seed, epoch), so a resumed job sees the
             same order as an uninterrupted one."""
             return _dataset(a, spec, global_batch, shuffle_buffer=a.shuffle_buffer, inputs=read_inputs,
-                            seed=epoch_seed(a.seed, epoch), take_lines=n_train, shard=shard_of, **common)
+                            seed=epoch_seed(a.seed, epoch), take_lines=n_train,
+                            shard=allocation(epoch) if allocation else shard_of, **common)
 
         def evaluation():
             return _dataset(a, spec, max(global_batch, 4096), eval_files, skip_lines=eval_skip, inputs=read_inputs,
                             shard=shard_of, **common) if (held or a.eval_data) else None
         read_inputs = None         # all; a DES process on columnar data: its own fields' (set below)
+        allocation = None          # ps, cache: epoch -> des.allocate.Share (set below)
         train(0)   # reports a bad path or format now
         evaluation()
     except (DataError, FileNotFoundError) as e:
@@ -231,6 +242,11 @@ def main(argv=None) -> int:
         log(f"cache: {len(model.cached_tables())} tables sharded by key over {comm.world_size} "
             f"process(es), each cached on every process (staleness {a.staleness}, {a.eviction}, "
             f"{sizes[0]}..{sizes[-1]} rows per table); global batch {global_batch}")
+    allocators = []
+    if sharded and a.allocate != "contiguous":
+        allocation = _allocation(a, model, comm, allocators)
+        log(f"allocation: {a.allocate} ({'samples go to the process that owns or caches their keys' if a.allocate == 'laia' else 'a seeded random split'}"
+            f", {global_batch // comm.world_size}-{-(-global_batch // comm.world_size)} per process; evaluation: contiguous slices)")
     optimizer = models.make_optimizer(a.optimizer, a.lr, linear=a.linear_optimizer,
                                       linear_learning_rate=a.linear_lr)
     model.compile(optimizer, "binary_crossentropy",
@@ -321,6 +337,11 @@ def main(argv=None) -> int:
                        ring_bytes_per_step=report.ring_bytes(a.batch), collectives=counted,
                        check_bytes_per_step=counted["check"]["bytes"] / max(1, len(traffic.per_step)))
     if sharded:
+        summary["allocate"] = a.allocate
+        if allocators:
+            trained = [x.hashes[:a.steps] for x in allocators]   # not the batches prefetched past --steps
+            summary["allocation"] = {"batches": sum(map(len, trained)),
+                                     "digest": "-".join(x.digest(a.steps) for x in allocators)}
         summary["collectives"] = {k: v for k, v in exchange.snapshot().items() if k in ("metrics_bytes", "barrier_bytes")}
     if a.mode == "cache":
         summary.update(cache.traffic_summary(traffic.steps, comm.rank, comm.world_size),
@@ -396,6 +417,20 @@ def _barrier(mode: str, comm, exchange):
     if mode == "des" and comm.world_size > 1:
         return lambda: comm.allreduce_counted(tf.zeros([1]), "barrier")
     return None
+
+
+def _allocation(a, model, comm, allocators: list):
+    """epoch -> a des.allocate.Share of a new allocator (one per epoch's dataset, so that
+    batches the input pipeline prefetched but fit never trained cannot make the processes'
+    allocators differ); ``allocators`` collects them for the summary."""
+    from des import allocate, ps
+    keys = [ids for ids, _, _ in ps.table_inputs(model)]
+    capacity = {ids: layer.config.capacity for layer, ids in model.cached_tables()} if a.mode == "cache" else None
+
+    def for_epoch(epoch: int):
+        allocators.append(allocate.make(a.allocate, comm.world_size, keys, capacity, seed=epoch_seed(a.seed, epoch)))
+        return allocate.Share(allocators[-1], comm.rank)
+    return for_epoch
 
 
 def _flush(model) -> None:

@@ -131,7 +131,7 @@ def _column(folder: str, name: str, col: dict, rows: int) -> np.ndarray:
 
 
 def make_dataset(folder: str, spec: FeatureSpec, batch_size: int, *, shuffle_buffer: int = 0, seed: int = 0,
-                 epochs: int = 1, shard: tuple[int, int] | None = None, drop_remainder: bool = False,
+                 epochs: int = 1, shard=None, drop_remainder: bool = False,
                  take_lines: int | None = None, skip_lines: int = 0,
                  inputs: Sequence[str] | None = None) -> tf.data.Dataset:
     """Batches of ``({input: tensor}, label)`` like ``des.data.readers.make_dataset`` over the text
@@ -171,10 +171,13 @@ def make_dataset(folder: str, spec: FeatureSpec, batch_size: int, *, shuffle_buf
     from des.data.readers import order
     ds = order(tf.data.Dataset.range(rows), skip_lines=skip_lines, take_lines=take_lines, epochs=epochs,
                shuffle_buffer=shuffle_buffer, seed=seed).batch(batch_size, drop_remainder=drop_remainder)
-    if shard is not None:
+    allocated = shard is not None and hasattr(shard, "take")
+    if shard is not None and not allocated:
         rank, world = shard
         ds = ds.map(lambda idx: _slice(idx, rank, world))
     ds = ds.map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    if allocated:          # an allocator reads the whole batch's ids, then keeps this process's rows
+        ds = ds.map(shard.take)
     return ds.prefetch(tf.data.AUTOTUNE)
 
 

@@ -4,7 +4,8 @@
 
 Every process that calls this with the same arguments gets the same batches in the
 same order (DES needs that). ``shard=(rank, world_size)`` gives each process its own
-contiguous slice of every global batch instead (the parameter-server mode).
+contiguous slice of every global batch instead (the parameter-server mode), and
+``shard=des.allocate.Share(allocator, rank)`` the samples any allocator gives it.
 
 Bad lines stop the run with a ``DataError`` naming file, line and problem; with
 ``skip_bad_lines=True`` they are dropped and counted in ``skip_report``.
@@ -53,7 +54,7 @@ def check_paths(paths: Sequence[str] | str, header: str | None = None) -> list[s
 def make_dataset(paths: Sequence[str] | str, fmt: str, spec: FeatureSpec, batch_size: int, *,
                  shuffle_buffer: int = 0, seed: int = 0, epochs: int = 1,
                  skip_bad_lines: bool = False, skip_report: SkipReport | None = None,
-                 shard: tuple[int, int] | None = None, drop_remainder: bool = False,
+                 shard=None, drop_remainder: bool = False,
                  take_lines: int | None = None, skip_lines: int = 0) -> tf.data.Dataset:
     """Batches of ``({field: int64 ids [B] or float32 [B]}, label float32 [B])``.
 
@@ -105,9 +106,18 @@ def make_dataset(paths: Sequence[str] | str, fmt: str, spec: FeatureSpec, batch_
         ds = ds.map(lambda p, n, l: parse(p, n, l)[:2], num_parallel_calls=tf.data.AUTOTUNE,
                     deterministic=True)
     if shard is not None:
-        rank, world = shard
-        ds = ds.map(lambda f, y: _slice_batch(f, y, rank, world))
+        ds = ds.map(share(shard))
     return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def share(shard):
+    """The map from a global batch to this process's samples: ``(rank, world_size)``, the
+    contiguous slice; or an object with ``take(feats, label)`` (des.allocate.Share: any
+    allocation, e.g. laia), applied in order (a map without parallel calls)."""
+    if hasattr(shard, "take"):
+        return shard.take
+    rank, world = shard
+    return lambda f, y: _slice_batch(f, y, rank, world)
 
 
 def order(ds: tf.data.Dataset, *, skip_lines: int = 0, take_lines: int | None = None, epochs: int = 1,
