@@ -31,6 +31,7 @@ the score - correctness never depends on it.
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Sequence
 
 import numpy as np
@@ -53,13 +54,18 @@ class Allocator:
     name = "contiguous"
     inputs: tuple[str, ...] = ()
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, keys: Sequence[str] = ()):
         self.world_size = world_size
+        self.inputs = tuple(dict.fromkeys(keys))
         self.batches = 0
         self.hashes: list[str] = []     # one per allocated batch
+        self.samples, self.seconds = 0, 0.0
 
     def __call__(self, feats: dict, batch: int) -> list[np.ndarray]:
+        start = time.perf_counter()
         parts = self.allocate(feats, batch)
+        self.seconds += time.perf_counter() - start
+        self.samples += batch
         self.batches += 1
         h = hashlib.sha1()
         for p in parts:
@@ -71,6 +77,11 @@ class Allocator:
         bounds = np.concatenate([[0], np.cumsum(sizes(batch, self.world_size))])
         return [np.arange(bounds[r], bounds[r + 1], dtype=np.int64) for r in range(self.world_size)]
 
+    @property
+    def samples_per_second(self) -> float:
+        """Global-batch samples allocated per second of allocator time (its own speed)."""
+        return self.samples / self.seconds if self.seconds else float("inf")
+
     def digest(self, batches: int | None = None) -> str:
         """A hash of the first ``batches`` allocations (all: None), equal on every process that
         allocated them alike."""
@@ -80,8 +91,8 @@ class Allocator:
 class RandomAllocation(Allocator):
     name = "random"
 
-    def __init__(self, world_size: int, seed: int = 0):
-        super().__init__(world_size)
+    def __init__(self, world_size: int, keys: Sequence[str] = (), seed: int = 0):
+        super().__init__(world_size, keys)
         self._rng = np.random.default_rng(seed)
 
     def allocate(self, feats, batch):
@@ -98,8 +109,7 @@ class LaiaAllocation(Allocator):
 
     def __init__(self, world_size: int, keys: Sequence[str], capacity: dict[str, int] | None = None,
                  chunk: int = 0):
-        super().__init__(world_size)
-        self.inputs = tuple(dict.fromkeys(keys))
+        super().__init__(world_size, keys)
         self.capacity = {k: int((capacity or {}).get(k, 0)) for k in self.inputs}
         self.chunk = chunk or 16 * world_size
         # per process and input: cached keys (sorted) and the batch number each was last used
@@ -194,29 +204,53 @@ def make(kind: str, world_size: int, keys: Sequence[str] = (), capacity: dict[st
          seed: int = 0) -> Allocator:
     """The allocator named ``kind`` (one of CHOICES)."""
     if kind == "contiguous":
-        return Allocator(world_size)
+        return Allocator(world_size, keys)
     if kind == "random":
-        return RandomAllocation(world_size, seed)
+        return RandomAllocation(world_size, keys, seed)
     if kind == "laia":
         return LaiaAllocation(world_size, keys, capacity)
     raise ValueError(f"--allocate must be one of {', '.join(CHOICES)}, got {kind!r}")
 
 
+OTHERS = "@others"   # feature suffix: the distinct keys of an input that OTHER processes' samples use
+
+
 class Share:
     """This process's samples of every global batch, for ``tf.data``: ``ds.map(Share(alloc, rank).take)``.
-    The allocator runs in the input pipeline (in order: a ``map`` without parallel calls)."""
+    The allocator runs in the input pipeline (in order: a ``map`` without parallel calls).
 
-    def __init__(self, allocator: Allocator, rank: int):
-        self.allocator, self.rank = allocator, rank
+    ``others=True`` also hands the train step, for every input the allocator reads, the distinct
+    keys the other processes' samples of this batch use (feature ``<input>@others``): what the
+    cache's on-demand plan needs to know which of its lines another process updates this step."""
 
-    def _mine(self, batch, *cols) -> np.ndarray:
-        parts = self.allocator(dict(zip(self.allocator.inputs, cols)), int(batch))
-        return parts[self.rank]
+    def __init__(self, allocator: Allocator, rank: int, others: bool = False):
+        self.allocator, self.rank, self.others = allocator, rank, others
+
+    def mine(self, feats: dict, batch: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """(this process's row indices of the global batch, {input + OTHERS: the distinct keys the
+        other processes' rows use} if ``others`` else {})."""
+        parts = self.allocator({k: feats[k] for k in self.allocator.inputs}, int(batch))
+        if not self.others:
+            return parts[self.rank], {}
+        rest = np.concatenate([p for r, p in enumerate(parts) if r != self.rank] + [np.zeros(0, np.int64)])
+        used = {}
+        for name in self.allocator.inputs:
+            ids = np.unique(np.asarray(feats[name])[rest].reshape(-1))
+            used[name + OTHERS] = ids[ids != PAD_ID].astype(np.int64)
+        return parts[self.rank], used
+
+    def _mine(self, batch, *cols):
+        idx, used = self.mine(dict(zip(self.allocator.inputs, cols)), int(batch))
+        return (idx, *used.values()) if self.others else idx
 
     def take(self, feats: dict, label):
         import tensorflow as tf
         b = tf.shape(label, out_type=tf.int64)[0]
-        idx = tf.numpy_function(self._mine, [b] + [feats[k] for k in self.allocator.inputs], tf.int64,
-                                stateful=True)
-        idx = tf.ensure_shape(idx, [None])
-        return {k: tf.gather(v, idx) for k, v in feats.items()}, tf.gather(label, idx)
+        names = self.allocator.inputs
+        out = tf.numpy_function(self._mine, [b] + [feats[k] for k in names],
+                                [tf.int64] * (1 + len(names)) if self.others else tf.int64, stateful=True)
+        idx = tf.ensure_shape(out[0] if self.others else out, [None])
+        mine = {k: tf.gather(v, idx) for k, v in feats.items()}
+        if self.others:
+            mine.update({k + OTHERS: tf.ensure_shape(v, [None]) for k, v in zip(names, out[1:])})
+        return mine, tf.gather(label, idx)

@@ -53,12 +53,13 @@ def des_widths(model: tf.keras.Model) -> tuple[dict[str, int], list]:
             for m in matches}, matches
 
 
-def traffic(model: tf.keras.Model, first_batch: dict, world_size: int) -> dict:
+def traffic(model: tf.keras.Model, first_batch: dict, world_size: int, allocator=None) -> dict:
     """Per process and step at N = ``world_size``, by the formulas on a global batch of ids:
     ``des_payload`` (4*B*floats handed to the allreduce), ``des_bytes`` (its ring share),
     ``ps_alltoall`` (ids, rows, gradient rows of remote distinct ids; mean over the N slices),
     ``ps_dense_payload`` (dense gradients), ``ps_bytes`` (all-to-all + dense ring + the loss
-    weight), ``tables``; and ``matches`` and ``widths``, the substitutions DES would make."""
+    weight), ``tables``; and ``matches`` and ``widths``, the substitutions DES would make.
+    ``allocator`` (des.allocate): which process's slice holds which rows (default: contiguous)."""
     from des import ps
     feats = {k: np.asarray(v) for k, v in first_batch.items()}
     b, n = len(next(iter(feats.values()))), world_size
@@ -67,8 +68,9 @@ def traffic(model: tf.keras.Model, first_batch: dict, world_size: int) -> dict:
     floats = sum(widths.values())
     tables, dense = ps.table_inputs(model), ps.dense_parameters(model)
     a2a, total = [], []
+    parts = _parts(feats, b, n, allocator)
     for r in range(n):
-        an = ps.analytic_bytes({k: v[b * r // n: b * (r + 1) // n] for k, v in feats.items()}, tables, r, n, dense)
+        an = ps.analytic_bytes({k: v[parts[r]] for k, v in feats.items()}, tables, r, n, dense)
         a2a.append(an["alltoall_bytes"])
         total.append(an["alltoall_bytes"] + an["dense_ring_bytes"] + (ring * 4 if n > 1 else 0))
     return {"des_payload": 4.0 * b * floats, "des_bytes": ring * 4.0 * b * floats,
@@ -76,15 +78,26 @@ def traffic(model: tf.keras.Model, first_batch: dict, world_size: int) -> dict:
             "tables": len(tables), "matches": matches, "widths": widths, "batch": b}
 
 
-def choose(model: tf.keras.Model, first_batch: dict, world_size: int) -> Choice:
-    """DES or PS for ``model`` (unchanged, single-process) on N = ``world_size`` processes."""
-    t = traffic(model, first_batch, world_size)
+def _parts(feats: dict, batch: int, world_size: int, allocator) -> list:
+    from des import allocate
+    allocator = allocator or allocate.make("contiguous", world_size)
+    return allocator({k: feats[k] for k in allocator.inputs}, batch)
+
+
+def choose(model: tf.keras.Model, first_batch: dict, world_size: int, allocate_kind: str = "contiguous") -> Choice:
+    """DES or PS for ``model`` (unchanged, single-process) on N = ``world_size`` processes, the
+    PS's slices given by ``allocate_kind`` (des.allocate)."""
+    from des import allocate, ps
+    keys = [ids for ids, _, _ in ps.table_inputs(model)]
+    new = lambda: allocate.make(allocate_kind, world_size, keys)  # noqa: E731 - a fresh one per use
+    t = traffic(model, first_batch, world_size, new())
     if not t["matches"]:
         raise ValueError("plan auto: des.transform finds nothing to substitute in this model")
     operators = []
     if world_size > 1:     # the cost model's verdict per substituted operator (des.cost), for the report
         feats = {k: np.asarray(v) for k, v in first_batch.items()}
-        uniq = unique_ids_per_slice(feats, [k for k, v in feats.items() if v.dtype.kind in "iu"], world_size)
+        uniq = unique_ids_per_slice(feats, [k for k, v in feats.items() if v.dtype.kind in "iu"], world_size,
+                                    _parts(feats, t["batch"], world_size, new()))
         report = types.SimpleNamespace(world_size=world_size, substitutions=t["matches"], widths=t["widths"])
         operators = estimate(report, t["batch"], uniq)
     mode = "des" if world_size == 1 or t["des_bytes"] <= t["ps_bytes"] else "ps"

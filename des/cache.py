@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow_recommenders_addons import dynamic_embedding as de
 
+from des.allocate import OTHERS
 from des.ir import Graph
 from des.ps import PSModel, per_destination, shard
 from des_ops.cached import CacheConfig, CachedFieldEmbedding, new_counters
@@ -41,7 +42,8 @@ class CacheModel(PSModel):
             layer.local_lr = opt._get_hyper("learning_rate", tf.float32) if plain_sgd else None
 
     def train_step(self, data):
-        x, y = data[0], data[1]
+        x, y = dict(data[0]), data[1]
+        others = {k[:-len(OTHERS)]: x.pop(k) for k in list(x) if k.endswith(OTHERS)}
         self._set_local_lr()
         tables = self.cached_tables()
         n_local = tf.cast(tf.shape(y)[0], tf.float32)
@@ -62,7 +64,16 @@ class CacheModel(PSModel):
         grads = tape.gradient(loss, feeds + dense)
         g_dense = self.allreduce_dense(grads[len(feeds):], dense)
         pushes = [(layer, layer.push(*layer.accumulate(g))) for (layer, _), g in zip(tables, grads[:len(feeds)])]
-        self.optimizer.apply_gradients(list(zip(g_dense, dense)) + self._owner_gradients(pushes))
+        marks = []
+        for (layer, ids), (_, (keys, _)) in zip(tables, pushes):
+            if layer.config.on_demand:      # lines of keys the other processes update this step
+                if ids not in others:
+                    raise ValueError(f"the on-demand plan needs the keys other processes use ({ids}{OTHERS}): "
+                                     f"read the data through des.allocate.Share(..., others=True)")
+                with tf.control_dependencies([keys]):
+                    marks.append(layer.mark_updated(others[ids]))
+        with tf.control_dependencies(marks):
+            self.optimizer.apply_gradients(list(zip(g_dense, dense)) + self._owner_gradients(pushes))
         return self.compute_metrics(x, y, pred, None)
 
     @staticmethod
@@ -114,14 +125,16 @@ def capacity_rows(capacity: int | float, cardinality: int | None, field: str) ->
 
 
 def cache(model: tf.keras.Model, exchange: KeyExchange, staleness: float = 100.0, capacity: int | float = 0.1,
-          eviction: str = "lru", spec=None, audit: bool = False) -> CacheModel:
-    """The same model with every FieldEmbedding sharded by key and cached on every worker."""
+          eviction: str = "lru", spec=None, audit: bool = False, on_demand: bool = False) -> CacheModel:
+    """The same model with every FieldEmbedding sharded by key and cached on every worker.
+    ``on_demand`` (staleness 0): no queries; the data must come through
+    ``des.allocate.Share(allocator, rank, others=True)``."""
     counters = new_counters()
 
     def make(old):
         card = spec[old.field].cardinality if spec is not None else None
         cfg = CacheConfig(staleness=float(staleness), capacity=capacity_rows(capacity, card, old.field),
-                          eviction=eviction, audit=audit)
+                          eviction=eviction, audit=audit, on_demand=on_demand)
         return CachedFieldEmbedding(old.field, old.dim, exchange, cfg, old.seed, old.init_scale,
                                     linear=old.linear, counters=counters)
 
@@ -181,6 +194,7 @@ def traffic_summary(steps: list[dict], rank: int, n: int) -> dict:
                                         for b, s in zip(a2a, steps)]),
             "analytic_alltoall_bytes_per_step": med([s["analytic_bytes"] for s in steps]),
             "bytes_exact_steps": f"{exact}/{len(steps)}",
+            **{f"{k}_per_step": med([s[k] for s in steps]) for k in ("query_bytes", "clock_bytes", "fetch_bytes", "push_bytes")},
             "rows_fetched_per_step": med([s["fetched"] for s in steps]),
             "rows_pushed_per_step": med([s["pushed"] for s in steps]),
             "remote_lookups_per_step": med([s["queried"] for s in steps]),

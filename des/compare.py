@@ -98,13 +98,16 @@ def run(key: str, model: str, data: str, a, out: str, launcher: list[str] | None
     each host sent on its interface. ``launcher``: the mpirun command (default: local mpirun).
     ``data``: a file or a list of files; ``a.format`` (if set) is passed as --format, and
     ``a.eval_data`` (if set) as --eval-data instead of --holdout."""
-    mode, extra = key, []
-    if key.startswith("cache"):
-        mode, extra = "cache", ["--staleness", key.split("=")[1], "--cache-size", a.cache_size]
+    mode, *plan = key.split(" ")[0].split("+")       # e.g. "cache+laia+on-demand s=0"
+    extra = []
+    for p in plan:
+        extra += ["--on-demand"] if p == "on-demand" else ["--allocate", p]
+    if mode == "cache":
+        extra += ["--staleness", key.split("=")[1], "--cache-size", a.cache_size]
     fmt, evals = getattr(a, "format", None), getattr(a, "eval_data", None)
     data_args = ["--data", *_files(data), *(["--format", fmt] if fmt else [])]
     eval_args = ["--eval-data", *evals] if evals else ["--holdout", str(a.holdout)]
-    summary = os.path.join(out, f"{model}-{key.replace(' ', '-').replace('=', '')}{tag}.json")
+    summary = os.path.join(out, f"{model}-{key.replace(' ', '-').replace('=', '').replace('+', '-')}{tag}.json")
     args = ["-m", "des.train", "--mode", mode, *extra, "--model", model, *data_args, "--batch", str(a.batch),
             "--steps", str(a.steps), *eval_args, "--dim", str(a.dim), "--hidden", a.hidden,
             "--optimizer", a.optimizer, "--lr", str(a.lr), "--threads", "1", "--summary-json", summary,
@@ -163,6 +166,7 @@ def table_rows(results: dict) -> list[dict]:
                          "auc": s["auc"], "logloss": s["logloss"], "samples_per_s": s["samples_per_second"],
                          "bytes_step_measured": sent, "bytes_step_analytic": s.get("analytic_sent_bytes_per_step"),
                          "des_saving_pct": saving, "unique_ids_step": s.get("unique_ids_per_step"),
+                         "remote_ids_step": s.get("remote_ids_per_step"),
                          "hit_rate": s.get("hit_rate"), "rows_fetched_step": s.get("rows_fetched_per_step"),
                          "rows_pushed_step": s.get("rows_pushed_per_step"),
                          "het_rows_per_lookup": s.get("het_rows_per_lookup"),
@@ -178,7 +182,7 @@ def _fmt(v, spec: str = ",.0f") -> str:
 
 def markdown(rows: list[dict], results: dict, a, meta: dict) -> str:
     head = ["model", "mode", "N", "AUC", "log loss", "samples/s", "bytes/step/proc (a2a measured + ring model)",
-            "analytic (formulas)", "wire B/step/host (interface)", "saving vs PS", "unique ids/step", "cache hit rate", "rows fetched+pushed/step", "peak MiB"]
+            "analytic (formulas)", "wire B/step/host (interface)", "saving vs PS", "unique ids/step", "PS remote ids/step", "cache hit rate", "rows fetched+pushed/step", "peak MiB"]
     net = (f", netbed: one process per emulated host, {a.rate} per host"
            if getattr(a, "net", "local") == "netbed" else "")
     bayes = meta.get("bayes_auc")
@@ -201,7 +205,7 @@ def markdown(rows: list[dict], results: dict, a, meta: dict) -> str:
             _fmt(r["samples_per_s"]), _fmt(r["bytes_step_measured"]), _fmt(r["bytes_step_analytic"]),
             _fmt(r.get("wire_bytes_host_step")),
             _fmt(r["des_saving_pct"], ".1f") + ("%" if r["des_saving_pct"] is not None else ""),
-            _fmt(r["unique_ids_step"]), _fmt(r["hit_rate"], ".3f"),
+            _fmt(r["unique_ids_step"]), _fmt(r["remote_ids_step"]), _fmt(r["hit_rate"], ".3f"),
             "-" if r["rows_fetched_step"] is None else _fmt(r["rows_fetched_step"] + r["rows_pushed_step"]),
             _fmt(r["peak_mib"], ".0f")]) + " |")
     lines += ["", "Cost model (per substituted operator, from the first batch's distinct ids per process):", ""]
@@ -255,10 +259,13 @@ def plots(results: dict, curves: dict, batches: list[int], a, out: str) -> list[
         fig, ax = plt.subplots(figsize=(6.5, 4.2))
         for i, model in enumerate(models_):
             by = results[model]
-            cached = [(by[k]["sent_bytes_per_step"], by[k]["auc"], k.split("=")[1]) for k in by if k.startswith("cache")]
-            ax.plot([c[0] for c in cached], [c[1] for c in cached], "-o", color=f"C{i}", label=f"{model} cache")
-            for x, y, s in cached:
-                ax.annotate(f"s={s}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            for j, curve in enumerate(sorted({k.split(" ")[0] for k in by if k.startswith("cache")})):
+                cached = [(by[k]["sent_bytes_per_step"], by[k]["auc"], k.split("=")[1]) for k in by
+                          if k.split(" ")[0] == curve]
+                ax.plot([c[0] for c in cached], [c[1] for c in cached], "-o" if j == 0 else ":o",
+                        color=f"C{i}", label=f"{model} {curve}")
+                for x, y, s in cached:
+                    ax.annotate(f"s={s}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
             for mode, mark in (("des", "*"), ("ps", "s")):
                 if mode in by:
                     ax.plot([by[mode]["sent_bytes_per_step"]], [by[mode]["auc"]], mark, color=f"C{i}",
@@ -302,7 +309,10 @@ def main(argv=None) -> int:
     ap.add_argument("--optimizer", default="adam")
     ap.add_argument("--lr", type=float, default=0.002)
     ap.add_argument("--shuffle-buffer", type=int, default=20_000)
-    ap.add_argument("--modes", default="single,des,ps", help="of single, des, ps, cache, auto (des or ps by des.auto)")
+    ap.add_argument("--modes", default="single,des,ps",
+                    help="of single, des, ps, cache, auto (des or ps by des.auto); ps and cache also with an "
+                         "allocation (des.allocate): ps+laia, ps+random, cache+laia, and the cache's on-demand "
+                         "plan at staleness 0: cache+on-demand, cache+laia+on-demand")
     ap.add_argument("--staleness", default="0,10,100,inf", help="cache: one run per staleness")
     ap.add_argument("--cache-size", default="10%", help="cache: rows per table, or a fraction of each field")
     ap.add_argument("--net", default="local", choices=["local", "netbed"],
@@ -357,9 +367,13 @@ def main(argv=None) -> int:
     results, curves = {}, {}
     keys = []
     for mode in [m for m in a.modes.split(",") if m]:
-        if mode not in ("single", "des", "ps", "cache", "auto"):
-            raise SystemExit(f"--modes: unknown mode {mode!r}")
-        keys += [f"cache s={s}" for s in a.staleness.split(",") if s] if mode == "cache" else [mode]
+        base, *plan = mode.split("+")
+        known = {"contiguous", "random", "laia"} | ({"on-demand"} if base == "cache" else set())
+        if base not in ("single", "des", "ps", "cache", "auto") or (plan and (base not in ("ps", "cache")
+                                                                            or not set(plan) <= known)):
+            raise SystemExit(f"--modes: unknown mode {mode!r} (ps and cache also as ps+laia, cache+random, "
+                             f"cache+laia+on-demand, ...)")
+        keys += [f"{mode} s={s}" for s in a.staleness.split(",") if s] if base == "cache" else [mode]
     bed = None
     if a.net == "netbed":
         from des.netbed import Netbed

@@ -40,9 +40,10 @@ class OperatorCost:
                 f"PS {self.ps_bytes:,.0f} B/step -> {self.verdict}")
 
 
-def unique_ids_per_slice(feats: dict, spec, world_size: int) -> dict[str, float]:
-    """Mean over processes of the distinct non-padding ids per field in a process's slice of
-    a global batch (the rows ``[b*r//N, b*(r+1)//N)``, as the readers' ``shard=`` gives).
+def unique_ids_per_slice(feats: dict, spec, world_size: int, parts: list | None = None) -> dict[str, float]:
+    """Mean over processes of the distinct non-padding ids per field in a process's share of
+    a global batch: ``parts[r]``, the row indices an allocator (des.allocate) gives process r;
+    default the rows ``[b*r//N, b*(r+1)//N)``, as the readers' ``shard=`` gives.
     ``spec``: a FeatureSpec (its sparse fields) or the id input names."""
     names = [f.name for f in spec.sparse()] if hasattr(spec, "sparse") else list(spec)
     out = {}
@@ -51,7 +52,8 @@ def unique_ids_per_slice(feats: dict, spec, world_size: int) -> dict[str, float]
         b = ids.shape[0]
         counts = []
         for r in range(world_size):
-            part = ids[b * r // world_size: b * (r + 1) // world_size].reshape(-1)
+            rows = parts[r] if parts is not None else slice(b * r // world_size, b * (r + 1) // world_size)
+            part = ids[rows].reshape(-1)
             counts.append(len(np.unique(part[part != PAD_ID])))
         out[name] = float(np.mean(counts))
     return out

@@ -36,6 +36,9 @@ def _args(argv):
                     help="ps, cache: which process trains which sample of a global batch (des.allocate): "
                          "contiguous slices, a seeded random split, or laia (Herald's locality-aware "
                          "allocation: samples go where their keys are owned or cached); exact in every case")
+    ap.add_argument("--on-demand", action="store_true",
+                    help="cache at --staleness 0: no queries; every process knows from the allocation which "
+                         "keys the others update, and asks only for rows it lacks or holds outdated (exact)")
     ap.add_argument("--model", default="deepfm", choices=["lr", "fm", "dnn", "wdl", "deepfm"])
     ap.add_argument("--data", required=True, nargs="+", help="input files (.gz allowed)")
     ap.add_argument("--format", default=None, choices=["criteo", "avazu", "libsvm", "libffm", "columnar"],
@@ -148,12 +151,15 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         prebuilt = models.build(a.model, spec, seed=a.seed, hidden=_hidden(a))
-        auto = auto_mode.choose(prebuilt, {k: v.numpy() for k, v in first.items()}, launcher_rank()[1])
+        auto = auto_mode.choose(prebuilt, {k: v.numpy() for k, v in first.items()}, launcher_rank()[1], a.allocate)
         a.mode = auto.mode
     from des_ops.comm import under_launcher
     from des_ops.sharded import KeyExchange
     exchange = None
     sharded = a.mode in ("ps", "cache")        # data parallel over key-sharded tables
+    if a.allocate != "contiguous" and auto is not None and not sharded:
+        print(f"--mode auto chose des: --allocate {a.allocate} does not apply (every process reads the whole batch)")
+        a.allocate = "contiguous"
     if a.allocate != "contiguous" and not sharded:
         print(f"error: --allocate {a.allocate} is for --mode ps and cache (under {a.mode} "
               f"{'every process reads the whole batch' if a.mode == 'des' else 'there is one process'})",
@@ -234,7 +240,7 @@ def main(argv=None) -> int:
         from des import cache, ps
         try:
             model = cache.cache(model, exchange, cache.parse_staleness(a.staleness),
-                                cache.parse_cache_size(a.cache_size), a.eviction, spec=spec)
+                                cache.parse_cache_size(a.cache_size), a.eviction, spec=spec, on_demand=a.on_demand)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -243,10 +249,17 @@ def main(argv=None) -> int:
             f"process(es), each cached on every process (staleness {a.staleness}, {a.eviction}, "
             f"{sizes[0]}..{sizes[-1]} rows per table); global batch {global_batch}")
     allocators = []
-    if sharded and a.allocate != "contiguous":
+    if a.on_demand and a.mode != "cache":
+        print("error: --on-demand is a plan of --mode cache --staleness 0", file=sys.stderr)
+        return 2
+    if sharded and (a.allocate != "contiguous" or a.on_demand):
         allocation = _allocation(a, model, comm, allocators)
-        log(f"allocation: {a.allocate} ({'samples go to the process that owns or caches their keys' if a.allocate == 'laia' else 'a seeded random split'}"
-            f", {global_batch // comm.world_size}-{-(-global_batch // comm.world_size)} per process; evaluation: contiguous slices)")
+        if a.on_demand:
+            log("cache: on-demand plan (each process reads the keys the others use this step; no queries)")
+        how = {"laia": "samples go to the process that owns or caches their keys", "random": "a seeded random split",
+               "contiguous": "contiguous slices"}[a.allocate]
+        log(f"allocation: {a.allocate} ({how}, {global_batch // comm.world_size}-{-(-global_batch // comm.world_size)} "
+            f"per process; evaluation: contiguous slices)")
     optimizer = models.make_optimizer(a.optimizer, a.lr, linear=a.linear_optimizer,
                                       linear_learning_rate=a.linear_lr)
     model.compile(optimizer, "binary_crossentropy",
@@ -340,8 +353,14 @@ def main(argv=None) -> int:
         summary["allocate"] = a.allocate
         if allocators:
             trained = [x.hashes[:a.steps] for x in allocators]   # not the batches prefetched past --steps
+            seconds = sum(x.seconds for x in allocators)
             summary["allocation"] = {"batches": sum(map(len, trained)),
-                                     "digest": "-".join(x.digest(a.steps) for x in allocators)}
+                                     "digest": "-".join(x.digest(a.steps) for x in allocators),
+                                     "samples_per_second": sum(x.samples for x in allocators) / seconds if seconds else None}
+            if seconds:
+                log(f"allocation ({a.allocate}): {summary['allocation']['samples_per_second']:.0f} samples/s of "
+                    f"allocator time, {summary['allocation']['samples_per_second'] / speed.samples_per_second():.1f}x "
+                    f"the training's {speed.samples_per_second():.0f}")
         summary["collectives"] = {k: v for k, v in exchange.snapshot().items() if k in ("metrics_bytes", "barrier_bytes")}
     if a.mode == "cache":
         summary.update(cache.traffic_summary(traffic.steps, comm.rank, comm.world_size),
@@ -429,7 +448,7 @@ def _allocation(a, model, comm, allocators: list):
 
     def for_epoch(epoch: int):
         allocators.append(allocate.make(a.allocate, comm.world_size, keys, capacity, seed=epoch_seed(a.seed, epoch)))
-        return allocate.Share(allocators[-1], comm.rank)
+        return allocate.Share(allocators[-1], comm.rank, others=a.on_demand)
     return for_epoch
 
 

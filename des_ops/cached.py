@@ -45,17 +45,22 @@ from models.layers import key_init, pool
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     """staleness: s (``math.inf``: never re-read); capacity: cached rows per table and worker;
-    eviction: ``lru`` or ``lfu``; audit: keep per-key totals of computed and applied gradients."""
+    eviction: ``lru`` or ``lfu``; audit: keep per-key totals of computed and applied gradients;
+    on_demand: staleness 0 without queries - the train step says which keys the other processes
+    update (``mark_updated``), so only rows lacking or outdated are asked for."""
     staleness: float = 100.0
     capacity: int = 1 << 30
     eviction: str = "lru"
     audit: bool = False
+    on_demand: bool = False
 
     def __post_init__(self):
         if self.eviction not in ("lru", "lfu"):
             raise ValueError(f"eviction must be lru or lfu, got {self.eviction!r}")
         if self.staleness < 0 or self.capacity < 0:
             raise ValueError("staleness and capacity must be >= 0")
+        if self.on_demand and self.staleness != 0:
+            raise ValueError(f"the on-demand plan is exact synchronous training: it needs staleness 0, got {self.staleness:g}")
 
     @property
     def push_after(self) -> float:
@@ -189,38 +194,13 @@ class CachedFieldEmbedding(ShardedFieldEmbedding):
         own_pos, far_pos = tf.where(mine), tf.where(tf.logical_not(mine))
         own, far = tf.gather_nd(keys, own_pos), tf.gather_nd(keys, far_pos)
 
-        # 1. query the owners of the remote ids: id + cached clock (-1: not cached)
         lines, cached = L.table.lookup(far, return_exists=True)
         row, clock, pend, count, used, uses = L.parts(lines)
-        clock = tf.where(cached, clock, -tf.ones_like(clock))
-        owner = ex.owner(far)
-        order = tf.argsort(owner, stable=True)
-        splits = tf.math.bincount(owner, minlength=ex.world_size, maxlength=ex.world_size, dtype=tf.int32)
-        query = tf.gather(tf.concat([_to_f32(far), tf.expand_dims(clock, 1)], 1), order)
-        asked, asked_splits = self._alltoall(query, splits, "query_bytes")
-        # the owner: its clock for every asked id, its row for the stale ones
-        akey_bits, aclock = tf.split(tf.reshape(asked, [-1, 3]), [2, 1], 1)
-        akeys, aclock = _to_i64(akey_bits), tf.reshape(aclock, [-1])
-        ukeys, where = tf.unique(akeys)
-        urows = tf.reshape(self._owner_rows(ukeys), [-1, self.dim])
-        ko = tf.gather(tf.reshape(L.clock.lookup(ukeys), [-1]), where)
-        stale = self._stale(ko, aclock)
-        gap_served = tf.reduce_max(tf.where(stale, 0.0, ko - aclock))
-        source = tf.repeat(tf.range(ex.world_size), asked_splits)
-        row_splits = tf.math.unsorted_segment_sum(tf.cast(stale, tf.int32), source, ex.world_size)
-        ko_back, _ = self._alltoall(ko, asked_splits, "clock_bytes")
-        rows_back, _ = self._alltoall(tf.gather(urows, _mask(stale, where)[0]), row_splits, "fetch_bytes")
-        # the worker: the same staleness rule on the clocks it got back; fresh rows in query order
-        ko_mine = tf.gather(ko_back, tf.math.invert_permutation(order))
-        fresh = self._stale(ko_mine, clock)
-        fresh_sorted = tf.gather(fresh, order)
-        got = tf.scatter_nd(tf.where(fresh_sorted), rows_back, tf.shape(row, out_type=tf.int64))
-        got = tf.gather(got, tf.math.invert_permutation(order))
-        refreshed = got
+        ask = self._ask_on_demand if self.config.on_demand else self._query
+        fresh, got, clock, sent, gap_served = ask(far, cached, clock, tf.shape(row, out_type=tf.int64))
         if self.local_lr is not None:      # the worker's own unpushed SGD updates stay in its row
-            refreshed = got - self.local_lr * pend
-        row = tf.where(tf.expand_dims(fresh, 1), refreshed, row)
-        clock = tf.where(fresh, ko_mine, clock)
+            got = got - self.local_lr * pend
+        row = tf.where(tf.expand_dims(fresh, 1), got, row)
         pend = tf.where(tf.expand_dims(cached, 1), pend, tf.zeros_like(pend))
         count = tf.where(cached, count, tf.zeros_like(count))
         step_f = tf.cast(step, tf.float32)
@@ -230,10 +210,7 @@ class CachedFieldEmbedding(ShardedFieldEmbedding):
         filled = L.filled
         n_far = tf.size(far, out_type=tf.int64)
         n_fresh = tf.reduce_sum(tf.cast(fresh, tf.int64))
-        # what this process sends: its queries (12 B), and as owner a clock (4 B) per query and a row
-        # (4*dim B) per stale one (it queries no id it owns, so nothing of this is a self-send)
-        n_asked, n_stale = tf.size(akeys, out_type=tf.int64), tf.reduce_sum(tf.cast(stale, tf.int64))
-        count_ops = [self._add("analytic_bytes", 12 * n_far + 4 * n_asked + 4 * self.dim * n_stale),
+        count_ops = [self._add("analytic_bytes", sent),
                      self._add("queried", n_far), self._add("fetched", n_fresh),
                      self._add("hits", hits), self._max("max_read_gap", gap_served),
                      self._add("queried_after_fill", tf.where(filled, n_far, 0)),
@@ -248,6 +225,71 @@ class CachedFieldEmbedding(ShardedFieldEmbedding):
         L.step_state = dict(real=real, own=own, own_pos=own_pos, far=far, far_pos=far_pos,
                             lines=L.join(row, clock, pend, count, used, uses), step=step_f)
         return tf.scatter_nd(real, rows, tf.stack([tf.size(uniq, tf.int64), self.dim]))
+
+    def _route(self, keys: tf.Tensor):
+        """(order grouping ``keys`` by owner, rows per owner)."""
+        owner = self.exchange.owner(keys)
+        splits = tf.math.bincount(owner, minlength=self.exchange.world_size, maxlength=self.exchange.world_size,
+                                  dtype=tf.int32)
+        return tf.argsort(owner, stable=True), splits
+
+    def _query(self, far, cached, clock, shape):
+        """HET's read: every remote id goes to its owner with the cached line's clock (-1: not
+        cached); the owner answers its clock and, for the ids whose copy lacks more than s
+        updates, the row. Returns (fresh: a row came, rows [far, dim] (zero where none came),
+        the lines' clocks, bytes this process sent, the largest gap of a copy served from cache)."""
+        ex = self.exchange
+        clock = tf.where(cached, clock, -tf.ones_like(clock))
+        order, splits = self._route(far)
+        query = tf.gather(tf.concat([_to_f32(far), tf.expand_dims(clock, 1)], 1), order)
+        asked, asked_splits = self._alltoall(query, splits, "query_bytes")
+        # the owner: its clock for every asked id, its row for the stale ones
+        akey_bits, aclock = tf.split(tf.reshape(asked, [-1, 3]), [2, 1], 1)
+        akeys, aclock = _to_i64(akey_bits), tf.reshape(aclock, [-1])
+        ukeys, where = tf.unique(akeys)
+        urows = tf.reshape(self._owner_rows(ukeys), [-1, self.dim])
+        ko = tf.gather(tf.reshape(self.lines.clock.lookup(ukeys), [-1]), where)
+        stale = self._stale(ko, aclock)
+        gap_served = tf.reduce_max(tf.where(stale, 0.0, ko - aclock))
+        source = tf.repeat(tf.range(ex.world_size), asked_splits)
+        row_splits = tf.math.unsorted_segment_sum(tf.cast(stale, tf.int32), source, ex.world_size)
+        ko_back, _ = self._alltoall(ko, asked_splits, "clock_bytes")
+        rows_back, _ = self._alltoall(tf.gather(urows, _mask(stale, where)[0]), row_splits, "fetch_bytes")
+        # the worker: the same staleness rule on the clocks it got back; fresh rows in query order
+        ko_mine = tf.gather(ko_back, tf.math.invert_permutation(order))
+        fresh = self._stale(ko_mine, clock)
+        got = tf.scatter_nd(tf.where(tf.gather(fresh, order)), rows_back, shape)
+        got = tf.gather(got, tf.math.invert_permutation(order))
+        # what this process sends: its queries (12 B), and as owner a clock (4 B) per query and a row
+        # (4*dim B) per stale one (it queries no id it owns, so nothing of this is a self-send)
+        n_asked, n_stale = tf.size(akeys, out_type=tf.int64), tf.reduce_sum(tf.cast(stale, tf.int64))
+        sent = 12 * tf.size(far, out_type=tf.int64) + 4 * n_asked + 4 * self.dim * n_stale
+        return fresh, got, tf.where(fresh, ko_mine, clock), sent, gap_served
+
+    def _ask_on_demand(self, far, cached, clock, shape):
+        """The on-demand plan (staleness 0 with an allocation every process knows): the worker
+        knows which of its lines another process updated (``mark_updated``: clock -1), so it asks
+        only for the rows it lacks or holds outdated (8 B per id) and the owner sends just those
+        rows; a valid line costs nothing. Returns what ``_query`` returns (gap: always 0)."""
+        need = tf.logical_or(tf.logical_not(cached), clock < 0)
+        want = _mask(need, far)[0]
+        order, splits = self._route(want)
+        asked, asked_splits = self._alltoall(tf.gather(_to_f32(want), order), splits, "query_bytes")
+        ukeys, where = tf.unique(_to_i64(asked))
+        urows = tf.reshape(self._owner_rows(ukeys), [-1, self.dim])
+        rows_back, _ = self._alltoall(tf.gather(urows, where), asked_splits, "fetch_bytes")
+        got = tf.scatter_nd(tf.where(need), tf.gather(rows_back, tf.math.invert_permutation(order)), shape)
+        sent = 8 * tf.size(want, out_type=tf.int64) + 4 * self.dim * tf.size(where, out_type=tf.int64)
+        return need, got, tf.zeros_like(clock), sent, tf.constant(0.0)
+
+    def mark_updated(self, keys: tf.Tensor) -> tf.Operation:
+        """On-demand plan: the cached lines of ``keys`` (updated by another process this step)
+        become outdated (clock -1); the next read fetches them."""
+        L = self.lines
+        lines, cached = L.table.lookup(keys, return_exists=True)
+        k, lines = _mask(cached, keys, lines)
+        row, clock, pend, count, used, uses = L.parts(lines)
+        return L.table.upsert(k, L.join(row, -tf.ones_like(clock), pend, count, used, uses))
 
     def _stale(self, ko: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
         s = self.config.staleness
@@ -269,6 +311,8 @@ class CachedFieldEmbedding(ShardedFieldEmbedding):
         keep = tf.logical_not(push)
         if self.local_lr is not None:      # the owner will hold these updates: the row counts them
             clock = tf.where(push, clock + count, clock)
+        elif cfg.on_demand:                # the owner's optimizer changes the row: read it again
+            clock = -tf.ones_like(clock)
         push_keys, push_count, push_sum = _mask(push, st["far"], count, pend)
         pend = tf.where(tf.expand_dims(keep, 1), pend, tf.zeros_like(pend))
         count = tf.where(keep, count, tf.zeros_like(count))

@@ -6,6 +6,7 @@ staleness 0 against the untouched single-process model); under a real mpirun: te
 """
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import models
 from des import allocate
@@ -77,14 +78,26 @@ def test_laia_fetches_fewer_remote_ids_than_contiguous_slices():
     assert got["laia"] < 0.9 * got["contiguous"]
 
 
-def _train_allocated(model, exchange, kind, batches, probe, optimizer, capacity=None):
+def _train_allocated(model, exchange, kind, batches, probe, optimizer, capacity=None, others=False):
+    """train_on_batch on this process's share (des.allocate.Share.mine: its rows and, with
+    ``others``, the keys the other processes use); predictions on ``probe`` after every step."""
     model.compile(optimizer_factory(optimizer, LR)(), "binary_crossentropy")
     alloc = allocate.make(kind, exchange.world_size, KEYS, capacity, seed=5)
+    share = allocate.Share(alloc, exchange.rank, others=others)
+    x0 = batches[0][0]
+    spec = {k: tf.TensorSpec([None, *v.shape[1:]], v.dtype) for k, v in x0.items()}
+    spec.update({k + allocate.OTHERS: tf.TensorSpec([None], tf.int64) for k in KEYS} if others else {})
+
+    def shares():
+        for x, y in batches:
+            feats = {k: v.numpy() for k, v in x.items()}
+            mine, used = share.mine(feats, len(y))
+            yield {**{k: v[mine] for k, v in feats.items()}, **used}, y.numpy()[mine]
+    ds = tf.data.Dataset.from_generator(shares, output_signature=(spec, tf.TensorSpec([None], tf.float32)))
     preds = []
-    for x, y in batches:
-        mine = alloc({k: v.numpy() for k, v in x.items()}, len(y))[exchange.rank]
-        model.train_on_batch({k: v.numpy()[mine] for k, v in x.items()}, y.numpy()[mine])
-        preds.append(model.predict_on_batch(probe))
+    probe_after_step = tf.keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda b, logs: preds.append(model.predict_on_batch(probe)))
+    model.fit(ds, epochs=1, verbose=0, callbacks=[probe_after_step])
     return preds, alloc.digest()
 
 
@@ -116,3 +129,33 @@ def test_cache_at_staleness_0_with_laia_is_the_single_process_model(n, kind, opt
         diff = max(float(np.abs(a - b).max()) for a, b in zip(expected, preds))
         print(f"cache s=0 {kind} N={n} {optimizer}: {diff:.1e}")
         assert diff < 1e-6
+
+
+@pytest.mark.parametrize("n,kind,optimizer", [(3, "laia", "sgd"), (2, "contiguous", "adam")])
+def test_the_on_demand_plan_is_exact_and_asks_only_for_what_it_lacks(n, kind, optimizer):
+    """Staleness 0 without queries: every process knows from the allocation which keys the others
+    update, so a line is re-read only when it is missing or outdated. Same predictions as the single
+    process after every step (4-row caches: evictions every step), and fewer bytes than the
+    query protocol (no id + clock for a valid line, no clocks back)."""
+    batches, probe = ps_batches()
+    expected = single_process_predictions("wdl", optimizer, LR, batches, probe)
+
+    def work(ex, on_demand):
+        model = cache(models.build("wdl", PS_SPEC, seed=3, hidden=(8, 4)), ex, staleness=0, capacity=4,
+                      on_demand=on_demand)
+        preds, digest = _train_allocated(model, ex, kind, batches, probe, optimizer, {k: 4 for k in KEYS},
+                                         others=on_demand)
+        return preds, model.cache_counters()
+    runs = {od: run_sharded_world(n, lambda ex, od=od: work(ex, od)) for od in (False, True)}
+    for preds, _ in runs[True]:
+        diff = max(float(np.abs(a - b).max()) for a, b in zip(expected, preds))
+        print(f"on-demand {kind} N={n} {optimizer}: {diff:.1e}")
+        assert diff < 1e-6
+    total = {od: {k: sum(c[k] for _, c in runs[od]) for k in ("query_bytes", "clock_bytes", "fetch_bytes",
+                                                               "push_bytes", "analytic_bytes", "fetched", "hits")}
+             for od in runs}
+    print(total)
+    assert total[True]["clock_bytes"] == 0 and total[True]["query_bytes"] < total[False]["query_bytes"]
+    assert total[True]["fetched"] == total[False]["fetched"]          # the same rows move
+    sent = lambda t: t["query_bytes"] + t["clock_bytes"] + t["fetch_bytes"] + t["push_bytes"]  # noqa: E731
+    assert sent(total[True]) == total[True]["analytic_bytes"] and sent(total[True]) < sent(total[False])

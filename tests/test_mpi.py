@@ -187,11 +187,12 @@ def test_ps_under_mpirun_equals_single_process_and_counts_bytes_exactly(tmp_path
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("n, mode", [(3, ["--mode", "ps"]), (2, ["--mode", "cache", "--staleness", "0", "--cache-size", "50"])])
+@pytest.mark.parametrize("n, mode", [(3, ["--mode", "ps"]), (2, ["--mode", "cache", "--staleness", "0", "--cache-size", "50", "--on-demand"])])
 def test_laia_allocation_under_mpirun_equals_single_process(data_file, single_run, tmp_path, n, mode):
     """--allocate laia: every process computes the same allocation (digest) and the job trains the
     single process's model (loss and AUC over the held-out lines), fetching fewer remote ids than
-    contiguous slices would (the PS run's counters; the bytes stay exact)."""
+    contiguous slices would (the PS run's counters; the bytes stay exact); the cache run also with
+    the on-demand plan (no queries, no clocks)."""
     run = mpirun(n, *TRAIN, *mode, "--allocate", "laia", "--data", data_file,
                  "--summary-json", str(tmp_path / "s.json"))
     assert run.returncode == 0, run.stderr[-3000:]
@@ -199,7 +200,9 @@ def test_laia_allocation_under_mpirun_equals_single_process(data_file, single_ru
     assert len({r["allocation"]["digest"] for r in ranks}) == 1 and ranks[0]["allocation"]["batches"] == 20
     for r in ranks:
         assert abs(r["logloss"] - single_run["logloss"]) < 1e-5 and abs(r["auc"] - single_run["auc"]) < 1e-4
-        assert r["bytes_exact_steps"] == "20/20" if mode[1] == "ps" else r["bytes_exact_steps"].startswith("20/")
+        assert r["bytes_exact_steps"] == "20/20"
+        if mode[1] == "cache":
+            assert r["clock_bytes_per_step"] == 0 and r["remote_lookups_per_step"] > 0
     if mode[1] == "ps":
         slices = mpirun(n, *TRAIN, *mode, "--data", data_file, "--summary-json", str(tmp_path / "c.json"))
         assert slices.returncode == 0, slices.stderr[-3000:]
