@@ -10,9 +10,10 @@ in a valid cache line, once per distinct key.
     random      a seeded permutation of the batch, cut into the same sizes
     laia        Herald's locality-aware input allocation, online (below)
 
-laia scores sample i for process w by how many of its ids w holds: keys w owns, keys in w's
-simulated cache (``capacity`` rows per input, LRU over the keys w looked up; 0 for the PS mode)
-and keys of samples already given to w in this batch (so samples sharing keys go together and a
+laia scores sample i for process w by how many of its ids w holds: keys w owns, keys with a
+valid line in w's simulated cache (``capacity`` rows per input, LRU over the keys w looked up,
+a line outdated once another process used its key - staleness 0; no cache for the PS mode) and
+keys of samples already given to w in this batch (so samples sharing keys go together and a
 key is fetched by fewer processes). It takes the samples in chunks, gives each chunk's
 (sample, process) pairs greedily by score, each process taking at most its fair share of the
 chunk and, over the batch, exactly its contiguous size (so the batch stays balanced), breaking ties by a preference that rotates every batch, and
@@ -24,9 +25,9 @@ batches in the same order, so all compute the same allocation with no collective
     >>> parts = alloc({"C1": ids1, "C2": ids2}, batch=len(ids1))   # [indices for rank 0, ..., 3]
     >>> ds = ds.map(Share(alloc, rank).take)                       # this process's samples
 
-What laia's score does not model: whether a cached row is still valid (at staleness 0 a row
-another process updated is re-read); the simulated cache counts it as held. That only weakens
-the score - correctness never depends on it.
+The simulated caches follow the real cache's rules (LRU by last use, valid until another process
+updates the row) but are a second implementation: eviction ties may differ. That only weakens the
+score - correctness never depends on it.
 """
 from __future__ import annotations
 
@@ -108,12 +109,13 @@ class LaiaAllocation(Allocator):
     name = "laia"
 
     def __init__(self, world_size: int, keys: Sequence[str], capacity: dict[str, int] | None = None,
-                 chunk: int = 0):
+                 chunk: int = 0, keeps_own_updates: bool = False):
         super().__init__(world_size, keys)
         self.capacity = {k: int((capacity or {}).get(k, 0)) for k in self.inputs}
         self.chunk = chunk or 16 * world_size
-        # per process and input: cached keys (sorted) and the batch number each was last used
-        empty = lambda: (np.zeros(0, np.int64), np.zeros(0, np.int64))  # noqa: E731
+        self.keeps_own_updates = keeps_own_updates   # plain SGD: a process's own update keeps its copy valid
+        # per process and input: cached keys (sorted), the batch each was last used, still valid
+        empty = lambda: (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool))  # noqa: E731
         self.cache = [{k: empty() for k in self.inputs} for _ in range(world_size)]
         self.scores: list[float] = []      # mean score of the chosen process per sample (diagnostics)
 
@@ -144,10 +146,10 @@ class LaiaAllocation(Allocator):
         have[np.mod(keys, n), np.arange(len(keys))] = True
         for w in range(n):
             for t, name in enumerate(self.inputs):
-                cached = self.cache[w][name][0]
-                if len(cached):
+                cached, _, valid = self.cache[w][name]
+                if valid.any():
                     sel = np.flatnonzero(which == t)
-                    have[w, sel] |= np.isin(keys[sel], cached, assume_unique=True)
+                    have[w, sel] |= np.isin(keys[sel], cached[valid], assume_unique=True)
         order = np.argsort(sample, kind="stable")
         sample, token = sample[order], token[order]
         starts = np.searchsorted(sample, np.arange(0, batch + 1))
@@ -179,36 +181,49 @@ class LaiaAllocation(Allocator):
         return [np.flatnonzero(owner == w).astype(np.int64) for w in range(n)]
 
     def _update_caches(self, owner, sample, token, keys, which) -> None:
-        """LRU over the keys each process looked up and does not own, ``capacity`` per input."""
+        """The caches after this batch's step, as the cache at staleness 0 keeps them: each process
+        holds the keys it looked up and does not own (LRU, ``capacity`` per input); a copy stays
+        valid unless another process used the key (and so updated its row), or the process itself
+        did without ``keeps_own_updates``."""
         n = self.world_size
+        if not any(self.capacity.values()):
+            return
+        users = np.zeros((n, len(keys)), bool)
         for w in range(n):
-            used = np.unique(token[owner[sample] == w])
-            used = used[np.mod(keys[used], n) != w]
+            users[w, token[owner[sample] == w]] = True
+        count = users.sum(0)
+        for w in range(n):
+            others = count - users[w] > 0
+            used = np.flatnonzero(users[w] & (np.mod(keys, n) != w))
             for t, name in enumerate(self.inputs):
                 cap = self.capacity[name]
                 if cap <= 0:
                     continue
-                new = keys[used[which[used] == t]]
-                old_keys, old_last = self.cache[w][name]
+                mine = used[which[used] == t]
+                new, new_valid = keys[mine], ~others[mine] & self.keeps_own_updates
+                old_keys, old_last, old_valid = self.cache[w][name]
                 keep = ~np.isin(old_keys, new, assume_unique=True)
+                touched = np.isin(old_keys[keep], keys[others & (which == t)], assume_unique=True)
                 k = np.concatenate([old_keys[keep], new])
                 last = np.concatenate([old_last[keep], np.full(len(new), self.batches)])
+                valid = np.concatenate([old_valid[keep] & ~touched, new_valid])
                 if len(k) > cap:
                     top = np.argsort(-last, kind="stable")[:cap]
-                    k, last = k[top], last[top]
+                    k, last, valid = k[top], last[top], valid[top]
                 srt = np.argsort(k)
-                self.cache[w][name] = (k[srt], last[srt])
+                self.cache[w][name] = (k[srt], last[srt], valid[srt])
 
 
 def make(kind: str, world_size: int, keys: Sequence[str] = (), capacity: dict[str, int] | None = None,
-         seed: int = 0) -> Allocator:
-    """The allocator named ``kind`` (one of CHOICES)."""
+         seed: int = 0, keeps_own_updates: bool = False) -> Allocator:
+    """The allocator named ``kind`` (one of CHOICES). laia: ``capacity`` rows cached per input and
+    process (the cache mode's; None: the PS, nothing cached), ``keeps_own_updates`` for plain SGD."""
     if kind == "contiguous":
         return Allocator(world_size, keys)
     if kind == "random":
         return RandomAllocation(world_size, keys, seed)
     if kind == "laia":
-        return LaiaAllocation(world_size, keys, capacity)
+        return LaiaAllocation(world_size, keys, capacity, keeps_own_updates=keeps_own_updates)
     raise ValueError(f"--allocate must be one of {', '.join(CHOICES)}, got {kind!r}")
 
 

@@ -447,7 +447,9 @@ def _allocation(a, model, comm, allocators: list):
     capacity = {ids: layer.config.capacity for layer, ids in model.cached_tables()} if a.mode == "cache" else None
 
     def for_epoch(epoch: int):
-        allocators.append(allocate.make(a.allocate, comm.world_size, keys, capacity, seed=epoch_seed(a.seed, epoch)))
+        sgd = a.optimizer == "sgd" and a.linear_optimizer in (None, "sgd")    # the cache's local update
+        allocators.append(allocate.make(a.allocate, comm.world_size, keys, capacity, seed=epoch_seed(a.seed, epoch),
+                                        keeps_own_updates=sgd))
         return allocate.Share(allocators[-1], comm.rank, others=a.on_demand)
     return for_epoch
 

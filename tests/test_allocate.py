@@ -50,6 +50,20 @@ def test_laia_puts_samples_that_share_keys_together():
     assert len(np.unique(feats["k"][parts[0]])) == 1
 
 
+def test_laia_simulates_the_caches_at_staleness_0():
+    """Keys 5, 5, 3, 3 (process 1 owns both): process 0 gets the two samples of key 3 and caches
+    it, valid with plain SGD (its own update stays in its copy), outdated otherwise. Next batch both
+    processes use key 3: process 1 updates it, so process 0's copy is outdated."""
+    for sgd in (True, False):
+        alloc = allocate.LaiaAllocation(2, ["k"], {"k": 10}, keeps_own_updates=sgd)
+        assert [p.tolist() for p in alloc({"k": np.array([5, 5, 3, 3])}, 4)] == [[2, 3], [0, 1]]
+        keys, _, valid = alloc.cache[0]["k"]
+        assert keys.tolist() == [3] and valid.tolist() == [sgd] and len(alloc.cache[1]["k"][0]) == 0
+        parts = alloc({"k": np.array([3, 3, 3, 3])}, 4)
+        assert [len(p) for p in parts] == [2, 2]
+        assert alloc.cache[0]["k"][2].tolist() == [False]
+
+
 @pytest.mark.parametrize("kind", allocate.CHOICES)
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_every_sample_once_balanced_and_the_same_on_every_process(kind, n):
