@@ -112,11 +112,12 @@ class LaiaAllocation(Allocator):
                  chunk: int = 0, keeps_own_updates: bool = False):
         super().__init__(world_size, keys)
         self.capacity = {k: int((capacity or {}).get(k, 0)) for k in self.inputs}
-        self.chunk = chunk or 16 * world_size
+        self.chunk = chunk or 32 * world_size
         self.keeps_own_updates = keeps_own_updates   # plain SGD: a process's own update keeps its copy valid
-        # per process and input: cached keys (sorted), the batch each was last used, still valid
-        empty = lambda: (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool))  # noqa: E731
-        self.cache = [{k: empty() for k in self.inputs} for _ in range(world_size)]
+        self._cap = np.array([self.capacity[k] for k in self.inputs], np.int64)
+        # per process: cached (input, key) tokens (sorted), their input, the batch each was last used, valid
+        empty = (np.zeros(0, np.uint64), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool))
+        self.cache = [empty for _ in range(world_size)]
         self.scores: list[float] = []      # mean score of the chosen process per sample (diagnostics)
 
     def _tokens(self, feats: dict, batch: int):
@@ -142,14 +143,13 @@ class LaiaAllocation(Allocator):
         if n == 1 or batch == 0 or not self.inputs:
             return super().allocate(feats, batch)
         sample, token, keys, which = self._tokens(feats, batch)
+        tok64 = _token_key(keys, which)
         have = np.zeros((n, len(keys)), bool)
         have[np.mod(keys, n), np.arange(len(keys))] = True
         for w in range(n):
-            for t, name in enumerate(self.inputs):
-                cached, _, valid = self.cache[w][name]
-                if valid.any():
-                    sel = np.flatnonzero(which == t)
-                    have[w, sel] |= np.isin(keys[sel], cached[valid], assume_unique=True)
+            cached, _, _, valid = self.cache[w]
+            if valid.any():
+                have[w] |= np.isin(tok64, cached[valid])
         order = np.argsort(sample, kind="stable")
         sample, token = sample[order], token[order]
         starts = np.searchsorted(sample, np.arange(0, batch + 1))
@@ -165,28 +165,27 @@ class LaiaAllocation(Allocator):
             score = np.stack([np.bincount(local, weights=have[w, token[seg]], minlength=hi - lo)
                               for w in range(n)], 1) - tie[None, :]
             room = np.minimum(quota, -(-(hi - lo) // n))   # at most a fair share of the chunk each
-            for sweep in (room, quota):                      # then, if that left samples over, any room
-                for p in np.argsort(-score, axis=None, kind="stable"):
-                    i, w = divmod(int(p), n)
-                    if owner[lo + i] < 0 and sweep[w] > 0:
-                        owner[lo + i] = w
-                        quota[w] -= 1
-                        room[w] -= 1
-                        chosen_scores.append(score[i, w])
+            got = _assign(score, room)
+            if (got < 0).any():                              # then, if that left samples over, any room
+                rest = np.flatnonzero(got < 0)
+                got[rest] = _assign(score[rest], quota - np.bincount(got[got >= 0], minlength=n))
+            owner[lo:hi] = got
+            quota -= np.bincount(got, minlength=n)
+            chosen_scores.append(score[np.arange(hi - lo), got])
             for w in range(n):            # keys of samples just given to w are now held by w
                 mine = owner[lo + local] == w
                 have[w, token[seg][mine]] = True
-        self._update_caches(owner, sample, token, keys, which)
-        self.scores.append(float(np.mean(chosen_scores)) if chosen_scores else 0.0)
+        self._update_caches(owner, sample, token, keys, which, tok64)
+        self.scores.append(float(np.mean(np.concatenate(chosen_scores))) if chosen_scores else 0.0)
         return [np.flatnonzero(owner == w).astype(np.int64) for w in range(n)]
 
-    def _update_caches(self, owner, sample, token, keys, which) -> None:
+    def _update_caches(self, owner, sample, token, keys, which, tok64) -> None:
         """The caches after this batch's step, as the cache at staleness 0 keeps them: each process
         holds the keys it looked up and does not own (LRU, ``capacity`` per input); a copy stays
         valid unless another process used the key (and so updated its row), or the process itself
         did without ``keeps_own_updates``."""
         n = self.world_size
-        if not any(self.capacity.values()):
+        if not self._cap.any():
             return
         users = np.zeros((n, len(keys)), bool)
         for w in range(n):
@@ -194,24 +193,65 @@ class LaiaAllocation(Allocator):
         count = users.sum(0)
         for w in range(n):
             others = count - users[w] > 0
-            used = np.flatnonzero(users[w] & (np.mod(keys, n) != w))
-            for t, name in enumerate(self.inputs):
-                cap = self.capacity[name]
-                if cap <= 0:
-                    continue
-                mine = used[which[used] == t]
-                new, new_valid = keys[mine], ~others[mine] & self.keeps_own_updates
-                old_keys, old_last, old_valid = self.cache[w][name]
-                keep = ~np.isin(old_keys, new, assume_unique=True)
-                touched = np.isin(old_keys[keep], keys[others & (which == t)], assume_unique=True)
-                k = np.concatenate([old_keys[keep], new])
-                last = np.concatenate([old_last[keep], np.full(len(new), self.batches)])
-                valid = np.concatenate([old_valid[keep] & ~touched, new_valid])
-                if len(k) > cap:
-                    top = np.argsort(-last, kind="stable")[:cap]
-                    k, last, valid = k[top], last[top], valid[top]
-                srt = np.argsort(k)
-                self.cache[w][name] = (k[srt], last[srt], valid[srt])
+            used = np.flatnonzero(users[w] & (np.mod(keys, n) != w) & (self._cap[which] > 0))
+            old, old_t, old_last, old_valid = self.cache[w]
+            keep = ~np.isin(old, tok64[used])
+            touched = np.isin(old[keep], tok64[others])
+            k = np.concatenate([old[keep], tok64[used]])
+            t = np.concatenate([old_t[keep], which[used]])
+            last = np.concatenate([old_last[keep], np.full(len(used), self.batches)])
+            valid = np.concatenate([old_valid[keep] & ~touched, ~others[used] & self.keeps_own_updates])
+            order = np.lexsort((-last, t))               # per input, most recently used first
+            start = np.searchsorted(t[order], t[order])
+            fits = np.arange(len(order)) - start < self._cap[t[order]]
+            order = order[fits]
+            order = order[np.argsort(k[order])]
+            self.cache[w] = (k[order], t[order], last[order], valid[order])
+
+    def cached(self, rank: int, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """(keys, valid) of process ``rank``'s simulated cache of input ``name``, by key."""
+        keys, t, _, valid = self.cache[rank]
+        sel = t == self.inputs.index(name)
+        k = np.asarray(self._keys_of(keys[sel], self.inputs.index(name)))
+        order = np.argsort(k)
+        return k[order], valid[sel][order]
+
+    @staticmethod
+    def _keys_of(tok: np.ndarray, t: int) -> np.ndarray:
+        return (tok - np.uint64(t) * _GOLDEN).view(np.int64)
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _token_key(keys: np.ndarray, which: np.ndarray) -> np.ndarray:
+    """One uint64 per (input, key): key + input * an odd constant, wrapping (a collision could
+    only blur a score, never an update)."""
+    return np.asarray(keys, np.int64).view(np.uint64) + np.asarray(which, np.uint64) * _GOLDEN
+
+
+def _assign(score: np.ndarray, room: np.ndarray) -> np.ndarray:
+    """Samples [m] -> process, at most ``room[w]`` to process w, best score first: every sample
+    asks for its best process with room; an over-asked process keeps its highest-scored askers
+    and is full; the others ask again (at most N rounds, all in numpy). -1: no room left."""
+    m, n = score.shape
+    room = room.copy()
+    owner = np.full(m, -1, np.int64)
+    s = np.where(room[None, :] > 0, score, -np.inf)
+    pending = np.arange(m)
+    while len(pending) and np.isfinite(s[pending]).any():
+        best = np.argmax(s[pending], 1)
+        for w in np.unique(best):
+            ask = pending[best == w]
+            if not np.isfinite(s[ask[0], w]):
+                continue
+            take = ask if len(ask) <= room[w] else ask[np.argsort(-s[ask, w], kind="stable")[:room[w]]]
+            owner[take] = w
+            room[w] -= len(take)
+            if room[w] == 0:
+                s[:, w] = -np.inf
+        pending = pending[owner[pending] < 0]
+    return owner
 
 
 def make(kind: str, world_size: int, keys: Sequence[str] = (), capacity: dict[str, int] | None = None,

@@ -57,11 +57,11 @@ def test_laia_simulates_the_caches_at_staleness_0():
     for sgd in (True, False):
         alloc = allocate.LaiaAllocation(2, ["k"], {"k": 10}, keeps_own_updates=sgd)
         assert [p.tolist() for p in alloc({"k": np.array([5, 5, 3, 3])}, 4)] == [[2, 3], [0, 1]]
-        keys, _, valid = alloc.cache[0]["k"]
-        assert keys.tolist() == [3] and valid.tolist() == [sgd] and len(alloc.cache[1]["k"][0]) == 0
+        keys, valid = alloc.cached(0, "k")
+        assert keys.tolist() == [3] and valid.tolist() == [sgd] and len(alloc.cached(1, "k")[0]) == 0
         parts = alloc({"k": np.array([3, 3, 3, 3])}, 4)
         assert [len(p) for p in parts] == [2, 2]
-        assert alloc.cache[0]["k"][2].tolist() == [False]
+        assert alloc.cached(0, "k")[1].tolist() == [False]
 
 
 @pytest.mark.parametrize("kind", allocate.CHOICES)
