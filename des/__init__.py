@@ -26,7 +26,7 @@ def __getattr__(name):
         from des.compiler import TransformError
         return TransformError
     if name == "make_keyed":
-        from des.sources import make_keyed
+        from des.state import make_keyed
         return make_keyed
     if name == "register_adapter":
         from des.adapters import register_adapter

@@ -46,10 +46,10 @@ class Choice:
 def des_widths(model: tf.keras.Model) -> tuple[dict[str, int], list]:
     """The partial's width (floats per sample) of each operator DES would substitute in ``model``,
     by its layer's name (nothing is built), and the matches."""
-    from des.compiler import find_substitutions, _rule
+    from rewrite_rules import find_substitutions, rule_named
     from des.ir import Graph
     matches, _ = find_substitutions(Graph(model))
-    return {m.root.layer.name: _rule(m.rule).sub_operator(m, [], name=f"auto_{m.rule}").width
+    return {m.root.layer.name: rule_named(m.rule).sub_operator(m, [], name=f"auto_{m.rule}").width
             for m in matches}, matches
 
 

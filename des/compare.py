@@ -29,31 +29,8 @@ import sys
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from des.runs import ROOT, data_files, describe_source, launch_env
 MODES = ("single", "des", "ps")   # the default; "cache" adds one run per --staleness
-
-
-def _env() -> dict:
-    return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-                OMPI_MCA_mpi_yield_when_idle="1", TF_CPP_MIN_LOG_LEVEL="2",
-                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-
-
-def _files(data) -> list[str]:
-    """``data``: one path (a preset's file) or a list of paths."""
-    return [data] if isinstance(data, str) else list(data)
-
-
-def _source(a, short: bool = False) -> str:
-    """What the runs read, for titles: the preset, or the data (and evaluation) files."""
-    data = getattr(a, "data", None)
-    if not data:
-        return a.preset if short else f"preset {a.preset}"
-    name = (lambda p: os.path.basename(p)) if short else (lambda p: p)
-    text = ", ".join(name(p) for p in data)
-    if getattr(a, "eval_data", None):
-        text += " (eval " + ", ".join(name(p) for p in a.eval_data) + ")"
-    return text if short else f"data {text}"
 
 
 def ensure_data(preset: str, rows: int, seed: int, folder: str) -> str:
@@ -62,7 +39,7 @@ def ensure_data(preset: str, rows: int, seed: int, folder: str) -> str:
     path = os.path.join(folder, f"{preset}-{rows}-{seed}.{ext}")
     if not os.path.exists(path + ".meta.json"):
         subprocess.run([sys.executable, "-m", "des.data.synth", "--preset", preset, "--rows", str(rows),
-                        "--seed", str(seed), "--out", path], check=True, env=_env(), cwd=ROOT)
+                        "--seed", str(seed), "--out", path], check=True, env=launch_env(), cwd=ROOT)
     return path
 
 
@@ -105,7 +82,7 @@ def run(key: str, model: str, data: str, a, out: str, launcher: list[str] | None
     if mode == "cache":
         extra += ["--staleness", key.split("=")[1], "--cache-size", a.cache_size]
     fmt, evals = getattr(a, "format", None), getattr(a, "eval_data", None)
-    data_args = ["--data", *_files(data), *(["--format", fmt] if fmt else [])]
+    data_args = ["--data", *data_files(data), *(["--format", fmt] if fmt else [])]
     eval_args = ["--eval-data", *evals] if evals else ["--holdout", str(a.holdout)]
     summary = os.path.join(out, f"{model}-{key.replace(' ', '-').replace('=', '').replace('+', '-')}{tag}.json")
     args = ["-m", "des.train", "--mode", mode, *extra, "--model", model, *data_args, "--batch", str(a.batch),
@@ -118,7 +95,7 @@ def run(key: str, model: str, data: str, a, out: str, launcher: list[str] | None
     print(f"[compare] {model} {key}: {' '.join(cmd)}", flush=True)
     log = summary[:-len(".json")] + ".log"
     with open(log, "w") as fh:
-        done = subprocess.run(cmd, env=_env(), cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT)
+        done = subprocess.run(cmd, env=launch_env(), cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT)
     if done.returncode != 0:
         raise SystemExit(f"{model} {key} failed (exit {done.returncode}); see {log}")
     paths = [summary] if mode == "single" else [f"{summary}.rank{r}" for r in range(a.np)]
@@ -142,7 +119,7 @@ def bytes_curve(model: str, data, fmt: str, a, batches: list[int], meta: dict | 
     from des.auto import traffic
     from des.data.readers import make_dataset
     from des.data.resolve import metadata, spec_for
-    files = _files(data)
+    files = data_files(data)
     meta = metadata(files[0]) if meta is None else meta
     spec = spec_for(fmt, files, a.dim, meta, getattr(a, "eval_data", None) or [])
     plain = models.build(model, spec, hidden=tuple(int(h) for h in a.hidden.split(",") if h))
@@ -186,7 +163,7 @@ def markdown(rows: list[dict], results: dict, a, meta: dict) -> str:
     net = (f", netbed: one process per emulated host, {a.rate} per host"
            if getattr(a, "net", "local") == "netbed" else "")
     bayes = meta.get("bayes_auc")
-    lines = [f"# DES vs PS vs one process - {_source(a)}, N={a.np}, global batch {a.batch}, "
+    lines = [f"# DES vs PS vs one process - {describe_source(a)}, N={a.np}, global batch {a.batch}, "
              f"{a.steps} steps{net}", "",
              f"Bayes-optimal AUC of the data: {'unknown' if bayes is None else bayes}. Bytes per process per step, rank 0. "
              f"Measured where each collective is called: the size of every tensor handed to all-to-all for "
@@ -231,7 +208,7 @@ def plots(results: dict, curves: dict, batches: list[int], a, out: str) -> list[
             if sent:
                 ax.plot([a.batch], [sent], mark, color="k", markersize=10)
     ax.set(xscale="log", yscale="log", xlabel="global batch", ylabel="bytes sent / step / process",
-           title=f"{_source(a, short=True)}, N={a.np} (lines: formulas on the data; black: the runs)")
+           title=f"{describe_source(a, short=True)}, N={a.np} (lines: formulas on the data; black: the runs)")
     ax.legend(fontsize=7)
     files.append(_save(fig, out, "bytes_vs_batch.png"))
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
@@ -243,7 +220,7 @@ def plots(results: dict, curves: dict, batches: list[int], a, out: str) -> list[
                [results[m][mode]["samples_per_second"] for m in models_],
                w, label=mode if mode == "single" else f"{mode} (N={a.np})")
     ax.set(xticks=range(len(models_)), xticklabels=models_, ylabel="samples / s (global)",
-           title=f"throughput, {_source(a, short=True)}, global batch {a.batch}")
+           title=f"throughput, {describe_source(a, short=True)}, global batch {a.batch}")
     ax.legend()
     files.append(_save(fig, out, "throughput.png"))
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
@@ -252,7 +229,7 @@ def plots(results: dict, curves: dict, batches: list[int], a, out: str) -> list[
             pts = results[model][mode].get("train_auc_by_step") or []
             if pts:
                 ax.plot(*zip(*pts), linestyle=style, color=f"C{i}", label=f"{model} {mode}")
-    ax.set(xlabel="step", ylabel="training AUC (running, rank 0)", title=f"AUC vs steps, {_source(a, short=True)}")
+    ax.set(xlabel="step", ylabel="training AUC (running, rank 0)", title=f"AUC vs steps, {describe_source(a, short=True)}")
     ax.legend(fontsize=7)
     files.append(_save(fig, out, "auc_vs_steps.png"))
     if any(k.startswith("cache") for k in keys):
@@ -271,7 +248,7 @@ def plots(results: dict, curves: dict, batches: list[int], a, out: str) -> list[
                     ax.plot([by[mode]["sent_bytes_per_step"]], [by[mode]["auc"]], mark, color=f"C{i}",
                             markersize=11, label=f"{model} {mode}")
         ax.set(xscale="log", xlabel="bytes / step / process (all-to-all measured + allreduce ring model)", ylabel="held-out AUC",
-               title=f"AUC vs bytes, {_source(a, short=True)}, N={a.np}, cache {a.cache_size}")
+               title=f"AUC vs bytes, {describe_source(a, short=True)}, N={a.np}, cache {a.cache_size}")
         ax.legend(fontsize=7)
         files.append(_save(fig, out, "auc_vs_bytes.png"))
     return files
@@ -354,7 +331,7 @@ def main(argv=None) -> int:
     os.makedirs(out, exist_ok=True)
     if a.bandwidth:
         from des import projection
-        rows = projection.project([m for m in a.models.split(",") if m], _files(data), fmt, a, nps, out)
+        rows = projection.project([m for m in a.models.split(",") if m], data_files(data), fmt, a, nps, out)
         md = projection.markdown(rows, a)
         with open(os.path.join(out, "projection.md"), "w") as fh:
             fh.write(md)
@@ -382,7 +359,7 @@ def main(argv=None) -> int:
     if a.columnar:
         import copy
         run_a = copy.copy(a)
-        run_data, evals = ensure_columnar(_files(data), fmt, a.eval_data, meta)
+        run_data, evals = ensure_columnar(data_files(data), fmt, a.eval_data, meta)
         run_a.format, run_a.eval_data = "columnar", [evals] if evals else None
     try:
         for model in [m for m in a.models.split(",") if m]:

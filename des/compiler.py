@@ -18,11 +18,12 @@ import dataclasses
 import tensorflow as tf
 
 from des.fields import GLUE, FieldAnalysis, FieldVector
-from des.ir import Graph, Node, call_node, has_weight_penalties, is_keras_tensor, replay, take_weight_penalties
+from des.ir import Graph, Node, call_node, is_keras_tensor, replay
+from des.keras_internals import has_weight_penalties, take_weight_penalties
 from des.plan import FieldCost, FieldPlan, check_agreement, make_plan
 from des_ops.comm import Communicator, default_communicator
 from des_ops.suboperators import DESFirstLayer
-from rewrite_rules import RULES, Match, Rejection
+from rewrite_rules import RULES, Match, Rejection, find_substitutions, rule_named
 
 
 class TransformError(ValueError):
@@ -88,64 +89,6 @@ class Report:
         if self.plan is not None:
             lines.append(str(self.plan))
         return "\n".join(lines)
-
-
-def find_substitutions(graph: Graph, fields: FieldAnalysis | None = None) -> tuple[list[Match], list[Rejection]]:
-    """Run every rule at every node (outputs first), then drop unsafe matches."""
-    fields = fields or FieldAnalysis(graph)
-    matches, rejections, claimed = [], [], set()
-    for node in reversed(graph.nodes):
-        if node.index in claimed or node.kind in ("input", "table"):
-            continue
-        for rule in RULES:
-            found = rule.match(graph, fields, node)
-            if isinstance(found, Match):
-                found.out_shape = tuple(graph.shape(node.output)[1:])
-                matches.append(found)
-                claimed |= found.internal | set().union(*(v.chain for v in found.vectors))
-                break
-            if isinstance(found, Rejection):
-                rejections.append(found)
-                break
-    return _drop_unsafe(graph, matches, rejections)
-
-
-def _drop_unsafe(graph: Graph, matches: list[Match], rejections: list[Rejection]):
-    while True:
-        inside = set()
-        for m in matches:
-            inside |= m.internal
-            for v in m.vectors:
-                inside |= v.chain
-        bad = None
-        for m in matches:
-            for idx in m.internal - {m.root.index}:
-                # a layout node (stack/concat/reshape of field vectors) may feed several matches;
-                # a math node only its own
-                allowed = inside if graph.nodes[idx].kind in GLUE else m.internal
-                for t in graph.nodes[idx].outputs:
-                    users = [u for u in graph.consumers.get(t, []) if u.index not in allowed]
-                    if users or t in graph.output_ids:
-                        who = users[0].layer.name if users else "the model output"
-                        bad = (m, f"intermediate {graph.nodes[idx].layer.name!r} is also used by {who!r}")
-            readers = {}
-            for v in m.vectors:
-                for idx in v.chain:
-                    for t in graph.nodes[idx].outputs:
-                        users = [u for u in graph.consumers.get(t, []) if u.index not in inside]
-                        if users or t in graph.output_ids:
-                            readers.setdefault(v.table.layer.name, (v.field, users[0].layer.name if users
-                                                                    else "the model output"))
-            if readers and bad is None:
-                listed = ", ".join(f"{t!r} (field {f!r}) by {who!r}" for t, (f, who) in readers.items())
-                bad = (m, f"tables are also read by layers that are not substituted: {listed}")
-            if bad:
-                break
-        if bad is None:
-            return matches, rejections
-        m, reason = bad
-        matches = [x for x in matches if x is not m]
-        rejections.append(Rejection(m.rule, m.root, reason))
 
 
 def explain_tables(graph: Graph, fields: FieldAnalysis, matches: list[Match],
@@ -304,7 +247,7 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
         owned = [v for v in m.vectors if v.field in mine]
         for v in owned:
             owned_nodes.update({i: graph.nodes[i] for i in v.chain})
-        rule = _rule(m.rule)
+        rule = rule_named(m.rule)
         ops.append(rule.sub_operator(m, owned, name=f"des_{m.rule}_{m.root.layer.name}"))
         op_inputs.append([v.tensor for v in owned])
         widths[m.root.layer.name] = ops[-1].width
@@ -352,15 +295,8 @@ def _model_class(model: tf.keras.Model) -> type:
 
 
 def _finisher(graph: Graph, m: Match, combined):
-    rule = _rule(m.rule)
+    rule = rule_named(m.rule)
     return lambda look: rule.finish(m, combined, lambda t: look(graph.tensors[t]))
-
-
-def _rule(name: str):
-    for r in RULES:
-        if r.name == name:
-            return r
-    raise KeyError(name)
 
 
 def _input_id(graph: Graph, name: str) -> int:

@@ -72,9 +72,6 @@ def estimate(report, batch_size: int, unique_per_slice: dict[str, float]) -> lis
         for v in m.vectors:
             u = unique_per_slice.get(v.field, 0.0)
             ps += u * remote * (8 + 8 * v.width)
-        if m.rule == "embed_concat_dense":
-            params = int(np.prod(m.data["kernel"].shape)) + (int(np.prod(m.data["bias"].shape))
-                                                             if m.data["bias"] is not None else 0)
-            ps += ring * 4 * params
+        ps += ring * 4 * m.dense_parameters
         out.append(OperatorCost(m.rule, m.root.layer.name, des_bytes, ps))
     return out

@@ -42,11 +42,11 @@ def detect_format(trained_format: str, path: str) -> str:
     'criteo-test'
     """
     from des.data import DataError
-    from des.data.readers import _open_text, check_paths
+    from des.data.files import check_paths, open_text
     if trained_format not in ("criteo", "avazu"):
         return trained_format
     check_paths([path])
-    with _open_text(path) as fh:
+    with open_text(path) as fh:
         first = fh.readline().rstrip(b"\r\n")
     if trained_format == "criteo":
         n = first.count(b"\t") + 1

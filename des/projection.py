@@ -24,9 +24,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def compute_seconds(mode: str, model: str, data: list[str], fmt: str, a, n: int, out: str) -> float:
     """Median seconds per step of rank 0 of ``n`` with no-op collectives, alone on this machine."""
-    from des.compare import _env
+    from des.runs import launch_env
     summary = os.path.join(out, f"{model}-{mode}-compute-n{n}.json")
-    env = dict(_env(), OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE=str(n))
+    env = dict(launch_env(), OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE=str(n))
     cmd = [sys.executable, "-m", "des.train", "--mode", mode, "--comm", "noop", "--model", model, "--data", *data, "--format", fmt,
            "--batch", str(a.batch), "--steps", str(a.steps), "--holdout", "0", "--dim", str(a.dim),
            "--hidden", a.hidden, "--optimizer", a.optimizer, "--lr", str(a.lr), "--threads", "1",
@@ -67,8 +67,8 @@ def project(models_: list[str], data: list[str], fmt: str, a, nps: list[int], ou
 
 
 def markdown(rows: list[dict], a) -> str:
-    from des.compare import _source
-    lines = [f"# Projected samples/s - {_source(a)}, global batch {a.batch}, {a.bandwidth} per host, "
+    from des.runs import describe_source
+    lines = [f"# Projected samples/s - {describe_source(a)}, global batch {a.batch}, {a.bandwidth} per host, "
              f"{a.latency} per message, Horovod cycle {a.cycle} ms", "",
              "Computation measured here (rank 0 of N alone, no-op collectives); communication by "
              "des.timemodel from the data's bytes. DES/PS = the speed-up.", "",

@@ -136,27 +136,8 @@ class _KerasEmbedding(TableSource):
         layer.embeddings.assign(full)
 
     def release(self, layer):
-        from des.ir import release_variables
+        from des.keras_internals import release_variables
         release_variables(layer, ["embeddings"])
-
-
-def make_keyed(model: tf.keras.Model, seed: int = 0) -> None:
-    """Give every TFRA ``de.keras.layers.Embedding`` / ``SquashedEmbedding`` of ``model``
-    key-deterministic new rows, as ``des.transform(model, seed=seed)`` does: the single-process
-    model to compare a DES run with must start from the same rows.
-
-        >>> des.make_keyed(reference_model, seed=0)
-
-    In training a missing key is inserted, before the lookup, with a row that depends only on
-    (the table's place in the graph, key, seed), uniform in [-scale, scale) where ``scale`` is
-    the spread of the layer's initializer (its maxval, or 2 x stddev; zeros stay zeros). In
-    inference a missing key reads that row without being inserted.
-    """
-    from des.ir import Graph
-    graph = Graph(model)
-    for n in graph.nodes:
-        if n.kind == "table":
-            n.attrs["source"].keyed(n.layer, seed, graph.layer_key(n.layer))
 
 
 def _scale_of(init) -> float:
@@ -171,7 +152,7 @@ def _scale_of(init) -> float:
 
 
 def _key_layer(layer, seed: int, name: str) -> None:
-    from des.ir import refresh_call_signature
+    from des.keras_internals import refresh_call_signature
     from models.layers import key_init, table_salt
     if getattr(layer, "des_keyed_tfra", False):
         return

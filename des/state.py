@@ -47,7 +47,7 @@ class StateKeys:
     @staticmethod
     def of_model(model: tf.keras.Model) -> "StateKeys":
         """For a model that was not transformed."""
-        from des.compiler import find_substitutions
+        from rewrite_rules import find_substitutions
         graph = Graph(model)
         keys = _layer_keys(graph)
         sk = StateKeys()
@@ -57,7 +57,7 @@ class StateKeys:
         matches, _ = find_substitutions(graph)
         split = {}
         for m in matches:
-            if m.rule == "embed_concat_dense":
+            if "parts" in m.data:           # a kernel split by field rows (embed_concat_dense)
                 kernel, start, parts, reps = m.data["kernel"], 0, [], []
                 dense_key = keys[id(m.root.layer)]
                 for p in m.data["parts"]:
@@ -92,7 +92,7 @@ class StateKeys:
                 for i, w in enumerate(l.weights):
                     sk.owned[id(w)] = (w, [(f"{keys[id(l)]}/{i}", 0, None)])
         for m, op in zip(matches, des_layer.ops):
-            if m.rule == "embed_concat_dense" and op.kernel_block is not None:
+            if "parts" in m.data and getattr(op, "kernel_block", None) is not None:
                 dense_key, start, parts = keys[id(m.root.layer)], 0, []
                 mine = set(op.fields)
                 for p in m.data["parts"]:
@@ -318,3 +318,21 @@ def load_rows(model: tf.keras.Model, optimizer, entries, keep_key=None) -> list[
             slot = _part_of(optimizer, var).get_slot(var, name)
             slot.assign(_put_rows(slot.numpy(), ranges, entry[f"slot:{name}"]))
     return missing
+
+
+def make_keyed(model: tf.keras.Model, seed: int = 0) -> None:
+    """Give every TFRA ``de.keras.layers.Embedding`` / ``SquashedEmbedding`` of ``model``
+    key-deterministic new rows, as ``des.transform(model, seed=seed)`` does: the single-process
+    model to compare a DES run with must start from the same rows.
+
+        >>> des.make_keyed(reference_model, seed=0)
+
+    In training a missing key is inserted, before the lookup, with a row that depends only on
+    (the table's place in the graph, key, seed), uniform in [-scale, scale) where ``scale`` is
+    the spread of the layer's initializer (its maxval, or 2 x stddev; zeros stay zeros). In
+    inference a missing key reads that row without being inserted.
+    """
+    graph = Graph(model)
+    for n in graph.nodes:
+        if n.kind == "table":
+            n.attrs["source"].keyed(n.layer, seed, graph.layer_key(n.layer))

@@ -34,6 +34,7 @@ class Match:
     others: list[int] = dataclasses.field(default_factory=list)   # replicated tensors the finish reads
     data: dict = dataclasses.field(default_factory=dict)
     out_shape: tuple = ()                                         # the root's per-sample shape
+    dense_parameters: int = 0     # weights DES splits by field that a PS would allreduce whole (cost model)
 
     @property
     def fields(self) -> list[str]:

@@ -48,7 +48,9 @@ class EmbedConcatDenseRule(Rule):
                      data={"parts": lay.parts, "kernel": kernel, "bias": node.attrs["bias"],
                            "activation": node.attrs["activation"], "rest": node.attrs.get("rest"),
                            "kernel_regularizer": reg, "bias_regularizer": node.attrs.get("bias_regularizer"),
-                           "trainable": node.attrs.get("trainable", True), "key": graph.layer_key(node.layer)})
+                           "trainable": node.attrs.get("trainable", True), "key": graph.layer_key(node.layer)},
+                     dense_parameters=int(np.prod(kernel.shape)) + (int(np.prod(node.attrs["bias"].shape))
+                                                                   if node.attrs["bias"] is not None else 0))
 
     def rows(self, match) -> list[tuple[object, np.ndarray]]:
         """(part, kernel rows) for every part of the concatenation, in order."""

@@ -26,7 +26,7 @@ from des.netbed import Netbed  # noqa: E402
 
 def calibrate(bed: Netbed, n: int) -> dict:
     cmd = bed.mpirun(n) + [sys.executable, os.path.join(ROOT, "scripts", "bench_collectives.py")]
-    done = subprocess.run(cmd, env=compare._env(), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(cmd, env=compare.launch_env(), cwd=ROOT, capture_output=True, text=True, timeout=900)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         raise SystemExit(f"bench_collectives failed: {done.stderr[-2000:]}")

@@ -16,7 +16,8 @@ def write_small_ffm(path: str, rows: int, seed: int = 0, fields: int = 6) -> dic
     values), one ``field:value:1`` token per present value. Returns the metadata written to
     <path>.meta.json (format, spec, Bayes-optimal AUC): des.train takes the spec from it."""
     from des.data.libsvm import sparse_spec
-    from des.data.synth import BayesStats, CriteoGenerator, Preset
+    from des.data.bayes import BayesStats
+    from des.data.synth import CriteoGenerator, Preset
 
     assert fields >= 2
     cards = ([20, 100, 500, 2000, 10000] * fields)[:fields - 1]

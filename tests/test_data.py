@@ -225,7 +225,8 @@ def test_sample_seed_draws_other_rows_of_the_same_planted_model(tmp_path):
 
 
 def test_bayes_auc_matches_auc_of_true_probabilities():
-    from des.data.synth import PRESETS, BayesStats, CriteoGenerator
+    from des.data.bayes import BayesStats
+    from des.data.synth import PRESETS, CriteoGenerator
     gen = CriteoGenerator(PRESETS["criteo-like"], seed=1)
     label, _, _, prob = gen.chunk(200_000, np.random.default_rng(0))
     stats = BayesStats()

@@ -211,7 +211,7 @@ def scan_spec(paths: Sequence[str], fmt: str, dim: int = 8, layout: str | None =
     reader reports them). libsvm ``layout=None`` picks positional when every line has the
     same number of features, else bag.
     """
-    from des.data.readers import check_paths
+    from des.data.files import check_paths
     paths = check_paths(paths)
     ds = tf.data.TextLineDataset(paths).batch(batch_lines)
     per_field = np.zeros(0, np.int64)

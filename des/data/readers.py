@@ -12,43 +12,16 @@ Bad lines stop the run with a ``DataError`` naming file, line and problem; with
 """
 from __future__ import annotations
 
-import gzip
-import os
 from typing import Sequence
 
 import tensorflow as tf
 
 from des.data.errors import DataError, SkipReport
+from des.data.files import check_paths
 from des.data.formats import FORMATS
 from des.data.spec import FeatureSpec
 
 PARSE_CHUNK = 2048  # lines validated and parsed per vectorised call in skip mode
-
-
-def _open_text(path: str):
-    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
-
-
-def check_paths(paths: Sequence[str] | str, header: str | None = None) -> list[str]:
-    """Existing, non-empty files; a header-only file counts as empty."""
-    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
-    if not paths:
-        raise DataError("no input files given")
-    for p in paths:
-        if not os.path.isfile(p):
-            raise FileNotFoundError(f"{p}: no such file")
-        with _open_text(p) as fh:
-            first = fh.readline()
-            second = fh.readline() if header is not None else b"x"
-        if not first:
-            raise DataError(f"{p}: file is empty")
-        if header is not None:
-            got = first.rstrip(b"\r\n").decode("utf-8", "replace")
-            if got != header:
-                raise DataError(f"{p}:1: header is {got[:80]!r}, expected {header[:80]!r}...")
-            if not second:
-                raise DataError(f"{p}: file has a header but no data lines")
-    return [str(p) for p in paths]
 
 
 def make_dataset(paths: Sequence[str] | str, fmt: str, spec: FeatureSpec, batch_size: int, *,

@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 
 import numpy as np
 
+from des.data.bayes import BayesStats, zipf_cdf
 from des.data.spec import CRITEO_CAT, CRITEO_INT
 
 
@@ -40,11 +40,6 @@ PRESETS = {
 }
 
 
-def _zipf_cdf(card: int, a: float) -> np.ndarray:
-    p = 1.0 / np.arange(1, card + 1) ** a
-    return np.cumsum(p / p.sum())
-
-
 def _log_bucket(v: np.ndarray) -> np.ndarray:
     out = v.copy()
     big = v > 2
@@ -58,7 +53,7 @@ class CriteoGenerator:
     def __init__(self, preset: Preset, seed: int = 0):
         self.p, self.seed = preset, seed
         rng = np.random.default_rng([seed, 1])
-        self.cdf = [_zipf_cdf(c, preset.zipf) for c in preset.int_card + preset.cat_card]
+        self.cdf = [zipf_cdf(c, preset.zipf) for c in preset.int_card + preset.cat_card]
         # planted weights per field and value index; index card = missing
         sizes = [max(int(_log_bucket(np.array([c]))[0]), c) + 3 for c in preset.int_card] + \
                 [c + 1 for c in preset.cat_card]
@@ -92,32 +87,6 @@ class CriteoGenerator:
         prob = 1 / (1 + np.exp(-logit))
         label = (rng.random(rows) < prob).astype(np.int64)
         return label, np.stack(ints, 1), np.stack(cats, 1), prob
-
-
-class BayesStats:
-    """Expected AUC and log loss of the true probabilities (streaming, by histogram)."""
-
-    BINS = 200_000
-
-    def __init__(self):
-        self.pos = np.zeros(self.BINS)
-        self.neg = np.zeros(self.BINS)
-        self.ll, self.n = 0.0, 0
-
-    def add(self, prob: np.ndarray) -> None:
-        b = np.minimum((prob * self.BINS).astype(np.int64), self.BINS - 1)
-        self.pos += np.bincount(b, prob, self.BINS)
-        self.neg += np.bincount(b, 1 - prob, self.BINS)
-        pc = np.clip(prob, 1e-12, 1 - 1e-12)
-        self.ll += float(-(pc * np.log(pc) + (1 - pc) * np.log(1 - pc)).sum())
-        self.n += len(prob)
-
-    def auc(self) -> float:
-        neg_below = np.cumsum(self.neg) - self.neg
-        return float((self.pos * (neg_below + 0.5 * self.neg)).sum() / (self.pos.sum() * self.neg.sum()))
-
-    def logloss(self) -> float:
-        return self.ll / self.n
 
 
 def write_criteo(path: str, rows: int, preset: str = "criteo-like", seed: int = 0,

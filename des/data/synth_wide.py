@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from des.data.synth import BayesStats, _zipf_cdf
+from des.data.bayes import BayesStats, zipf_cdf
 
 
 @dataclasses.dataclass
@@ -43,7 +43,7 @@ class WideGenerator:
         self.p, self.seed = preset, seed
         rng = np.random.default_rng([seed, 11])
         cards = preset.single_card + preset.multi_card
-        self.cdf = [_zipf_cdf(c, preset.zipf) for c in cards]
+        self.cdf = [zipf_cdf(c, preset.zipf) for c in cards]
         self.w = [rng.normal(0, preset.w_scale, c) for c in cards]
         self.v = [rng.normal(0, preset.v_scale, (c, preset.k)) for c in cards]
 

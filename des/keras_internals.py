@@ -1,0 +1,42 @@
+"""The few Keras-private attributes DES touches outside the graph IR (des.ir): a layer's weight
+lists, its registered weight penalties and its cached call signature. Kept in one place so a
+Keras upgrade has one file to check.
+
+    >>> penalties = take_weight_penalties(layer)     # the owner adds them to its loss instead
+"""
+from __future__ import annotations
+
+
+def take_weight_penalties(layer) -> list:
+    """Remove and return the weight penalties (regularizer losses) ``layer`` registered, so that
+    whoever takes them adds them (des_ops.DESFirstLayer: the owner's share of the model's loss)."""
+    taken = list(getattr(layer, "_callable_losses", []))
+    if taken:
+        layer._callable_losses = []
+    return taken
+
+
+def has_weight_penalties(layer) -> bool:
+    return bool(getattr(layer, "_callable_losses", []))
+
+
+def release_variables(layer, names: list[str]) -> None:
+    """Drop ``layer``'s variables ``names`` (a static table a process does not own) so that
+    their memory is freed; the layer cannot be called afterwards."""
+    for name in names:
+        var = getattr(layer, name, None)
+        if var is None:
+            continue
+        layer._trainable_weights = [w for w in layer._trainable_weights if w is not var]
+        layer._non_trainable_weights = [w for w in layer._non_trainable_weights if w is not var]
+        object.__setattr__(layer, name, None)
+    take_weight_penalties(layer)                # their closures would keep the variables alive
+    layer.des_released = True
+
+
+
+
+def refresh_call_signature(layer) -> None:
+    """After ``layer.__class__`` was swapped, let Keras read the new ``call``'s arguments
+    (so that it passes ``training``)."""
+    layer._init_call_fn_args()

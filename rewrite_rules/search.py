@@ -1,0 +1,77 @@
+"""Run the registered rules over a model's graph: ``find_substitutions`` (outputs first, each node
+claimed by at most one match, then unsafe matches dropped with a reason).
+
+    >>> matches, rejections = find_substitutions(Graph(model))
+"""
+from __future__ import annotations
+
+from des.fields import GLUE, FieldAnalysis
+from des.ir import Graph
+from rewrite_rules.base import RULES, Match, Rejection, Rule
+
+
+def find_substitutions(graph: Graph, fields: FieldAnalysis | None = None) -> tuple[list[Match], list[Rejection]]:
+    """Run every rule at every node (outputs first), then drop unsafe matches."""
+    fields = fields or FieldAnalysis(graph)
+    matches, rejections, claimed = [], [], set()
+    for node in reversed(graph.nodes):
+        if node.index in claimed or node.kind in ("input", "table"):
+            continue
+        for rule in RULES:
+            found = rule.match(graph, fields, node)
+            if isinstance(found, Match):
+                found.out_shape = tuple(graph.shape(node.output)[1:])
+                matches.append(found)
+                claimed |= found.internal | set().union(*(v.chain for v in found.vectors))
+                break
+            if isinstance(found, Rejection):
+                rejections.append(found)
+                break
+    return drop_unsafe(graph, matches, rejections)
+
+
+def drop_unsafe(graph: Graph, matches: list[Match], rejections: list[Rejection]):
+    """Drop (and reject, with the reason) every match whose intermediate results or tables are
+    also read outside the substituted subgraphs, until none is left."""
+    while True:
+        inside = set()
+        for m in matches:
+            inside |= m.internal
+            for v in m.vectors:
+                inside |= v.chain
+        bad = None
+        for m in matches:
+            for idx in m.internal - {m.root.index}:
+                # a layout node (stack/concat/reshape of field vectors) may feed several matches;
+                # a math node only its own
+                allowed = inside if graph.nodes[idx].kind in GLUE else m.internal
+                for t in graph.nodes[idx].outputs:
+                    users = [u for u in graph.consumers.get(t, []) if u.index not in allowed]
+                    if users or t in graph.output_ids:
+                        who = users[0].layer.name if users else "the model output"
+                        bad = (m, f"intermediate {graph.nodes[idx].layer.name!r} is also used by {who!r}")
+            readers = {}
+            for v in m.vectors:
+                for idx in v.chain:
+                    for t in graph.nodes[idx].outputs:
+                        users = [u for u in graph.consumers.get(t, []) if u.index not in inside]
+                        if users or t in graph.output_ids:
+                            readers.setdefault(v.table.layer.name, (v.field, users[0].layer.name if users
+                                                                    else "the model output"))
+            if readers and bad is None:
+                listed = ", ".join(f"{t!r} (field {f!r}) by {who!r}" for t, (f, who) in readers.items())
+                bad = (m, f"tables are also read by layers that are not substituted: {listed}")
+            if bad:
+                break
+        if bad is None:
+            return matches, rejections
+        m, reason = bad
+        matches = [x for x in matches if x is not m]
+        rejections.append(Rejection(m.rule, m.root, reason))
+
+
+def rule_named(name: str) -> Rule:
+    for r in RULES:
+        if r.name == name:
+            return r
+    raise KeyError(name)
