@@ -20,6 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from des.cost import OperatorCost, estimate, unique_ids_per_slice
+from des_ops.wire import ring_share
 
 
 @dataclasses.dataclass
@@ -63,7 +64,7 @@ def traffic(model: tf.keras.Model, first_batch: dict, world_size: int, allocator
     from des import ps
     feats = {k: np.asarray(v) for k, v in first_batch.items()}
     b, n = len(next(iter(feats.values()))), world_size
-    ring = 2.0 * (n - 1) / n
+    ring = ring_share(n)
     widths, matches = des_widths(model)
     floats = sum(widths.values())
     tables, dense = ps.table_inputs(model), ps.dense_parameters(model)

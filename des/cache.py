@@ -22,6 +22,7 @@ from des.ir import Graph
 from des.ps import PSModel, per_destination, shard
 from des_ops.cached import CacheConfig, CachedFieldEmbedding, new_counters
 from des_ops.sharded import KeyExchange
+from des_ops.wire import ring_share
 
 
 class CacheModel(PSModel):
@@ -47,7 +48,7 @@ class CacheModel(PSModel):
         self._set_local_lr()
         tables = self.cached_tables()
         n_local = tf.cast(tf.shape(y)[0], tf.float32)
-        n_global = self.exchange.allreduce_sum(n_local[None], counter="control_bytes")[0]
+        n_global = self.exchange.sum_across(n_local[None], counter="control_bytes")[0]
         step = self.optimizer.iterations
         feeds = [layer.fetch(x[ids], step) for layer, ids in tables]
         with tf.GradientTape() as tape:
@@ -183,7 +184,7 @@ def traffic_summary(steps: list[dict], rank: int, n: int) -> dict:
     all-to-all (what leaves this process) vs the analytic count, per destination
     (``ps.per_destination``), hit rates and HET's rows-moved-per-lookup. The dense allreduce's
     wire bytes are the ring model 2(N-1)/N of its measured payload (analytic)."""
-    ring = 2.0 * (n - 1) / n
+    ring = ring_share(n)
     med = lambda v: float(np.median(v)) if len(v) else 0.0
     a2a = [s["query_bytes"] + s["clock_bytes"] + s["fetch_bytes"] + s["push_bytes"] for s in steps]
     exact = sum(s["query_bytes"] + s["clock_bytes"] + s["fetch_bytes"] + s["push_bytes"] == s["analytic_bytes"]

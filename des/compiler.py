@@ -23,6 +23,7 @@ from des.keras_internals import has_weight_penalties, take_weight_penalties
 from des.plan import FieldCost, FieldPlan, check_agreement, make_plan
 from des_ops.comm import Communicator, default_communicator
 from des_ops.suboperators import DESFirstLayer
+from des_ops.wire import ring_share
 from rewrite_rules import RULES, Match, Rejection, find_substitutions, rule_named
 
 
@@ -61,7 +62,7 @@ class Report:
     def ring_bytes(self, batch_size: int) -> float:
         """Analytic bytes sent per process per step by a ring allreduce: 2(N-1)/N * payload."""
         n = self.world_size
-        return 2.0 * (n - 1) / n * self.payload_bytes(batch_size)
+        return ring_share(n) * self.payload_bytes(batch_size)
 
     def __str__(self) -> str:
         if not self.substitutions:

@@ -19,6 +19,7 @@ import dataclasses
 import numpy as np
 
 from des.data.spec import PAD_ID
+from des_ops.wire import ring_share
 
 
 @dataclasses.dataclass
@@ -62,7 +63,7 @@ def unique_ids_per_slice(feats: dict, spec, world_size: int, parts: list | None 
 def estimate(report, batch_size: int, unique_per_slice: dict[str, float]) -> list[OperatorCost]:
     """One OperatorCost per substitution in a des.transform report."""
     n = report.world_size
-    ring = 2.0 * (n - 1) / n
+    ring = ring_share(n)
     remote = (n - 1) / n
     out = []
     for m in report.substitutions:

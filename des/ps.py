@@ -19,6 +19,7 @@ from tensorflow_recommenders_addons import dynamic_embedding as de
 
 from des.ir import Graph, replay
 from des_ops.sharded import KeyExchange, ShardedFieldEmbedding
+from des_ops.wire import ring_share
 
 
 class PSModel(tf.keras.Model):
@@ -33,7 +34,7 @@ class PSModel(tf.keras.Model):
             names = sorted({ids for ids, _, _ in table_inputs(self)})
             tf.py_function(lambda *ids: self._record(names, ids), [x[n] for n in names], [])
         n_local = tf.cast(tf.shape(y)[0], tf.float32)
-        n_global = self.exchange.allreduce_sum(n_local[None], counter="control_bytes")[0]
+        n_global = self.exchange.sum_across(n_local[None], counter="control_bytes")[0]
         with tf.GradientTape() as tape:
             pred = self(x, training=True)
             loss = self.compute_loss(x, y, pred) * (n_local / n_global)
@@ -51,7 +52,7 @@ class PSModel(tf.keras.Model):
         if not variables or self.exchange.world_size == 1:
             return grads
         parts = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, variables)]
-        total = self.exchange.allreduce_sum(tf.concat([tf.reshape(g, [-1]) for g in parts], 0))
+        total = self.exchange.sum_across(tf.concat([tf.reshape(g, [-1]) for g in parts], 0))
         sizes = [int(np.prod(v.shape)) for v in variables]
         return [tf.reshape(g, v.shape) for g, v in zip(tf.split(total, sizes), variables)]
 
@@ -113,7 +114,7 @@ def analytic_bytes(feats: dict, tables: list[tuple[str, str | None, int]], rank:
         out["rows_bytes"] += 4 * dim * remote
         out["grad_bytes"] += 4 * dim * remote
     out["dense_bytes"] = 4 * dense_params if world_size > 1 else 0
-    out["dense_ring_bytes"] = 2.0 * (world_size - 1) / world_size * out["dense_bytes"]
+    out["dense_ring_bytes"] = ring_share(world_size) * out["dense_bytes"]
     out["alltoall_bytes"] = out["ids_bytes"] + out["rows_bytes"] + out["grad_bytes"]
     return out
 
@@ -137,7 +138,7 @@ def traffic_summary(model: PSModel, steps: list[dict], rank: int, n: int) -> dic
     segments handed to / returned by all-to-all for other processes) and the allreduce payloads;
     per destination in ``per_destination``. Analytic: ``analytic_bytes`` and the ring model
     2(N-1)/N of the allreduce payload (what MPI puts on the wire depends on its algorithm)."""
-    ring = 2.0 * (n - 1) / n
+    ring = ring_share(n)
     sent = [s["ids_bytes"] + s["rows_bytes"] + s["grad_bytes"] + ring * (s["dense_bytes"] + s["control_bytes"])
             for s in steps]
     tables, dense = table_inputs(model), dense_parameters(model)
@@ -177,7 +178,7 @@ def aggregate_metrics(model: tf.keras.Model, exchange: KeyExchange) -> dict[str,
     out = {}
     for m in model.metrics:
         for v in m.variables:
-            v.assign(exchange.allreduce_sum(tf.convert_to_tensor(v), counter="metrics_bytes"))
+            v.assign(exchange.sum_across(tf.convert_to_tensor(v), counter="metrics_bytes"))
         r = m.result()
         if isinstance(r, dict):
             out.update({k: float(x) for k, x in r.items()})

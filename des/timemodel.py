@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from des_ops.wire import ring_share
 
 _RATE = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8,
          "bps": 1.0, "kbps": 1e3, "mbps": 1e6, "gbps": 1e9}
@@ -69,7 +70,7 @@ def step_time(compute: float, traffic: dict, n: int, net: Network) -> dict:
     if n > 1:
         calls = len(traffic.get("allreduce", [])) + len(traffic.get("alltoall", []))
         fixed = traffic.get("phases", 1) * net.cycle + calls * net.call_time(n)
-        bandwidth = sum(2.0 * (n - 1) / n * p for p in traffic.get("allreduce", [])) / net.bandwidth
+        bandwidth = sum(ring_share(n) * p for p in traffic.get("allreduce", [])) / net.bandwidth
         bandwidth += sum(max(o, i) for o, i in traffic.get("alltoall", [])) / net.bandwidth
     total = compute + fixed + bandwidth
     return {"n": n, "compute": compute, "fixed": fixed, "bandwidth": bandwidth, "total": total,

@@ -432,7 +432,7 @@ def _barrier(mode: str, comm, exchange):
     """Waits for every process (one tiny allreduce): checkpoints are written together."""
     import tensorflow as tf
     if mode in ("ps", "cache") and exchange.world_size > 1:
-        return lambda: exchange.allreduce_sum(tf.zeros([1]), counter="barrier_bytes")
+        return lambda: exchange.sum_across(tf.zeros([1]), counter="barrier_bytes")
     if mode == "des" and comm.world_size > 1:
         return lambda: comm.allreduce_counted(tf.zeros([1]), "barrier")
     return None

@@ -39,7 +39,7 @@ from tensorflow_recommenders_addons import dynamic_embedding as de
 
 from des.data.spec import PAD_ID
 from des_ops.sharded import KeyExchange, ShardedFieldEmbedding
-from models.layers import key_init, pool
+from models.layers import key_init
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,14 +149,12 @@ class CachedFieldEmbedding(ShardedFieldEmbedding):
     def counters(self) -> dict:
         return self.lines.counters
 
-    def call(self, inputs, training=None):
-        feed = self.lines.feed
-        if feed is None:
-            return super().call(inputs, training)
-        ids, weights = (inputs[0], inputs[1]) if isinstance(inputs, (list, tuple)) else (inputs, None)
-        ids = tf.convert_to_tensor(ids, tf.int64)
-        _, idx = tf.unique(tf.reshape(ids, [-1]))       # the same order as the step's own tf.unique
-        return pool(tf.gather(feed, idx), ids, weights, self.dim)
+    def distinct_rows(self, uniq, training, multi_valued):
+        """In a training step, the rows ``fetch`` read (for the same tf.unique of the same ids);
+        otherwise the owners' rows, as the PS mode reads them."""
+        if self.lines.feed is None:
+            return super().distinct_rows(uniq, training, multi_valued)
+        return self.lines.feed
 
     # ---- helpers -------------------------------------------------------------------------------
     def _add(self, name: str, value) -> tf.Operation:

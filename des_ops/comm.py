@@ -16,6 +16,8 @@ import threading
 import numpy as np
 import tensorflow as tf
 
+from des_ops.wire import ring_share
+
 
 class Communicator:
     """rank, world_size and a raw sum-allreduce of a float32 tensor (no gradient).
@@ -64,7 +66,7 @@ class Communicator:
     def ring_bytes(self, payload: float) -> float:
         """Bytes one process sends (and receives) for a ring allreduce of ``payload`` bytes."""
         n = self.world_size
-        return 2.0 * (n - 1) / n * payload
+        return ring_share(n) * payload
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"

@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from des.data.spec import PAD_ID
 from des_ops.comm import InProcessCollectives
-from models.layers import FieldEmbedding, pool
+from models.layers import FieldEmbedding
 
 
 class KeyExchange:
@@ -147,7 +147,7 @@ class KeyExchange:
         got = differentiable(x)
         return counted(got, splits, per_source[0], kind, add_sent, add_received), per_source[0]
 
-    def allreduce_sum(self, x: tf.Tensor, counter: str = "dense_bytes") -> tf.Tensor:
+    def sum_across(self, x: tf.Tensor, counter: str = "dense_bytes") -> tf.Tensor:
         """Sum over processes (no gradient); adds the bytes handed over to ``counter``."""
         if self.world_size == 1:
             return tf.identity(x)
@@ -198,12 +198,9 @@ class ShardedFieldEmbedding(FieldEmbedding):
         built several models, e.g. the simulated world)."""
         return f"{self.field}:{self.dim}:{'linear' if self.linear else 'rows'}"
 
-    def call(self, inputs, training=None):
-        ids, weights = (inputs[0], inputs[1]) if isinstance(inputs, (list, tuple)) else (inputs, None)
-        ids = tf.convert_to_tensor(ids, tf.int64)
-        uniq, idx = tf.unique(tf.reshape(ids, [-1]))
+    def distinct_rows(self, uniq, training, multi_valued):
+        """The rows of the distinct ids from their owners (padding: zero rows, never a key)."""
         real = tf.where(uniq != PAD_ID)
         found = self.exchange.lookup(lambda k: FieldEmbedding.rows(self, k, training),
                                      tf.gather_nd(uniq, real), self.dim, tag=self.tag)
-        rows = tf.scatter_nd(real, found, tf.stack([tf.size(uniq, tf.int64), self.dim]))
-        return pool(tf.gather(rows, idx), ids, weights, self.dim)
+        return tf.scatter_nd(real, found, tf.stack([tf.size(uniq, tf.int64), self.dim]))

@@ -75,8 +75,13 @@ class FieldEmbedding(de.keras.layers.Embedding):
         ids, weights = (inputs[0], inputs[1]) if isinstance(inputs, (list, tuple)) else (inputs, None)
         ids = tf.convert_to_tensor(ids, tf.int64)
         uniq, idx = tf.unique(tf.reshape(ids, [-1]))
-        rows = self.rows(uniq, training, skip_pad=ids.shape.rank == 2)
+        rows = self.distinct_rows(uniq, training, multi_valued=ids.shape.rank == 2)
         return pool(tf.gather(rows, idx), ids, weights, self.dim)
+
+    def distinct_rows(self, uniq: tf.Tensor, training, multi_valued: bool) -> tf.Tensor:
+        """The lookup hook: rows [n, dim] of the distinct ids ``uniq`` of a batch (in the order
+        of its tf.unique). Sharded and cached tables override it; ``call`` stays the same."""
+        return self.rows(uniq, training, skip_pad=multi_valued)
 
     def rows(self, uniq: tf.Tensor, training, skip_pad: bool = False) -> tf.Tensor:
         """Rows of distinct keys ``uniq`` [n] -> [n, dim]; PAD_ID rows are zero when ``skip_pad``.

@@ -20,6 +20,7 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(1)
 
 import horovod.tensorflow as hvd  # noqa: E402
+from des_ops.wire import ring_share  # noqa: E402
 
 
 def per_call(fn, x, calls: int = 50, repeats: int = 7) -> float:
@@ -57,7 +58,7 @@ def main() -> None:
     out["per_call_in_a_phase"] = (out["alltoall_4B_x64"] - out["alltoall_4B"]) / 63
     out["cycle"] = out["allreduce_4B"] - out["per_call_in_a_phase"]
     for size, key in ((262144, "256KiB"), (1 << 20, "1MiB"), (4 << 20, "4MiB")):
-        ring = 2.0 * (n - 1) / n * size
+        ring = ring_share(n) * size
         out[f"effective_bandwidth_Bps_{key}"] = ring / max(1e-9, out[f"allreduce_{key}"] - out["allreduce_4B"])
     if hvd.rank() == 0:
         print(json.dumps(out), flush=True)

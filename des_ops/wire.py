@@ -1,0 +1,11 @@
+"""Byte models of the collectives' wire traffic: the one place the ring formula is written.
+
+    >>> ring_share(4) * payload_bytes        # what each of 4 processes sends in a ring allreduce
+"""
+from __future__ import annotations
+
+
+def ring_share(world_size: int) -> float:
+    """What one process sends in a ring allreduce, per byte of payload: 2(N-1)/N (0 at N = 1).
+    The one place this model of MPI's wire traffic is written."""
+    return 2.0 * (world_size - 1) / world_size if world_size > 1 else 0.0
