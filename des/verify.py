@@ -149,23 +149,29 @@ def run_in_process_world(world_size: int, build: Callable[[], tf.keras.Model],
         if r == 0 and init_from is not None:
             copy_state(init_from, m)
         des_models.append(transform(m, comm=world.communicator(r), **transform_kwargs)[0])
-    results: list = [None] * world_size
+    return _on_every_rank(world, lambda r: work(des_models[r]))
+
+
+def _on_every_rank(world: InProcessWorld, work: Callable[[int], object]) -> list:
+    """``work(rank)`` for every rank of ``world``, each in its own thread; the first real error
+    (not another rank's aborted wait) is raised with its traceback."""
+    results: list = [None] * world.world_size
     errors: list = []
 
     def run(r):
         try:
-            results[r] = work(des_models[r])
+            results[r] = work(r)
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append((r, e, traceback.format_exc()))
             world.abort()
 
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world_size)]
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world.world_size)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if errors:
-        r, e, tb = min(errors, key=lambda x: "BrokenBarrierError" in x[2])
+        r, e, tb = min(errors, key=lambda x: "another simulated rank failed" in x[2] or "Broken" in x[2])
         raise RuntimeError(f"simulated rank {r} failed: {e}\n{tb}")
     return results
 
@@ -179,25 +185,7 @@ def run_sharded_world(world_size: int, work: Callable[[object], object]) -> list
     """
     from des_ops.sharded import KeyExchange
     world = InProcessWorld(world_size)
-    results: list = [None] * world_size
-    errors: list = []
-
-    def run(r):
-        try:
-            results[r] = work(KeyExchange.in_process(world, r))
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append((r, e, traceback.format_exc()))
-            world.abort()
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        r, e, tb = min(errors, key=lambda x: "another simulated rank failed" in x[2] or "Broken" in x[2])
-        raise RuntimeError(f"simulated rank {r} failed: {e}\n{tb}")
-    return results
+    return _on_every_rank(world, lambda r: work(KeyExchange.in_process(world, r)))
 
 
 def small_spec(n_fields: int = 6, dim: int = 4) -> FeatureSpec:

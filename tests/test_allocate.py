@@ -115,17 +115,22 @@ def _train_allocated(model, exchange, kind, batches, probe, optimizer, capacity=
     return preds, alloc.digest()
 
 
+def assert_exact(outs: list, expected: list, label: str) -> None:
+    """Every rank computed the same allocation and predicted as the single process after every step."""
+    assert len({digest for _, digest in outs}) == 1
+    for preds, _ in outs:
+        diff = max(float(np.abs(a - b).max()) for a, b in zip(expected, preds))
+        print(f"{label}: {diff:.1e}")
+        assert diff < 1e-6
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_ps_with_laia_is_the_single_process_model(n):
     batches, probe = ps_batches()
     expected = single_process_predictions("deepfm", "adam", LR, batches, probe)
     outs = run_sharded_world(n, lambda ex: _train_allocated(
         shard(models.build("deepfm", PS_SPEC, seed=3, hidden=(8, 4)), ex), ex, "laia", batches, probe, "adam"))
-    assert len({d for _, d in outs}) == 1
-    for preds, _ in outs:
-        diff = max(float(np.abs(a - b).max()) for a, b in zip(expected, preds))
-        print(f"ps laia N={n}: {diff:.1e}")
-        assert diff < 1e-6
+    assert_exact(outs, expected, f"ps laia N={n}")
 
 
 @pytest.mark.parametrize("n,kind,optimizer", [(2, "laia", "ftrl+adam"), (3, "random", "adagrad")])
@@ -137,12 +142,7 @@ def test_cache_at_staleness_0_with_laia_is_the_single_process_model(n, kind, opt
     def work(ex):
         model = cache(models.build("wdl", PS_SPEC, seed=3, hidden=(8, 4)), ex, staleness=0, capacity=6)
         return _train_allocated(model, ex, kind, batches, probe, optimizer, capacity)
-    outs = run_sharded_world(n, work)
-    assert len({d for _, d in outs}) == 1
-    for preds, _ in outs:
-        diff = max(float(np.abs(a - b).max()) for a, b in zip(expected, preds))
-        print(f"cache s=0 {kind} N={n} {optimizer}: {diff:.1e}")
-        assert diff < 1e-6
+    assert_exact(run_sharded_world(n, work), expected, f"cache s=0 {kind} N={n} {optimizer}")
 
 
 @pytest.mark.parametrize("n,kind,optimizer", [(3, "laia", "sgd"), (2, "contiguous", "adam")])
