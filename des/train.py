@@ -443,6 +443,11 @@ def _allocation(a, model, comm, allocators: list):
     batches the input pipeline prefetched but fit never trained cannot make the processes'
     allocators differ); ``allocators`` collects them for the summary."""
     from des import allocate, ps
+    # The allocator runs in the input pipeline's thread and holds the GIL for most of its
+    # numpy work; with Python's default 5 ms switch interval Keras's step loop, which takes the
+    # GIL hundreds of times per step (callbacks, counters), waits up to 5 ms each time and the
+    # step slowed several-fold (measured: PS laia 831 vs 3,700 samples/s on 2 processes).
+    sys.setswitchinterval(2e-4)
     keys = [ids for ids, _, _ in ps.table_inputs(model)]
     capacity = {ids: layer.config.capacity for layer, ids in model.cached_tables()} if a.mode == "cache" else None
 
