@@ -47,6 +47,11 @@ def sizes(batch: int, world_size: int) -> np.ndarray:
     return np.diff(batch * r // world_size)
 
 
+def split(rows: np.ndarray, world_size: int) -> list[np.ndarray]:
+    """``rows`` cut into consecutive parts of the contiguous ``sizes``."""
+    return np.split(rows, np.cumsum(sizes(len(rows), world_size))[:-1])
+
+
 class Allocator:
     """``alloc(feats, batch)`` -> one int64 index array per process, together a permutation of
     range(batch). Stateful (laia's caches, random's generator): call it on every global batch in
@@ -75,8 +80,7 @@ class Allocator:
         return parts
 
     def allocate(self, feats: dict, batch: int) -> list[np.ndarray]:
-        bounds = np.concatenate([[0], np.cumsum(sizes(batch, self.world_size))])
-        return [np.arange(bounds[r], bounds[r + 1], dtype=np.int64) for r in range(self.world_size)]
+        return split(np.arange(batch, dtype=np.int64), self.world_size)
 
     @property
     def samples_per_second(self) -> float:
@@ -97,9 +101,7 @@ class RandomAllocation(Allocator):
         self._rng = np.random.default_rng(seed)
 
     def allocate(self, feats, batch):
-        perm = self._rng.permutation(batch).astype(np.int64)
-        bounds = np.concatenate([[0], np.cumsum(sizes(batch, self.world_size))])
-        return [np.sort(perm[bounds[r]:bounds[r + 1]]) for r in range(self.world_size)]
+        return [np.sort(p) for p in split(self._rng.permutation(batch).astype(np.int64), self.world_size)]
 
 
 class LaiaAllocation(Allocator):
@@ -118,7 +120,6 @@ class LaiaAllocation(Allocator):
         # per process: cached (input, key) tokens (sorted), their input, the batch each was last used, valid
         empty = (np.zeros(0, np.uint64), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool))
         self.cache = [empty for _ in range(world_size)]
-        self.scores: list[float] = []      # mean score of the chosen process per sample (diagnostics)
 
     def _tokens(self, feats: dict, batch: int):
         """(sample of each id occurrence, token of it, key per token, input index per token)."""
@@ -157,7 +158,6 @@ class LaiaAllocation(Allocator):
         owner = np.full(batch, -1, np.int64)
         rot = self.batches % n
         tie = ((np.arange(n) - rot) % n) * 1e-3           # rotating preference among equal scores
-        chosen_scores = []
         for lo in range(0, batch, self.chunk):
             hi = min(batch, lo + self.chunk)
             seg = slice(starts[lo], starts[hi])
@@ -171,12 +171,10 @@ class LaiaAllocation(Allocator):
                 got[rest] = _assign(score[rest], quota - np.bincount(got[got >= 0], minlength=n))
             owner[lo:hi] = got
             quota -= np.bincount(got, minlength=n)
-            chosen_scores.append(score[np.arange(hi - lo), got])
             for w in range(n):            # keys of samples just given to w are now held by w
                 mine = owner[lo + local] == w
                 have[w, token[seg][mine]] = True
         self._update_caches(owner, sample, token, keys, which, tok64)
-        self.scores.append(float(np.mean(np.concatenate(chosen_scores))) if chosen_scores else 0.0)
         return [np.flatnonzero(owner == w).astype(np.int64) for w in range(n)]
 
     def _update_caches(self, owner, sample, token, keys, which, tok64) -> None:

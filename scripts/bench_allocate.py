@@ -23,12 +23,11 @@ sys.path.insert(0, ROOT)
 
 
 def remote_ids(feats: dict, keys: list[str], parts: list, n: int) -> int:
-    total = 0
-    for w, idx in enumerate(parts):
-        for k in keys:
-            u = np.unique(np.asarray(feats[k])[idx])
-            total += int(np.sum((u != -1) & (np.mod(u, n) != w)))
-    return total
+    """Summed over processes: the PS's remote distinct ids of each one's share (des.ps.analytic_bytes)."""
+    from des.ps import analytic_bytes
+    tables = [(k, None, 1) for k in keys]
+    return sum(analytic_bytes({k: np.asarray(feats[k])[idx] for k in keys}, tables, w, n, 0)["remote_ids"]
+               for w, idx in enumerate(parts))
 
 
 def main() -> None:
