@@ -1,8 +1,22 @@
 """DES: Distributed Equivalent Substitution for tf.keras CTR models.
 
-    >>> import des
-    >>> model, report = des.transform(model)     # under mpirun: Horovod world; else size 1
+    >>> import des, models
+    >>> from des.data import FeatureSpec, Field
+    >>> spec = FeatureSpec((Field("user", dim=4), Field("item", dim=4)))
+    >>> model, report = des.transform(models.deepfm(spec, hidden=(8,)))   # under mpirun: Horovod world; else size 1
     >>> print(report)
+    des.transform: 3 substitution(s), rank 0 of 1:
+      lr_sum               at 'add': 2 field vectors, partial width 1, 2 replicated input(s)
+      fm_interaction       at 'fm': 2 field vectors, partial width 5
+      embed_concat_dense   at 'dnn_0': 2 field vectors, partial width 8
+      one fused allreduce of 14 floats per sample = 56 bytes/sample; at B=4096: 229,376 bytes handed over, 0 sent per process (ring)
+    tables:
+      emb4_user (FieldEmbedding, width 4, field 'user'): substituted in fm_interaction at 'fm', embed_concat_dense at 'dnn_0'
+      emb4_item (FieldEmbedding, width 4, field 'item'): substituted in fm_interaction at 'fm', embed_concat_dense at 'dnn_0'
+      emb1_user (FieldEmbedding, width 1, field 'user'): substituted in lr_sum at 'add'
+      emb1_item (FieldEmbedding, width 1, field 'item'): substituted in lr_sum at 'add'
+    field plan (balanced, 1 processes):
+      rank 0: load 2.000  [user, item]
 
 Backends (TensorFlow, Horovod, TFRA) are imported lazily.
 """

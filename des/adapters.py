@@ -3,6 +3,8 @@
     >>> @register_adapter("mylib.layers.MyFM")
     ... def _my_fm(layer, args, kwargs):
     ...     return "fm_interaction", args[0], {}          # (kind, operands, attrs)
+    >>> ADAPTERS["mylib.layers.MyFM"] is _my_fm
+    True
 
 An adapter returns the canonical ``kind`` of one call of the layer, its tensor operands and
 attrs (see des.ir), or None when this call is not in a form it understands (then the layer

@@ -8,8 +8,18 @@ PS figure with des.ps.analytic_bytes, the formula its measured bytes equal), and
 moves fewer bytes per step wins. The choice is per model: every process computes it from the
 same batch, so all choose alike without a collective.
 
-    >>> choice = choose(model, first_batch, world_size=4)
-    >>> choice.mode, print(choice)
+    >>> import models
+    >>> from des.verify import random_batches, small_spec
+    >>> spec = small_spec(n_fields=3, dim=4)                  # 10, 20 and 30 distinct ids
+    >>> first_batch, _ = random_batches(spec, steps=1, batch=64)[0]
+    >>> choice = choose(models.deepfm(spec, hidden=(8,)), first_batch, world_size=4)
+    >>> choice.mode                                           # few distinct ids: a PS moves less
+    'ps'
+    >>> print(choice)
+    plan auto: PS - on the first global batch of 64 at N=4, DES would send 5,376 B/step per process and a PS 1,544 (3.48x fewer for DES)
+        cost lr_sum               at 'add': DES 384 B/step, PS 252 B/step -> a PS would move 1.5x fewer
+        cost fm_interaction       at 'fm': DES 1,920 B/step, PS 630 B/step -> a PS would move 3.0x fewer
+        cost embed_concat_dense   at 'dnn_0': DES 3,072 B/step, PS 1,254 B/step -> a PS would move 2.4x fewer
 """
 from __future__ import annotations
 

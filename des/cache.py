@@ -1,10 +1,19 @@
 """The HET embedding-cache mode (``--mode cache``): the PS mode's key-sharded tables, read through a
 bounded cache with bounded staleness on every worker (protocol: des_ops.cached).
 
-    >>> exchange = KeyExchange.horovod()
-    >>> model = cache(models.deepfm(spec), exchange, staleness=10, capacity=0.1, spec=spec)
-    >>> model.compile(make_optimizer("sgd"), "binary_crossentropy"); model.fit(my_slice)
+    >>> import models
+    >>> from models.optim import make_optimizer
+    >>> from des.verify import random_batches, small_spec
+    >>> spec = small_spec(n_fields=3, dim=4)
+    >>> x, y = random_batches(spec, steps=1, batch=64)[0]
+    >>> my_slice = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)   # this process's rows
+    >>> exchange = KeyExchange.horovod()         # under mpirun: all processes; else a world of one
+    >>> model = cache(models.deepfm(spec, hidden=(8,)), exchange, staleness=10, capacity=0.1, spec=spec)
+    >>> model.compile(make_optimizer("sgd"), "binary_crossentropy")
+    >>> history = model.fit(my_slice, verbose=0)
     >>> model.flush()        # push every pending update (fit does it at each epoch's end)
+    >>> [(type(layer).__name__, ids) for layer, ids in model.cached_tables()][:2]
+    [('CachedFieldEmbedding', 'f0'), ('CachedFieldEmbedding', 'f1')]
 
 Data parallel like the PS mode: each process trains on its slice of every global batch, the
 dense gradients go in one allreduce, and the loss is weighted by n_local / n_global.

@@ -1,9 +1,26 @@
 """Checkpoints whose meaning does not depend on the mode or the number of processes that wrote
 them, so single, DES on N and PS on N can all restore them on any M.
 
-    >>> save("ckpt", model, optimizer, rank=comm.rank, world_size=comm.world_size, barrier=b,
+    >>> import tempfile, models, tensorflow as tf
+    >>> from des_ops.comm import default_communicator
+    >>> from models.optim import make_optimizer
+    >>> from des.verify import random_batches, small_spec
+    >>> spec = small_spec(n_fields=2, dim=4)
+    >>> model, optimizer = models.deepfm(spec, hidden=(8,)), make_optimizer("adam")
+    >>> model.compile(optimizer, "binary_crossentropy")
+    >>> x, y = random_batches(spec, steps=1, batch=16)[0]
+    >>> loss = model.train_on_batch(x, y)
+    >>> comm = default_communicator()
+    >>> b = lambda: comm.allreduce_counted(tf.zeros([1]), "barrier")   # as des.train's barrier
+    >>> ckpt = tempfile.mkdtemp()
+    >>> save(ckpt, model, optimizer, rank=comm.rank, world_size=comm.world_size, barrier=b,
     ...      config={"model": "deepfm"}, position={"epoch": 1, "step": 0})
-    >>> restore("ckpt", model, optimizer, rank=0, world_size=1)      # any mode, any M
+    '.../state'
+    >>> restore(ckpt, model, optimizer, rank=0, world_size=1)      # any mode, any M
+    '.../state'
+    >>> sorted(os.listdir(os.path.join(ckpt, "state")))
+    ['config.json', 'rank0-of-1.npz']
+    >>> shutil.rmtree(ckpt)
 
 Layout (``ckpt/state/``, swapped in whole; ``state.old`` is read if a crash came mid-swap):
 

@@ -1,7 +1,15 @@
 """des.transform: find the weights-rich first layers of a Keras model and substitute them.
 
-    >>> model, report = des.transform(deepfm(spec))          # world from Horovod under mpirun
+    >>> import des
+    >>> from models import deepfm
+    >>> from des.data import FeatureSpec, Field
+    >>> spec = FeatureSpec((Field("C1", dim=4), Field("C2", dim=4)))
+    >>> model, report = des.transform(deepfm(spec, hidden=(8,)))          # world from Horovod under mpirun
     >>> print(report)
+    des.transform: 3 substitution(s), rank 0 of 1:
+    ...
+    >>> model.des_layer.floats_per_sample()          # the partials' width: 1 (LR) + 4+1 (FM) + 8 (Dense)
+    14
 
 Steps: IR of the functional graph (des.ir: one canonical graph whatever the spelling) ->
 field vectors and layouts (des.fields) -> every registered rule tried at every node ->

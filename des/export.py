@@ -1,8 +1,27 @@
 """Export a checkpoint (any mode, any number of processes) as one SavedModel for serving.
 
     python -m des.export --checkpoint ckpt --out served
-    >>> serve = tf.saved_model.load("served").signatures["serving_default"]
-    >>> serve(C1=tf.constant([123], tf.int64), ...)["probability"]      # [B]
+
+or in Python, here from a checkpoint written in place of a des.train run:
+
+    >>> import json, tempfile, models, numpy as np, tensorflow as tf
+    >>> from des import checkpoint
+    >>> from des.verify import random_batches, small_spec
+    >>> from models.optim import make_optimizer
+    >>> spec = small_spec(n_fields=2, dim=4)
+    >>> model = models.deepfm(spec, hidden=(8,)); model.compile(make_optimizer("sgd"), "binary_crossentropy")
+    >>> loss = model.train_on_batch(*random_batches(spec, steps=1, batch=16)[0])
+    >>> tmp = tempfile.mkdtemp(); ckpt, served = os.path.join(tmp, "ckpt"), os.path.join(tmp, "served")
+    >>> config = {"model": "deepfm", "hidden": "8", "seed": 0, "spec": json.loads(spec.to_json())}
+    >>> _ = checkpoint.save(ckpt, model, None, config=config)
+    >>> export(ckpt, served)["rows"]                          # rows of the four tables
+    24
+    >>> serve = tf.saved_model.load(served).signatures["serving_default"]
+    >>> x = {"f0": tf.constant([1000003, 123], tf.int64), "f1": tf.constant([7, 8], tf.int64)}   # a seen id, unseen ones
+    >>> p = serve(**x)["probability"]                                      # [B]
+    >>> p.shape, bool(np.allclose(p, model.predict_on_batch(x)[:, 0], atol=1e-6))
+    (TensorShape([2]), True)
+    >>> shutil.rmtree(tmp)
 
 The signature takes the model's inputs as the readers give them: per field int64 ids (FarmHash
 Fingerprint64 of ``field\\x1fvalue``, des.data.hashing), [B] or [B, max_len] padded with -1,

@@ -13,6 +13,11 @@ A **layout** says how field vectors (and other tensors) are arranged in a tensor
 - ``concat``: fields side by side on the last axis: Concatenate(), tf.concat(v, -1),
   Flatten / Reshape of a stack, concat of concats, with unit axes anywhere else.
 
+    >>> import models
+    >>> from des.data import FeatureSpec, Field
+    >>> from des.ir import Graph
+    >>> graph = Graph(models.deepfm(FeatureSpec(tuple(Field(f"C{i}", dim=4) for i in range(1, 6)))))
+    >>> t = next(n.output for n in graph.nodes if n.kind == "stack")     # the FM's [B, F, K] input
     >>> fa = FieldAnalysis(graph)
     >>> fa.layout(t).form, [v.field for v in fa.layout(t).vectors]
     ('stack', ['C1', 'C2', ...])

@@ -1,8 +1,13 @@
 """A small IR of a Keras functional graph. The ONLY module that reads Keras private attributes.
 
+    >>> import models
+    >>> from des.data import FeatureSpec, Field
+    >>> model = models.deepfm(FeatureSpec((Field("C1", dim=4), Field("C2", dim=4))), hidden=(8,))
     >>> g = Graph(model)
     >>> [n.kind for n in g.nodes][:3]
     ['input', 'input', 'table']
+    >>> [(n.kind, type(n.layer).__name__, n.attrs.get("dim")) for n in g.nodes[2:5]]
+    [('table', 'FieldEmbedding', 4), ('table', 'FieldEmbedding', 4), ('concat', 'Concatenate', None)]
 
 Every call of a layer is a Node with a canonical ``kind``, its tensor ``operands`` and
 constant ``attrs``, so that the rules see one graph whatever the user's spelling:

@@ -2,7 +2,11 @@
 lists, its registered weight penalties and its cached call signature. Kept in one place so a
 Keras upgrade has one file to check.
 
+    >>> import tensorflow as tf
+    >>> layer = tf.keras.layers.Dense(2, kernel_regularizer="l2"); layer.build([None, 3])
     >>> penalties = take_weight_penalties(layer)     # the owner adds them to its loss instead
+    >>> len(penalties), has_weight_penalties(layer)
+    (1, False)
 """
 from __future__ import annotations
 

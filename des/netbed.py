@@ -13,7 +13,7 @@ with Open MPI's TCP transport on the bridge subnet only. Needs root (as on this 
     python -m des.netbed run 2 --rate 1gbit -- python -m des.train --mode des ...   # up, run, down
     python -m des.netbed down
 
-    >>> with Netbed(2, rate="1gbit", delay="100us") as bed:
+    >>> with Netbed(2, rate="1gbit", delay="100us") as bed:          # doctest: +SKIP
     ...     subprocess.run(bed.mpirun(2) + ["python", "-m", "des.train", ...])
     ...     bed.sent_bytes()                # bytes each host put on its interface
 """

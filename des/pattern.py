@@ -1,10 +1,20 @@
 """Dataflow patterns over des.ir graphs that read like the math.
 
+    >>> import tensorflow as tf
+    >>> from models.layers import FieldEmbedding
+    >>> ids = {f: tf.keras.Input([], dtype=tf.int64, name=f) for f in ("C1", "C2")}
+    >>> emb = tf.stack([FieldEmbedding(field=f, dim=4)(x) for f, x in ids.items()], axis=1)     # [B, 2, 4]
+    >>> out = 0.5 * tf.reduce_sum(tf.square(tf.reduce_sum(emb, 1)) - tf.reduce_sum(tf.square(emb), 1), -1)
+    >>> graph = Graph(tf.keras.Model(ids, out))
     >>> E = V("E")
-    >>> fm = Op("mul", 0.5, Op("reduce_sum", Op("sub", Op("square", Op("reduce_sum", E, axis=1)),
-    ...                                            Op("reduce_sum", Op("square", E), axis=1)),
-    ...                         axis=(1, -1)))
-    >>> state = fm.match(graph, tensor_id)      # None, or bindings {"E": id} + matched nodes
+    >>> fm = Op("mul", 0.5, Op("reduce_sum", Op("sub", Op("square", Op("reduce_sum", E, axis=axes(1))),
+    ...                                            Op("reduce_sum", Op("square", E), axis=axes(1))),
+    ...                         axis=last_axis))
+    >>> state = fm.match(graph, graph.nodes[-1].output)      # None, or bindings {"E": id} + matched nodes
+    >>> graph.producer[state.bindings["E"]].kind, sorted(graph.nodes[i].kind for i in state.nodes)
+    ('stack', ['mul', 'reduce_sum', 'reduce_sum', 'reduce_sum', 'square', 'square', 'sub'])
+    >>> Op("reduce_sum", E, axis=1).match(graph, graph.nodes[-1].output) is None   # axes are tuples
+    True
 
 A ``V`` binds a tensor; the same name must bind the same tensor everywhere. An ``Op``
 matches the node producing a tensor by kind, operands (patterns or constants) and attrs

@@ -38,8 +38,13 @@ def _args(argv):
 def detect_format(trained_format: str, path: str) -> str:
     """The training format, or its label-less variant when the first line has no label column.
 
-    >>> detect_format("criteo", "test.txt")          # 39 TAB-separated columns
+    >>> import os, shutil, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "test.txt")
+    >>> with open(path, "w") as fh:
+    ...     _ = fh.write("\\t".join(["1"] * 39) + "\\n")
+    >>> detect_format("criteo", path)          # 39 TAB-separated columns
     'criteo-test'
+    >>> shutil.rmtree(os.path.dirname(path))
     """
     from des.data import DataError
     from des.data.files import check_paths, open_text

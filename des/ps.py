@@ -1,8 +1,17 @@
 """The parameter-server baseline (``--mode ps``): the same reference model, tables sharded by key.
 
-    >>> exchange = KeyExchange.horovod()
-    >>> ps_model = shard(models.deepfm(spec), exchange)     # every FieldEmbedding -> sharded
-    >>> ps_model.compile(make_optimizer("adam"), "binary_crossentropy"); ps_model.fit(my_slice)
+    >>> import models
+    >>> from models.optim import make_optimizer
+    >>> from des.verify import random_batches, small_spec
+    >>> spec = small_spec(n_fields=3, dim=4)
+    >>> x, y = random_batches(spec, steps=1, batch=64)[0]
+    >>> my_slice = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)   # this process's rows
+    >>> exchange = KeyExchange.horovod()         # under mpirun: all processes; else a world of one
+    >>> ps_model = shard(models.deepfm(spec, hidden=(8,)), exchange)     # every FieldEmbedding -> sharded
+    >>> ps_model.compile(make_optimizer("adam"), "binary_crossentropy")
+    >>> history = ps_model.fit(my_slice, verbose=0)
+    >>> [type(l).__name__ for l in ps_model.layers if l.name.startswith("ps4_")]
+    ['ShardedFieldEmbedding', 'ShardedFieldEmbedding', 'ShardedFieldEmbedding']
 
 Data parallel: each process trains on its own slice of every global batch (readers'
 ``shard=``). Per step the sharded tables move ids, rows and gradient rows by all-to-all

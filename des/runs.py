@@ -1,6 +1,9 @@
 """What the comparison and the projection share to launch des.train runs and title their reports.
 
-    >>> subprocess.run([sys.executable, "-m", "des.train", ...], env=launch_env(), cwd=ROOT)
+    >>> import subprocess, sys
+    >>> subprocess.run([sys.executable, "-m", "des.train", ...], env=launch_env(), cwd=ROOT)   # doctest: +SKIP
+    >>> launch_env()["PYTHONPATH"].split(os.pathsep)[0] == ROOT      # the runs import this checkout
+    True
 """
 from __future__ import annotations
 

@@ -1,7 +1,14 @@
 """Table sources: the embedding layers des.transform recognises as one field's table.
 
+    >>> import tensorflow as tf
+    >>> from models.layers import FieldEmbedding
+    >>> layer = FieldEmbedding(field="C1", dim=8, seed=0)
+    >>> _ = layer(tf.constant([12345, 7, 7], tf.int64), training=True)      # training inserts new keys
     >>> src = source_of(layer)            # None if the layer is not a table
-    >>> src.dim(layer), src.rows(layer)   # width, rows held now
+    >>> src.name, src.dim(layer), src.rows(layer)   # width, rows held now
+    ('FieldEmbedding', 8, 2.0)
+    >>> source_of(tf.keras.layers.Embedding(100, 8)).name, source_of(tf.keras.layers.Dense(8))
+    ('Keras Embedding', None)
 
 A source knows a layer's width, how to read and write its rows as (key -> row) for the
 equivalence harness and the rank-0 broadcast, and how a process that does not own the

@@ -1,7 +1,12 @@
 """Rank-independent state: what a model (plain, or DES on any process) has learned, keyed so
 that the same model code built anywhere lines up, plus the rank-0 broadcast of weights.
 
+    >>> import models
+    >>> from des.data import FeatureSpec, Field
+    >>> model = models.lr(FeatureSpec((Field("C1", dim=4), Field("C2", dim=4))))
     >>> snap = snapshot(model)        # {"tables": {key: {id: row}}, "owned": {key: array}, "weights": {key: array}}
+    >>> {part: sorted(keys) for part, keys in snap.items()}
+    {'tables': ['2:FieldEmbedding', '3:FieldEmbedding'], 'owned': [], 'weights': ['5:Bias/0']}
 
 Keys come from the original graph (des.ir.Graph.layer_key: position of a layer's first call
 and its class), so two builds of the same model code give the same keys. ``tables`` and
@@ -325,7 +330,18 @@ def make_keyed(model: tf.keras.Model, seed: int = 0) -> None:
     key-deterministic new rows, as ``des.transform(model, seed=seed)`` does: the single-process
     model to compare a DES run with must start from the same rows.
 
-        >>> des.make_keyed(reference_model, seed=0)
+        >>> import des
+        >>> from tensorflow_recommenders_addons import dynamic_embedding as de
+        >>> def build(init_seed):
+        ...     ids = tf.keras.Input([], dtype=tf.int64, name="C1")
+        ...     init = tf.keras.initializers.RandomUniform(-0.05, 0.05, seed=init_seed)
+        ...     return tf.keras.Model(ids, de.keras.layers.Embedding(4, initializer=init)(ids))
+        >>> reference_model, other = build(1), build(2)
+        >>> des.make_keyed(reference_model, seed=0); des.make_keyed(other, seed=0)
+        >>> a = reference_model(tf.constant([7, 8], tf.int64)).numpy()
+        >>> b = other(tf.constant([8, 7], tf.int64)).numpy()
+        >>> bool((a[0] == b[1]).all())     # key 7's row: whatever the initializer's seed and the order
+        True
 
     In training a missing key is inserted, before the lookup, with a row that depends only on
     (the table's place in the graph, key, seed), uniform in [-scale, scale) where ``scale`` is

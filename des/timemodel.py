@@ -2,7 +2,8 @@
 
     >>> net = Network.parse("10gbit", latency="20us")
     >>> t = step_time(0.012, des_traffic(4 * 4096 * 17), n=16, net=net)
-    >>> t["total"], 4096 / t["total"]                       # seconds per step, samples/s
+    >>> round(t["total"], 6), round(4096 / t["total"])       # seconds per step, samples/s
+    (0.014018, 292200)
 
 Per process and step, with bandwidth b (bytes/s per host and direction):
 

@@ -1,9 +1,15 @@
 """Equivalence checking: train a model for some steps and snapshot what it learned, then
 compare a DES model (any N, real or simulated world) with the untouched model.
 
+    >>> import models
+    >>> spec = small_spec(n_fields=3, dim=4)
+    >>> batches, probe = random_batches(spec, steps=3, batch=16), random_batches(spec, 1, 8, seed=9)[0][0]
+    >>> build = lambda: models.deepfm(spec, hidden=(8,), seed=1)
     >>> ref = train_and_snapshot(build(), "adam", 1e-3, batches, probe)
-    >>> outs = run_in_process_world(4, build, lambda m: train_and_snapshot(m, "adam", 1e-3, batches, probe))
+    >>> outs = run_in_process_world(2, build, lambda m: train_and_snapshot(m, "adam", 1e-3, batches, probe))
     >>> diff = compare(ref, outs)          # max abs diff of predictions, rows and weights
+    >>> sorted(diff), max(diff.values()) < 1e-5
+    (['owned', 'predictions', 'tables', 'weights'], True)
 
 Snapshots (des.state) key tables and weights by their place in the original graph, so a
 reference built separately from the same code lines up with every process's share.
@@ -181,7 +187,9 @@ def run_sharded_world(world_size: int, work: Callable[[object], object]) -> list
     thread, ``exchange`` a des_ops.sharded.KeyExchange of an InProcessWorld; returns each rank's
     result. Collectives meet by name (the table and the kind), so ranks may run them in any order.
 
-        >>> outs = run_sharded_world(3, lambda ex: train(ps.shard(build(), ex), slices_of(ex.rank)))
+        >>> outs = run_sharded_world(3, lambda ex: train(ps.shard(build(), ex), slices_of(ex.rank)))  # doctest: +SKIP
+        >>> run_sharded_world(3, lambda ex: (ex.rank, ex.world_size))
+        [(0, 3), (1, 3), (2, 3)]
     """
     from des_ops.sharded import KeyExchange
     world = InProcessWorld(world_size)

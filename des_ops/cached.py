@@ -26,6 +26,8 @@ re-reads a cached row (pushes at eviction and flushes only): the asynchronous li
 
     >>> cfg = CacheConfig(staleness=10, capacity=1000, eviction="lru")
     >>> emb = CachedFieldEmbedding("C1", 8, KeyExchange.horovod(), cfg, seed=0)
+    >>> emb(tf.constant([12345, 7], tf.int64)).shape        # inference: the owners' rows, as the PS reads
+    TensorShape([2, 8])
 
 Clocks and counts are float32 in the tables (exact up to 2^24 updates per key).
 """

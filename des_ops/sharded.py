@@ -12,9 +12,14 @@ built on Horovod's all-to-all: per lookup a process
 Rows are initialised by ``key_init`` of (field, key, seed), as in FieldEmbedding, so a PS
 model starts from exactly the weights of the single-process model.
 
-    >>> exchange = KeyExchange.horovod()
+    >>> import numpy as np
+    >>> from models.layers import FieldEmbedding
+    >>> ids = tf.constant([12345, 7], tf.int64)
+    >>> exchange = KeyExchange.horovod()                  # under mpirun: all processes; else a world of one
     >>> emb = ShardedFieldEmbedding("C1", 8, exchange, seed=0)
     >>> rows = emb(ids)                                   # [B, 8], this process's slice
+    >>> rows.shape, bool(np.array_equal(rows, FieldEmbedding("C1", 8, seed=0)(ids)))   # the same initial rows
+    (TensorShape([2, 8]), True)
 
 Bytes are measured where the collective is called (``KeyExchange.alltoall``): per destination
 process, the size of the segment of the tensor handed to all-to-all (``sent[kind]``) and of the
@@ -111,7 +116,17 @@ class KeyExchange:
         ``grad_kind`` the backward pass is one all-to-all of the gradient rows back to the sources,
         counted the same way (Horovod's own gradient, made countable).
 
-            >>> rows, per_source = exchange.alltoall(values, splits, "rows", grad_kind="grads")
+            >>> rows, per_source = exchange.alltoall(values, splits, "rows", grad_kind="grads")  # doctest: +SKIP
+
+        In a simulated world of 2, each process sends one row to process 0 and two to process 1:
+
+            >>> from des.verify import run_sharded_world
+            >>> def work(exchange):
+            ...     values, splits = tf.fill([3, 1], float(exchange.rank)), tf.constant([1, 2])
+            ...     rows, per_source = exchange.alltoall(values, splits, "rows", grad_kind="grads")
+            ...     return rows.numpy()[:, 0].tolist(), per_source.numpy().tolist()
+            >>> run_sharded_world(2, work)
+            [([0.0, 1.0], [1, 1]), ([0.0, 0.0, 1.0, 1.0], [2, 2])]
         """
         if self.world_size == 1:
             return tf.identity(x), splits

@@ -2,7 +2,10 @@
 
 They are what a DeepCTR / TFRA user writes anyway, and the input of des.transform:
 
+    >>> from des.data import criteo_spec
     >>> model = deepfm(criteo_spec(dim=8), hidden=(64, 32), seed=1)
+    >>> len(model.inputs), model.output.shape
+    (39, TensorShape([None, 1]))
 
 Every categorical field has its own dynamic table (FieldEmbedding); the first-order
 (linear) part uses 1-wide tables initialised to zero, the others ``init_scale``-uniform rows.

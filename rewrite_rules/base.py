@@ -9,6 +9,8 @@ sum into the original operator's output. A new rule is one file:
     ...     name = "my_rule"
     ...     def match(self, graph, fields, node): ...              # Match | Rejection | None
     ...     def sub_operator(self, match, owned, name): ...       # a des_ops SubOperator
+    >>> [(r.name, r.priority) for r in RULES]
+    [('my_rule', 50), ('embed_concat_dense', 40), ('fm_interaction', 30), ('bi_interaction', 20), ('lr_sum', 10)]
 """
 from __future__ import annotations
 

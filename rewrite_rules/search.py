@@ -1,7 +1,12 @@
 """Run the registered rules over a model's graph: ``find_substitutions`` (outputs first, each node
 claimed by at most one match, then unsafe matches dropped with a reason).
 
+    >>> import models
+    >>> from des.data import FeatureSpec, Field
+    >>> model = models.wdl(FeatureSpec((Field("C1", dim=4), Field("C2", dim=4))), hidden=(8,))
     >>> matches, rejections = find_substitutions(Graph(model))
+    >>> [(m.rule, m.root.layer.name, m.fields) for m in matches], rejections
+    ([('lr_sum', 'add', ['C1', 'C2']), ('embed_concat_dense', 'dnn_0', ['C1', 'C2'])], [])
 """
 from __future__ import annotations
 

@@ -9,7 +9,21 @@ just the requested columns of each batch from memory-mapped files.
     python -m des.data.convert --data train.ffm --format libffm --out train.cols
     mpirun -np 4 python -m des.train --mode des --data train.cols      # the format is found from the folder
 
-    >>> ds = make_dataset("train.cols", spec, 4096, shuffle_buffer=50_000, seed=1, inputs=["C1", "C7"])
+    >>> import os, shutil, tempfile
+    >>> from des.data.libsvm import scan_spec
+    >>> tmp = tempfile.mkdtemp()
+    >>> with open(os.path.join(tmp, "train.ffm"), "w") as fh:
+    ...     _ = fh.write("1 0:5:1 1:7:1\\n0 0:6:1 1:7:1 1:8:1\\n1 0:5:1\\n")
+    >>> spec = scan_spec([os.path.join(tmp, "train.ffm")], "libffm", dim=8)
+    >>> manifest = convert([os.path.join(tmp, "train.ffm")], "libffm", spec, os.path.join(tmp, "train.cols"))
+    >>> manifest["rows"]
+    3
+    >>> ds = make_dataset(os.path.join(tmp, "train.cols"), spec, 4096, shuffle_buffer=50_000, seed=1, inputs=["F1"])
+    >>> x, y = next(iter(ds)); sorted(x), y.numpy()
+    (['F0', 'F0_weight', 'F1', 'F1_weight'], array([0., 1., 1.], dtype=float32))
+    >>> bool((x["F0"].numpy() == PAD_ID).all()), bool((x["F1"].numpy() != PAD_ID).any())   # F0 not read
+    (True, True)
+    >>> shutil.rmtree(tmp)
 
 Same arguments, same batches: the row order is a shuffle of row numbers with tf.data's seeded
 shuffle, the very permutation the text reader applies to lines, so a columnar run sees the batches

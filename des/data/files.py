@@ -1,6 +1,15 @@
 """Input files: open (gzip or plain) and check before reading.
 
-    >>> check_paths(["train.txt"])          # existing, non-empty files, or a DataError / FileNotFoundError
+    >>> import os, shutil, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "train.txt")
+    >>> with open(path, "w") as fh:
+    ...     _ = fh.write("1 0:a:1\\n")
+    >>> check_paths([path]) == [path]      # existing, non-empty files, or a DataError / FileNotFoundError
+    True
+    >>> check_paths([path + ".gz"])
+    Traceback (most recent call last):
+    FileNotFoundError: .../train.txt.gz: no such file
+    >>> shutil.rmtree(os.path.dirname(path))
 """
 from __future__ import annotations
 

@@ -14,8 +14,21 @@ An id is the stable hash of (field name, idx). Bad lines (label, token syntax, a
 outside the spec, more features than a field's max_len, bytes that are not UTF-8) are
 flagged for the reader, which stops or skips and counts them.
 
-    >>> spec = scan_spec(["train.ffm"], "libffm", dim=8)     # fields and max_len from the data
-    >>> ds = make_dataset(["train.ffm"], "libffm", spec, batch_size=1024)
+    >>> import os, shutil, tempfile
+    >>> from des.data.readers import make_dataset
+    >>> tmp = tempfile.mkdtemp(); path = os.path.join(tmp, "train.ffm")
+    >>> with open(path, "w") as fh:
+    ...     _ = fh.write("1 0:5:1 1:7:1\\n0 0:6:1 1:7:0.5 1:8:1\\n-1 0:5:1\\n")
+    >>> spec = scan_spec([path], "libffm", dim=8)     # fields and max_len from the data
+    >>> [(f.name, f.kind, f.max_len) for f in spec]
+    [('F0', 'multi', 1), ('F1', 'multi', 2)]
+    >>> ds = make_dataset([path], "libffm", spec, batch_size=1024)
+    >>> x, y = next(iter(ds))
+    >>> x["F1_weight"].numpy(), y.numpy()                   # 0 at padding; label -1 reads as 0
+    (array([[1. , 0. ],
+           [0.5, 1. ],
+           [0. , 0. ]], dtype=float32), array([1., 0., 0.], dtype=float32))
+    >>> shutil.rmtree(tmp)
 """
 from __future__ import annotations
 

@@ -1,6 +1,14 @@
 """tf.data pipelines over text files: batches of ({field: ids}, label).
 
-    >>> ds = make_dataset(["train.txt"], "criteo", criteo_spec(), batch_size=4096, seed=7)
+    >>> import os, shutil, tempfile
+    >>> from des.data import criteo_spec
+    >>> from des.data.synth import write_criteo
+    >>> tmp = tempfile.mkdtemp(); path = os.path.join(tmp, "train.txt")
+    >>> meta = write_criteo(path, rows=100, quiet=True)          # 100 Criteo-like TSV lines
+    >>> ds = make_dataset([path], "criteo", criteo_spec(), batch_size=64, seed=7)
+    >>> [(x["C1"].dtype.name, int(y.shape[0])) for x, y in ds]      # the last batch is short
+    [('int64', 64), ('int64', 36)]
+    >>> shutil.rmtree(tmp)
 
 Every process that calls this with the same arguments gets the same batches in the
 same order (DES needs that). ``shard=(rank, world_size)`` gives each process its own

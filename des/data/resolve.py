@@ -1,7 +1,17 @@
 """Which FeatureSpec a data set has: named by its format, read from a columnar folder or the
 generator's metadata, else scanned from the files.
 
-    >>> spec = spec_for("libffm", ["train.ffm"], dim=8, eval_paths=["test.ffm"])
+    >>> import os, shutil, tempfile
+    >>> tmp = tempfile.mkdtemp()
+    >>> for name, text in [("train.ffm", "1 0:5:1 1:7:1\\n"), ("test.ffm", "0 0:6:1 1:7:1 1:8:1\\n")]:
+    ...     with open(os.path.join(tmp, name), "w") as fh:
+    ...         _ = fh.write(text)
+    >>> spec = spec_for("libffm", [os.path.join(tmp, "train.ffm")], dim=8, eval_paths=[os.path.join(tmp, "test.ffm")])
+    >>> [(f.name, f.max_len) for f in spec]          # F1 holds two features on a test line
+    [('F0', 1), ('F1', 2)]
+    >>> spec_for("criteo", [], dim=8).names()[:3]    # named by its format: nothing is read
+    ['I1', 'I2', 'I3']
+    >>> shutil.rmtree(tmp)
 """
 from __future__ import annotations
 
