@@ -16,10 +16,10 @@ same batch, so all choose alike without a collective.
     >>> choice.mode                                           # few distinct ids: a PS moves less
     'ps'
     >>> print(choice)
-    plan auto: PS - on the first global batch of 64 at N=4, DES would send 5,376 B/step per process and a PS 1,544 (3.48x fewer for DES)
-        cost lr_sum               at 'add': DES 384 B/step, PS 252 B/step -> a PS would move 1.5x fewer
-        cost fm_interaction       at 'fm': DES 1,920 B/step, PS 630 B/step -> a PS would move 3.0x fewer
-        cost embed_concat_dense   at 'dnn_0': DES 3,072 B/step, PS 1,254 B/step -> a PS would move 2.4x fewer
+    plan auto: PS - on the first global batch of 64 at N=4, DES would send 5,376 B/step per process and a PS 1,544 (DES sends 3.48x more)
+      cost lr_sum               at 'add': DES 384 B/step, PS 252 B/step -> a PS would move 1.5x fewer
+      cost fm_interaction       at 'fm': DES 1,920 B/step, PS 630 B/step -> a PS would move 3.0x fewer
+      cost embed_concat_dense   at 'dnn_0': DES 3,072 B/step, PS 1,254 B/step -> a PS would move 2.4x fewer
 """
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ class Choice:
         ratio = lose / win if win > 0 else float("inf")
         lines = [f"plan auto: {self.mode.upper()} - on the first global batch of {self.batch_size} at "
                  f"N={self.world_size}, DES would send {self.des_bytes:,.0f} B/step per process and a PS "
-                 f"{self.ps_bytes:,.0f} ({ratio:.2f}x {'more' if self.mode == 'des' else 'fewer for DES'})"]
-        lines += [f"  {c}" for c in self.operators]
+                 f"{self.ps_bytes:,.0f} ({'the PS' if self.mode == 'des' else 'DES'} sends {ratio:.2f}x more)"]
+        lines += [str(c) for c in self.operators]      # OperatorCost indents itself
         return "\n".join(lines)
 
 

@@ -21,6 +21,13 @@ or in Python, here from a checkpoint written in place of a des.train run:
     >>> p = serve(**x)["probability"]                                      # [B]
     >>> p.shape, bool(np.allclose(p, model.predict_on_batch(x)[:, 0], atol=1e-6))
     (TensorShape([2]), True)
+    >>> fresh = models.deepfm(spec, hidden=(8,))      # never trained: its tables hold no rows
+    >>> _ = checkpoint.save(os.path.join(tmp, "fresh"), fresh, None, config=config)
+    >>> export(os.path.join(tmp, "fresh"), os.path.join(tmp, "fresh_served"))["rows"]
+    0
+    >>> serve = tf.saved_model.load(os.path.join(tmp, "fresh_served")).signatures["serving_default"]
+    >>> bool(np.allclose(serve(**x)["probability"], fresh.predict_on_batch(x)[:, 0], atol=1e-6))
+    True
     >>> shutil.rmtree(tmp)
 
 The signature takes the model's inputs as the readers give them: per field int64 ids (FarmHash
@@ -75,11 +82,15 @@ def _static_embedding_class():
         def __init__(self, keys, values, dim: int, salt: int, init_scale: float, **kwargs):
             super().__init__(**kwargs)
             self.dim, self.salt, self.init_scale = int(dim), int(salt), float(init_scale)
+            self.rows = len(keys)          # the checkpoint's rows (the matrix has at least one)
             self.index = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, default_value=-1)
             if len(keys):
                 self.index.insert(tf.constant(keys, tf.int64), tf.range(len(keys), dtype=tf.int64))
-            self.matrix = tf.Variable(tf.constant(values, tf.float32, shape=[len(keys), self.dim]),
-                                      trainable=False, name="rows")
+            # a table with no rows (a field never trained) keeps one unused zero row: tf.gather
+            # on a [0, dim] matrix fails even where tf.where then takes key_init's row
+            rows = (tf.constant(values, tf.float32, shape=[len(keys), self.dim]) if len(keys)
+                    else tf.zeros([1, self.dim]))
+            self.matrix = tf.Variable(rows, trainable=False, name="rows")
 
         def call(self, inputs):
             ids, weights = (inputs[0], inputs[1]) if isinstance(inputs, (list, tuple)) else (inputs, None)
@@ -143,7 +154,7 @@ def export(checkpoint_dir: str, out: str) -> dict:
         os.rmdir(out)
     os.rename(tmp, out)
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
-    rows = sum(int(layer.matrix.shape[0]) for layer in served.layers if hasattr(layer, "matrix"))
+    rows = sum(layer.rows for layer in served.layers if hasattr(layer, "matrix"))
     return {"bytes": size, "rows": rows}
 
 

@@ -209,8 +209,8 @@ class Graph:
         for n in self.nodes:
             for t in set(n.tensor_operands()) | {id(x) for x in all_keras_tensors((n.call_args, n.call_kwargs))}:
                 self.consumers.setdefault(t, []).append(n)
-        self.input_ids = [id(t) for t in tf.nest.flatten(model.input)]
-        self.output_ids = [id(t) for t in tf.nest.flatten(model.output)]
+        self.input_ids = [TensorId(id(t)) for t in tf.nest.flatten(model.input)]
+        self.output_ids = [TensorId(id(t)) for t in tf.nest.flatten(model.output)]
 
     def _tid(self, t) -> int:
         self.tensors[id(t)] = t

@@ -23,8 +23,6 @@ FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 # remove a name from this set once its docstring is fixed.
 EXCLUDED = {
     "des.allocate",     # its example uses undefined ids1, ids2, ds, rank (placeholders)
-    "des.modes.base",   # (new, being written) its example uses undefined mode, spec, dataset, epoch
-    "des.modes.single",  # (new, being written) its example uses undefined mode
 }
 
 MIN_RAN = 240     # examples that ran (not skipped); raise it when you add examples

@@ -1,0 +1,43 @@
+"""One home per training mode, each with the interface of ``des.modes.base.Mode``.
+
+    >>> from des import modes
+    >>> sorted(modes.MODES)
+    ['cache', 'des', 'ps', 'single']
+    >>> modes.MODES["ps"]
+    'des.modes.ps:PS'
+
+``des.train`` is a dispatcher: it reads the options and the data, asks ``make`` for the mode,
+and calls the mode's hooks (des.modes.base) in a fixed order. ``--mode auto`` is not a mode of
+its own: ``make`` asks des.auto which of des and ps moves fewer bytes on the first global
+batch, and returns that mode with the choice in ``mode.auto``.
+"""
+from __future__ import annotations
+
+import importlib
+
+from des.modes.base import Mode, ModeError, Run, epoch_seed
+
+__all__ = ["MODES", "Mode", "ModeError", "Run", "epoch_seed", "make"]
+
+MODES = {"single": "des.modes.single:Single", "des": "des.modes.des:DES",
+         "ps": "des.modes.ps:PS", "cache": "des.modes.cache:Cache"}
+
+
+def make(name: str, run: Run) -> Mode:
+    """The mode ``name`` (or the one ``auto`` chooses) for this run, its options checked."""
+    auto = None
+    if name == "auto":
+        from des import auto as chooser
+        from des_ops.comm import launcher_rank
+        first = {k: v.numpy() for k, v in run.first_batch().items()}
+        auto = chooser.choose(run.reference_model(), first, launcher_rank()[1], run.args.allocate)
+        name = run.args.mode = auto.mode
+        if run.args.allocate != "contiguous" and name == "des":
+            print(f"--mode auto chose des: --allocate {run.args.allocate} does not apply (every process "
+                  f"reads the whole batch)")
+            run.args.allocate = "contiguous"
+    module, cls = MODES[name].split(":")
+    mode = getattr(importlib.import_module(module), cls)(run)
+    mode.auto = auto
+    mode.check()
+    return mode

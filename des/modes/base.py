@@ -1,0 +1,111 @@
+"""The interface every training mode implements; ``des.train`` calls it and nothing else.
+
+    mode = des.modes.make("ps", run)                 # what des.train does, in short
+    model = mode.prepare(run.reference_model())
+    model.fit(dataset(shard=mode.train_shard(epoch)), callbacks=mode.callbacks(model))
+    mode.summarise(model, summary)
+
+A mode decides four things: which processes there are and what each one reads (``world``,
+``global_batch``, ``train_shard``, ``eval_shard``, ``read_inputs``), what the model becomes
+(``prepare``), what is measured while it trains (``callbacks``) and what its summary and log
+say (``evaluate``, ``summarise``). Options that do not apply to it are refused by ``check``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+
+class ModeError(ValueError):
+    """A mode's options do not fit together (des.train prints it and exits with status 2)."""
+
+
+@dataclasses.dataclass
+class Run:
+    """What a mode is given: the parsed des.train options, the data's FeatureSpec, a log that
+    prints on rank 0 only (set once the mode knows its rank), the first global batch of
+    training ids and the untouched reference model (each made lazily, at most once)."""
+    args: Any
+    spec: Any
+    read_first_batch: Callable[[], dict]
+    build_model: Callable[[], Any]
+    log: Callable[..., None] = lambda *m: None
+
+    def first_batch(self) -> dict:
+        if not hasattr(self, "_first"):
+            self._first = self.read_first_batch()
+        return self._first
+
+    def reference_model(self):
+        if not hasattr(self, "_model"):
+            self._model = self.build_model()
+        return self._model
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The shuffle seed of one epoch (epoch 0: ``seed`` itself)."""
+    return seed + 1_000_003 * epoch
+
+
+class Mode:
+    """Defaults: one process that reads everything and trains the model unchanged."""
+
+    name = "single"
+    sharded = False            # data parallel: each process trains its own slice of a global batch
+
+    def __init__(self, run: Run):
+        self.run, self.a = run, run.args
+        self.comm = self._communicator()
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        self.auto = None       # des.auto.Choice when --mode auto chose this mode
+        self.report = None     # des.compiler's report (des mode)
+
+    def _communicator(self):
+        from des_ops.comm import default_communicator
+        return default_communicator("local")
+
+    @property
+    def global_batch(self) -> int:
+        return self.a.batch
+
+    def check(self) -> None:
+        """Refuse options this mode does not have (ModeError)."""
+        if self.a.allocate != "contiguous":
+            raise ModeError(f"--allocate {self.a.allocate} is for --mode ps and cache (under {self.name} "
+                            f"{self._reads})")
+        if self.a.on_demand:
+            raise ModeError("--on-demand is a plan of --mode cache --staleness 0")
+
+    _reads = "there is one process"
+
+    def train_shard(self, epoch: int):
+        """The readers' ``shard=`` for epoch ``epoch``'s training batches (None: all of each)."""
+        return None
+
+    def eval_shard(self):
+        return None
+
+    def read_inputs(self) -> list[str] | None:
+        """The inputs this process reads (None: all); set by ``prepare`` for columnar data."""
+        return None
+
+    def prepare(self, model):
+        """The model this mode trains, built from the untouched reference ``model``."""
+        return model
+
+    def callbacks(self, model) -> list:
+        """Keras callbacks that measure this mode's traffic (called once, after compile)."""
+        return []
+
+    def barrier(self) -> Callable[[], Any] | None:
+        """Waits for every process (checkpoints are written together); None with one process."""
+        return None
+
+    def flush(self, model) -> None:
+        """Make the model's state whole before it is saved (the cache pushes pending updates)."""
+
+    def evaluate(self, model, data) -> dict:
+        return model.evaluate(data, verbose=0, return_dict=True)
+
+    def summarise(self, model, summary: dict) -> None:
+        """Add this mode's measurements to ``summary`` and log them (rank 0)."""

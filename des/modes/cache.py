@@ -1,0 +1,81 @@
+"""``--mode cache``: the PS plus HET's bounded-staleness embedding cache on every process (des.cache).
+
+    mpirun -np 4 python -m des.train --mode cache --staleness 100 --cache-size 10% --data train.txt
+    mpirun -np 2 python -m des.train --mode cache --staleness 0 --on-demand --allocate laia --data train.txt
+
+Everything the PS mode does (slices, allocation, all-to-all accounting), with cached tables:
+a flush at every epoch's end (before checkpoints and evaluation), the laia allocator simulating
+the caches at their capacity, and the cache's counters (queries, clocks, fetches, pushes, hits)
+in the summary.
+"""
+from __future__ import annotations
+
+from des.modes.base import ModeError
+from des.modes.ps import PS
+
+
+class Cache(PS):
+    name = "cache"
+
+    def check(self) -> None:
+        from des import cache
+        try:
+            self.staleness = cache.parse_staleness(self.a.staleness)
+            self.capacity = cache.parse_cache_size(self.a.cache_size)
+        except ValueError as e:
+            raise ModeError(str(e)) from None
+
+    def prepare(self, model):
+        from des import cache, ps
+        a = self.a
+        try:
+            model = cache.cache(model, self.exchange, self.staleness, self.capacity, a.eviction,
+                                spec=self.run.spec, on_demand=a.on_demand)
+        except ValueError as e:
+            raise ModeError(str(e)) from None
+        self._tables = model.cached_tables()
+        sizes = sorted({layer.config.capacity for layer, _ in self._tables})
+        self.run.log(f"cache: {len(self._tables)} tables sharded by key over {self.world_size} "
+                     f"process(es), each cached on every process (staleness {a.staleness}, {a.eviction}, "
+                     f"{sizes[0]}..{sizes[-1]} rows per table); global batch {self.global_batch}")
+        self._keys = [ids for ids, _, _ in ps.table_inputs(model)]
+        self._log_allocation()
+        return model
+
+    def _capacity(self):
+        return {ids: layer.config.capacity for layer, ids in self._tables}
+
+    def _counters(self, model) -> dict:
+        counters = super()._counters(model)
+        counters.update(self._tables[0][0].counters)
+        return counters
+
+    def callbacks(self, model) -> list:
+        return super().callbacks(model) + [_FlushAtEpochEnd()]
+
+    def flush(self, model) -> None:
+        """Push every pending update (before the owners' rows are saved)."""
+        model.flush()
+
+    def summarise(self, model, summary: dict) -> None:
+        from des import cache
+        self._summarise_allocation(summary)
+        a = self.a
+        summary.update(cache.traffic_summary(self.traffic.steps, self.rank, self.world_size),
+                       staleness=a.staleness, cache_size=a.cache_size, eviction=a.eviction)
+        self.run.log(f"cache bytes/step sent per process: measured {summary['sent_bytes_per_step']:.0f} (all-to-all "
+                     f"{summary['alltoall_bytes_per_step']:.0f}, analytic "
+                     f"{summary['analytic_alltoall_bytes_per_step']:.0f}; equal in {summary['bytes_exact_steps']} "
+                     f"steps); rows fetched {summary['rows_fetched_per_step']:.0f}, pushed "
+                     f"{summary['rows_pushed_per_step']:.0f} of {summary['remote_lookups_per_step']:.0f} remote "
+                     f"lookups per step; hit rate {summary['hit_rate']:.3f}")
+
+
+def _FlushAtEpochEnd():
+    """Every epoch ends with a flush (a sync point), before checkpoints and evaluation."""
+    import tensorflow as tf
+
+    class Flush(tf.keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.flush()
+    return Flush()

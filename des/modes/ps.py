@@ -1,0 +1,136 @@
+"""``--mode ps``: the parameter-server baseline, tables sharded by key (des.ps), data parallel.
+
+    mpirun -np 4 python -m des.train --mode ps --allocate laia --data train.txt
+
+Each process trains its share of every global batch: a contiguous slice, or the share an
+allocator gives it (``--allocate``, des.allocate). Measured per step: the bytes each process
+sends and receives by all-to-all, per counter, checked against the analytic formula.
+"""
+from __future__ import annotations
+
+import sys
+
+from des.modes.base import Mode, ModeError, epoch_seed
+
+
+class PS(Mode):
+    name = "ps"
+    sharded = True
+
+    def _communicator(self):
+        from des_ops.comm import default_communicator, under_launcher
+        from des_ops.sharded import KeyExchange
+        self.exchange = (KeyExchange.noop() if self.a.comm == "noop" else
+                         KeyExchange.horovod() if under_launcher() else KeyExchange.local())
+        comm = default_communicator("local")
+        comm.rank, comm.world_size = self.exchange.rank, self.exchange.world_size
+        self.allocators: list = []
+        return comm
+
+    @property
+    def global_batch(self) -> int:
+        return self.a.batch * (self.world_size if self.a.ps_batch == "per-process" else 1)
+
+    def check(self) -> None:
+        if self.a.on_demand:
+            raise ModeError("--on-demand is a plan of --mode cache --staleness 0")
+
+    def train_shard(self, epoch: int):
+        """Contiguous slices, or a des.allocate.Share of a new allocator per epoch (batches the
+        input pipeline prefetched but fit never trained cannot make the processes differ)."""
+        if self.a.allocate == "contiguous" and not self.a.on_demand:
+            return self.eval_shard()
+        from des import allocate
+        # The allocator runs in the input pipeline's thread and holds the GIL for most of its
+        # numpy work; with Python's default 5 ms switch interval Keras's step loop, which takes the
+        # GIL hundreds of times per step (callbacks, counters), waits up to 5 ms each time and the
+        # step slowed several-fold (measured: PS laia 831 vs 3,700 samples/s on 2 processes).
+        sys.setswitchinterval(2e-4)
+        a = self.a
+        sgd = a.optimizer == "sgd" and a.linear_optimizer in (None, "sgd")    # the cache's local update
+        self.allocators.append(allocate.make(a.allocate, self.world_size, self._keys, self._capacity(),
+                                             seed=epoch_seed(a.seed, epoch), keeps_own_updates=sgd))
+        return allocate.Share(self.allocators[-1], self.rank, others=a.on_demand)
+
+    def eval_shard(self):
+        return (self.rank, self.world_size)
+
+    def _capacity(self):
+        return None
+
+    def prepare(self, model):
+        from des import ps
+        model = ps.shard(model, self.exchange)
+        model.record_ids = self.a.check_bytes
+        self._log_tables(model)
+        self._keys = [ids for ids, _, _ in ps.table_inputs(model)]
+        self._log_allocation()
+        return model
+
+    def _log_tables(self, model) -> None:
+        from des import ps
+        self.run.log(f"PS: {len(ps.table_inputs(model))} tables sharded by key over {self.world_size} process(es), "
+                     f"{ps.dense_parameters(model)} dense parameters allreduced; global batch {self.global_batch}")
+
+    def _log_allocation(self) -> None:
+        a = self.a
+        if a.allocate == "contiguous" and not a.on_demand:
+            return
+        if a.on_demand:
+            self.run.log("cache: on-demand plan (each process reads the keys the others use this step; no queries)")
+        how = {"laia": "samples go to the process that owns or caches their keys", "random": "a seeded random split",
+               "contiguous": "contiguous slices"}[a.allocate]
+        b, n = self.global_batch, self.world_size
+        self.run.log(f"allocation: {a.allocate} ({how}, {b // n}-{-(-b // n)} per process; "
+                     f"evaluation: contiguous slices)")
+
+    def _counters(self, model) -> dict:
+        ex = self.exchange
+        counters = dict(ex.counters)
+        counters.update({f"sent_{k}": v for k, v in ex.sent.items()})
+        counters.update({f"received_{k}": v for k, v in ex.received.items()})
+        return counters
+
+    def callbacks(self, model) -> list:
+        from des.callbacks import CounterDeltas
+        self.traffic = CounterDeltas(self._counters(model))
+        return [self.traffic]
+
+    def barrier(self):
+        import tensorflow as tf
+        if self.world_size == 1:
+            return None
+        return lambda: self.exchange.sum_across(tf.zeros([1]), counter="barrier_bytes")
+
+    def evaluate(self, model, data) -> dict:
+        from des import ps
+        model.evaluate(data, verbose=0, return_dict=True)
+        return ps.aggregate_metrics(model, self.exchange)      # the metrics of every slice together
+
+    def summarise(self, model, summary: dict) -> None:
+        from des import ps
+        self._summarise_allocation(summary)
+        summary.update(ps.traffic_summary(model, self.traffic.steps, self.rank, self.world_size),
+                       tables=len(ps.table_inputs(model)))
+        self.run.log(f"PS bytes/step sent per process: measured {summary['sent_bytes_per_step']:.0f} "
+                     f"(all-to-all {summary['alltoall_bytes_per_step']:.0f} + dense ring model "
+                     f"{summary['dense_ring_bytes_per_step']:.0f}), analytic "
+                     f"{summary['analytic_sent_bytes_per_step']:.0f}; {summary['unique_ids_per_step']:.0f} unique "
+                     f"ids per step; measured == analytic in {summary['bytes_exact_steps']} steps")
+
+    def _summarise_allocation(self, summary: dict) -> None:
+        a, allocators = self.a, self.allocators
+        summary["allocate"] = a.allocate
+        if allocators:
+            trained = [x.hashes[:a.steps] for x in allocators]   # not the batches prefetched past --steps
+            seconds = sum(x.seconds for x in allocators)
+            speed = sum(x.samples for x in allocators) / seconds if seconds else None
+            summary["allocation"] = {"batches": sum(map(len, trained)),
+                                     "digest": "-".join(x.digest(a.steps) for x in allocators),
+                                     "samples_per_second": speed}
+            if seconds:
+                trains = summary["samples_per_second"]
+                self.run.log(f"allocation ({a.allocate}): {speed:.0f} samples/s of allocator time, "
+                             f"{speed / trains:.1f}x the training's {trains:.0f}")
+        summary["collectives"] = {k: v for k, v in self.exchange.snapshot().items()
+                                  if k in ("metrics_bytes", "barrier_bytes")}

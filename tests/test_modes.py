@@ -1,0 +1,124 @@
+"""des.modes: each training mode is one class with the same interface; des.train only dispatches.
+
+In one process (world size 1): the registry matches the CLI's choices, options that do not
+apply to a mode are refused with a clear message, the PS/cache modes hand the reader a new
+allocator's share per epoch, and each mode's hooks run in des.train's order on a tiny batch
+(prepare -> compile -> callbacks -> fit -> evaluate -> summarise) with the summary a mode owes.
+"""
+import argparse
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import models
+from des import modes
+from des.verify import random_batches, small_spec
+
+
+def options(**kw) -> argparse.Namespace:
+    """des.train's options, parsed as the CLI does (so the defaults are the real ones)."""
+    from des.train import _args
+    argv = ["--data", "unused.txt"]
+    for k, v in kw.items():
+        argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+    return _args(argv)
+
+
+def make_run(spec, first, **kw) -> modes.Run:
+    x, _ = first
+    return modes.Run(options(**kw), spec, lambda: {k: tf.constant(v) for k, v in x.items()},
+                     lambda: models.build("deepfm", spec, seed=1, hidden=(4,)))
+
+
+def test_every_registered_mode_is_made_and_the_cli_offers_exactly_those():
+    from des.train import _args
+    for name in modes.MODES:
+        mode = modes.make(name, make_run(small_spec(), random_batches(small_spec(), 1, 8)[0], mode=name))
+        assert mode.name == name and (mode.rank, mode.world_size) == (0, 1)
+        assert mode.sharded == (name in ("ps", "cache"))
+        assert _args(["--data", "x", "--mode", name]).mode == name
+    with pytest.raises(SystemExit):
+        _args(["--data", "x", "--mode", "laia"])      # an allocation, not a mode
+
+
+@pytest.mark.parametrize("name, kw, message", [
+    ("single", {"allocate": "laia"}, "--allocate laia is for --mode ps and cache (under single there is one process)"),
+    ("des", {"allocate": "random"}, "under des every process reads the whole batch"),
+    ("des", {"on_demand": True}, "--on-demand is a plan of --mode cache --staleness 0"),
+    ("ps", {"on_demand": True}, "--on-demand is a plan of --mode cache"),
+    ("cache", {"staleness": "1.5"}, "--staleness must be a whole number"),
+    ("cache", {"cache_size": "0"}, "--cache-size must be rows"),
+])
+def test_options_that_do_not_apply_are_refused(name, kw, message):
+    spec = small_spec()
+    with pytest.raises(modes.ModeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        modes.make(name, make_run(spec, random_batches(spec, 1, 8)[0], mode=name, **kw))
+
+
+def test_options_that_apply_are_accepted():
+    spec = small_spec()
+    batch = random_batches(spec, 1, 8)[0]
+    for name, kw in [("ps", {"allocate": "laia"}), ("cache", {"allocate": "random", "staleness": "0",
+                                                               "on_demand": True, "cache_size": "5"})]:
+        assert modes.make(name, make_run(spec, batch, mode=name, **kw)).name == name
+
+
+def test_ps_hands_the_reader_a_new_allocator_per_epoch():
+    from des.allocate import Share
+    spec = small_spec()
+    batch = random_batches(spec, 1, 16)[0]
+    mode = modes.make("ps", make_run(spec, batch, mode="ps", allocate="laia"))
+    mode.prepare(mode.run.reference_model())
+    first, second = mode.train_shard(0), mode.train_shard(1)
+    assert isinstance(first, Share) and isinstance(second, Share) and first.allocator is not second.allocator
+    assert len(mode.allocators) == 2 and mode.eval_shard() == (0, 1)
+    contiguous = modes.make("ps", make_run(spec, batch, mode="ps"))
+    assert contiguous.train_shard(0) == (0, 1) and contiguous.allocators == []
+
+
+@pytest.mark.parametrize("name, kw, owed", [
+    ("single", {}, set()),
+    ("des", {"replica_check": 1}, {"bytes_per_step_measured", "bytes_per_step_analytic", "sent_bytes_per_step",
+                                   "costs", "collectives"}),
+    ("ps", {"allocate": "laia"}, {"sent_bytes_per_step", "analytic_sent_bytes_per_step", "bytes_exact_steps",
+                                  "allocation", "collectives"}),
+    ("cache", {"staleness": "0", "cache_size": "5", "optimizer": "sgd"},
+     {"sent_bytes_per_step", "hit_rate", "rows_fetched_per_step", "bytes_exact_steps"}),
+])
+def test_a_mode_runs_des_train_s_hooks_in_order(name, kw, owed):
+    """The hooks on 3 steps of 16 samples: the prepared model trains, evaluation gives AUC and
+    log loss, and the summary holds what the mode owes (bytes exact at world size 1: zero)."""
+    spec = small_spec()
+    batches = random_batches(spec, 3, 16, seed=4)
+    mode = modes.make(name, make_run(spec, batches[0], mode=name, batch=16, **kw))
+    model = mode.prepare(mode.run.reference_model())
+    model.compile(models.make_optimizer(mode.a.optimizer, 0.05), "binary_crossentropy",
+                  metrics=[tf.keras.metrics.AUC(name="auc"), tf.keras.metrics.BinaryCrossentropy(name="logloss")])
+    callbacks = mode.callbacks(model)
+    shard = mode.train_shard(0)
+    whole = tf.data.Dataset.from_tensor_slices(({k: np.stack([b[0][k] for b in batches]) for k in batches[0][0]},
+                                                np.stack([b[1] for b in batches])))
+    from des.data.readers import share
+    data = whole if shard is None else whole.map(share(shard))
+    before = [w.copy() for w in model.get_weights()]
+    model.fit(data, epochs=1, verbose=0, callbacks=callbacks)
+    assert any(not np.array_equal(a, b) for a, b in zip(before, model.get_weights())), "nothing trained"
+    result = mode.evaluate(model, whole if mode.eval_shard() is None else whole.map(share(mode.eval_shard())))
+    assert 0 <= result["auc"] <= 1 and result["logloss"] > 0
+    summary = {"samples_per_second": 1000.0}
+    mode.summarise(model, summary)
+    assert owed <= set(summary), owed - set(summary)
+    if name in ("ps", "cache"):
+        assert summary["bytes_exact_steps"] == "3/3" and summary["sent_bytes_per_step"] == 0
+    if name == "ps":
+        assert summary["allocation"]["batches"] == 3
+    if name == "des":
+        assert summary["bytes_per_step_measured"] == summary["bytes_per_step_analytic"] > 0
+
+
+def test_auto_resolves_to_a_mode_with_its_choice():
+    spec = small_spec()
+    run = make_run(spec, random_batches(spec, 1, 32)[0], mode="auto")
+    mode = modes.make("auto", run)
+    assert mode.name == "des" and mode.auto.mode == "des" and run.args.mode == "des"   # one process: DES
+    assert mode.auto.world_size == 1 and mode.auto.des_bytes == 0
