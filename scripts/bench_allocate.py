@@ -4,14 +4,20 @@ process, summed over processes: the rows the all-to-all moves, by the formula th
 measured bytes equal).
 
     .venv/bin/python scripts/bench_allocate.py --preset criteo-like --np 2,4,8,16 --batch 1024,4096,16384
+    .venv/bin/python scripts/bench_allocate.py --preset wide --rows 20000 --np 4 --batch 2048 --top-k all,10,5 \
+        --baseline /tmp/allocate_before.py      # git show HEAD~1:des/allocate.py > /tmp/allocate_before.py
 
-One process, this machine; the allocator runs in the input pipeline of every process, so its
+``--top-k``: one laia row per k (laia's ``top_k``: the score reads only the k inputs with the most
+distinct ids of the first batch; ``all``: every input). ``--baseline``: another des/allocate.py
+(e.g. an older commit's), whose laia is timed on the same batches in the same run (``before``
+columns). One process, this machine; the allocator runs in the input pipeline of every process, so its
 samples/s is to be set against the training's samples/s (``des.train --allocate laia`` reports
 both in its summary). ``--cache-rows``: the simulated cache per input of the cache mode (0: PS).
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -38,6 +44,8 @@ def main() -> None:
     ap.add_argument("--batch", default="1024,4096,16384")
     ap.add_argument("--cache-rows", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--top-k", default="all", help="comma-separated laia top_k values; all: every input")
+    ap.add_argument("--baseline", default=None, help="path of another des/allocate.py to time alongside")
     ap.add_argument("--out", default="reports/allocate")
     a = ap.parse_args()
     import des  # noqa: F401
@@ -50,28 +58,45 @@ def main() -> None:
     meta = metadata(data)
     spec = spec_for(meta.get("format", "criteo"), [data], 8, meta, [])
     keys = [f.name for f in spec.sparse()]
-    print(f"{a.preset}: {len(keys)} id inputs, {a.rows} rows; cache rows per input: {a.cache_rows}")
-    print(f"{'N':>3} {'batch':>6} | {'laia samples/s':>14} {'random':>10} | remote ids per step: "
-          f"{'contiguous':>10} {'random':>8} {'laia':>8} {'laia vs contiguous':>18}")
+    tops = [None if k == "all" else int(k) for k in a.top_k.split(",")]
+    before = None
+    if a.baseline:
+        spec_ = importlib.util.spec_from_file_location("allocate_baseline", a.baseline)
+        before = importlib.util.module_from_spec(spec_)
+        spec_.loader.exec_module(before)
+    print(f"{a.preset}: {len(keys)} id inputs, {a.rows} rows; cache rows per input: {a.cache_rows}; "
+          f"median of {a.repeats}")
+    print(f"{'N':>3} {'batch':>6} {'top-k':>5} | {'laia samples/s':>14} {'before':>10} {'ratio':>6} {'random':>10} | "
+          f"remote ids per step: {'contiguous':>10} {'random':>8} {'laia':>8} {'before':>8} {'laia vs contiguous':>18}")
+
+    def run(make, n, batches):
+        times = []
+        for _ in range(a.repeats):
+            alloc = make()
+            start = time.perf_counter()
+            parts = [alloc(feats, size) for feats, size in batches]
+            times.append(time.perf_counter() - start)
+        moved = sum(remote_ids(feats, keys, p, n) for (feats, _), p in zip(batches, parts))
+        return sum(size for _, size in batches) / float(np.median(times)), moved / len(batches)
+
+    capacity = {k: a.cache_rows for k in keys}
     for b in [int(x) for x in a.batch.split(",")]:
         batches = [({k: v.numpy() for k, v in x.items()}, len(y))
                    for x, y in make_dataset([data], meta.get("format", "criteo"), spec, b, drop_remainder=True)]
         for n in [int(x) for x in a.np.split(",")]:
             speed, remote = {}, {}
-            for kind in ("contiguous", "random", "laia"):
-                times, moved = [], 0
-                for _ in range(a.repeats):
-                    alloc = allocate.make(kind, n, keys, {k: a.cache_rows for k in keys}, seed=1)
-                    start = time.perf_counter()
-                    parts = [alloc(feats, size) for feats, size in batches]
-                    times.append(time.perf_counter() - start)
-                moved = sum(remote_ids(feats, keys, p, n) for (feats, _), p in zip(batches, parts))
-                speed[kind] = len(batches) * b / float(np.median(times))
-                remote[kind] = moved / len(batches)
-            cut = 100.0 * (1 - remote["laia"] / remote["contiguous"]) if remote["contiguous"] else 0.0
-            print(f"{n:>3} {b:>6} | {speed['laia']:>14,.0f} {speed['random']:>10,.0f} | {'':>20}"
-                  f"{remote['contiguous']:>10,.0f} {remote['random']:>8,.0f} {remote['laia']:>8,.0f} {cut:>17.1f}%",
-                  flush=True)
+            for kind in ("contiguous", "random"):
+                speed[kind], remote[kind] = run(lambda: allocate.make(kind, n, keys, capacity, seed=1), n, batches)
+            speed["before"], remote["before"] = (run(lambda: before.make("laia", n, keys, capacity), n, batches)
+                                                 if before else (float("nan"), float("nan")))
+            for k in tops:
+                speed["laia"], remote["laia"] = run(lambda: allocate.make("laia", n, keys, capacity, top_k=k),
+                                                    n, batches)
+                cut = 100.0 * (1 - remote["laia"] / remote["contiguous"]) if remote["contiguous"] else 0.0
+                print(f"{n:>3} {b:>6} {k or 'all':>5} | {speed['laia']:>14,.0f} {speed['before']:>10,.0f} "
+                      f"{speed['laia'] / speed['before']:>6.2f} {speed['random']:>10,.0f} | {'':>20}"
+                      f"{remote['contiguous']:>10,.0f} {remote['random']:>8,.0f} {remote['laia']:>8,.0f} "
+                      f"{remote['before']:>8,.0f} {cut:>17.1f}%", flush=True)
 
 
 if __name__ == "__main__":

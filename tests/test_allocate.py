@@ -173,3 +173,106 @@ def test_the_on_demand_plan_is_exact_and_asks_only_for_what_it_lacks(n, kind, op
     assert total[True]["fetched"] == total[False]["fetched"]          # the same rows move
     sent = lambda t: t["query_bytes"] + t["clock_bytes"] + t["fetch_bytes"] + t["push_bytes"]  # noqa: E731
     assert sent(total[True]) == total[True]["analytic_bytes"] and sent(total[True]) < sent(total[False])
+
+
+def _reference_laia(batches: list, n: int, inputs: list, chunk: int) -> list:
+    """laia written plainly (PS, no cache): per sample its (input, key) ids; sample i scores
+    for w the ids w owns (key mod n) or took with a sample given to it earlier in the batch."""
+    out = []
+    for b, (feats, batch) in enumerate(batches):
+        ids = [[(t, int(k)) for t, name in enumerate(inputs) for k in np.ravel(feats[name][i]) if k != -1]
+               for i in range(batch)]
+        held = [set() for _ in range(n)]
+        quota = allocate.sizes(batch, n).copy()
+        owner = np.full(batch, -1)
+        tie = ((np.arange(n) - b % n) % n) * 1e-3
+        for lo in range(0, batch, chunk):
+            hi = min(batch, lo + chunk)
+            score = np.array([[sum(k % n == w or (t, k) in held[w] for t, k in ids[i]) for w in range(n)]
+                              for i in range(lo, hi)], float) - tie
+            got = allocate._assign(score, np.minimum(quota, -(-(hi - lo) // n)))
+            if (got < 0).any():
+                rest = np.flatnonzero(got < 0)
+                got[rest] = allocate._assign(score[rest], quota - np.bincount(got[got >= 0], minlength=n))
+            quota -= np.bincount(got, minlength=n)
+            owner[lo:hi] = got
+            for i, w in zip(range(lo, hi), got):
+                held[w].update(ids[i])
+        out.append([np.flatnonzero(owner == w).tolist() for w in range(n)])
+    return out
+
+
+@pytest.mark.parametrize("n,chunk", [(2, 0), (3, 7), (4, 16)])
+def test_vectorised_laia_is_the_plain_definition(n, chunk):
+    """The numpy laia (one tokenisation over all inputs, a chunk's scores in one gather) gives
+    the allocation of the plain per-sample, per-id loops, batch after batch (multi-valued inputs
+    with pads, batches of 2 and 3 rows)."""
+    batches = [({k: v.numpy() for k, v in x.items()}, len(y)) for x, y in ps_batches(steps=4, batch=40)[0]]
+    alloc = allocate.LaiaAllocation(n, KEYS, chunk=chunk)
+    got = [[p.tolist() for p in alloc(f, b)] for f, b in batches]
+    assert got == _reference_laia(batches, n, KEYS, chunk or 32 * n)
+
+
+def test_tokens_match_a_plain_tokeniser():
+    """A hand-made batch: input a one id per sample, b up to 3 with pads (-1), keys shared between
+    the inputs (a 5 and b 5 are different tokens). Tokens sample by sample, inputs in order, pads
+    dropped; equal tokens exactly for equal (input, key)."""
+    feats = {"a": np.array([5, 7, 5, 9]), "b": np.array([[5, -1, 3], [-1, -1, -1], [3, 3, 8], [2**62, -1, -1]])}
+    alloc = allocate.LaiaAllocation(2, ["a", "b"])
+    starts, token, keys, which, code = alloc._tokens(feats, 4, ("a", "b"))
+    plain = [[(t, int(k)) for t, name in enumerate("ab") for k in np.ravel(feats[name][i]) if k != -1]
+             for i in range(4)]
+    assert np.diff(starts).tolist() == [len(p) for p in plain]
+    flat = [pair for p in plain for pair in p]
+    assert [(int(which[t]), int(keys[t])) for t in token] == flat
+    assert len(keys) == len(set(flat)) == 7 and sorted(set(token.tolist())) == list(range(7))
+    assert (code == allocate._token_key(keys, which)).all()
+
+
+@pytest.mark.parametrize("hash_bits", [0, 2, 5])
+def test_group_is_exact_even_when_hashes_collide(hash_bits):
+    """_group numbers equal values alike and different values apart, and points at each value's
+    first element - also with a 2- or 5-bit hash, where most values collide."""
+    rng = np.random.default_rng(1)
+    code = rng.choice(rng.integers(0, 2**63, 300), 5000).astype(np.uint64)
+    ids, first = allocate._group(code, hash_bits)
+    uniq, ref_first, ref_inv = np.unique(code, return_index=True, return_inverse=True)
+    assert len(first) == len(uniq) and sorted(ids[first].tolist()) == list(range(len(uniq)))
+    assert (code[first][ids] == code).all()                        # same id: same value
+    assert sorted(first.tolist()) == sorted(ref_first.tolist())      # each value's first element
+    assert (np.unique(ref_inv * len(uniq) + ids).size == len(uniq))  # a bijection with np.unique's ids
+
+
+def test_top_k_scores_the_inputs_with_the_most_distinct_ids():
+    """Input a has 1 distinct id, b 4, c 3: top_k=2 reads b and c, chosen on the first batch and
+    kept. k = every input allocates as no top_k; with only b scored, samples go to b's owners."""
+    feats = {"a": np.array([1, 1, 1, 1]), "b": np.array([2, 3, 4, 5]), "c": np.array([7, 7, 9, 11])}
+    alloc = allocate.make("laia", 2, ["a", "b", "c"], top_k=2)
+    alloc(feats, 4)
+    assert alloc.fields == ("b", "c")
+    alloc({"a": np.array([1, 2, 3, 4]), "b": np.array([2, 2, 2, 2]), "c": np.array([7, 7, 7, 7])}, 4)
+    assert alloc.fields == ("b", "c")
+    only_b = allocate.make("laia", 2, ["a", "b", "c"], top_k=1)
+    assert [p.tolist() for p in only_b(feats, 4)] == [[0, 2], [1, 3]]
+    assert only_b.fields == ("b",) and only_b.inputs == ("a", "b", "c")
+    with pytest.raises(ValueError):
+        allocate.make("laia", 2, ["a"], top_k=0)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_top_k_is_balanced_the_same_on_every_process_and_k_all_is_laia(k):
+    """Every sample once, exactly the contiguous sizes, the same on two instances (with a cache);
+    k = all 4 inputs gives the allocation of laia without top_k."""
+    batches, _ = ps_batches(steps=6, batch=50)
+    cap = {key: 10 for key in KEYS}
+    a, b = (allocate.make("laia", 3, KEYS, cap, top_k=k) for _ in range(2))
+    full = allocate.make("laia", 3, KEYS, cap)
+    for x, y in batches:
+        feats = {key: v.numpy() for key, v in x.items()}
+        parts = a(feats, len(y))
+        assert sorted(np.concatenate(parts).tolist()) == list(range(len(y)))
+        assert [len(p) for p in parts] == allocate.sizes(len(y), 3).tolist()
+        assert [p.tolist() for p in parts] == [p.tolist() for p in b(feats, len(y))]
+        full(feats, len(y))
+    assert a.digest() == b.digest() and len(a.fields) == k
+    assert (a.digest() == full.digest()) == (k == len(KEYS))
