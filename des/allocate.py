@@ -27,12 +27,17 @@ exact), and a chunk's scores are one gather of a [token, process] table and one 
 ``top_k`` (``make(..., top_k=k)``) scores only the k inputs with the most distinct ids in the
 first batch (chosen once, the same on every process): faster, a little less locality.
 
-    >>> alloc = make("laia", world_size=4, keys=["C1", "C2"])
-    >>> parts = alloc({"C1": ids1, "C2": ids2}, batch=len(ids1))  # doctest: +SKIP
-    >>> ds = ds.map(Share(alloc, rank).take)                      # doctest: +SKIP
+    >>> alloc = make("laia", world_size=2, keys=["C1", "C2"])     # process w owns keys k % 2 == w
+    >>> ids = {"C1": np.array([2, 4, 3, 5, 2, 3]), "C2": np.array([10, 11, 10, 13, 10, 11])}
+    >>> [part.tolist() for part in alloc(ids, batch=6)]           # samples 0 and 4: all keys even
+    [[0, 1, 4], [2, 3, 5]]
+    >>> other = make("laia", world_size=2, keys=["C1", "C2"])     # what another process computes
+    >>> [part.tolist() for part in other(ids, batch=6)], other.digest() == alloc.digest()
+    ([[0, 1, 4], [2, 3, 5]], True)
+    >>> ds = ds.map(Share(alloc, rank).take)      # doctest: +SKIP
 
-``parts``: the indices for rank 0, ..., 3; ``Share(alloc, rank).take`` keeps this process's
-samples (``ids1``, ``ids2``, ``ds``, ``rank``: placeholders).
+``alloc(...)``: the indices for rank 0, 1; ``Share(alloc, rank).take`` is the tf.data map that
+keeps this process's samples of each global batch.
 
 The simulated caches follow the real cache's rules (LRU by last use, valid until another process
 updates the row) but are a second implementation: eviction ties may differ. That only weakens the

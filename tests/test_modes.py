@@ -48,6 +48,9 @@ def test_every_registered_mode_is_made_and_the_cli_offers_exactly_those():
     ("ps", {"on_demand": True}, "--on-demand is a plan of --mode cache"),
     ("cache", {"staleness": "1.5"}, "--staleness must be a whole number"),
     ("cache", {"cache_size": "0"}, "--cache-size must be rows"),
+    ("ps", {"allocate_top_k": 3}, "--allocate-top-k 3: a count >= 1 of inputs laia scores"),
+    ("cache", {"allocate": "laia", "allocate_top_k": 0}, "--allocate-top-k 0: a count >= 1"),
+    ("des", {"allocate_top_k": 3}, "--allocate-top-k is an option of --allocate laia"),
 ])
 def test_options_that_do_not_apply_are_refused(name, kw, message):
     spec = small_spec()
@@ -72,6 +75,10 @@ def test_ps_hands_the_reader_a_new_allocator_per_epoch():
     first, second = mode.train_shard(0), mode.train_shard(1)
     assert isinstance(first, Share) and isinstance(second, Share) and first.allocator is not second.allocator
     assert len(mode.allocators) == 2 and mode.eval_shard() == (0, 1)
+    assert first.allocator.top_k is None
+    top = modes.make("ps", make_run(spec, batch, mode="ps", allocate="laia", allocate_top_k=2))
+    top.prepare(top.run.reference_model())
+    assert top.train_shard(0).allocator.top_k == 2
     contiguous = modes.make("ps", make_run(spec, batch, mode="ps"))
     assert contiguous.train_shard(0) == (0, 1) and contiguous.allocators == []
 

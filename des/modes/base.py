@@ -75,6 +75,8 @@ class Mode:
                             f"{self._reads})")
         if self.a.on_demand:
             raise ModeError("--on-demand is a plan of --mode cache --staleness 0")
+        if self.a.allocate_top_k is not None:
+            raise ModeError("--allocate-top-k is an option of --allocate laia (--mode ps and cache)")
 
     _reads = "there is one process"
 

@@ -24,6 +24,7 @@ class Cache(PS):
             self.capacity = cache.parse_cache_size(self.a.cache_size)
         except ValueError as e:
             raise ModeError(str(e)) from None
+        self._check_top_k()
 
     def prepare(self, model):
         from des import cache, ps

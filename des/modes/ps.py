@@ -34,6 +34,12 @@ class PS(Mode):
     def check(self) -> None:
         if self.a.on_demand:
             raise ModeError("--on-demand is a plan of --mode cache --staleness 0")
+        self._check_top_k()
+
+    def _check_top_k(self) -> None:
+        k = self.a.allocate_top_k
+        if k is not None and (self.a.allocate != "laia" or k < 1):
+            raise ModeError(f"--allocate-top-k {k}: a count >= 1 of inputs laia scores (with --allocate laia)")
 
     def train_shard(self, epoch: int):
         """Contiguous slices, or a des.allocate.Share of a new allocator per epoch (batches the
@@ -49,7 +55,8 @@ class PS(Mode):
         a = self.a
         sgd = a.optimizer == "sgd" and a.linear_optimizer in (None, "sgd")    # the cache's local update
         self.allocators.append(allocate.make(a.allocate, self.world_size, self._keys, self._capacity(),
-                                             seed=epoch_seed(a.seed, epoch), keeps_own_updates=sgd))
+                                             seed=epoch_seed(a.seed, epoch), keeps_own_updates=sgd,
+                                             top_k=a.allocate_top_k))
         return allocate.Share(self.allocators[-1], self.rank, others=a.on_demand)
 
     def eval_shard(self):
