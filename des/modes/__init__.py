@@ -3,8 +3,8 @@
     >>> from des import modes
     >>> sorted(modes.MODES)
     ['cache', 'des', 'ps', 'single']
-    >>> modes.MODES["ps"]
-    'des.modes.ps:PS'
+    >>> modes.MODES["cache"].__mro__[1].name             # the cache mode is the PS mode plus caches
+    'ps'
 
 ``des.train`` is a dispatcher: it reads the options and the data, asks ``make`` for the mode,
 and calls the mode's hooks (des.modes.base) in a fixed order. ``--mode auto`` is not a mode of
@@ -13,14 +13,16 @@ batch, and returns that mode with the choice in ``mode.auto``.
 """
 from __future__ import annotations
 
-import importlib
-
 from des.modes.base import Mode, ModeError, Run, epoch_seed
+from des.modes.cache import Cache
+from des.modes.des import DES
+from des.modes.ps import PS
+from des.modes.single import Single
 
 __all__ = ["MODES", "Mode", "ModeError", "Run", "epoch_seed", "make"]
 
-MODES = {"single": "des.modes.single:Single", "des": "des.modes.des:DES",
-         "ps": "des.modes.ps:PS", "cache": "des.modes.cache:Cache"}
+MODES: dict[str, type[Mode]] = {m.name: m for m in (Single, DES, PS, Cache)}   # the modules import
+# nothing heavy at the top: TensorFlow, Horovod and TFRA load inside the hooks
 
 
 def make(name: str, run: Run) -> Mode:
@@ -36,8 +38,7 @@ def make(name: str, run: Run) -> Mode:
             print(f"--mode auto chose des: --allocate {run.args.allocate} does not apply (every process "
                   f"reads the whole batch)")
             run.args.allocate = "contiguous"
-    module, cls = MODES[name].split(":")
-    mode = getattr(importlib.import_module(module), cls)(run)
+    mode = MODES[name](run)
     mode.auto = auto
     mode.check()
     return mode
