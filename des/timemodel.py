@@ -17,9 +17,12 @@ Per process and step, with bandwidth b (bytes/s per host and direction):
 DES: one phase, ONE allreduce of 4 B w bytes (w floats per sample). PS: the slice-size allreduce;
 per table an all-to-all of ids, then one of rows (forward), then one of gradient rows (backward);
 then the dense allreduce - 5 phases, 3 T + 2 calls. Computation is measured with the collectives
-replaced by no-ops (``des.train --comm noop``). ``b`` is the effective bandwidth: on the netbed
-MPI over TCP reaches about 60 % of the token bucket's rate (measured), so calibrate it with
-scripts/bench_collectives.py.
+replaced by no-ops (``des.train --comm noop``), or better with the processes still kept in step
+by one 4-byte allreduce per step (``--comm sync``): a synchronous step waits for the slowest
+process, and on shared cores that wait is most of DES's gap to the no-op time. ``b`` is the
+effective bandwidth: on the netbed MPI over TCP reaches about 60 % of the token bucket's rate in
+an allreduce (measured) and more in an all-to-all, which keeps every link busy at once, so
+calibrate both with scripts/bench_collectives.py (``alltoall_bandwidth``).
 """
 from __future__ import annotations
 
@@ -55,6 +58,7 @@ class Network:
     latency: float = 20e-6             # seconds per message
     cycle: float = HOROVOD_CYCLE       # seconds a dependent phase waits
     call: float | None = None          # measured seconds per call within a phase (else from latency)
+    alltoall_bandwidth: float | None = None   # effective bytes/s of all-to-all traffic (else ``bandwidth``)
 
     @classmethod
     def parse(cls, bandwidth: str, latency: str = "20us", cycle: float = HOROVOD_CYCLE) -> "Network":
@@ -72,7 +76,7 @@ def step_time(compute: float, traffic: dict, n: int, net: Network) -> dict:
         calls = len(traffic.get("allreduce", [])) + len(traffic.get("alltoall", []))
         fixed = traffic.get("phases", 1) * net.cycle + calls * net.call_time(n)
         bandwidth = sum(ring_share(n) * p for p in traffic.get("allreduce", [])) / net.bandwidth
-        bandwidth += sum(max(o, i) for o, i in traffic.get("alltoall", [])) / net.bandwidth
+        bandwidth += sum(max(o, i) for o, i in traffic.get("alltoall", [])) / (net.alltoall_bandwidth or net.bandwidth)
     total = compute + fixed + bandwidth
     return {"n": n, "compute": compute, "fixed": fixed, "bandwidth": bandwidth, "total": total,
             "comm_share": (fixed + bandwidth) / total if total else 0.0}

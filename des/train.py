@@ -67,9 +67,10 @@ def _args(argv):
     ap.add_argument("--shuffle-buffer", type=int, default=50_000)
     ap.add_argument("--skip-bad-lines", action="store_true", help="drop and count malformed lines")
     ap.add_argument("--plan", default="balanced", choices=["balanced", "mod"])
-    ap.add_argument("--comm", default="auto", choices=["auto", "horovod", "mpi4py", "local", "noop"],
+    ap.add_argument("--comm", default="auto", choices=["auto", "horovod", "mpi4py", "local", "noop", "sync"],
                     help="noop: the launcher's rank and size but no collective (times the computation "
-                         "alone, for des.timemodel; results are not the model's)")
+                         "alone, for des.timemodel; results are not the model's); sync: the same, but each "
+                         "step waits for every process (one 4-byte allreduce), as training does")
     ap.add_argument("--replica-check", type=int, default=100, metavar="K",
                     help="DES: every K steps check that replicated weights agree and that every process "
                          "read the same batch, in one small allreduce (0: off)")

@@ -93,8 +93,13 @@ class LocalCommunicator(Communicator):
 class NoopCommunicator(Communicator):
     """This process's rank and world size from the launcher, but no collective: allreduce and
     broadcast return their input. For timing a step's computation alone (des.timemodel); the
-    results are not the DES model's (the partials are not summed)."""
+    results are not the DES model's (the partials are not summed).
+
+    ``SyncCommunicator`` (``--comm sync``) is the same with the processes kept in step: each
+    allreduce also allreduces one float with Horovod, so a step waits for the slowest process
+    as in training, but moves no payload."""
     name = "noop"
+    sync = False
 
     def __init__(self, rank: int | None = None, world_size: int | None = None) -> None:
         start_horovod_thread()
@@ -104,10 +109,27 @@ class NoopCommunicator(Communicator):
         super().__init__()
 
     def allreduce(self, x):
+        if self.sync and self.world_size > 1:
+            # x times exactly 1 computed from the sync: a data dependency that grappler cannot fold
+            # (a control dependency on the allreduce, or x + 0 * it, were optimised away: no wait)
+            return x * (1.0 + tf.minimum(tf.abs(tf.reduce_sum(sync_processes(x))), 0.0))
         return tf.identity(x)
 
     def broadcast(self, a, root=0):
         return a
+
+
+class SyncCommunicator(NoopCommunicator):
+    """A no-op communicator whose allreduce waits for every process (one float, Horovod)."""
+    name = "sync"
+    sync = True
+
+
+def sync_processes(x: tf.Tensor) -> tf.Tensor:
+    """A Horovod allreduce of ``x``'s first element: returns when every process has reached it.
+    (Of ``x``, not of a constant: grappler would fold an allreduce of constants at trace time.)"""
+    import horovod.tensorflow as hvd
+    return hvd.allreduce(tf.reshape(x, [-1])[:1], op=hvd.Sum)
 
 
 class HorovodCommunicator(Communicator):
@@ -331,8 +353,9 @@ def launcher_rank() -> tuple[int, int]:
 
 def default_communicator(kind: str = "auto") -> Communicator:
     """``auto``: Horovod when launched with several processes, else a world of one; ``noop``:
-    the launcher's rank and size without collectives (timing only)."""
+    the launcher's rank and size without collectives (timing only); ``sync``: the same, with
+    the processes kept in step by one tiny allreduce per call (timing only)."""
     if kind == "auto":
         kind = "horovod" if under_launcher() else "local"
     return {"horovod": HorovodCommunicator, "mpi4py": Mpi4pyCommunicator,
-            "local": LocalCommunicator, "noop": NoopCommunicator}[kind]()
+            "local": LocalCommunicator, "noop": NoopCommunicator, "sync": SyncCommunicator}[kind]()

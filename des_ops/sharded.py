@@ -72,13 +72,15 @@ class KeyExchange:
         return cls(0, 1, None)
 
     @classmethod
-    def noop(cls) -> "KeyExchange":
+    def noop(cls, sync: bool = False) -> "KeyExchange":
         """The launcher's rank and size, but every all-to-all and allreduce returns its input:
         each process looks up its own ids locally. For timing a PS step's computation alone
-        (des.timemodel); not a PS model's results."""
+        (des.timemodel); not a PS model's results. ``sync``: the step's first allreduce (the 4-byte
+        slice sizes) is real, so the processes stay in step as in training."""
         from des_ops.comm import launcher_rank, start_horovod_thread
         start_horovod_thread()
-        return cls(*launcher_rank(), _NoCollectives())
+        rank, size = launcher_rank()
+        return cls(rank, size, _NoCollectives(sync and size > 1))
 
     def owner(self, keys: tf.Tensor) -> tf.Tensor:
         return tf.cast(tf.math.floormod(keys, self.world_size), tf.int32)
@@ -185,15 +187,21 @@ class KeyExchange:
 
 
 class _NoCollectives:
-    """Horovod's alltoall / allreduce signatures, each returning its input (KeyExchange.noop)."""
+    """Horovod's alltoall / allreduce signatures, each returning its input (KeyExchange.noop);
+    with ``sync`` a one-element allreduce (the PS's slice sizes) is Horovod's real one."""
     Sum = None
+
+    def __init__(self, sync: bool = False):
+        self.sync = sync
 
     @staticmethod
     def alltoall(x, splits):
         return tf.identity(x), tf.identity(splits)
 
-    @staticmethod
-    def allreduce(x, op=None):
+    def allreduce(self, x, op=None):
+        if self.sync and x.shape.num_elements() == 1:
+            import horovod.tensorflow as hvd
+            return hvd.allreduce(x, op=hvd.Sum)
         return tf.identity(x)
 
 

@@ -3,7 +3,10 @@
     python scripts/bench_timemodel.py --np 2,4 --rates 100mbit,300mbit,1gbit     # root (netbed)
 
 For each N: the computation per step, timed with no-op collectives (``des.train --comm noop``
-under a local mpirun, so the N processes share the cores as on the netbed). For each N and rate:
+under a local mpirun, so the N processes share the cores as on the netbed) and with the
+processes kept in step by one 4-byte allreduce per step (``--comm sync``; the model's term).
+Each row shows the model (sync computation, all-to-alls at their calibrated bandwidth) next to
+the first one (no-op computation, every collective at the allreduce's bandwidth). For each N and rate:
 the netbed up; Horovod's cycle, the cost of a call within a phase and the effective bandwidth
 (scripts/bench_collectives.py); one DES and one PS run, whose measured bytes (summaries) feed the
 model; the predicted step time next to the measured one (global batch / samples/s). Writes
@@ -71,36 +74,48 @@ def main(argv=None) -> int:
     rows = []
     for n in [int(x) for x in a.np.split(",")]:
         run_args.np = n
-        compute = {m: step_seconds(compare.run(m, a.model, data, run_args, a.out, options=("--comm", "noop"),
-                                               tag=f"-noop-n{n}"), a.batch) for m in ("des", "ps")}
+        compute = {(m, kind): step_seconds(compare.run(m, a.model, data, run_args, a.out, options=("--comm", kind),
+                                                       tag=f"-{kind}-n{n}"), a.batch)
+                   for m in ("des", "ps") for kind in ("noop", "sync")}
         for rate in a.rates.split(","):
             with Netbed(n, rate=rate) as bed:
                 cal = calibrate(bed, n)
-                net = timemodel.Network(cal["effective_bandwidth_Bps_1MiB"], cycle=cal["cycle"],
+                # the first model: no-op computation, every collective at the allreduce's bandwidth;
+                # the model now: computation kept in step (--comm sync), all-to-alls at their own bandwidth
+                old = timemodel.Network(cal["effective_bandwidth_Bps_1MiB"], cycle=cal["cycle"],
                                         call=max(0.0, cal["per_call_in_a_phase"]))
+                net = timemodel.Network(old.bandwidth, cycle=old.cycle, call=old.call,
+                                        alltoall_bandwidth=cal.get("effective_alltoall_Bps_1MiB"))
                 for mode in ("des", "ps"):
                     s = compare.run(mode, a.model, data, run_args, a.out, launcher=bed.mpirun(n),
                                     tag=f"-n{n}-{rate}")
-                    pred = timemodel.step_time(compute[mode], traffic(mode, s), n, net)
+                    first = timemodel.step_time(compute[mode, "noop"], traffic(mode, s), n, old)
+                    pred = timemodel.step_time(compute[mode, "sync"], traffic(mode, s), n, net)
                     measured = step_seconds(s, a.batch)
                     rows.append(dict(n=n, rate=rate, mode=mode, measured=measured, error=pred["total"] / measured - 1,
                                      predicted=pred["total"], compute=pred["compute"], fixed=pred["fixed"],
                                      bandwidth_term=pred["bandwidth"], effective_bandwidth=net.bandwidth,
-                                     cycle=net.cycle, call=net.call, calibration=cal,
+                                     alltoall_bandwidth=net.alltoall_bandwidth, cycle=net.cycle, call=net.call,
+                                     noop_predicted=first["total"], noop_error=first["total"] / measured - 1,
+                                     noop_compute=compute[mode, "noop"], calibration=cal,
                                      wire_bytes_per_host_step=s.get("wire_bytes_per_host_step")))
                     r = rows[-1]
                     print(f"[timemodel] N={n} {rate:>8} {mode:<3}: measured {measured * 1e3:7.1f} ms, predicted "
                           f"{r['predicted'] * 1e3:7.1f} ms ({r['error']:+.1%}) = compute {r['compute'] * 1e3:.1f} + "
-                          f"fixed {r['fixed'] * 1e3:.1f} + bytes {r['bandwidth_term'] * 1e3:.1f}", flush=True)
+                          f"fixed {r['fixed'] * 1e3:.1f} + bytes {r['bandwidth_term'] * 1e3:.1f}; the no-op model "
+                          f"{r['noop_predicted'] * 1e3:.1f} ({r['noop_error']:+.1%})", flush=True)
     with open(os.path.join(a.out, "timemodel.json"), "w") as fh:
         json.dump(rows, fh, indent=1)
-    head = "| N | rate | mode | measured ms | predicted ms | error | compute | fixed | bytes/bw | eff. bandwidth MB/s |"
+    head = ("| N | rate | mode | measured ms | predicted ms | error | compute (sync) | fixed | bytes/bw | "
+            "eff. MB/s allreduce / all-to-all | no-op model ms | its error |")
     md = [f"# Time model vs the netbed: {a.model}, {a.preset}{' (columnar)' if a.columnar else ''}, global batch "
-          f"{a.batch}", "", head, "|" + "---|" * 10]
+          f"{a.batch}", "", head, "|" + "---|" * 12]
     for r in rows:
+        a2a = r["alltoall_bandwidth"] or r["effective_bandwidth"]
         md.append(f"| {r['n']} | {r['rate']} | {r['mode']} | {r['measured'] * 1e3:.1f} | {r['predicted'] * 1e3:.1f} | "
                   f"{r['error']:+.1%} | {r['compute'] * 1e3:.1f} | {r['fixed'] * 1e3:.1f} | "
-                  f"{r['bandwidth_term'] * 1e3:.1f} | {r['effective_bandwidth'] / 1e6:.1f} |")
+                  f"{r['bandwidth_term'] * 1e3:.1f} | {r['effective_bandwidth'] / 1e6:.1f} / {a2a / 1e6:.1f} | "
+                  f"{r['noop_predicted'] * 1e3:.1f} | {r['noop_error']:+.1%} |")
     with open(os.path.join(a.out, "timemodel.md"), "w") as fh:
         fh.write("\n".join(md) + "\n")
     print("\n".join(md))

@@ -33,7 +33,37 @@ def test_ps_step_by_hand():
     assert t["total"] == pytest.approx(0.004 + 5.4e-3 + (1.2e6 + 4 + 4e5) / 5e7)
 
 
+def test_all_to_all_traffic_at_its_own_bandwidth():
+    """The same PS step with all-to-alls calibrated at 80 MB/s (the allreduce still at 50):
+    bytes 1.2e6 / 8e7 + (4 + 4e5) / 5e7; without alltoall_bandwidth the allreduce's is used."""
+    net = Network(5e7, cycle=1e-3, call=5e-5, alltoall_bandwidth=8e7)
+    t = step_time(0.004, ps_traffic(2, 1.2e6, 0.9e6, 4e5), 2, net)
+    assert t["bandwidth"] == pytest.approx(1.2e6 / 8e7 + (4 + 4e5) / 5e7)
+    d = step_time(0.004, des_traffic(1e6), 2, net)           # DES has no all-to-all: unchanged
+    assert d["bandwidth"] == pytest.approx(1e6 / 5e7)
+
+
 def test_one_process_has_no_communication():
     t = step_time(0.01, ps_traffic(39, 1e6, 1e6, 1e6), 1, Network.parse("1gbit"))
     assert t["total"] == 0.01 and t["comm_share"] == 0.0
     assert timemodel.HOROVOD_CYCLE == 1e-3
+
+
+@pytest.mark.mpi
+def test_sync_computation_waits_for_the_slowest_process_and_noop_does_not():
+    """Under mpirun (2 ranks, the last sleeping 0.4 s before each step): the timing communicators
+    of ``--comm noop`` do not wait for it, those of ``--comm sync`` (DES's allreduce, the PS's
+    slice-size allreduce) do - the model's computation term includes that wait."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_mpi_yield_when_idle="1", TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=root)
+    done = subprocess.run(["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable,
+                           "scripts/mpi_sync.py"], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    t = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+    assert t["des_sync"] > 0.3 and t["ps_sync"] > 0.3, t
+    assert t["des_noop"] < 0.2 and t["ps_noop"] < 0.2, t

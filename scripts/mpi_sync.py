@@ -1,0 +1,46 @@
+"""One process of the ``--comm sync`` check under mpirun (used by tests/test_timemodel.py):
+
+    mpirun -np 2 python scripts/mpi_sync.py
+
+The last rank sleeps 0.4 s before each of 3 steps. Rank 0 times the steps of each timing
+communicator: ``noop`` (DES's) and the PS's no-op exchange do not wait for it; ``sync`` (DES's)
+and the PS's ``KeyExchange.noop(sync=True)`` do. Prints one JSON line of median seconds per step.
+"""
+import json
+import sys
+import time
+
+import des  # noqa: F401
+import numpy as np
+import tensorflow as tf
+
+from des_ops.comm import NoopCommunicator, SyncCommunicator, launcher_rank  # noqa: E402
+from des_ops.sharded import KeyExchange  # noqa: E402
+
+
+def steps(reduce) -> float:
+    rank, size = launcher_rank()
+
+    @tf.function
+    def step(x):
+        return reduce(x)
+    step(tf.ones([1]))                       # trace (and a first meeting)
+    times = []
+    for _ in range(3):
+        if rank == size - 1:
+            time.sleep(0.4)
+        t = time.perf_counter()
+        step(tf.ones([1])).numpy()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def main() -> None:
+    out = {"des_noop": steps(NoopCommunicator().allreduce), "des_sync": steps(SyncCommunicator().allreduce),
+           "ps_noop": steps(KeyExchange.noop().sum_across), "ps_sync": steps(KeyExchange.noop(sync=True).sum_across)}
+    if launcher_rank()[0] == 0:
+        print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
