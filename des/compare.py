@@ -94,8 +94,13 @@ def run(key: str, model: str, data: str, a, out: str, launcher: list[str] | None
         cmd = [*(launcher or ["mpirun", "-np", str(a.np), "--oversubscribe", "--bind-to", "none"]), *cmd]
     print(f"[compare] {model} {key}: {' '.join(cmd)}", flush=True)
     log = summary[:-len(".json")] + ".log"
-    with open(log, "w") as fh:
-        done = subprocess.run(cmd, env=launch_env(), cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT)
+    for attempt in range(3):      # Open MPI's daemons across the netbed's namespaces fail to start now and then
+        with open(log, "w") as fh:
+            done = subprocess.run(cmd, env=launch_env(), cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT)
+        with open(log) as fh:
+            if done.returncode == 0 or not launcher or "ORTE was unable to reliably start" not in fh.read():
+                break
+        print(f"[compare] mpirun could not start its daemons (attempt {attempt + 1} of 3); again", flush=True)
     if done.returncode != 0:
         raise SystemExit(f"{model} {key} failed (exit {done.returncode}); see {log}")
     paths = [summary] if mode == "single" else [f"{summary}.rank{r}" for r in range(a.np)]

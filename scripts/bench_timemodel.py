@@ -27,13 +27,18 @@ from des import compare, timemodel  # noqa: E402
 from des.netbed import Netbed  # noqa: E402
 
 
-def calibrate(bed: Netbed, n: int) -> dict:
+def calibrate(bed: Netbed, n: int, attempts: int = 3) -> dict:
+    """bench_collectives on the netbed (retried: Open MPI's daemon start across the namespaces
+    fails now and then, a segfault of orted before any of our code runs)."""
     cmd = bed.mpirun(n) + [sys.executable, os.path.join(ROOT, "scripts", "bench_collectives.py")]
-    done = subprocess.run(cmd, env=compare.launch_env(), cwd=ROOT, capture_output=True, text=True, timeout=900)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        raise SystemExit(f"bench_collectives failed: {done.stderr[-2000:]}")
-    return json.loads(lines[-1])
+    for attempt in range(attempts):
+        done = subprocess.run(cmd, env=compare.launch_env(), cwd=ROOT, capture_output=True, text=True, timeout=900)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode == 0 and lines:
+            return json.loads(lines[-1])
+        print(f"[timemodel] bench_collectives failed (attempt {attempt + 1} of {attempts}): "
+              f"{done.stderr.strip().splitlines()[-1:] or ''}", flush=True)
+    raise SystemExit(f"bench_collectives failed: {done.stderr[-2000:]}")
 
 
 def traffic(mode: str, s: dict) -> dict:
