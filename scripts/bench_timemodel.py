@@ -51,6 +51,16 @@ def traffic(mode: str, s: dict) -> dict:
                                 max(r["allreduce_payload_bytes_per_step"] for r in ranks) - 4)
 
 
+def computation(mode: str, kind: str, n: int, a, data, run_args) -> dict:
+    """Rank 0's summary of a run with ``--comm kind`` (noop / sync) under a local mpirun; with
+    ``--reuse-compute`` the one a previous run left in --out, if there is one."""
+    saved = os.path.join(a.out, f"{a.model}-{mode}-{kind}-n{n}.json.rank0")
+    if a.reuse_compute and os.path.exists(saved):
+        with open(saved) as fh:
+            return json.load(fh)
+    return compare.run(mode, a.model, data, run_args, a.out, options=("--comm", kind), tag=f"-{kind}-n{n}")
+
+
 def step_seconds(s: dict, batch: int) -> float:
     return batch / s["samples_per_second"]
 
@@ -66,6 +76,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rates", default="100mbit,300mbit,1gbit")
     ap.add_argument("--columnar", action="store_true", help="every run reads a columnar copy (des.data.convert)")
     ap.add_argument("--out", default="reports/timemodel")
+    ap.add_argument("--reuse-compute", action="store_true",
+                    help="take the computation runs' summaries a previous run left in --out")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     data = compare.ensure_data(a.preset, a.rows, 0, os.path.join(a.out, "data"))
@@ -79,8 +91,7 @@ def main(argv=None) -> int:
     rows = []
     for n in [int(x) for x in a.np.split(",")]:
         run_args.np = n
-        compute = {(m, kind): step_seconds(compare.run(m, a.model, data, run_args, a.out, options=("--comm", kind),
-                                                       tag=f"-{kind}-n{n}"), a.batch)
+        compute = {(m, kind): step_seconds(computation(m, kind, n, a, data, run_args), a.batch)
                    for m in ("des", "ps") for kind in ("noop", "sync")}
         for rate in a.rates.split(","):
             with Netbed(n, rate=rate) as bed:
