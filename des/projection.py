@@ -62,7 +62,7 @@ def project(models_: list[str], data: list[str], fmt: str, a, nps: list[int], ou
             traffic = traffic_at(model, data, fmt, a, n)
             for mode in ("des", "ps"):
                 t = timemodel.step_time(compute_seconds(mode, model, data, fmt, a, n, out), traffic[mode], n, net)
-                rows.append(dict(model=model, mode=mode, n=n, samples_per_s=a.batch / t["total"], **t))
+                rows.append(dict(t, model=model, mode=mode, samples_per_s=a.batch / t["total"]))   # t has "n"
     return rows
 
 

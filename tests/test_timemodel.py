@@ -67,3 +67,24 @@ def test_sync_computation_waits_for_the_slowest_process_and_noop_does_not():
     t = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
     assert t["des_sync"] > 0.3 and t["ps_sync"] > 0.3, t
     assert t["des_noop"] < 0.2 and t["ps_noop"] < 0.2, t
+
+
+def test_projection_rows_and_table(monkeypatch):
+    """des.projection with the computation and the traffic stubbed (they need runs and data):
+    one row per model, N and mode, samples/s = batch / the model's step time, and its table."""
+    import argparse
+    from des import projection
+    monkeypatch.setattr(projection, "compute_seconds", lambda mode, *rest: {"des": 0.02, "ps": 0.01}[mode])
+    monkeypatch.setattr(projection, "traffic_at", lambda model, data, fmt, a, n: {
+        "des": des_traffic(4 * 2048 * 18), "ps": ps_traffic(4, 2e6, 2e6, 1e5)})
+    a = argparse.Namespace(bandwidth="10gbit", latency="20us", cycle=1.0, batch=2048, preset="wide", data=None,
+                           rows=100, columnar=False, format=None)
+    rows = projection.project(["lr"], ["x"], "libffm", a, [4, 16], "out")
+    assert [(r["model"], r["n"], r["mode"]) for r in rows] == [("lr", 4, "des"), ("lr", 4, "ps"),
+                                                              ("lr", 16, "des"), ("lr", 16, "ps")]
+    net = Network.parse("10gbit", "20us", 1e-3)
+    for r in rows:
+        t = step_time(0.02 if r["mode"] == "des" else 0.01, des_traffic(4 * 2048 * 18) if r["mode"] == "des"
+                      else ps_traffic(4, 2e6, 2e6, 1e5), r["n"], net)
+        assert r["samples_per_s"] == pytest.approx(2048 / t["total"])
+    assert "| lr | 16 |" in projection.markdown(rows, a)
