@@ -5,8 +5,8 @@
     model.fit(dataset(shard=mode.train_shard(epoch)), callbacks=mode.callbacks(model))
     mode.summarise(model, summary)
 
-A mode decides four things: which processes there are and what each one reads (``world``,
-``global_batch``, ``train_shard``, ``eval_shard``, ``read_inputs``), what the model becomes
+A mode decides four things: which processes there are and what each one reads (``rank``,
+``world_size``, ``global_batch``, ``train_shard``, ``eval_shard``, ``read_inputs``), what the model becomes
 (``prepare``), what is measured while it trains (``callbacks``) and what its summary and log
 say (``evaluate``, ``summarise``). Options that do not apply to it are refused by ``check``.
 """
