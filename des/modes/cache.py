@@ -26,8 +26,8 @@ class Cache(PS):
             raise ModeError(str(e)) from None
         self._check_top_k()
 
-    def prepare(self, model):
-        from des import cache, ps
+    def _shard(self, model):
+        from des import cache
         a = self.a
         try:
             model = cache.cache(model, self.exchange, self.staleness, self.capacity, a.eviction,
@@ -39,8 +39,6 @@ class Cache(PS):
         self.run.log(f"cache: {len(self._tables)} tables sharded by key over {self.world_size} "
                      f"process(es), each cached on every process (staleness {a.staleness}, {a.eviction}, "
                      f"{sizes[0]}..{sizes[-1]} rows per table); global batch {self.global_batch}")
-        self._keys = [ids for ids, _, _ in ps.table_inputs(model)]
-        self._log_allocation()
         return model
 
     def _capacity(self):

@@ -15,6 +15,7 @@ from des.modes.base import Mode
 class DES(Mode):
     name = "des"
     _reads = "every process reads the whole batch"
+    _inputs: list[str] | None = None      # columnar data: this process's own inputs (set by prepare)
 
     def _communicator(self):
         from des_ops.comm import default_communicator
@@ -30,7 +31,6 @@ class DES(Mode):
         first = {k: v.numpy() for k, v in self.run.first_batch().items()}
         self.report.estimate_costs(a.batch, unique_ids_per_slice(first, self.run.spec, self.world_size))
         self.run.log(self.report)
-        self._inputs = None
         if a.format == "columnar":
             self._inputs = own_inputs(model, self.run.spec, self.rank)
             self.run.log(f"columnar data: each process reads the labels and its own fields' columns (rank 0: "
@@ -38,7 +38,7 @@ class DES(Mode):
         return model
 
     def read_inputs(self):
-        return getattr(self, "_inputs", None)
+        return self._inputs
 
     def callbacks(self, model) -> list:
         from des.callbacks import BytesPerStep, ReplicaCheck

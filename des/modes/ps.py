@@ -67,17 +67,19 @@ class PS(Mode):
 
     def prepare(self, model):
         from des import ps
-        model = ps.shard(model, self.exchange)
-        model.record_ids = self.a.check_bytes
-        self._log_tables(model)
+        model = self._shard(model)
         self._keys = [ids for ids, _, _ in ps.table_inputs(model)]
         self._log_allocation()
         return model
 
-    def _log_tables(self, model) -> None:
+    def _shard(self, model):
+        """The reference model with its tables sharded by key (the cache mode: and cached)."""
         from des import ps
+        model = ps.shard(model, self.exchange)
+        model.record_ids = self.a.check_bytes
         self.run.log(f"PS: {len(ps.table_inputs(model))} tables sharded by key over {self.world_size} process(es), "
                      f"{ps.dense_parameters(model)} dense parameters allreduced; global batch {self.global_batch}")
+        return model
 
     def _log_allocation(self) -> None:
         a = self.a
