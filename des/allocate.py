@@ -39,9 +39,14 @@ first batch (chosen once, the same on every process): faster, a little less loca
 ``alloc(...)``: the indices for rank 0, 1; ``Share(alloc, rank).take`` is the tf.data map that
 keeps this process's samples of each global batch.
 
-The simulated caches follow the real cache's rules (LRU by last use, valid until another process
-updates the row) but are a second implementation: eviction ties may differ. That only weakens the
-score - correctness never depends on it.
+The simulated caches ARE the cache's line sets: ``Share(..., evictions=True)`` hands the train
+step, per input, the keys the simulation evicts from this process's cache after this batch
+(feature ``<input>@evict``), and the cache (des_ops.cached) evicts exactly those instead of
+choosing by its own LRU. Both insert the same keys (the remote keys a process looks up), so the
+real lines are the simulated ones, key for key (a cache that starts empty while the simulation
+is warm - a resumed epoch - holds a subset). Validity follows the same rule on both sides
+(outdated once another process updates the row). Correctness never depends on any of this: it
+is what makes the score, and Herald's plan, see the caches as they are.
 """
 from __future__ import annotations
 
@@ -142,6 +147,7 @@ class LaiaAllocation(Allocator):
         # per process: cached (input, key) tokens (sorted), their input, the batch each was last used, valid
         empty = (np.zeros(0, np.uint64), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool))
         self.cache = [empty for _ in range(world_size)]
+        self.evicted = [(np.zeros(0, np.uint64), np.zeros(0, np.int64)) for _ in range(world_size)]  # last batch's
 
     def _tokens(self, feats: dict, batch: int, names: Sequence[str]):
         """The id occurrences of ``names``, sample by sample: (starts [batch + 1]: sample i's
@@ -236,6 +242,7 @@ class LaiaAllocation(Allocator):
         valid unless another process used the key (and so updated its row), or the process itself
         did without ``keeps_own_updates``. ``user``: the process of each id occurrence."""
         n = self.world_size
+        self.evicted = [(np.zeros(0, np.uint64), np.zeros(0, np.int64)) for _ in range(n)]
         if not self._cap.any():
             return
         users = np.zeros((len(keys), n), bool)
@@ -257,6 +264,8 @@ class LaiaAllocation(Allocator):
             order = np.lexsort((-last, t))               # per input, most recently used first
             start = np.searchsorted(t[order], t[order])
             fits = np.arange(len(order)) - start < self._cap[t[order]]
+            gone = order[~fits]
+            self.evicted[w] = (k[gone], t[gone])
             order = order[fits]
             order = order[np.argsort(k[order])]
             self.cache[w] = (k[order], t[order], last[order], valid[order])
@@ -269,9 +278,16 @@ class LaiaAllocation(Allocator):
         order = np.argsort(k)
         return k[order], valid[sel][order]
 
+    def evictions(self, rank: int) -> dict[str, np.ndarray]:
+        """{input: the keys (int64) process ``rank``'s cache of it evicts after the last batch}
+        for every input (empty where nothing goes, or the input is not simulated)."""
+        tok, t = self.evicted[rank]
+        return {name: np.sort(self._keys_of(tok[t == i], i)) for i, name in enumerate(self.inputs)}
+
     @staticmethod
     def _keys_of(tok: np.ndarray, t: int) -> np.ndarray:
-        return (tok - np.uint64(t) * _GOLDEN).view(np.int64)
+        with np.errstate(over="ignore"):        # wraps, as _token_key does
+            return (tok - np.uint64(t) * _GOLDEN).view(np.int64)
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -359,6 +375,7 @@ def make(kind: str, world_size: int, keys: Sequence[str] = (), capacity: dict[st
 
 
 OTHERS = "@others"   # feature suffix: the distinct keys of an input that OTHER processes' samples use
+EVICT = "@evict"     # feature suffix: the keys laia's simulation evicts from this process's cache of an input
 
 
 class Share:
@@ -367,36 +384,46 @@ class Share:
 
     ``others=True`` also hands the train step, for every input the allocator reads, the distinct
     keys the other processes' samples of this batch use (feature ``<input>@others``): what the
-    cache's on-demand plan needs to know which of its lines another process updates this step."""
+    cache's on-demand plan needs to know which of its lines another process updates this step.
+    ``evictions=True`` (laia over a cache) also hands it the keys the simulation evicts from this
+    process's cache (feature ``<input>@evict``), which the cache then evicts (des.cache)."""
 
-    def __init__(self, allocator: Allocator, rank: int, others: bool = False):
-        self.allocator, self.rank, self.others = allocator, rank, others
+    def __init__(self, allocator: Allocator, rank: int, others: bool = False, evictions: bool = False):
+        if evictions and not isinstance(allocator, LaiaAllocation):
+            raise ValueError("evictions=True: only laia simulates the caches")
+        self.allocator, self.rank, self.others, self.evictions = allocator, rank, others, evictions
+
+    def extras(self) -> list[str]:
+        """The features ``take`` adds, in order."""
+        names = self.allocator.inputs
+        return [k + OTHERS for k in names if self.others] + [k + EVICT for k in names if self.evictions]
 
     def mine(self, feats: dict, batch: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """(this process's row indices of the global batch, {input + OTHERS: the distinct keys the
-        other processes' rows use} if ``others`` else {})."""
+        other processes' rows use} if ``others``, {input + EVICT: the keys its cache evicts after
+        this batch} if ``evictions``)."""
         parts = self.allocator({k: feats[k] for k in self.allocator.inputs}, int(batch))
-        if not self.others:
-            return parts[self.rank], {}
-        rest = np.concatenate([p for r, p in enumerate(parts) if r != self.rank] + [np.zeros(0, np.int64)])
-        used = {}
-        for name in self.allocator.inputs:
-            ids = np.unique(np.asarray(feats[name])[rest].reshape(-1))
-            used[name + OTHERS] = ids[ids != PAD_ID].astype(np.int64)
-        return parts[self.rank], used
+        extra = {}
+        if self.others:
+            rest = np.concatenate([p for r, p in enumerate(parts) if r != self.rank] + [np.zeros(0, np.int64)])
+            for name in self.allocator.inputs:
+                ids = np.unique(np.asarray(feats[name])[rest].reshape(-1))
+                extra[name + OTHERS] = ids[ids != PAD_ID].astype(np.int64)
+        if self.evictions:
+            extra.update({k + EVICT: v for k, v in self.allocator.evictions(self.rank).items()})
+        return parts[self.rank], extra
 
     def _mine(self, batch, *cols):
-        idx, used = self.mine(dict(zip(self.allocator.inputs, cols)), int(batch))
-        return (idx, *used.values()) if self.others else idx
+        idx, extra = self.mine(dict(zip(self.allocator.inputs, cols)), int(batch))
+        return (idx, *(extra[k] for k in self.extras()))
 
     def take(self, feats: dict, label):
         import tensorflow as tf
         b = tf.shape(label, out_type=tf.int64)[0]
-        names = self.allocator.inputs
-        out = tf.numpy_function(self._mine, [b] + [feats[k] for k in names],
-                                [tf.int64] * (1 + len(names)) if self.others else tf.int64, stateful=True)
-        idx = tf.ensure_shape(out[0] if self.others else out, [None])
+        names, extras = self.allocator.inputs, self.extras()
+        out = tf.numpy_function(self._mine, [b] + [feats[k] for k in names], [tf.int64] * (1 + len(extras)),
+                                stateful=True)
+        idx = tf.ensure_shape(out[0], [None])
         mine = {k: tf.gather(v, idx) for k, v in feats.items()}
-        if self.others:
-            mine.update({k + OTHERS: tf.ensure_shape(v, [None]) for k, v in zip(names, out[1:])})
+        mine.update({k: tf.ensure_shape(v, [None]) for k, v in zip(extras, out[1:])})
         return mine, tf.gather(label, idx)

@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow_recommenders_addons import dynamic_embedding as de
 
-from des.allocate import OTHERS
+from des.allocate import EVICT, OTHERS
 from des.ir import Graph
 from des.ps import PSModel, per_destination, shard
 from des_ops.cached import CacheConfig, CachedFieldEmbedding, new_counters
@@ -54,6 +54,7 @@ class CacheModel(PSModel):
     def train_step(self, data):
         x, y = dict(data[0]), data[1]
         others = {k[:-len(OTHERS)]: x.pop(k) for k in list(x) if k.endswith(OTHERS)}
+        evict = {k[:-len(EVICT)]: x.pop(k) for k in list(x) if k.endswith(EVICT)}    # laia's simulated caches
         self._set_local_lr()
         tables = self.cached_tables()
         n_local = tf.cast(tf.shape(y)[0], tf.float32)
@@ -73,7 +74,8 @@ class CacheModel(PSModel):
         dense = [v for v in self.trainable_variables if not isinstance(v, de.TrainableWrapper)]
         grads = tape.gradient(loss, feeds + dense)
         g_dense = self.allreduce_dense(grads[len(feeds):], dense)
-        pushes = [(layer, layer.push(*layer.accumulate(g))) for (layer, _), g in zip(tables, grads[:len(feeds)])]
+        pushes = [(layer, layer.push(*layer.accumulate(g, evict.get(ids))))
+                  for (layer, ids), g in zip(tables, grads[:len(feeds)])]
         marks = []
         for (layer, ids), (_, (keys, _)) in zip(tables, pushes):
             if layer.config.on_demand:      # lines of keys the other processes update this step
@@ -97,17 +99,20 @@ class CacheModel(PSModel):
         shadows = [layer.shadow for layer, _ in pushes]
         return list(zip(tape.gradient(total, shadows), shadows))
 
-    def flush(self) -> None:
+    def flush(self, clear: bool = False) -> None:
         """A sync point: every worker pushes every pending update and the owners apply them.
-        Collective (every process calls it); not a training step (optimizer steps unchanged)."""
+        Collective (every process calls it); not a training step (optimizer steps unchanged).
+        ``clear``: the caches are emptied too (a new laia allocator starts with empty caches)."""
         self._set_local_lr()
-        if not hasattr(self, "_flush_fn"):
+        if not hasattr(self, "_flush_fns"):
+            self._flush_fns = {}
+        if clear not in self._flush_fns:
             def run():
-                pushes = [(layer, layer.push(*layer.pending())) for layer, _ in self.cached_tables()]
+                pushes = [(layer, layer.push(*layer.pending(clear))) for layer, _ in self.cached_tables()]
                 self.optimizer.apply_gradients(self._owner_gradients(pushes))
-            self._flush_fn = tf.function(run)
+            self._flush_fns[clear] = tf.function(run)
         steps = [(v, v.numpy()) for v in _iteration_variables(self.optimizer)]
-        self._flush_fn()
+        self._flush_fns[clear]()
         for v, n in steps:
             v.assign(n)
 
@@ -213,5 +218,6 @@ def traffic_summary(steps: list[dict], rank: int, n: int) -> dict:
             "hit_rate_after_fill": (tot("hits_after_fill") / tot("queried_after_fill")
                                     if tot("queried_after_fill") else None),
             "evicted": tot("evicted"),
+            "evicted_unplanned": tot("evicted_unplanned"),
             "allreduce_payload_bytes_per_step": med([s.get("dense_bytes", 0) + s.get("control_bytes", 0) for s in steps]),
             **per_destination(steps, rank, n)}

@@ -14,7 +14,8 @@ training step, per table, with a fixed number of all-to-alls (never one per id):
   2. forward/backward on the rows (own keys: read from the own table, never cached);
   3. push: the gradient of a cached row is added to its line; a line is pushed (id, count, sum:
      12 + 4*dim B) when it has max(s, 1) updates, when it is evicted (cache over capacity after
-     the step: least recently / least frequently used lines first) and at flushes (epoch end,
+     the step: least recently / least frequently used lines first, or the lines an allocation
+     that simulates the caches names - des.allocate's laia) and at flushes (epoch end,
      evaluation, checkpoint). The owner adds the counts to Ko and applies the optimizer to the
      pushed sums (the slots stay with the owner).
 
@@ -71,7 +72,7 @@ class CacheConfig:
 
 
 CACHE_COUNTERS = ("query_bytes", "clock_bytes", "fetch_bytes", "push_bytes", "analytic_bytes", "queried",
-                  "fetched", "pushed", "hits", "queried_after_fill", "hits_after_fill", "evicted",
+                  "fetched", "pushed", "hits", "queried_after_fill", "hits_after_fill", "evicted", "evicted_unplanned",
                   "over_capacity", "max_read_gap")
 
 
@@ -297,9 +298,10 @@ class CachedFieldEmbedding(ShardedFieldEmbedding):
             return c < 0
         return tf.logical_or(c < 0, ko - c > s)
 
-    def accumulate(self, grad: tf.Tensor):
+    def accumulate(self, grad: tf.Tensor, evict: tf.Tensor | None = None):
         """Backward half: add the gradient of the step's rows [distinct ids, dim] to their lines,
-        evict over capacity, and return what to push: (keys, counts, gradient sums)."""
+        evict (``evict``: these keys - an allocation's plan -, then any line still over capacity,
+        by the eviction rule) and return what to push: (keys, counts, gradient sums)."""
         L, cfg, st = self.lines, self.config, self.lines.step_state
         g = tf.gather_nd(grad, st["real"])
         g_own, g_far = tf.gather_nd(g, st["own_pos"]), tf.gather_nd(g, st["far_pos"])
@@ -323,18 +325,27 @@ class CachedFieldEmbedding(ShardedFieldEmbedding):
         with tf.control_dependencies(audit):
             upsert = L.table.upsert(st["far"], L.join(row, clock, pend, count, used, uses))
         with tf.control_dependencies([upsert]):
-            ev_keys, ev_count, ev_sum = self._evict()
+            ev_keys, ev_count, ev_sum = self._evict(evict)
         keys = tf.concat([st["own"], push_keys, ev_keys], 0)
         counts = tf.concat([tf.ones_like(st["own"], tf.float32), push_count, ev_count], 0)
         sums = tf.concat([g_own, push_sum, ev_sum], 0)
         L.step_state = None
         return keys, counts, sums
 
-    def _evict(self):
-        """Remove the lines over capacity (LRU: oldest use first; LFU: fewest uses, then oldest);
+    def _evict(self, planned: tf.Tensor | None = None):
+        """Remove the lines of the ``planned`` keys, then the lines still over capacity (LRU:
+        oldest use first; LFU: fewest uses, then oldest; counted as ``evicted_unplanned``);
         return the evicted lines' unpushed updates (keys, counts, sums)."""
         L, cfg, d = self.lines, self.config, self.dim
-        excess = _size(L.table) - cfg.capacity
+        first = []
+        if planned is not None:
+            lines, present = L.table.lookup(planned, return_exists=True)
+            pk, lines = _mask(present, planned, lines)
+            _, _, pend, count, _, _ = L.parts(lines)
+            with tf.control_dependencies([L.table.remove(pk), self._add("evicted", tf.size(pk))]):
+                first = [tuple(tf.identity(t) for t in _mask(count > 0, pk, count, pend))]
+        with tf.control_dependencies([t for out in first for t in out]):
+            excess = _size(L.table) - cfg.capacity
 
         def evict():
             keys, lines = L.table.export()
@@ -343,13 +354,16 @@ class CachedFieldEmbedding(ShardedFieldEmbedding):
             score = -used64 if cfg.eviction == "lru" else -(tf.cast(uses, tf.float64) * 2.0 ** 32 + used64)
             _, victims = tf.math.top_k(score, k=tf.cast(excess, tf.int32))
             vk, vc, vs = tf.gather(keys, victims), tf.gather(count, victims), tf.gather(pend, victims)
-            with tf.control_dependencies([L.table.remove(vk), self._add("evicted", tf.size(vk))]):
+            with tf.control_dependencies([L.table.remove(vk), self._add("evicted", tf.size(vk)),
+                                          self._add("evicted_unplanned", tf.size(vk))]):
                 return tuple(_mask(vc > 0, vk, vc, vs))
 
         def none():
             return tf.zeros([0], tf.int64), tf.zeros([0], tf.float32), tf.zeros([0, d], tf.float32)
 
         out = tf.cond(excess > 0, evict, none)
+        if first:
+            out = tuple(tf.concat([a, b], 0) for a, b in zip(first[0], out))
         with tf.control_dependencies(list(out)):
             size = _size(L.table)
             check = [self._max("over_capacity", size - cfg.capacity),
@@ -357,16 +371,20 @@ class CachedFieldEmbedding(ShardedFieldEmbedding):
         with tf.control_dependencies(check):
             return tuple(tf.identity(t) for t in out)
 
-    def pending(self):
-        """Every line's unpushed updates (keys, counts, sums), and the lines marked pushed (flush)."""
+    def pending(self, clear: bool = False):
+        """Every line's unpushed updates (keys, counts, sums), and the lines marked pushed (flush);
+        ``clear``: the lines removed instead (the cache starts empty again)."""
         L = self.lines
         keys, lines = L.table.export()
         row, clock, pend, count, used, uses = L.parts(lines)
         has = count > 0
         if self.local_lr is not None:
             clock = clock + count
-        upsert = L.table.upsert(keys, L.join(row, clock, tf.zeros_like(pend), tf.zeros_like(count), used, uses))
-        with tf.control_dependencies([upsert]):
+        if clear:
+            done = L.table.remove(keys)
+        else:
+            done = L.table.upsert(keys, L.join(row, clock, tf.zeros_like(pend), tf.zeros_like(count), used, uses))
+        with tf.control_dependencies([done]):
             return tuple(_mask(has, keys, count, pend))
 
     def push(self, keys: tf.Tensor, counts: tf.Tensor, sums: tf.Tensor):

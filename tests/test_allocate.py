@@ -92,15 +92,18 @@ def test_laia_fetches_fewer_remote_ids_than_contiguous_slices():
     assert got["laia"] < 0.9 * got["contiguous"]
 
 
-def _train_allocated(model, exchange, kind, batches, probe, optimizer, capacity=None, others=False):
-    """train_on_batch on this process's share (des.allocate.Share.mine: its rows and, with
-    ``others``, the keys the other processes use); predictions on ``probe`` after every step."""
+def _train_allocated(model, exchange, kind, batches, probe, optimizer, capacity=None, others=False,
+                     evictions=False, alloc=None):
+    """fit on this process's share (des.allocate.Share.mine: its rows and, with ``others``, the
+    keys the other processes use; with ``evictions``, the keys laia's simulation evicts from its
+    cache); predictions on ``probe`` after every step, and the allocation's digest."""
     model.compile(optimizer_factory(optimizer, LR)(), "binary_crossentropy")
-    alloc = allocate.make(kind, exchange.world_size, KEYS, capacity, seed=5)
-    share = allocate.Share(alloc, exchange.rank, others=others)
+    alloc = alloc or allocate.make(kind, exchange.world_size, KEYS, capacity, seed=5,
+                                   keeps_own_updates=optimizer == "sgd")
+    share = allocate.Share(alloc, exchange.rank, others=others, evictions=evictions)
     x0 = batches[0][0]
     spec = {k: tf.TensorSpec([None, *v.shape[1:]], v.dtype) for k, v in x0.items()}
-    spec.update({k + allocate.OTHERS: tf.TensorSpec([None], tf.int64) for k in KEYS} if others else {})
+    spec.update({k: tf.TensorSpec([None], tf.int64) for k in share.extras()})
 
     def shares():
         for x, y in batches:
@@ -173,6 +176,55 @@ def test_the_on_demand_plan_is_exact_and_asks_only_for_what_it_lacks(n, kind, op
     assert total[True]["fetched"] == total[False]["fetched"]          # the same rows move
     sent = lambda t: t["query_bytes"] + t["clock_bytes"] + t["fetch_bytes"] + t["push_bytes"]  # noqa: E731
     assert sent(total[True]) == total[True]["analytic_bytes"] and sent(total[True]) < sent(total[False])
+
+
+@pytest.mark.parametrize("n,optimizer,on_demand", [(3, "sgd", True), (2, "adagrad", False)])
+def test_the_simulated_caches_are_the_real_caches(n, optimizer, on_demand):
+    """One set of lines: laia's simulation decides the cache's evictions (Share(evictions=True)),
+    so after training every process's real cache of every table holds exactly the keys its
+    simulated cache holds, valid where the simulation says so (on-demand: clock >= 0), no line
+    left by the cache's own LRU rule, evictions happened (4-row caches), and the model is still
+    the single process's."""
+    batches, probe = ps_batches()
+    expected = single_process_predictions("deepfm", optimizer, LR, batches, probe)
+    capacity = {k: 4 for k in KEYS}
+
+    def work(ex):
+        model = cache(models.build("deepfm", PS_SPEC, seed=3, hidden=(8, 4)), ex, staleness=0, capacity=4,
+                      on_demand=on_demand)
+        alloc = allocate.make("laia", ex.world_size, KEYS, capacity, keeps_own_updates=optimizer == "sgd")
+        preds, digest = _train_allocated(model, ex, "laia", batches, probe, optimizer, others=on_demand,
+                                         evictions=True, alloc=alloc)
+        mismatch, lines = [], 0
+        for layer, ids in model.cached_tables():
+            keys, values = layer.lines.table.export()
+            keys, clock = keys.numpy(), layer.lines.parts(values)[1].numpy()
+            order = np.argsort(keys)
+            sim_keys, sim_valid = alloc.cached(ex.rank, ids)
+            lines += len(keys)
+            if keys[order].tolist() != sim_keys.tolist():
+                mismatch.append((layer.name, keys[order].tolist(), sim_keys.tolist()))
+            elif on_demand and (clock[order] >= 0).tolist() != sim_valid.tolist():
+                mismatch.append((layer.name, "valid", (clock[order] >= 0).tolist(), sim_valid.tolist()))
+        return preds, digest, mismatch, lines, model.cache_counters()
+    outs = run_sharded_world(n, work)
+    assert_exact([o[:2] for o in outs], expected, f"laia-planned cache N={n} {optimizer}")
+    for preds, digest, mismatch, lines, counters in outs:
+        print(f"lines {lines}, evicted {counters['evicted']}, unplanned {counters['evicted_unplanned']}")
+        assert mismatch == [] and lines > 0
+        assert counters["evicted"] > 0 and counters["evicted_unplanned"] == 0
+
+
+def test_without_the_plan_the_cache_evicts_by_its_own_rule():
+    """The negative: the same run without ``evictions`` leaves the choice to the cache's LRU."""
+    batches, probe = ps_batches()
+
+    def work(ex):
+        model = cache(models.build("lr", PS_SPEC, seed=3), ex, staleness=0, capacity=4)
+        _train_allocated(model, ex, "laia", batches, probe, "adagrad", {k: 4 for k in KEYS})
+        return model.cache_counters()
+    for counters in run_sharded_world(2, work):
+        assert counters["evicted_unplanned"] == counters["evicted"] > 0
 
 
 def _reference_laia(batches: list, n: int, inputs: list, chunk: int) -> list:

@@ -201,8 +201,9 @@ def test_laia_allocation_under_mpirun_equals_single_process(data_file, single_ru
     for r in ranks:
         assert abs(r["logloss"] - single_run["logloss"]) < 1e-5 and abs(r["auc"] - single_run["auc"]) < 1e-4
         assert r["bytes_exact_steps"] == "20/20"
-        if mode[1] == "cache":
+        if mode[1] == "cache":      # laia's simulation decided every eviction (one set of lines)
             assert r["clock_bytes_per_step"] == 0 and r["remote_lookups_per_step"] > 0
+            assert r["evicted"] > 0 and r["evicted_unplanned"] == 0, r
     if mode[1] == "ps":
         slices = mpirun(n, *TRAIN, *mode, "--data", data_file, "--summary-json", str(tmp_path / "c.json"))
         assert slices.returncode == 0, slices.stderr[-3000:]

@@ -6,7 +6,9 @@
 Everything the PS mode does (slices, allocation, all-to-all accounting), with cached tables:
 a flush at every epoch's end (before checkpoints and evaluation), the laia allocator simulating
 the caches at their capacity, and the cache's counters (queries, clocks, fetches, pushes, hits)
-in the summary.
+in the summary. With ``--allocate laia`` the simulation decides the evictions (one set of lines:
+des.allocate), and each epoch's flush also empties the caches, as the new epoch's allocator
+starts with empty ones.
 """
 from __future__ import annotations
 
@@ -25,6 +27,12 @@ class Cache(PS):
         except ValueError as e:
             raise ModeError(str(e)) from None
         self._check_top_k()
+        if self.a.allocate == "laia" and self.a.eviction != "lru":
+            raise ModeError(f"--allocate laia simulates LRU caches and decides their evictions: "
+                            f"--eviction {self.a.eviction} does not apply")
+
+    def _planned(self) -> bool:
+        return self.a.allocate == "laia"
 
     def _shard(self, model):
         from des import cache
@@ -50,7 +58,7 @@ class Cache(PS):
         return counters
 
     def callbacks(self, model) -> list:
-        return super().callbacks(model) + [_FlushAtEpochEnd()]
+        return super().callbacks(model) + [_FlushAtEpochEnd(clear=self._planned())]
 
     def flush(self, model) -> None:
         """Push every pending update (before the owners' rows are saved)."""
@@ -70,11 +78,12 @@ class Cache(PS):
                      f"lookups per step; hit rate {summary['hit_rate']:.3f}")
 
 
-def _FlushAtEpochEnd():
-    """Every epoch ends with a flush (a sync point), before checkpoints and evaluation."""
+def _FlushAtEpochEnd(clear: bool = False):
+    """Every epoch ends with a flush (a sync point), before checkpoints and evaluation;
+    ``clear``: the caches are emptied too."""
     import tensorflow as tf
 
     class Flush(tf.keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):
-            self.model.flush()
+            self.model.flush(clear=clear)
     return Flush()

@@ -57,13 +57,17 @@ class PS(Mode):
         self.allocators.append(allocate.make(a.allocate, self.world_size, self._keys, self._capacity(),
                                              seed=epoch_seed(a.seed, epoch), keeps_own_updates=sgd,
                                              top_k=a.allocate_top_k))
-        return allocate.Share(self.allocators[-1], self.rank, others=a.on_demand)
+        return allocate.Share(self.allocators[-1], self.rank, others=a.on_demand, evictions=self._planned())
 
     def eval_shard(self):
         return (self.rank, self.world_size)
 
     def _capacity(self):
         return None
+
+    def _planned(self) -> bool:
+        """The caches evict what the allocator's simulation evicts (the cache mode with laia)."""
+        return False
 
     def prepare(self, model):
         from des import ps
