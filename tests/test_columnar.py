@@ -49,6 +49,15 @@ def test_same_batches_as_the_text_reader(wide):
                 assert fa[k].dtype == fb[k].dtype and np.array_equal(fa[k].numpy(), fb[k].numpy()), k
 
 
+def test_the_wide_presets_cardinalities_reach_the_spec(wide):
+    """The generator knows every field's cardinality: the spec of the text file and of its
+    columnar copy carry them (the cache's --cache-size 10% and the DES plan's balance need them)."""
+    text, cols, spec = wide
+    known = json.load(open(text + ".meta.json"))["cardinalities"]
+    assert {f.name: f.cardinality for f in spec} == known
+    assert {f.name: f.cardinality for f in columnar.spec_of(cols)} == known
+
+
 def test_only_requested_columns_are_read(wide, monkeypatch):
     """Asked for F3 (and its weights): those equal the text's; every other input is padding; the
     column files of the others are never opened."""

@@ -44,6 +44,7 @@ def spec_for(fmt: str, paths: Sequence[str], dim: int, meta: dict | None = None,
     if fmt == "avazu":
         return avazu_spec(dim)
     if "spec" in meta and meta.get("format") == fmt:
-        return FeatureSpec.from_json(json.dumps(meta["spec"])).with_dim(dim)
+        spec = FeatureSpec.from_json(json.dumps(meta["spec"])).with_dim(dim)
+        return spec.with_cardinalities(meta.get("cardinalities") or {})   # e.g. --cache-size 10% on wide
     from des.data.libsvm import scan_spec
     return scan_spec(list(paths) + list(eval_paths or []), fmt, dim)

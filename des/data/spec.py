@@ -84,6 +84,17 @@ class FeatureSpec:
     def with_dim(self, dim: int) -> "FeatureSpec":
         return FeatureSpec(tuple(dataclasses.replace(f, dim=dim) for f in self.fields), self.label)
 
+    def with_cardinalities(self, cardinalities: dict[str, int]) -> "FeatureSpec":
+        """The fields whose cardinality is unknown take it from ``cardinalities`` (by name).
+
+        >>> spec = FeatureSpec((Field("F0", "multi", 8), Field("F1", "multi", 8, cardinality=7)))
+        >>> [f.cardinality for f in spec.with_cardinalities({"F0": 5, "F1": 9})]
+        [5, 7]
+        """
+        return FeatureSpec(tuple(f if f.cardinality or f.name not in cardinalities else
+                                 dataclasses.replace(f, cardinality=int(cardinalities[f.name]))
+                                 for f in self.fields), self.label)
+
     def to_json(self) -> str:
         return json.dumps({"label": self.label, "fields": [dataclasses.asdict(f) for f in self.fields]})
 

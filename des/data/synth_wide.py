@@ -123,6 +123,7 @@ def write_wide(path: str, rows: int, seed: int = 0, chunk: int = 2000, quiet: bo
     os.replace(tmp, path)
     cards = WIDE.single_card + WIDE.multi_card
     spec = sparse_spec("F", gen.max_lens(), dim=8)
+    spec = spec.with_cardinalities({f.name: c for f, c in zip(spec, cards)})
     meta = {"format": "libffm", "preset": "wide", "seed": seed, "sample_seed": sample_seed, "rows": rows,
             "bayes_auc": round(stats.auc(), 6), "bayes_logloss": round(stats.logloss(), 6),
             "active_features_per_sample": round(active / max(rows, 1), 1),
