@@ -103,7 +103,13 @@ def run(key: str, model: str, data: str, a, out: str, launcher: list[str] | None
         print(f"[compare] mpirun could not start its daemons (attempt {attempt + 1} of 3); again", flush=True)
     if done.returncode != 0:
         raise SystemExit(f"{model} {key} failed (exit {done.returncode}); see {log}")
-    paths = [summary] if mode == "single" else [f"{summary}.rank{r}" for r in range(a.np)]
+    return load(summary, 1 if mode == "single" else a.np)
+
+
+def load(summary: str, n: int) -> dict:
+    """The summary a run left (``summary``, or ``summary.rank<r>`` for r < ``n`` under mpirun) as
+    ``run`` returns it: rank 0's, with the peak memory, the ranks and their wire bytes."""
+    paths = [summary] if n == 1 and os.path.exists(summary) else [f"{summary}.rank{r}" for r in range(n)]
     ranks = [json.load(open(p)) for p in paths]
     s = dict(ranks[0])
     s["peak_rss_mib"] = max(r["peak_rss_mib"] for r in ranks)

@@ -67,10 +67,12 @@ def _args(argv):
     ap.add_argument("--shuffle-buffer", type=int, default=50_000)
     ap.add_argument("--skip-bad-lines", action="store_true", help="drop and count malformed lines")
     ap.add_argument("--plan", default="balanced", choices=["balanced", "mod"])
-    ap.add_argument("--comm", default="auto", choices=["auto", "horovod", "mpi4py", "local", "noop", "sync"],
+    ap.add_argument("--comm", default="auto", choices=["auto", "horovod", "mpi4py", "local", "noop", "sync", "meet"],
                     help="noop: the launcher's rank and size but no collective (times the computation "
                          "alone, for des.timemodel; results are not the model's); sync: the same, but each "
-                         "step waits for every process (one 4-byte allreduce), as training does")
+                         "step waits for every process (one 4-byte allreduce), as training does; meet: "
+                         "every collective is a real call without its payload (the PS's all-to-alls of no "
+                         "rows): the computation with every meeting and wait, but no bytes")
     ap.add_argument("--replica-check", type=int, default=100, metavar="K",
                     help="DES: every K steps check that replicated weights agree and that every process "
                          "read the same batch, in one small allreduce (0: off)")

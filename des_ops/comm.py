@@ -354,8 +354,10 @@ def launcher_rank() -> tuple[int, int]:
 def default_communicator(kind: str = "auto") -> Communicator:
     """``auto``: Horovod when launched with several processes, else a world of one; ``noop``:
     the launcher's rank and size without collectives (timing only); ``sync``: the same, with
-    the processes kept in step by one tiny allreduce per call (timing only)."""
+    the processes kept in step by one tiny allreduce per call (timing only); ``meet``: DES's
+    only collective is its allreduce, so the same as ``sync``."""
     if kind == "auto":
         kind = "horovod" if under_launcher() else "local"
     return {"horovod": HorovodCommunicator, "mpi4py": Mpi4pyCommunicator,
-            "local": LocalCommunicator, "noop": NoopCommunicator, "sync": SyncCommunicator}[kind]()
+            "local": LocalCommunicator, "noop": NoopCommunicator, "sync": SyncCommunicator,
+            "meet": SyncCommunicator}[kind]()

@@ -72,15 +72,17 @@ class KeyExchange:
         return cls(0, 1, None)
 
     @classmethod
-    def noop(cls, sync: bool = False) -> "KeyExchange":
+    def noop(cls, sync: bool = False, meet: bool = False) -> "KeyExchange":
         """The launcher's rank and size, but every all-to-all and allreduce returns its input:
         each process looks up its own ids locally. For timing a PS step's computation alone
         (des.timemodel); not a PS model's results. ``sync``: the step's first allreduce (the 4-byte
-        slice sizes) is real, so the processes stay in step as in training."""
+        slice sizes) is real, so the processes stay in step as in training. ``meet``: every
+        collective is a real Horovod call without its payload (all-to-alls of no rows, allreduces
+        of one float): the step's computation with all its meetings and waits, but no bytes."""
         from des_ops.comm import launcher_rank, start_horovod_thread
         start_horovod_thread()
         rank, size = launcher_rank()
-        return cls(rank, size, _NoCollectives(sync and size > 1))
+        return cls(rank, size, _NoCollectives(sync and size > 1, meet and size > 1))
 
     def owner(self, keys: tf.Tensor) -> tf.Tensor:
         return tf.cast(tf.math.floormod(keys, self.world_size), tf.int32)
@@ -188,20 +190,28 @@ class KeyExchange:
 
 class _NoCollectives:
     """Horovod's alltoall / allreduce signatures, each returning its input (KeyExchange.noop);
-    with ``sync`` a one-element allreduce (the PS's slice sizes) is Horovod's real one."""
+    with ``sync`` a one-element allreduce (the PS's slice sizes) is Horovod's real one; with
+    ``meet`` every call is a real one without its payload (the result: the input)."""
     Sum = None
 
-    def __init__(self, sync: bool = False):
-        self.sync = sync
+    def __init__(self, sync: bool = False, meet: bool = False):
+        self.sync, self.meet = sync or meet, meet
 
-    @staticmethod
-    def alltoall(x, splits):
-        return tf.identity(x), tf.identity(splits)
+    def alltoall(self, x, splits):
+        if not self.meet:
+            return tf.identity(x), tf.identity(splits)
+        import horovod.tensorflow as hvd
+        x = tf.convert_to_tensor(x)                                      # a gradient may be IndexedSlices
+        _, came = hvd.alltoall(x[:0], splits=tf.zeros_like(splits))   # no rows; the splits still meet
+        return tf.identity(x), splits + came                             # + zeros: a data dependency
 
     def allreduce(self, x, op=None):
         if self.sync and x.shape.num_elements() == 1:
             import horovod.tensorflow as hvd
             return hvd.allreduce(x, op=hvd.Sum)
+        if self.meet:
+            from des_ops.comm import sync_processes
+            return x * (1.0 + tf.minimum(tf.abs(tf.reduce_sum(sync_processes(x))), 0.0))   # x, after a meeting
         return tf.identity(x)
 
 

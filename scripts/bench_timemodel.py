@@ -6,7 +6,11 @@ For each N: the computation per step, timed with no-op collectives (``des.train 
 under a local mpirun, so the N processes share the cores as on the netbed) and with the
 processes kept in step by one 4-byte allreduce per step (``--comm sync``; the model's term).
 Each row shows the model (sync computation, all-to-alls at their calibrated bandwidth) next to
-the first one (no-op computation, every collective at the allreduce's bandwidth). For each N and rate:
+the first one (no-op computation, every collective at the allreduce's bandwidth). The PS also
+runs with ``--comm meet`` (every collective a real call without its payload: its computation
+with all its meetings and waits); the PS's "meet model" is that time + bytes / bandwidth.
+``--reuse-netbed`` recomputes the table from the netbed runs and calibrations a previous run
+left in --out (no netbed, no root). For each N and rate:
 the netbed up; Horovod's cycle, the cost of a call within a phase and the effective bandwidth
 (scripts/bench_collectives.py); one DES and one PS run, whose measured bytes (summaries) feed the
 model; the predicted step time next to the measured one (global batch / samples/s). Writes
@@ -39,6 +43,19 @@ def calibrate(bed: Netbed, n: int, attempts: int = 3) -> dict:
         print(f"[timemodel] bench_collectives failed (attempt {attempt + 1} of {attempts}): "
               f"{done.stderr.strip().splitlines()[-1:] or ''}", flush=True)
     raise SystemExit(f"bench_collectives failed: {done.stderr[-2000:]}")
+
+
+class _Saved:
+    """Stands in for the netbed with ``--reuse-netbed``: the calibration a previous run measured."""
+
+    def __init__(self, calibration: dict):
+        self.calibration = calibration
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 def traffic(mode: str, s: dict) -> dict:
@@ -78,6 +95,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="reports/timemodel")
     ap.add_argument("--reuse-compute", action="store_true",
                     help="take the computation runs' summaries a previous run left in --out")
+    ap.add_argument("--reuse-netbed", action="store_true",
+                    help="take the netbed runs and calibrations a previous run left in --out (timemodel.json)")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     data = compare.ensure_data(a.preset, a.rows, 0, os.path.join(a.out, "data"))
@@ -89,13 +108,17 @@ def main(argv=None) -> int:
         data, _ = compare.ensure_columnar([data], meta["format"], None, meta)
         run_args.format = "columnar"
     rows = []
+    saved = {}
+    if a.reuse_netbed:
+        with open(os.path.join(a.out, "timemodel.json")) as fh:
+            saved = {(r["n"], r["rate"]): r["calibration"] for r in json.load(fh)}
     for n in [int(x) for x in a.np.split(",")]:
         run_args.np = n
         compute = {(m, kind): step_seconds(computation(m, kind, n, a, data, run_args), a.batch)
-                   for m in ("des", "ps") for kind in ("noop", "sync")}
+                   for m, kinds in (("des", ("noop", "sync")), ("ps", ("noop", "sync", "meet"))) for kind in kinds}
         for rate in a.rates.split(","):
-            with Netbed(n, rate=rate) as bed:
-                cal = calibrate(bed, n)
+            with (_Saved(saved[n, rate]) if a.reuse_netbed else Netbed(n, rate=rate)) as bed:
+                cal = bed.calibration if a.reuse_netbed else calibrate(bed, n)
                 # the first model: no-op computation, every collective at the allreduce's bandwidth;
                 # the model now: computation kept in step (--comm sync), all-to-alls at their own bandwidth
                 old = timemodel.Network(cal["effective_bandwidth_Bps_1MiB"], cycle=cal["cycle"],
@@ -103,10 +126,14 @@ def main(argv=None) -> int:
                 net = timemodel.Network(old.bandwidth, cycle=old.cycle, call=old.call,
                                         alltoall_bandwidth=cal.get("effective_alltoall_Bps_1MiB"))
                 for mode in ("des", "ps"):
-                    s = compare.run(mode, a.model, data, run_args, a.out, launcher=bed.mpirun(n),
-                                    tag=f"-n{n}-{rate}")
+                    s = (compare.load(os.path.join(a.out, f"{a.model}-{mode}-n{n}-{rate}.json"), n) if a.reuse_netbed
+                         else compare.run(mode, a.model, data, run_args, a.out, launcher=bed.mpirun(n),
+                                          tag=f"-n{n}-{rate}"))
                     first = timemodel.step_time(compute[mode, "noop"], traffic(mode, s), n, old)
                     pred = timemodel.step_time(compute[mode, "sync"], traffic(mode, s), n, net)
+                    meet = (pred if mode == "des" else      # DES's one collective: meet is sync
+                            dict(pred, compute=compute[mode, "meet"], fixed=0.0,   # the meetings are in the time
+                                 total=compute[mode, "meet"] + pred["bandwidth"]))
                     measured = step_seconds(s, a.batch)
                     rows.append(dict(n=n, rate=rate, mode=mode, measured=measured, error=pred["total"] / measured - 1,
                                      predicted=pred["total"], compute=pred["compute"], fixed=pred["fixed"],
@@ -114,24 +141,28 @@ def main(argv=None) -> int:
                                      alltoall_bandwidth=net.alltoall_bandwidth, cycle=net.cycle, call=net.call,
                                      noop_predicted=first["total"], noop_error=first["total"] / measured - 1,
                                      noop_compute=compute[mode, "noop"], calibration=cal,
+                                     meet_compute=meet["compute"], meet_predicted=meet["total"],
+                                     meet_error=meet["total"] / measured - 1,
                                      wire_bytes_per_host_step=s.get("wire_bytes_per_host_step")))
                     r = rows[-1]
                     print(f"[timemodel] N={n} {rate:>8} {mode:<3}: measured {measured * 1e3:7.1f} ms, predicted "
                           f"{r['predicted'] * 1e3:7.1f} ms ({r['error']:+.1%}) = compute {r['compute'] * 1e3:.1f} + "
                           f"fixed {r['fixed'] * 1e3:.1f} + bytes {r['bandwidth_term'] * 1e3:.1f}; the no-op model "
-                          f"{r['noop_predicted'] * 1e3:.1f} ({r['noop_error']:+.1%})", flush=True)
+                          f"{r['noop_predicted'] * 1e3:.1f} ({r['noop_error']:+.1%}); the meet model "
+                          f"{r['meet_predicted'] * 1e3:.1f} ({r['meet_error']:+.1%})", flush=True)
     with open(os.path.join(a.out, "timemodel.json"), "w") as fh:
         json.dump(rows, fh, indent=1)
     head = ("| N | rate | mode | measured ms | predicted ms | error | compute (sync) | fixed | bytes/bw | "
-            "eff. MB/s allreduce / all-to-all | no-op model ms | its error |")
+            "eff. MB/s allreduce / all-to-all | no-op model ms | its error | meet compute | meet model ms | its error |")
     md = [f"# Time model vs the netbed: {a.model}, {a.preset}{' (columnar)' if a.columnar else ''}, global batch "
-          f"{a.batch}", "", head, "|" + "---|" * 12]
+          f"{a.batch}", "", head, "|" + "---|" * 15]
     for r in rows:
         a2a = r["alltoall_bandwidth"] or r["effective_bandwidth"]
         md.append(f"| {r['n']} | {r['rate']} | {r['mode']} | {r['measured'] * 1e3:.1f} | {r['predicted'] * 1e3:.1f} | "
                   f"{r['error']:+.1%} | {r['compute'] * 1e3:.1f} | {r['fixed'] * 1e3:.1f} | "
                   f"{r['bandwidth_term'] * 1e3:.1f} | {r['effective_bandwidth'] / 1e6:.1f} / {a2a / 1e6:.1f} | "
-                  f"{r['noop_predicted'] * 1e3:.1f} | {r['noop_error']:+.1%} |")
+                  f"{r['noop_predicted'] * 1e3:.1f} | {r['noop_error']:+.1%} | {r['meet_compute'] * 1e3:.1f} | "
+                  f"{r['meet_predicted'] * 1e3:.1f} | {r['meet_error']:+.1%} |")
     with open(os.path.join(a.out, "timemodel.md"), "w") as fh:
         fh.write("\n".join(md) + "\n")
     print("\n".join(md))

@@ -4,7 +4,9 @@
 
 The last rank sleeps 0.4 s before each of 3 steps. Rank 0 times the steps of each timing
 communicator: ``noop`` (DES's) and the PS's no-op exchange do not wait for it; ``sync`` (DES's)
-and the PS's ``KeyExchange.noop(sync=True)`` do. Prints one JSON line of median seconds per step.
+and the PS's ``KeyExchange.noop(sync=True)`` do, and so does an all-to-all of the PS's
+``KeyExchange.noop(meet=True)`` (no rows move: it returns its input). Prints one JSON line of
+median seconds per step.
 """
 import json
 import sys
@@ -35,9 +37,22 @@ def steps(reduce) -> float:
     return float(np.median(times))
 
 
+def meet_alltoall(x):
+    """One row to process 0 through the meeting all-to-all: it comes back unchanged."""
+    rank, size = launcher_rank()
+    rows, splits = MEET.alltoall(tf.reshape(x, [1, 1]) * 3.0, tf.one_hot(0, size, dtype=tf.int32), "ids")
+    check = tf.debugging.assert_equal(rows, tf.reshape(x, [1, 1]) * 3.0)
+    with tf.control_dependencies([check, tf.debugging.assert_equal(splits, tf.one_hot(0, size, dtype=tf.int32))]):
+        return tf.identity(rows)
+
+
 def main() -> None:
+    global MEET
+    MEET = KeyExchange.noop(meet=True)
     out = {"des_noop": steps(NoopCommunicator().allreduce), "des_sync": steps(SyncCommunicator().allreduce),
-           "ps_noop": steps(KeyExchange.noop().sum_across), "ps_sync": steps(KeyExchange.noop(sync=True).sum_across)}
+           "ps_noop": steps(KeyExchange.noop().sum_across), "ps_sync": steps(KeyExchange.noop(sync=True).sum_across),
+           "ps_meet_allreduce": steps(lambda x: MEET.sum_across(tf.concat([x, x], 0))),
+           "ps_meet_alltoall": steps(meet_alltoall)}
     if launcher_rank()[0] == 0:
         print(json.dumps(out), flush=True)
 

@@ -53,7 +53,8 @@ def test_one_process_has_no_communication():
 def test_sync_computation_waits_for_the_slowest_process_and_noop_does_not():
     """Under mpirun (2 ranks, the last sleeping 0.4 s before each step): the timing communicators
     of ``--comm noop`` do not wait for it, those of ``--comm sync`` (DES's allreduce, the PS's
-    slice-size allreduce) do - the model's computation term includes that wait."""
+    slice-size allreduce) do - the model's computation term includes that wait -, and so does
+    every call of ``--comm meet`` (the PS's allreduces and its all-to-alls of no rows)."""
     import json
     import os
     import subprocess
@@ -66,6 +67,7 @@ def test_sync_computation_waits_for_the_slowest_process_and_noop_does_not():
     assert done.returncode == 0, done.stderr[-3000:]
     t = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
     assert t["des_sync"] > 0.3 and t["ps_sync"] > 0.3, t
+    assert t["ps_meet_allreduce"] > 0.3 and t["ps_meet_alltoall"] > 0.3, t    # --comm meet: every call waits
     assert t["des_noop"] < 0.2 and t["ps_noop"] < 0.2, t
 
 

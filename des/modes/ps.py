@@ -20,7 +20,8 @@ class PS(Mode):
     def _communicator(self):
         from des_ops.comm import default_communicator, under_launcher
         from des_ops.sharded import KeyExchange
-        self.exchange = (KeyExchange.noop(sync=self.a.comm == "sync") if self.a.comm in ("noop", "sync") else
+        self.exchange = (KeyExchange.noop(sync=self.a.comm == "sync", meet=self.a.comm == "meet")
+                         if self.a.comm in ("noop", "sync", "meet") else
                          KeyExchange.horovod() if under_launcher() else KeyExchange.local())
         comm = default_communicator("local")
         comm.rank, comm.world_size = self.exchange.rank, self.exchange.world_size
