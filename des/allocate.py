@@ -46,7 +46,8 @@ choosing by its own LRU. Both insert the same keys (the remote keys a process lo
 real lines are the simulated ones, key for key (a cache that starts empty while the simulation
 is warm - a resumed epoch - holds a subset). Validity follows the same rule on both sides
 (outdated once another process updates the row). Correctness never depends on any of this: it
-is what makes the score, and Herald's plan, see the caches as they are.
+is what makes the score, and Herald's plan, see the caches as they are. With ``top_k`` only the
+k scored inputs are simulated; the caches of the others evict by their own LRU rule.
 """
 from __future__ import annotations
 
@@ -250,13 +251,20 @@ class LaiaAllocation(Allocator):
         count = users.sum(1)
         cacheable = self._cap[which] > 0
         home = np.mod(keys, n)
+        by_code = np.argsort(tok64)                   # this batch's tokens by code: a cached line's token
+        codes = tok64[by_code]
         for w in range(n):
             others = count - users[:, w] > 0
-            used = np.flatnonzero(users[:, w] & (home != w) & cacheable)
+            mine = users[:, w] & (home != w) & cacheable
+            used = np.flatnonzero(mine)
             used = used[np.lexsort((keys[used], which[used]))]   # by input, then key (LRU ties)
             old, old_t, old_last, old_valid = self.cache[w]
-            keep = ~np.isin(old, tok64[used])
-            touched = np.isin(old[keep], tok64[others])
+            keep, touched = np.ones(len(old), bool), np.zeros(len(old), bool)
+            if len(codes):                            # a line whose key this batch used: by w (renewed), by others
+                at = np.minimum(np.searchsorted(codes, old), len(codes) - 1)
+                here, tok = codes[at] == old, by_code[at]
+                keep = ~(here & mine[tok])
+                touched = (here & others[tok])[keep]
             k = np.concatenate([old[keep], tok64[used]])
             t = np.concatenate([old_t[keep], which[used]])
             last = np.concatenate([old_last[keep], np.full(len(used), self.batches)])

@@ -136,8 +136,8 @@ def test_ps_with_laia_is_the_single_process_model(n):
     assert_exact(outs, expected, f"ps laia N={n}")
 
 
-@pytest.mark.parametrize("n,kind,optimizer", [(2, "laia", "ftrl+adam"), (3, "random", "adagrad")])
-def test_cache_at_staleness_0_with_laia_is_the_single_process_model(n, kind, optimizer):
+@pytest.mark.parametrize("n,kind,optimizer", [(3, "random", "adagrad")])    # laia: the next test
+def test_cache_at_staleness_0_with_an_allocation_is_the_single_process_model(n, kind, optimizer):
     batches, probe = ps_batches()
     expected = single_process_predictions("wdl", optimizer, LR, batches, probe)
     capacity = {k: 6 for k in KEYS}
@@ -148,7 +148,7 @@ def test_cache_at_staleness_0_with_laia_is_the_single_process_model(n, kind, opt
     assert_exact(run_sharded_world(n, work), expected, f"cache s=0 {kind} N={n} {optimizer}")
 
 
-@pytest.mark.parametrize("n,kind,optimizer", [(3, "laia", "sgd"), (2, "contiguous", "adam")])
+@pytest.mark.parametrize("n,kind,optimizer", [(2, "laia", "sgd"), (2, "contiguous", "adam")])
 def test_the_on_demand_plan_is_exact_and_asks_only_for_what_it_lacks(n, kind, optimizer):
     """Staleness 0 without queries: every process knows from the allocation which keys the others
     update, so a line is re-read only when it is missing or outdated. Same predictions as the single
@@ -178,13 +178,13 @@ def test_the_on_demand_plan_is_exact_and_asks_only_for_what_it_lacks(n, kind, op
     assert sent(total[True]) == total[True]["analytic_bytes"] and sent(total[True]) < sent(total[False])
 
 
-@pytest.mark.parametrize("n,optimizer,on_demand", [(3, "sgd", True), (2, "adagrad", False)])
+@pytest.mark.parametrize("n,optimizer,on_demand", [(2, "sgd", True), (2, "ftrl+adam", False)])
 def test_the_simulated_caches_are_the_real_caches(n, optimizer, on_demand):
     """One set of lines: laia's simulation decides the cache's evictions (Share(evictions=True)),
     so after training every process's real cache of every table holds exactly the keys its
     simulated cache holds, valid where the simulation says so (on-demand: clock >= 0), no line
     left by the cache's own LRU rule, evictions happened (4-row caches), and the model is still
-    the single process's."""
+    the single process's after every step (the cache at staleness 0 with laia is exact)."""
     batches, probe = ps_batches()
     expected = single_process_predictions("deepfm", optimizer, LR, batches, probe)
     capacity = {k: 4 for k in KEYS}
