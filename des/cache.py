@@ -60,7 +60,17 @@ class CacheModel(PSModel):
         n_local = tf.cast(tf.shape(y)[0], tf.float32)
         n_global = self.exchange.sum_across(n_local[None], counter="control_bytes")[0]
         step = self.optimizer.iterations
-        feeds = [layer.fetch(x[ids], step) for layer, ids in tables]
+        planned = []                 # plan pushes: updates other processes read this step reach their owners first
+        for layer, ids in tables:
+            if layer.config.plan_pushes:
+                if layer.local_lr is None:
+                    raise ValueError("plan pushes keep updates in the workers' lines: they need plain SGD "
+                                     "(--optimizer sgd, no momentum)")
+                if ids not in others:
+                    raise ValueError(f"plan pushes need the keys other processes use ({ids}{OTHERS})")
+                planned.append(layer.apply_pushed(*layer.push(*layer.planned(others[ids]))))
+        with tf.control_dependencies(planned):
+            feeds = [layer.fetch(x[ids], step) for layer, ids in tables]
         with tf.GradientTape() as tape:
             tape.watch(feeds)
             for (layer, _), feed in zip(tables, feeds):
@@ -140,16 +150,18 @@ def capacity_rows(capacity: int | float, cardinality: int | None, field: str) ->
 
 
 def cache(model: tf.keras.Model, exchange: KeyExchange, staleness: float = 100.0, capacity: int | float = 0.1,
-          eviction: str = "lru", spec=None, audit: bool = False, on_demand: bool = False) -> CacheModel:
+          eviction: str = "lru", spec=None, audit: bool = False, on_demand: bool = False,
+          plan_pushes: bool = False) -> CacheModel:
     """The same model with every FieldEmbedding sharded by key and cached on every worker.
     ``on_demand`` (staleness 0): no queries; the data must come through
-    ``des.allocate.Share(allocator, rank, others=True)``."""
+    ``des.allocate.Share(allocator, rank, others=True)``. ``plan_pushes`` (with ``on_demand``,
+    plain SGD): an update is pushed only when another process reads its key (Herald's plan)."""
     counters = new_counters()
 
     def make(old):
         card = spec[old.field].cardinality if spec is not None else None
         cfg = CacheConfig(staleness=float(staleness), capacity=capacity_rows(capacity, card, old.field),
-                          eviction=eviction, audit=audit, on_demand=on_demand)
+                          eviction=eviction, audit=audit, on_demand=on_demand, plan_pushes=plan_pushes)
         return CachedFieldEmbedding(old.field, old.dim, exchange, cfg, old.seed, old.init_scale,
                                     linear=old.linear, counters=counters)
 

@@ -78,7 +78,7 @@ def run(key: str, model: str, data: str, a, out: str, launcher: list[str] | None
     mode, *plan = key.split(" ")[0].split("+")       # e.g. "cache+laia+on-demand s=0"
     extra = []
     for p in plan:
-        extra += ["--on-demand"] if p == "on-demand" else ["--allocate", p]
+        extra += [f"--{p}"] if p in ("on-demand", "plan-pushes") else ["--allocate", p]
     if mode == "cache":
         extra += ["--staleness", key.split("=")[1], "--cache-size", a.cache_size]
     fmt, evals = getattr(a, "format", None), getattr(a, "eval_data", None)
@@ -300,7 +300,7 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="single,des,ps",
                     help="of single, des, ps, cache, auto (des or ps by des.auto); ps and cache also with an "
                          "allocation (des.allocate): ps+laia, ps+random, cache+laia, and the cache's on-demand "
-                         "plan at staleness 0: cache+on-demand, cache+laia+on-demand")
+                         "plan at staleness 0: cache+on-demand, cache+laia+on-demand, with SGD also +plan-pushes")
     ap.add_argument("--staleness", default="0,10,100,inf", help="cache: one run per staleness")
     ap.add_argument("--cache-size", default="10%", help="cache: rows per table, or a fraction of each field")
     ap.add_argument("--net", default="local", choices=["local", "netbed"],
@@ -356,7 +356,7 @@ def main(argv=None) -> int:
     keys = []
     for mode in [m for m in a.modes.split(",") if m]:
         base, *plan = mode.split("+")
-        known = {"contiguous", "random", "laia"} | ({"on-demand"} if base == "cache" else set())
+        known = {"contiguous", "random", "laia"} | ({"on-demand", "plan-pushes"} if base == "cache" else set())
         if base not in ("single", "des", "ps", "cache", "auto") or (plan and (base not in ("ps", "cache")
                                                                             or not set(plan) <= known)):
             raise SystemExit(f"--modes: unknown mode {mode!r} (ps and cache also as ps+laia, cache+random, "

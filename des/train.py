@@ -43,6 +43,9 @@ def _args(argv):
     ap.add_argument("--on-demand", action="store_true",
                     help="cache at --staleness 0: no queries; every process knows from the allocation which "
                          "keys the others update, and asks only for rows it lacks or holds outdated (exact)")
+    ap.add_argument("--plan-pushes", action="store_true",
+                    help="with --on-demand and plain SGD: Herald's plan pushes - an update stays in its worker's "
+                         "cache line until another process reads the key (exact, fewer rows pushed)")
     ap.add_argument("--model", default="deepfm", choices=["lr", "fm", "dnn", "wdl", "deepfm"])
     ap.add_argument("--data", required=True, nargs="+", help="input files (.gz allowed)")
     ap.add_argument("--format", default=None, choices=["criteo", "avazu", "libsvm", "libffm", "columnar"],

@@ -50,12 +50,15 @@ class CacheConfig:
     """staleness: s (``math.inf``: never re-read); capacity: cached rows per table and worker;
     eviction: ``lru`` or ``lfu``; audit: keep per-key totals of computed and applied gradients;
     on_demand: staleness 0 without queries - the train step says which keys the other processes
-    update (``mark_updated``), so only rows lacking or outdated are asked for."""
+    update (``mark_updated``), so only rows lacking or outdated are asked for; plan_pushes (with
+    on_demand, plain SGD): Herald's plan - an update stays in its line until another process
+    reads the key (``planned``, at the start of that step), or the line is evicted or flushed."""
     staleness: float = 100.0
     capacity: int = 1 << 30
     eviction: str = "lru"
     audit: bool = False
     on_demand: bool = False
+    plan_pushes: bool = False
 
     def __post_init__(self):
         if self.eviction not in ("lru", "lfu"):
@@ -64,11 +67,14 @@ class CacheConfig:
             raise ValueError("staleness and capacity must be >= 0")
         if self.on_demand and self.staleness != 0:
             raise ValueError(f"the on-demand plan is exact synchronous training: it needs staleness 0, got {self.staleness:g}")
+        if self.plan_pushes and not self.on_demand:
+            raise ValueError("plan pushes are part of the on-demand plan: they need on_demand (staleness 0)")
 
     @property
     def push_after(self) -> float:
-        """A line is pushed once it holds this many updates (inf: only at eviction and flush)."""
-        return max(self.staleness, 1.0)
+        """A line is pushed once it holds this many updates (inf: only at eviction and flush, or,
+        with plan pushes, when another process reads the key)."""
+        return math.inf if self.plan_pushes else max(self.staleness, 1.0)
 
 
 CACHE_COUNTERS = ("query_bytes", "clock_bytes", "fetch_bytes", "push_bytes", "analytic_bytes", "queried",
@@ -371,6 +377,26 @@ class CachedFieldEmbedding(ShardedFieldEmbedding):
         with tf.control_dependencies(check):
             return tuple(tf.identity(t) for t in out)
 
+    def planned(self, keys: tf.Tensor):
+        """Plan pushes: the unpushed updates (keys, counts, sums) of this worker's lines of ``keys``
+        (the keys other processes read this step), the lines marked pushed. With plain SGD only:
+        the owner applies them (``apply_pushed``) before anyone reads."""
+        L = self.lines
+        lines, cached = L.table.lookup(keys, return_exists=True)
+        k, lines = _mask(cached, keys, lines)
+        row, clock, pend, count, used, uses = L.parts(lines)
+        k, row, clock, pend, count, used, uses = _mask(count > 0, k, row, clock, pend, count, used, uses)
+        clock = tf.where(clock < 0, clock, clock + count)    # an outdated line (on-demand: < 0) stays outdated
+        upsert = L.table.upsert(k, L.join(row, clock, tf.zeros_like(pend), tf.zeros_like(count), used, uses))
+        with tf.control_dependencies([upsert]):
+            return tf.identity(k), tf.identity(count), tf.identity(pend)
+
+    def apply_pushed(self, keys: tf.Tensor, sums: tf.Tensor) -> tf.Operation:
+        """The owner's plain SGD step on pushed sums (distinct ``keys``): row -= lr * sum, what the
+        optimizer would do at the step's end, done now so this step's reads see it."""
+        rows = self._owner_rows(keys)
+        return self.params.upsert(keys, rows - self.local_lr * sums)
+
     def pending(self, clear: bool = False):
         """Every line's unpushed updates (keys, counts, sums), and the lines marked pushed (flush);
         ``clear``: the lines removed instead (the cache starts empty again)."""
@@ -379,7 +405,7 @@ class CachedFieldEmbedding(ShardedFieldEmbedding):
         row, clock, pend, count, used, uses = L.parts(lines)
         has = count > 0
         if self.local_lr is not None:
-            clock = clock + count
+            clock = tf.where(clock < 0, clock, clock + count)   # an outdated line (on-demand: < 0) stays outdated
         if clear:
             done = L.table.remove(keys)
         else:

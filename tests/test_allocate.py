@@ -93,7 +93,7 @@ def test_laia_fetches_fewer_remote_ids_than_contiguous_slices():
 
 
 def _train_allocated(model, exchange, kind, batches, probe, optimizer, capacity=None, others=False,
-                     evictions=False, alloc=None):
+                     evictions=False, alloc=None, probe_each_step=True):
     """fit on this process's share (des.allocate.Share.mine: its rows and, with ``others``, the
     keys the other processes use; with ``evictions``, the keys laia's simulation evicts from its
     cache); predictions on ``probe`` after every step, and the allocation's digest."""
@@ -114,6 +114,10 @@ def _train_allocated(model, exchange, kind, batches, probe, optimizer, capacity=
     preds = []
     probe_after_step = tf.keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda b, logs: preds.append(model.predict_on_batch(probe)))
+    if not probe_each_step:       # the owners' rows may lack updates the workers still hold: flush first
+        model.fit(ds, epochs=1, verbose=0)
+        model.flush()
+        return [model.predict_on_batch(probe)], alloc.digest()
     model.fit(ds, epochs=1, verbose=0, callbacks=[probe_after_step])
     return preds, alloc.digest()
 
@@ -213,6 +217,31 @@ def test_the_simulated_caches_are_the_real_caches(n, optimizer, on_demand):
         print(f"lines {lines}, evicted {counters['evicted']}, unplanned {counters['evicted_unplanned']}")
         assert mismatch == [] and lines > 0
         assert counters["evicted"] > 0 and counters["evicted_unplanned"] == 0
+
+
+@pytest.mark.parametrize("n,kind", [(2, "laia"), (3, "contiguous")])
+def test_plan_pushes_are_exact_and_push_fewer_rows(n, kind):
+    """Herald's plan pushes (on-demand, plain SGD): an update stays in its worker's line until
+    another process reads the key (pushed at the start of that step, applied by the owner before
+    any read), or the line is evicted (4-row caches) or flushed. After training and a flush the
+    model is the single process's, with fewer rows pushed than the eager on-demand plan."""
+    batches, probe = ps_batches()
+    expected = single_process_predictions("wdl", "sgd", LR, batches, probe)[-1:]
+
+    def work(ex, plan):
+        model = cache(models.build("wdl", PS_SPEC, seed=3, hidden=(8, 4)), ex, staleness=0, capacity=4,
+                      on_demand=True, plan_pushes=plan)
+        preds, digest = _train_allocated(model, ex, kind, batches, probe, "sgd", {k: 4 for k in KEYS},
+                                         others=True, evictions=kind == "laia", probe_each_step=False)
+        return preds, digest, model.cache_counters()
+    runs = {plan: run_sharded_world(n, lambda ex, plan=plan: work(ex, plan)) for plan in (False, True)}
+    assert_exact([o[:2] for o in runs[True]], expected, f"plan pushes {kind} N={n}")
+    pushed = {plan: sum(o[2]["pushed"] for o in runs[plan]) for plan in runs}
+    fetched = {plan: sum(o[2]["fetched"] for o in runs[plan]) for plan in runs}
+    print(f"rows pushed: eager {pushed[False]}, plan {pushed[True]}; fetched {fetched}")
+    assert 0 < pushed[True] < pushed[False]
+    for _, _, c in runs[True]:
+        assert c["push_bytes"] + c["query_bytes"] + c["fetch_bytes"] == c["analytic_bytes"]
 
 
 def test_without_the_plan_the_cache_evicts_by_its_own_rule():

@@ -52,6 +52,9 @@ def test_every_registered_mode_is_made_and_the_cli_offers_exactly_those():
     ("cache", {"allocate": "laia", "allocate_top_k": 0}, "--allocate-top-k 0: a count >= 1"),
     ("des", {"allocate_top_k": 3}, "--allocate-top-k is an option of --allocate laia"),
     ("cache", {"allocate": "laia", "eviction": "lfu"}, "--allocate laia simulates LRU caches"),
+    ("cache", {"staleness": "0", "on_demand": True, "plan_pushes": True, "optimizer": "adam"},
+     "--plan-pushes keeps updates in the workers' cache lines"),
+    ("ps", {"plan_pushes": True}, "--plan-pushes is a plan of --mode cache"),
 ])
 def test_options_that_do_not_apply_are_refused(name, kw, message):
     spec = small_spec()

@@ -187,19 +187,28 @@ def test_ps_under_mpirun_equals_single_process_and_counts_bytes_exactly(tmp_path
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("n, mode", [(3, ["--mode", "ps"]), (2, ["--mode", "cache", "--staleness", "0", "--cache-size", "50", "--on-demand"])])
+@pytest.mark.parametrize("n, mode", [(3, ["--mode", "ps"]), (2, ["--mode", "cache", "--staleness", "0", "--cache-size", "50",
+                                                              "--on-demand", "--plan-pushes", "--optimizer", "sgd"])])
 def test_laia_allocation_under_mpirun_equals_single_process(data_file, single_run, tmp_path, n, mode):
     """--allocate laia: every process computes the same allocation (digest) and the job trains the
     single process's model (loss and AUC over the held-out lines), fetching fewer remote ids than
-    contiguous slices would (the PS run's counters; the bytes stay exact); the cache run also with
-    the on-demand plan (no queries, no clocks)."""
+    contiguous slices would (the PS run's counters; the bytes stay exact); the cache run (SGD)
+    with Herald's whole plan: on-demand reads (no queries, no clocks), plan pushes, evictions
+    decided by the simulation."""
     run = mpirun(n, *TRAIN, *mode, "--allocate", "laia", "--data", data_file,
                  "--summary-json", str(tmp_path / "s.json"))
     assert run.returncode == 0, run.stderr[-3000:]
     ranks = [json.load(open(tmp_path / f"s.json.rank{r}")) for r in range(n)]
     assert len({r["allocation"]["digest"] for r in ranks}) == 1 and ranks[0]["allocation"]["batches"] == 20
+    single = single_run
+    if "--optimizer" in mode:
+        out = str(tmp_path / "single-sgd.json")
+        done = subprocess.run([sys.executable, *TRAIN, "--optimizer", "sgd", "--data", data_file, "--summary-json", out],
+                              env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        single = json.load(open(out))
     for r in ranks:
-        assert abs(r["logloss"] - single_run["logloss"]) < 1e-5 and abs(r["auc"] - single_run["auc"]) < 1e-4
+        assert abs(r["logloss"] - single["logloss"]) < 1e-5 and abs(r["auc"] - single["auc"]) < 1e-4
         assert r["bytes_exact_steps"] == "20/20"
         if mode[1] == "cache":      # laia's simulation decided every eviction (one set of lines)
             assert r["clock_bytes_per_step"] == 0 and r["remote_lookups_per_step"] > 0

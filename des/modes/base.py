@@ -73,8 +73,9 @@ class Mode:
         if self.a.allocate != "contiguous":
             raise ModeError(f"--allocate {self.a.allocate} is for --mode ps and cache (under {self.name} "
                             f"{self._reads})")
-        if self.a.on_demand:
-            raise ModeError("--on-demand is a plan of --mode cache --staleness 0")
+        if self.a.on_demand or self.a.plan_pushes:
+            raise ModeError(f"--{'on-demand' if self.a.on_demand else 'plan-pushes'} is a plan of --mode cache "
+                            f"--staleness 0")
         if self.a.allocate_top_k is not None:
             raise ModeError("--allocate-top-k is an option of --allocate laia (--mode ps and cache)")
 

@@ -2,6 +2,7 @@
 
     mpirun -np 4 python -m des.train --mode cache --staleness 100 --cache-size 10% --data train.txt
     mpirun -np 2 python -m des.train --mode cache --staleness 0 --on-demand --allocate laia --data train.txt
+    mpirun -np 2 python -m des.train --mode cache --staleness 0 --on-demand --plan-pushes --optimizer sgd --data train.txt
 
 Everything the PS mode does (slices, allocation, all-to-all accounting), with cached tables:
 a flush at every epoch's end (before checkpoints and evaluation), the laia allocator simulating
@@ -27,6 +28,10 @@ class Cache(PS):
         except ValueError as e:
             raise ModeError(str(e)) from None
         self._check_top_k()
+        a = self.a
+        if a.plan_pushes and not (a.on_demand and a.optimizer == "sgd" and a.linear_optimizer in (None, "sgd")):
+            raise ModeError("--plan-pushes keeps updates in the workers' cache lines until another process reads "
+                            "them: it needs --on-demand (--staleness 0) and plain SGD (--optimizer sgd)")
         if self.a.allocate == "laia" and self.a.eviction != "lru":
             raise ModeError(f"--allocate laia simulates LRU caches and decides their evictions: "
                             f"--eviction {self.a.eviction} does not apply")
@@ -39,7 +44,7 @@ class Cache(PS):
         a = self.a
         try:
             model = cache.cache(model, self.exchange, self.staleness, self.capacity, a.eviction,
-                                spec=self.run.spec, on_demand=a.on_demand)
+                                spec=self.run.spec, on_demand=a.on_demand, plan_pushes=a.plan_pushes)
         except ValueError as e:
             raise ModeError(str(e)) from None
         self._tables = model.cached_tables()

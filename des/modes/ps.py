@@ -33,8 +33,9 @@ class PS(Mode):
         return self.a.batch * (self.world_size if self.a.ps_batch == "per-process" else 1)
 
     def check(self) -> None:
-        if self.a.on_demand:
-            raise ModeError("--on-demand is a plan of --mode cache --staleness 0")
+        if self.a.on_demand or self.a.plan_pushes:
+            raise ModeError(f"--{'on-demand' if self.a.on_demand else 'plan-pushes'} is a plan of --mode cache "
+                            f"--staleness 0")
         self._check_top_k()
 
     def _check_top_k(self) -> None:
