@@ -145,7 +145,8 @@ class LaiaAllocation(Allocator):
         every = self.top_k is None or self.top_k >= len(self.inputs)
         self.fields: tuple[str, ...] | None = self.inputs if every else None
         self._cap = np.array([self.capacity[k] for k in self.inputs], np.int64)
-        # per process: cached (input, key) tokens (sorted), their input, the batch each was last used, valid
+        # per process: cached (input, key) tokens, their input, the batch each was last used, valid;
+        # grouped by input, most recently used first (_update_caches)
         empty = (np.zeros(0, np.uint64), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool))
         self.cache = [empty for _ in range(world_size)]
         self.evicted = [(np.zeros(0, np.uint64), np.zeros(0, np.int64)) for _ in range(world_size)]  # last batch's
@@ -207,10 +208,10 @@ class LaiaAllocation(Allocator):
         # a sample already given to w in this batch); one row per token, so a chunk gathers rows
         have = np.zeros((len(keys), n), bool)
         have[np.arange(len(keys)), np.mod(keys, n)] = True
+        lines = self._lines_in_batch(code)
         for w in range(n):
-            cached, _, _, valid = self.cache[w]
-            if valid.any():
-                have[:, w] |= np.isin(code, cached[valid])
+            valid = self.cache[w][3]
+            have[lines[w][valid & (lines[w] >= 0)], w] = True
         quota = sizes(batch, n).copy()
         owner = np.full(batch, -1, np.int64)
         rot = self.batches % n
@@ -234,48 +235,70 @@ class LaiaAllocation(Allocator):
             owner[lo:hi] = got
             quota -= np.bincount(got, minlength=n)
             flat[tok.astype(np.intp) * n + np.repeat(got, counts[lo:hi])] = True   # w now holds its samples' keys
-        self._update_caches(np.repeat(owner, counts), token, keys, which, code)
+        self._update_caches(np.repeat(owner, counts), token, keys, which, code, lines)
         return [np.flatnonzero(owner == w).astype(np.int64) for w in range(n)]
 
-    def _update_caches(self, user, token, keys, which, tok64) -> None:
+    def _lines_in_batch(self, code: np.ndarray) -> list[np.ndarray]:
+        """Per process, per cached line: the token of this batch with its code (-1: none). One
+        binary search of the (sorted) lines in the batch's sorted codes."""
+        if not self._cap.any() or not len(code):
+            return [np.full(len(c[0]), -1, np.int64) for c in self.cache]
+        by_code = np.argsort(code)
+        codes = code[by_code]
+        out = []
+        for old, _, _, _ in self.cache:
+            idx = np.argsort(old)                   # sorted queries: a faster search than the lines' order
+            at = np.minimum(np.searchsorted(codes, old[idx]), len(codes) - 1)
+            hit = codes[at] == old[idx]
+            line = np.full(len(old), -1, np.int64)
+            line[idx[hit]] = by_code[at[hit]]
+            out.append(line)
+        return out
+
+    def _update_caches(self, user, token, keys, which, tok64, lines) -> None:
         """The caches after this batch's step, as the cache at staleness 0 keeps them: each process
         holds the keys it looked up and does not own (LRU, ``capacity`` per input); a copy stays
         valid unless another process used the key (and so updated its row), or the process itself
-        did without ``keeps_own_updates``. ``user``: the process of each id occurrence."""
+        did without ``keeps_own_updates``. ``user``: the process of each id occurrence; ``lines``:
+        ``_lines_in_batch``. A cache is kept grouped by input, most recently used first (this
+        batch's keys, by token, then the kept lines in their order): LRU is a cut per input, with no
+        sort of the lines."""
         n = self.world_size
         self.evicted = [(np.zeros(0, np.uint64), np.zeros(0, np.int64)) for _ in range(n)]
         if not self._cap.any():
             return
         users = np.zeros((len(keys), n), bool)
-        users[token, user] = True
-        count = users.sum(1)
+        users.reshape(-1)[token.astype(np.intp) * n + user] = True
+        count = users.view(np.uint8).sum(1, dtype=np.int32)
         cacheable = self._cap[which] > 0
         home = np.mod(keys, n)
-        by_code = np.argsort(tok64)                   # this batch's tokens by code: a cached line's token
-        codes = tok64[by_code]
+        m = len(self.inputs)
         for w in range(n):
             others = count - users[:, w] > 0
             mine = users[:, w] & (home != w) & cacheable
             used = np.flatnonzero(mine)
-            used = used[np.lexsort((keys[used], which[used]))]   # by input, then key (LRU ties)
+            used = used[np.argsort(which[used].astype(np.int16), kind="stable")]   # by input, then token (radix)
             old, old_t, old_last, old_valid = self.cache[w]
-            keep, touched = np.ones(len(old), bool), np.zeros(len(old), bool)
-            if len(codes):                            # a line whose key this batch used: by w (renewed), by others
-                at = np.minimum(np.searchsorted(codes, old), len(codes) - 1)
-                here, tok = codes[at] == old, by_code[at]
-                keep = ~(here & mine[tok])
-                touched = (here & others[tok])[keep]
-            k = np.concatenate([old[keep], tok64[used]])
-            t = np.concatenate([old_t[keep], which[used]])
-            last = np.concatenate([old_last[keep], np.full(len(used), self.batches)])
-            valid = np.concatenate([old_valid[keep] & ~touched, ~others[used] & self.keeps_own_updates])
-            order = np.lexsort((-last, t))               # per input, most recently used first
-            start = np.searchsorted(t[order], t[order])
-            fits = np.arange(len(order)) - start < self._cap[t[order]]
-            gone = order[~fits]
-            self.evicted[w] = (k[gone], t[gone])
-            order = order[fits]
-            order = order[np.argsort(k[order])]
+            tok = lines[w]
+            here = tok >= 0
+            at = np.where(here, tok, 0)
+            keep = ~(here & mine[at])                 # a line w used again is renewed (among ``used``)
+            valid = old_valid & ~(here & others[at])  # another process updated its row: outdated
+            k = np.concatenate([tok64[used], old[keep]])
+            t = np.concatenate([which[used], old_t[keep]])
+            last = np.concatenate([np.full(len(used), self.batches), old_last[keep]])
+            valid = np.concatenate([~others[used] & self.keeps_own_updates, valid[keep]])
+            # grouped by input, new lines first: each line's place in its input, without a sort
+            new_n = np.bincount(t[:len(used)], minlength=m)
+            old_n = np.bincount(t[len(used):], minlength=m)
+            place = np.concatenate([np.arange(len(used)) - _starts(new_n)[t[:len(used)]],
+                                    np.arange(len(t) - len(used)) - _starts(old_n)[t[len(used):]]
+                                    + new_n[t[len(used):]]])
+            fits = place < self._cap[t]
+            self.evicted[w] = (k[~fits], t[~fits])
+            kept = np.minimum(new_n + old_n, self._cap)
+            order = np.empty(int(kept.sum()), np.int64)
+            order[_starts(kept)[t[fits]] + place[fits]] = np.flatnonzero(fits)
             self.cache[w] = (k[order], t[order], last[order], valid[order])
 
     def cached(self, rank: int, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -299,6 +322,13 @@ class LaiaAllocation(Allocator):
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _starts(counts: np.ndarray) -> np.ndarray:
+    """Where each group of ``counts`` starts in their concatenation."""
+    out = np.zeros(len(counts), np.int64)
+    np.cumsum(counts[:-1], out=out[1:])
+    return out
 
 
 def _token_key(keys: np.ndarray, which: np.ndarray) -> np.ndarray:

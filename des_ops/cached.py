@@ -381,15 +381,8 @@ class CachedFieldEmbedding(ShardedFieldEmbedding):
         """Plan pushes: the unpushed updates (keys, counts, sums) of this worker's lines of ``keys``
         (the keys other processes read this step), the lines marked pushed. With plain SGD only:
         the owner applies them (``apply_pushed``) before anyone reads."""
-        L = self.lines
-        lines, cached = L.table.lookup(keys, return_exists=True)
-        k, lines = _mask(cached, keys, lines)
-        row, clock, pend, count, used, uses = L.parts(lines)
-        k, row, clock, pend, count, used, uses = _mask(count > 0, k, row, clock, pend, count, used, uses)
-        clock = tf.where(clock < 0, clock, clock + count)    # an outdated line (on-demand: < 0) stays outdated
-        upsert = L.table.upsert(k, L.join(row, clock, tf.zeros_like(pend), tf.zeros_like(count), used, uses))
-        with tf.control_dependencies([upsert]):
-            return tf.identity(k), tf.identity(count), tf.identity(pend)
+        lines, cached = self.lines.table.lookup(keys, return_exists=True)
+        return self._drain(*_mask(cached, keys, lines))
 
     def apply_pushed(self, keys: tf.Tensor, sums: tf.Tensor) -> tf.Operation:
         """The owner's plain SGD step on pushed sums (distinct ``keys``): row -= lr * sum, what the
@@ -400,18 +393,23 @@ class CachedFieldEmbedding(ShardedFieldEmbedding):
     def pending(self, clear: bool = False):
         """Every line's unpushed updates (keys, counts, sums), and the lines marked pushed (flush);
         ``clear``: the lines removed instead (the cache starts empty again)."""
+        return self._drain(*self.lines.table.export(), clear=clear)
+
+    def _drain(self, keys: tf.Tensor, lines: tf.Tensor, clear: bool = False):
+        """The unpushed updates (keys, counts, sums) of these lines (``keys``: distinct), the lines
+        marked pushed - their clocks advance by their counts where the row counts them (a local
+        update); an outdated line (on-demand: clock < 0) stays outdated - or, ``clear``, all removed."""
         L = self.lines
-        keys, lines = L.table.export()
         row, clock, pend, count, used, uses = L.parts(lines)
-        has = count > 0
+        k, row, clock, pend, count, used, uses = _mask(count > 0, keys, row, clock, pend, count, used, uses)
         if self.local_lr is not None:
-            clock = tf.where(clock < 0, clock, clock + count)   # an outdated line (on-demand: < 0) stays outdated
+            clock = tf.where(clock < 0, clock, clock + count)
         if clear:
             done = L.table.remove(keys)
         else:
-            done = L.table.upsert(keys, L.join(row, clock, tf.zeros_like(pend), tf.zeros_like(count), used, uses))
+            done = L.table.upsert(k, L.join(row, clock, tf.zeros_like(pend), tf.zeros_like(count), used, uses))
         with tf.control_dependencies([done]):
-            return tuple(_mask(has, keys, count, pend))
+            return tf.identity(k), tf.identity(count), tf.identity(pend)
 
     def push(self, keys: tf.Tensor, counts: tf.Tensor, sums: tf.Tensor):
         """Send pushed updates to their owners (one all-to-all). Returns, on the owner side, the
