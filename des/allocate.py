@@ -86,6 +86,7 @@ class Allocator:
         self.batches = 0
         self.hashes: list[str] = []     # one per allocated batch
         self.samples, self.seconds = 0, 0.0
+        self.extra_seconds = 0.0        # Share's time on what it hands the train step besides the rows
 
     def __call__(self, feats: dict, batch: int) -> list[np.ndarray]:
         start = time.perf_counter()
@@ -441,7 +442,7 @@ class Share:
         other processes' rows use} if ``others``, {input + EVICT: the keys its cache evicts after
         this batch} if ``evictions``)."""
         parts = self.allocator({k: feats[k] for k in self.allocator.inputs}, int(batch))
-        extra = {}
+        start, extra = time.perf_counter(), {}
         if self.others:
             rest = np.concatenate([p for r, p in enumerate(parts) if r != self.rank] + [np.zeros(0, np.int64)])
             for name in self.allocator.inputs:
@@ -449,6 +450,7 @@ class Share:
                 extra[name + OTHERS] = ids[ids != PAD_ID].astype(np.int64)
         if self.evictions:
             extra.update({k + EVICT: v for k, v in self.allocator.evictions(self.rank).items()})
+        self.allocator.extra_seconds += time.perf_counter() - start
         return parts[self.rank], extra
 
     def _mine(self, batch, *cols):

@@ -12,7 +12,12 @@ distinct ids of the first batch; ``all``: every input). ``--baseline``: another 
 (e.g. an older commit's), whose laia is timed on the same batches in the same run (``before``
 columns). One process, this machine; the allocator runs in the input pipeline of every process, so its
 samples/s is to be set against the training's samples/s (``des.train --allocate laia`` reports
-both in its summary). ``--cache-rows``: the simulated cache per input of the cache mode (0: PS).
+both in its summary). ``--cache-rows``: the simulated cache per input of the cache mode (0: PS;
+``10%``: a tenth of each input's cardinality, as ``des.train --cache-size 10%``); ``--sgd``: plain
+SGD (a process's own update keeps its copy valid). Wide, N = 4, the cache mode's set-up:
+
+    .venv/bin/python scripts/bench_allocate.py --preset wide --rows 20000 --np 4 --batch 2048 \
+        --top-k all,10 --cache-rows 10% --sgd --baseline /tmp/allocate_before.py
 """
 from __future__ import annotations
 
@@ -42,7 +47,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=40_000)
     ap.add_argument("--np", default="2,4,8,16")
     ap.add_argument("--batch", default="1024,4096,16384")
-    ap.add_argument("--cache-rows", type=int, default=0)
+    ap.add_argument("--cache-rows", default="0", help="rows per input, or a percentage of its cardinality")
+    ap.add_argument("--sgd", action="store_true", help="plain SGD: keeps_own_updates")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--top-k", default="all", help="comma-separated laia top_k values; all: every input")
     ap.add_argument("--baseline", default=None, help="path of another des/allocate.py to time alongside")
@@ -79,18 +85,24 @@ def main() -> None:
         moved = sum(remote_ids(feats, keys, p, n) for (feats, _), p in zip(batches, parts))
         return sum(size for _, size in batches) / float(np.median(times)), moved / len(batches)
 
-    capacity = {k: a.cache_rows for k in keys}
+    if a.cache_rows.endswith("%"):
+        share = float(a.cache_rows[:-1]) / 100
+        capacity = {f.name: max(1, int(share * (f.cardinality or 0))) for f in spec.sparse()}
+    else:
+        capacity = {k: int(a.cache_rows) for k in keys}
     for b in [int(x) for x in a.batch.split(",")]:
         batches = [({k: v.numpy() for k, v in x.items()}, len(y))
                    for x, y in make_dataset([data], meta.get("format", "criteo"), spec, b, drop_remainder=True)]
         for n in [int(x) for x in a.np.split(",")]:
             speed, remote = {}, {}
             for kind in ("contiguous", "random"):
-                speed[kind], remote[kind] = run(lambda: allocate.make(kind, n, keys, capacity, seed=1), n, batches)
-            speed["before"], remote["before"] = (run(lambda: before.make("laia", n, keys, capacity), n, batches)
-                                                 if before else (float("nan"), float("nan")))
-            for k in tops:
-                speed["laia"], remote["laia"] = run(lambda: allocate.make("laia", n, keys, capacity, top_k=k),
+                speed[kind], remote[kind] = run(lambda: allocate.make(kind, n, keys, capacity, seed=1,
+                                                                           keeps_own_updates=a.sgd), n, batches)
+            for k in tops:       # the baseline's laia with the same top_k (an old one without: all inputs)
+                laia = dict(keeps_own_updates=a.sgd, **({} if k is None else {"top_k": k}))
+                speed["before"], remote["before"] = (run(lambda: before.make("laia", n, keys, capacity, **laia),
+                                                         n, batches) if before else (float("nan"), float("nan")))
+                speed["laia"], remote["laia"] = run(lambda: allocate.make("laia", n, keys, capacity, **laia),
                                                     n, batches)
                 cut = 100.0 * (1 - remote["laia"] / remote["contiguous"]) if remote["contiguous"] else 0.0
                 print(f"{n:>3} {b:>6} {k or 'all':>5} | {speed['laia']:>14,.0f} {speed['before']:>10,.0f} "
