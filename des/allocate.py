@@ -103,6 +103,11 @@ class Allocator:
     def allocate(self, feats: dict, batch: int) -> list[np.ndarray]:
         return split(np.arange(batch, dtype=np.int64), self.world_size)
 
+    def used_by_others(self, rank: int) -> dict[str, np.ndarray]:
+        """{input: distinct keys the last batch's samples not given to ``rank`` use}, for the inputs
+        the allocator already knows them of (here none: ``Share`` finds them)."""
+        return {}
+
     @property
     def samples_per_second(self) -> float:
         """Global-batch samples allocated per second of allocator time (its own speed)."""
@@ -146,11 +151,13 @@ class LaiaAllocation(Allocator):
         every = self.top_k is None or self.top_k >= len(self.inputs)
         self.fields: tuple[str, ...] | None = self.inputs if every else None
         self._cap = np.array([self.capacity[k] for k in self.inputs], np.int64)
+        self._narrow = np.int16 if len(self.inputs) < 1 << 15 else np.int64   # input numbers: a radix sort
         # per process: cached (input, key) tokens, their input, the batch each was last used, valid;
         # grouped by input, most recently used first (_update_caches)
         empty = (np.zeros(0, np.uint64), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool))
         self.cache = [empty for _ in range(world_size)]
         self.evicted = [(np.zeros(0, np.uint64), np.zeros(0, np.int64)) for _ in range(world_size)]  # last batch's
+        self._users = None    # the last batch's (users [token, process], keys, inputs): used_by_others
 
     def _tokens(self, feats: dict, batch: int, names: Sequence[str]):
         """The id occurrences of ``names``, sample by sample: (starts [batch + 1]: sample i's
@@ -200,6 +207,7 @@ class LaiaAllocation(Allocator):
 
     def allocate(self, feats, batch):
         n = self.world_size
+        self._users = None
         if n == 1 or batch == 0 or not self.inputs:
             return super().allocate(feats, batch)
         if self.fields is None:
@@ -219,6 +227,8 @@ class LaiaAllocation(Allocator):
         tie = ((np.arange(n) - rot) % n) * 1e-3           # rotating preference among equal scores
         counts = np.diff(starts)
         flat = have.reshape(-1)
+        users = np.zeros((len(keys), n), bool)     # users[t, w]: a sample given to w uses token t
+        used_flat = users.reshape(-1)
         for lo in range(0, batch, self.chunk):
             hi = min(batch, lo + self.chunk)
             tok = token[starts[lo]:starts[hi]]
@@ -235,8 +245,11 @@ class LaiaAllocation(Allocator):
                 got[rest] = _assign(score[rest], quota - np.bincount(got[got >= 0], minlength=n))
             owner[lo:hi] = got
             quota -= np.bincount(got, minlength=n)
-            flat[tok.astype(np.intp) * n + np.repeat(got, counts[lo:hi])] = True   # w now holds its samples' keys
-        self._update_caches(np.repeat(owner, counts), token, keys, which, code, lines)
+            at = tok.astype(np.intp) * n + np.repeat(got, counts[lo:hi])
+            flat[at] = True                                  # w now holds its samples' keys
+            used_flat[at] = True
+        self._users = (users, keys, which)
+        self._update_caches(users, keys, which, code, lines)
         return [np.flatnonzero(owner == w).astype(np.int64) for w in range(n)]
 
     def _lines_in_batch(self, code: np.ndarray) -> list[np.ndarray]:
@@ -256,11 +269,11 @@ class LaiaAllocation(Allocator):
             out.append(line)
         return out
 
-    def _update_caches(self, user, token, keys, which, tok64, lines) -> None:
+    def _update_caches(self, users, keys, which, tok64, lines) -> None:
         """The caches after this batch's step, as the cache at staleness 0 keeps them: each process
         holds the keys it looked up and does not own (LRU, ``capacity`` per input); a copy stays
         valid unless another process used the key (and so updated its row), or the process itself
-        did without ``keeps_own_updates``. ``user``: the process of each id occurrence; ``lines``:
+        did without ``keeps_own_updates``. ``users[t, w]``: process w's samples use token t; ``lines``:
         ``_lines_in_batch``. A cache is kept grouped by input, most recently used first (this
         batch's keys, by token, then the kept lines in their order): LRU is a cut per input, with no
         sort of the lines."""
@@ -268,8 +281,6 @@ class LaiaAllocation(Allocator):
         self.evicted = [(np.zeros(0, np.uint64), np.zeros(0, np.int64)) for _ in range(n)]
         if not self._cap.any():
             return
-        users = np.zeros((len(keys), n), bool)
-        users.reshape(-1)[token.astype(np.intp) * n + user] = True
         count = users.view(np.uint8).sum(1, dtype=np.int32)
         cacheable = self._cap[which] > 0
         home = np.mod(keys, n)
@@ -278,7 +289,7 @@ class LaiaAllocation(Allocator):
             others = count - users[:, w] > 0
             mine = users[:, w] & (home != w) & cacheable
             used = np.flatnonzero(mine)
-            used = used[np.argsort(which[used].astype(np.int16), kind="stable")]   # by input, then token (radix)
+            used = used[np.argsort(which[used].astype(self._narrow), kind="stable")]   # by input, then token (radix)
             old, old_t, old_last, old_valid = self.cache[w]
             tok = lines[w]
             here = tok >= 0
@@ -301,6 +312,19 @@ class LaiaAllocation(Allocator):
             order = np.empty(int(kept.sum()), np.int64)
             order[_starts(kept)[t[fits]] + place[fits]] = np.flatnonzero(fits)
             self.cache[w] = (k[order], t[order], last[order], valid[order])
+
+    def used_by_others(self, rank: int) -> dict[str, np.ndarray]:
+        """{input: the distinct keys (int64) the samples of the last batch NOT given to ``rank``
+        use} for the inputs the allocator read (``fields``), from its tokens: the key lists the
+        cache's on-demand plan reads (``Share(others=True)``), without a sort per input."""
+        if self._users is None:
+            return {}
+        users, keys, which = self._users
+        rest = np.delete(users, rank, axis=1).any(1)
+        k, t = keys[rest], which[rest]
+        order = np.argsort(t.astype(self._narrow), kind="stable")
+        parts = np.split(k[order], np.cumsum(np.bincount(t, minlength=len(self.inputs)))[:-1])
+        return {name: parts[self.inputs.index(name)] for name in self.fields}
 
     def cached(self, rank: int, name: str) -> tuple[np.ndarray, np.ndarray]:
         """(keys, valid) of process ``rank``'s simulated cache of input ``name``, by key."""
@@ -445,7 +469,11 @@ class Share:
         start, extra = time.perf_counter(), {}
         if self.others:
             rest = np.concatenate([p for r, p in enumerate(parts) if r != self.rank] + [np.zeros(0, np.int64)])
+            known = self.allocator.used_by_others(self.rank)      # laia: from its tokens
             for name in self.allocator.inputs:
+                if name in known:
+                    extra[name + OTHERS] = known[name]
+                    continue
                 ids = np.unique(np.asarray(feats[name])[rest].reshape(-1))
                 extra[name + OTHERS] = ids[ids != PAD_ID].astype(np.int64)
         if self.evictions:

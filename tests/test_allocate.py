@@ -357,3 +357,29 @@ def test_top_k_is_balanced_the_same_on_every_process_and_k_all_is_laia(k):
         full(feats, len(y))
     assert a.digest() == b.digest() and len(a.fields) == k
     assert (a.digest() == full.digest()) == (k == len(KEYS))
+
+
+@pytest.mark.parametrize("top_k", [None, 2])
+def test_the_key_lists_the_plan_reads_are_the_other_processes_keys(top_k):
+    """Share(others=True): for every input, the distinct keys of the samples given to the other
+    processes - from laia's tokens for the inputs it scores (``used_by_others``), by a sort for
+    the rest - on every rank, batch after batch (multi-valued inputs with pads, 4-row caches)."""
+    batches, _ = ps_batches(steps=4, batch=40)
+    alloc, twin = (allocate.make("laia", 3, KEYS, {key: 4 for key in KEYS}, top_k=top_k) for _ in range(2))
+    share = allocate.Share(twin, 1, others=True)
+    for x, y in batches:
+        feats = {key: v.numpy() for key, v in x.items()}
+        parts = alloc(feats, len(y))
+        _, lists = share.mine(feats, len(y))          # the same allocation on another instance
+        for rank in range(3):
+            known = alloc.used_by_others(rank)
+            assert sorted(known) == sorted(alloc.fields)
+            rest = np.concatenate([p for r, p in enumerate(parts) if r != rank])
+            for key in KEYS:
+                ids = np.unique(feats[key][rest])
+                ids = ids[ids != -1]
+                if key in known:
+                    assert np.array_equal(np.sort(known[key]), ids), key
+                if rank == 1:
+                    assert np.array_equal(np.sort(lists[key + allocate.OTHERS]), ids), key
+    assert twin.digest() == alloc.digest()
