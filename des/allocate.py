@@ -25,7 +25,10 @@ It is numpy throughout: a batch's ids are tokenised for all inputs at once (one 
 distinct (input, key), by a plain sort of packed (hash, position) words per block of inputs,
 exact), and a chunk's scores are one gather of a [token, process] table and one ``reduceat``.
 ``top_k`` (``make(..., top_k=k)``) scores only the k inputs with the most distinct ids in the
-first batch (chosen once, the same on every process): faster, a little less locality.
+first batch (chosen once, the same on every process): faster, a little less locality. A simulated
+cache is kept grouped by input, most recently used first, so LRU is a cut per input with no sort
+of its lines; and the key lists the cache's on-demand plan reads (``used_by_others``) come from
+the same tokens.
 
     >>> alloc = make("laia", world_size=2, keys=["C1", "C2"])     # process w owns keys k % 2 == w
     >>> ids = {"C1": np.array([2, 4, 3, 5, 2, 3]), "C2": np.array([10, 11, 10, 13, 10, 11])}
