@@ -89,12 +89,14 @@ class Allocator:
         self.batches = 0
         self.hashes: list[str] = []     # one per allocated batch
         self.samples, self.seconds = 0, 0.0
-        self.extra_seconds = 0.0        # Share's time on what it hands the train step besides the rows
+        self.cpu_seconds = 0.0          # the calling thread's CPU time: what it costs, whoever else runs
+        self.extra_seconds = self.extra_cpu_seconds = 0.0   # Share's time on what it hands besides the rows
 
     def __call__(self, feats: dict, batch: int) -> list[np.ndarray]:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         parts = self.allocate(feats, batch)
         self.seconds += time.perf_counter() - start
+        self.cpu_seconds += time.thread_time() - cpu
         self.samples += batch
         self.batches += 1
         h = hashlib.sha1()
@@ -115,6 +117,12 @@ class Allocator:
     def samples_per_second(self) -> float:
         """Global-batch samples allocated per second of allocator time (its own speed)."""
         return self.samples / self.seconds if self.seconds else float("inf")
+
+    @property
+    def samples_per_cpu_second(self) -> float:
+        """Samples allocated per second of the allocator thread's CPU time: its speed where other
+        processes share the cores (an oversubscribed run preempts it; wall time counts that too)."""
+        return self.samples / self.cpu_seconds if self.cpu_seconds else float("inf")
 
     def digest(self, batches: int | None = None) -> str:
         """A hash of the first ``batches`` allocations (all: None), equal on every process that
@@ -469,7 +477,7 @@ class Share:
         other processes' rows use} if ``others``, {input + EVICT: the keys its cache evicts after
         this batch} if ``evictions``)."""
         parts = self.allocator({k: feats[k] for k in self.allocator.inputs}, int(batch))
-        start, extra = time.perf_counter(), {}
+        start, cpu, extra = time.perf_counter(), time.thread_time(), {}
         if self.others:
             rest = np.concatenate([p for r, p in enumerate(parts) if r != self.rank] + [np.zeros(0, np.int64)])
             known = self.allocator.used_by_others(self.rank)      # laia: from its tokens
@@ -482,6 +490,7 @@ class Share:
         if self.evictions:
             extra.update({k + EVICT: v for k, v in self.allocator.evictions(self.rank).items()})
         self.allocator.extra_seconds += time.perf_counter() - start
+        self.allocator.extra_cpu_seconds += time.thread_time() - cpu
         return parts[self.rank], extra
 
     def _mine(self, batch, *cols):

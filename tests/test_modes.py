@@ -122,7 +122,10 @@ def test_a_mode_runs_des_train_s_hooks_in_order(name, kw, owed):
     if name in ("ps", "cache"):
         assert summary["bytes_exact_steps"] == "3/3" and summary["sent_bytes_per_step"] == 0
     if name == "ps":
-        assert summary["allocation"]["batches"] == 3
+        alloc = summary["allocation"]
+        assert alloc["batches"] == 3
+        x = mode.allocators[0]      # its thread's CPU time, at most its wall time (+ the clocks' reads)
+        assert 0 < x.cpu_seconds <= x.seconds + 1e-4 * x.batches and alloc["samples_per_cpu_second"] > 0
     if name == "des":
         assert summary["bytes_per_step_measured"] == summary["bytes_per_step_analytic"] > 0
 

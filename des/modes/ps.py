@@ -138,19 +138,17 @@ class PS(Mode):
         summary["allocate"] = a.allocate
         if allocators:
             trained = [x.hashes[:a.steps] for x in allocators]   # not the batches prefetched past --steps
-            seconds = sum(x.seconds for x in allocators)
             samples = sum(x.samples for x in allocators)
-            speed = samples / seconds if seconds else None
-            extra = sum(x.extra_seconds for x in allocators)     # the keys lists the cache's plan reads
-            whole = samples / (seconds + extra) if seconds else None
+            wall = sum(x.seconds + x.extra_seconds for x in allocators)   # with the key lists the plan reads
+            cpu = sum(x.cpu_seconds + x.extra_cpu_seconds for x in allocators)
+            speed, cpu_speed = (samples / wall if wall else None), (samples / cpu if cpu else None)
             summary["allocation"] = {"batches": sum(map(len, trained)),
                                      "digest": "-".join(x.digest(a.steps) for x in allocators),
-                                     "samples_per_second": speed, "samples_per_second_with_lists": whole}
-            if seconds:
+                                     "samples_per_second": speed, "samples_per_cpu_second": cpu_speed}
+            if wall and cpu:
                 trains = summary["samples_per_second"]
-                lists = (f"; {whole:.0f} samples/s ({whole / trains:.1f}x) with the key lists the plan reads"
-                         if extra else "")
-                self.run.log(f"allocation ({a.allocate}): {speed:.0f} samples/s of allocator time, "
-                             f"{speed / trains:.1f}x the training's {trains:.0f}{lists}")
+                self.run.log(f"allocation ({a.allocate}): {speed:.0f} samples/s of allocator wall time "
+                             f"({speed / trains:.1f}x the training's {trains:.0f}), {cpu_speed:.0f} per second of "
+                             f"its CPU time ({cpu_speed / trains:.1f}x)")
         summary["collectives"] = {k: v for k, v in self.exchange.snapshot().items()
                                   if k in ("metrics_bytes", "barrier_bytes")}
