@@ -162,7 +162,7 @@ class LaiaAllocation(Allocator):
         every = self.top_k is None or self.top_k >= len(self.inputs)
         self.fields: tuple[str, ...] | None = self.inputs if every else None
         self._cap = np.array([self.capacity[k] for k in self.inputs], np.int64)
-        self._narrow = np.int16 if len(self.inputs) < 1 << 15 else np.int64   # input numbers: a radix sort
+        self._narrow = np.int16 if len(self.inputs) < 1 << 14 else np.int64   # 2 x input number: a radix sort
         # per process: cached (input, key) tokens, their input, the batch each was last used, valid;
         # grouped by input, most recently used first (_update_caches)
         empty = (np.zeros(0, np.uint64), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool))
@@ -292,7 +292,9 @@ class LaiaAllocation(Allocator):
             others = count - users[:, w] > 0
             mine = users[:, w] & (home != w) & cacheable
             used = np.flatnonzero(mine)
-            used = used[np.argsort(which[used].astype(self._narrow), kind="stable")]   # by input, then token (radix)
+            fresh = ~others[used] & self.keeps_own_updates        # a new line no other process outdated
+            # by input, valid lines first (the only ones that can hit), then token: a radix sort
+            used = used[np.argsort((which[used].astype(np.int32) << 1 | ~fresh).astype(self._narrow), kind="stable")]
             old, old_t, old_last, old_valid = self.cache[w]
             tok = lines[w]
             here = tok >= 0
