@@ -26,9 +26,9 @@ distinct (input, key), numbered by a hash table - pandas.factorize - per block o
 and a chunk's scores are one gather of a [token, process] table and one ``reduceat``.
 ``top_k`` (``make(..., top_k=k)``) scores only the k inputs with the most distinct ids in the
 first batch (chosen once, the same on every process): faster, a little less locality. A simulated
-cache is kept grouped by input, most recently used first, so LRU is a cut per input with no sort
-of its lines; and the key lists the cache's on-demand plan reads (``used_by_others``) come from
-the same tokens.
+cache is kept grouped by input, most recently used first (within one batch, the lines still
+valid first: only they can hit), so LRU is a cut per input with no sort of its lines; the key
+lists the cache's on-demand plan reads (``used_by_others``) come from the same tokens.
 
     >>> alloc = make("laia", world_size=2, keys=["C1", "C2"])     # process w owns keys k % 2 == w
     >>> ids = {"C1": np.array([2, 4, 3, 5, 2, 3]), "C2": np.array([10, 11, 10, 13, 10, 11])}
@@ -278,8 +278,8 @@ class LaiaAllocation(Allocator):
         valid unless another process used the key (and so updated its row), or the process itself
         did without ``keeps_own_updates``. ``users[t, w]``: process w's samples use token t; ``lines``:
         ``_lines_in_batch``. A cache is kept grouped by input, most recently used first (this
-        batch's keys, by token, then the kept lines in their order): LRU is a cut per input, with no
-        sort of the lines."""
+        batch's keys - the still valid ones first, as only they can hit, then by token - then the
+        kept lines in their order): LRU is a cut per input, with no sort of the lines."""
         n = self.world_size
         self.evicted = [(np.zeros(0, np.uint64), np.zeros(0, np.int64)) for _ in range(n)]
         if not self._cap.any():
