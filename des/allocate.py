@@ -118,12 +118,6 @@ class Allocator:
         """Global-batch samples allocated per second of allocator time (its own speed)."""
         return self.samples / self.seconds if self.seconds else float("inf")
 
-    @property
-    def samples_per_cpu_second(self) -> float:
-        """Samples allocated per second of the allocator thread's CPU time: its speed where other
-        processes share the cores (an oversubscribed run preempts it; wall time counts that too)."""
-        return self.samples / self.cpu_seconds if self.cpu_seconds else float("inf")
-
     def digest(self, batches: int | None = None) -> str:
         """A hash of the first ``batches`` allocations (all: None), equal on every process that
         allocated them alike."""

@@ -64,6 +64,19 @@ def test_laia_simulates_the_caches_at_staleness_0():
         assert alloc.cached(0, "k")[1].tolist() == [False]
 
 
+def test_a_full_cache_keeps_the_new_lines_still_valid_first():
+    """One line per process. Process 0 gets samples 2 and 3 and looks up keys 5 and 1 (process 1
+    owns both); process 1's samples use key 1 too, so process 0's copy of 1 is outdated. With
+    plain SGD process 0 keeps 5, valid (it could hit), and evicts 1, although 1 came first in the
+    batch; without SGD no new line is valid and the batch's first key stays."""
+    k = np.array([[1, 3], [1, 3], [5, 2], [1, 4]])
+    for sgd, kept, evicted in ((True, ([5], [True]), [1]), (False, ([1], [False]), [5])):
+        alloc = allocate.LaiaAllocation(2, ["k"], {"k": 1}, keeps_own_updates=sgd)
+        assert [p.tolist() for p in alloc({"k": k}, 4)] == [[2, 3], [0, 1]]
+        assert tuple(x.tolist() for x in alloc.cached(0, "k")) == kept
+        assert alloc.evictions(0)["k"].tolist() == evicted
+
+
 @pytest.mark.parametrize("kind", allocate.CHOICES)
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_every_sample_once_balanced_and_the_same_on_every_process(kind, n):
