@@ -157,9 +157,9 @@ class LaiaAllocation(Allocator):
         self.fields: tuple[str, ...] | None = self.inputs if every else None
         self._cap = np.array([self.capacity[k] for k in self.inputs], np.int64)
         self._narrow = np.int16 if len(self.inputs) < 1 << 14 else np.int64   # 2 x input number: a radix sort
-        # per process: cached (input, key) tokens, their input, the batch each was last used, valid;
-        # grouped by input, most recently used first (_update_caches)
-        empty = (np.zeros(0, np.uint64), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool))
+        # per process: cached (input, key) tokens, their input, valid; grouped by input, most
+        # recently used first (_update_caches: the order is the recency)
+        empty = (np.zeros(0, np.uint64), np.zeros(0, np.int64), np.zeros(0, bool))
         self.cache = [empty for _ in range(world_size)]
         self.evicted = [(np.zeros(0, np.uint64), np.zeros(0, np.int64)) for _ in range(world_size)]  # last batch's
         self._users = None    # the last batch's (users [token, process], keys, inputs): used_by_others
@@ -224,7 +224,7 @@ class LaiaAllocation(Allocator):
         have[np.arange(len(keys)), np.mod(keys, n)] = True
         lines = self._lines_in_batch(code)
         for w in range(n):
-            valid = self.cache[w][3]
+            valid = self.cache[w][2]
             have[lines[w][valid & (lines[w] >= 0)], w] = True
         quota = sizes(batch, n).copy()
         owner = np.full(batch, -1, np.int64)
@@ -264,7 +264,7 @@ class LaiaAllocation(Allocator):
             return [np.full(len(c[0]), -1, np.int64) for c in self.cache]
         import pandas as pd
         index = pd.Index(code)
-        return [index.get_indexer(old).astype(np.int64, copy=False) for old, _, _, _ in self.cache]
+        return [index.get_indexer(old).astype(np.int64, copy=False) for old, _, _ in self.cache]
 
     def _update_caches(self, users, keys, which, tok64, lines) -> None:
         """The caches after this batch's step, as the cache at staleness 0 keeps them: each process
@@ -288,8 +288,9 @@ class LaiaAllocation(Allocator):
             used = np.flatnonzero(mine)
             fresh = ~others[used] & self.keeps_own_updates        # a new line no other process outdated
             # by input, valid lines first (the only ones that can hit), then token: a radix sort
-            used = used[np.argsort((which[used].astype(np.int32) << 1 | ~fresh).astype(self._narrow), kind="stable")]
-            old, old_t, old_last, old_valid = self.cache[w]
+            new_order = np.argsort((which[used].astype(np.int32) << 1 | ~fresh).astype(self._narrow), kind="stable")
+            used, fresh = used[new_order], fresh[new_order]
+            old, old_t, old_valid = self.cache[w]
             tok = lines[w]
             here = tok >= 0
             at = np.where(here, tok, 0)
@@ -297,8 +298,7 @@ class LaiaAllocation(Allocator):
             valid = old_valid & ~(here & others[at])  # another process updated its row: outdated
             k = np.concatenate([tok64[used], old[keep]])
             t = np.concatenate([which[used], old_t[keep]])
-            last = np.concatenate([np.full(len(used), self.batches), old_last[keep]])
-            valid = np.concatenate([~others[used] & self.keeps_own_updates, valid[keep]])
+            valid = np.concatenate([fresh, valid[keep]])
             # grouped by input, new lines first: each line's place in its input, without a sort
             new_n = np.bincount(t[:len(used)], minlength=m)
             old_n = np.bincount(t[len(used):], minlength=m)
@@ -310,7 +310,7 @@ class LaiaAllocation(Allocator):
             kept = np.minimum(new_n + old_n, self._cap)
             order = np.empty(int(kept.sum()), np.int64)
             order[_starts(kept)[t[fits]] + place[fits]] = np.flatnonzero(fits)
-            self.cache[w] = (k[order], t[order], last[order], valid[order])
+            self.cache[w] = (k[order], t[order], valid[order])
 
     def used_by_others(self, rank: int) -> dict[str, np.ndarray]:
         """{input: the distinct keys (int64) the samples of the last batch NOT given to ``rank``
@@ -327,7 +327,7 @@ class LaiaAllocation(Allocator):
 
     def cached(self, rank: int, name: str) -> tuple[np.ndarray, np.ndarray]:
         """(keys, valid) of process ``rank``'s simulated cache of input ``name``, by key."""
-        keys, t, _, valid = self.cache[rank]
+        keys, t, valid = self.cache[rank]
         sel = t == self.inputs.index(name)
         k = np.asarray(self._keys_of(keys[sel], self.inputs.index(name)))
         order = np.argsort(k)
