@@ -28,6 +28,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFIX, BRIDGE, SUBNET = "desh", "desbr0", "10.77.0"
 AGENT = os.path.join(ROOT, "scripts", "netbed_rsh.sh")
+# Open MPI's ring allreduce: the algorithm des.timemodel prices and the one that keeps every link
+# busy. Open MPI's default choice for these sizes sent 1 MiB at 1/2.2 of a 100mbit link (N=4),
+# the ring at 1/1.44 (scripts/bench_collectives.py on the netbed); the ring's sums are the same
+# on every process.
+RING_ALLREDUCE = ("--mca", "coll_tuned_use_dynamic_rules", "1", "--mca", "coll_tuned_allreduce_algorithm", "4")
 
 
 def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -125,7 +130,7 @@ class Netbed:
         cmd = ["mpirun", "-np", str(np_), "--host", host_list, "--map-by", "node", "--bind-to", "none",
                "--oversubscribe", "--mca", "plm_rsh_agent", AGENT, "--mca", "btl", "tcp,self",
                "--mca", "btl_tcp_if_include", f"{SUBNET}.0/24", "--mca", "oob_tcp_if_include", f"{SUBNET}.0/24",
-               "--wdir", os.getcwd()]
+               *RING_ALLREDUCE, "--wdir", os.getcwd()]
         for name in ("PATH", "PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", "OMPI_MCA_mpi_yield_when_idle", *env):
             if name in os.environ:
                 cmd += ["-x", name]

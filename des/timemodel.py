@@ -23,6 +23,20 @@ process, and on shared cores that wait is most of DES's gap to the no-op time. `
 effective bandwidth: on the netbed MPI over TCP reaches about 60 % of the token bucket's rate in
 an allreduce (measured) and more in an all-to-all, which keeps every link busy at once, so
 calibrate both with scripts/bench_collectives.py (``alltoall_bandwidth``).
+
+Shared cores (``cores``): when the N processes whose computation was timed share fewer cores
+than N (the netbed: every emulated host on this machine's cores), a process that waits for its
+bytes frees its share of the cores for the others, so its wait overlaps their computation. The
+step is then the larger of the cores' bound (the computation as measured, all processes
+competing) and one process's own path (its computation with a core to itself, compute x cores
+/ N, plus its communication). With cores >= N, or on a cluster (``cores=None``: each host has
+its own), that is the sum of the terms.
+
+    >>> shared = step_time(0.400, des_traffic(2e6), n=4, net=Network(1e7, cycle=0.0), cores=2)  # 4 on 2 cores
+    >>> round(shared["total"], 3), round(step_time(0.400, des_traffic(2e6), 4, Network(1e7, cycle=0.0))["total"], 3)
+    (0.5, 0.7)
+
+(shared: max(0.4, 0.4 x 2/4 + 0.3 s of bytes); one host each: 0.4 + 0.3.)
 """
 from __future__ import annotations
 
@@ -68,18 +82,21 @@ class Network:
         return self.call if self.call is not None else 2 * (n - 1) * self.latency
 
 
-def step_time(compute: float, traffic: dict, n: int, net: Network) -> dict:
+def step_time(compute: float, traffic: dict, n: int, net: Network, cores: int | None = None) -> dict:
     """Seconds per step and its terms. ``traffic`` (one process, one step): {"phases": k,
-    "allreduce": [payload bytes per call], "alltoall": [(bytes out, bytes in) per call]}."""
+    "allreduce": [payload bytes per call], "alltoall": [(bytes out, bytes in) per call]}.
+    ``cores``: the cores the n processes shared when ``compute`` was timed and share when they
+    run (None: one host each)."""
     fixed = bandwidth = 0.0
     if n > 1:
         calls = len(traffic.get("allreduce", [])) + len(traffic.get("alltoall", []))
         fixed = traffic.get("phases", 1) * net.cycle + calls * net.call_time(n)
         bandwidth = sum(ring_share(n) * p for p in traffic.get("allreduce", [])) / net.bandwidth
         bandwidth += sum(max(o, i) for o, i in traffic.get("alltoall", [])) / (net.alltoall_bandwidth or net.bandwidth)
-    total = compute + fixed + bandwidth
+    own = compute * min(1.0, cores / n) if cores else compute     # one process's path with a core of its own
+    total = max(compute, own + fixed + bandwidth)
     return {"n": n, "compute": compute, "fixed": fixed, "bandwidth": bandwidth, "total": total,
-            "comm_share": (fixed + bandwidth) / total if total else 0.0}
+            "own_compute": own, "comm_share": (fixed + bandwidth) / total if total else 0.0}
 
 
 def des_traffic(payload_bytes: float) -> dict:

@@ -2,13 +2,15 @@
 
     python scripts/bench_timemodel.py --np 2,4 --rates 100mbit,300mbit,1gbit     # root (netbed)
 
-For each N: the computation per step, timed with no-op collectives (``des.train --comm noop``
-under a local mpirun, so the N processes share the cores as on the netbed) and with the
-processes kept in step by one 4-byte allreduce per step (``--comm sync``; the model's term).
-Each row shows the model (sync computation, all-to-alls at their calibrated bandwidth) next to
-the first one (no-op computation, every collective at the allreduce's bandwidth). The PS also
-runs with ``--comm meet`` (every collective a real call without its payload: its computation
-with all its meetings and waits); the PS's "meet model" is that time + bytes / bandwidth.
+For each N: the computation per step under a local mpirun (the N processes share the cores as
+on the netbed), timed three ways: with no-op collectives (``des.train --comm noop``: the first
+model's term); DES with the processes kept in step by one 4-byte allreduce per step (``--comm
+sync``); the PS with every collective a real call without its payload (``--comm meet``: its
+computation with all its meetings and waits, so no fixed cost is added). The model is
+des.timemodel with ``cores`` = the cores the hosts share: max(computation, computation x cores
+/ N + communication), all-to-alls at their calibrated bandwidth. Each row also shows the plain
+sum of the terms and the first model (no-op computation, every collective at the allreduce's
+bandwidth), and the allreduce's time over its wire-time bound (1 MiB, calibrated).
 ``--reuse-netbed`` recomputes the table from the netbed runs and calibrations a previous run
 left in --out (no netbed, no root). For each N and rate:
 the netbed up; Horovod's cycle, the cost of a call within a phase and the effective bandwidth
@@ -19,6 +21,7 @@ model; the predicted step time next to the measured one (global batch / samples/
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -92,6 +95,8 @@ def main(argv=None) -> int:
     ap.add_argument("--np", default="2,4")
     ap.add_argument("--rates", default="100mbit,300mbit,1gbit")
     ap.add_argument("--columnar", action="store_true", help="every run reads a columnar copy (des.data.convert)")
+    ap.add_argument("--cores", type=int, default=os.cpu_count(),
+                    help="the cores every emulated host shares (default: this machine's)")
     ap.add_argument("--out", default="reports/timemodel")
     ap.add_argument("--reuse-compute", action="store_true",
                     help="take the computation runs' summaries a previous run left in --out")
@@ -115,7 +120,7 @@ def main(argv=None) -> int:
     for n in [int(x) for x in a.np.split(",")]:
         run_args.np = n
         compute = {(m, kind): step_seconds(computation(m, kind, n, a, data, run_args), a.batch)
-                   for m, kinds in (("des", ("noop", "sync")), ("ps", ("noop", "sync", "meet"))) for kind in kinds}
+                   for m, kinds in (("des", ("noop", "sync")), ("ps", ("noop", "meet"))) for kind in kinds}
         for rate in a.rates.split(","):
             with (_Saved(saved[n, rate]) if a.reuse_netbed else Netbed(n, rate=rate)) as bed:
                 cal = bed.calibration if a.reuse_netbed else calibrate(bed, n)
@@ -125,44 +130,50 @@ def main(argv=None) -> int:
                                         call=max(0.0, cal["per_call_in_a_phase"]))
                 net = timemodel.Network(old.bandwidth, cycle=old.cycle, call=old.call,
                                         alltoall_bandwidth=cal.get("effective_alltoall_Bps_1MiB"))
+                bound = timemodel.parse_rate(rate) / net.bandwidth      # the allreduce's time / its wire time
                 for mode in ("des", "ps"):
                     s = (compare.load(os.path.join(a.out, f"{a.model}-{mode}-n{n}-{rate}.json"), n) if a.reuse_netbed
                          else compare.run(mode, a.model, data, run_args, a.out, launcher=bed.mpirun(n),
                                           tag=f"-n{n}-{rate}"))
                     first = timemodel.step_time(compute[mode, "noop"], traffic(mode, s), n, old)
-                    pred = timemodel.step_time(compute[mode, "sync"], traffic(mode, s), n, net)
-                    meet = (pred if mode == "des" else      # DES's one collective: meet is sync
-                            dict(pred, compute=compute[mode, "meet"], fixed=0.0,   # the meetings are in the time
-                                 total=compute[mode, "meet"] + pred["bandwidth"]))
+                    # DES: its computation kept in step + its one collective; the PS: its computation
+                    # with every meeting (--comm meet), so no fixed cost on top, + its bytes
+                    kind, model_net = (("sync", net) if mode == "des" else
+                                       ("meet", dataclasses.replace(net, cycle=0.0, call=0.0)))
+                    pred = timemodel.step_time(compute[mode, kind], traffic(mode, s), n, model_net, cores=a.cores)
+                    summed = timemodel.step_time(compute[mode, kind], traffic(mode, s), n, model_net)
                     measured = step_seconds(s, a.batch)
                     rows.append(dict(n=n, rate=rate, mode=mode, measured=measured, error=pred["total"] / measured - 1,
-                                     predicted=pred["total"], compute=pred["compute"], fixed=pred["fixed"],
-                                     bandwidth_term=pred["bandwidth"], effective_bandwidth=net.bandwidth,
-                                     alltoall_bandwidth=net.alltoall_bandwidth, cycle=net.cycle, call=net.call,
+                                     predicted=pred["total"], computation=kind, compute=pred["compute"],
+                                     own_compute=pred["own_compute"], fixed=pred["fixed"],
+                                     bandwidth_term=pred["bandwidth"], cores=a.cores,
+                                     effective_bandwidth=net.bandwidth, alltoall_bandwidth=net.alltoall_bandwidth,
+                                     allreduce_over_wire_bound=bound, cycle=net.cycle, call=net.call,
+                                     sum_predicted=summed["total"], sum_error=summed["total"] / measured - 1,
                                      noop_predicted=first["total"], noop_error=first["total"] / measured - 1,
                                      noop_compute=compute[mode, "noop"], calibration=cal,
-                                     meet_compute=meet["compute"], meet_predicted=meet["total"],
-                                     meet_error=meet["total"] / measured - 1,
                                      wire_bytes_per_host_step=s.get("wire_bytes_per_host_step")))
                     r = rows[-1]
                     print(f"[timemodel] N={n} {rate:>8} {mode:<3}: measured {measured * 1e3:7.1f} ms, predicted "
-                          f"{r['predicted'] * 1e3:7.1f} ms ({r['error']:+.1%}) = compute {r['compute'] * 1e3:.1f} + "
-                          f"fixed {r['fixed'] * 1e3:.1f} + bytes {r['bandwidth_term'] * 1e3:.1f}; the no-op model "
-                          f"{r['noop_predicted'] * 1e3:.1f} ({r['noop_error']:+.1%}); the meet model "
-                          f"{r['meet_predicted'] * 1e3:.1f} ({r['meet_error']:+.1%})", flush=True)
+                          f"{r['predicted'] * 1e3:7.1f} ms ({r['error']:+.1%}) = max(compute ({kind}) "
+                          f"{r['compute'] * 1e3:.1f}, {r['own_compute'] * 1e3:.1f} + fixed {r['fixed'] * 1e3:.1f} + "
+                          f"bytes {r['bandwidth_term'] * 1e3:.1f}); the sum {r['sum_predicted'] * 1e3:.1f} "
+                          f"({r['sum_error']:+.1%}); the no-op model {r['noop_predicted'] * 1e3:.1f} "
+                          f"({r['noop_error']:+.1%})", flush=True)
     with open(os.path.join(a.out, "timemodel.json"), "w") as fh:
         json.dump(rows, fh, indent=1)
-    head = ("| N | rate | mode | measured ms | predicted ms | error | compute (sync) | fixed | bytes/bw | "
-            "eff. MB/s allreduce / all-to-all | no-op model ms | its error | meet compute | meet model ms | its error |")
+    head = ("| N | rate | mode | measured ms | predicted ms | error | computation | its ms | with a core each | "
+            "fixed | bytes/bw | eff. MB/s allreduce / all-to-all | allreduce / wire bound | the sum ms | its error | "
+            "no-op model ms | its error |")
     md = [f"# Time model vs the netbed: {a.model}, {a.preset}{' (columnar)' if a.columnar else ''}, global batch "
-          f"{a.batch}", "", head, "|" + "---|" * 15]
+          f"{a.batch}, {a.cores} cores shared", "", head, "|" + "---|" * 17]
     for r in rows:
         a2a = r["alltoall_bandwidth"] or r["effective_bandwidth"]
         md.append(f"| {r['n']} | {r['rate']} | {r['mode']} | {r['measured'] * 1e3:.1f} | {r['predicted'] * 1e3:.1f} | "
-                  f"{r['error']:+.1%} | {r['compute'] * 1e3:.1f} | {r['fixed'] * 1e3:.1f} | "
-                  f"{r['bandwidth_term'] * 1e3:.1f} | {r['effective_bandwidth'] / 1e6:.1f} / {a2a / 1e6:.1f} | "
-                  f"{r['noop_predicted'] * 1e3:.1f} | {r['noop_error']:+.1%} | {r['meet_compute'] * 1e3:.1f} | "
-                  f"{r['meet_predicted'] * 1e3:.1f} | {r['meet_error']:+.1%} |")
+                  f"{r['error']:+.1%} | {r['computation']} | {r['compute'] * 1e3:.1f} | {r['own_compute'] * 1e3:.1f} | "
+                  f"{r['fixed'] * 1e3:.1f} | {r['bandwidth_term'] * 1e3:.1f} | {r['effective_bandwidth'] / 1e6:.1f} / "
+                  f"{a2a / 1e6:.1f} | {r['allreduce_over_wire_bound']:.2f} | {r['sum_predicted'] * 1e3:.1f} | "
+                  f"{r['sum_error']:+.1%} | {r['noop_predicted'] * 1e3:.1f} | {r['noop_error']:+.1%} |")
     with open(os.path.join(a.out, "timemodel.md"), "w") as fh:
         fh.write("\n".join(md) + "\n")
     print("\n".join(md))

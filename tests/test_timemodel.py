@@ -43,6 +43,19 @@ def test_all_to_all_traffic_at_its_own_bandwidth():
     assert d["bandwidth"] == pytest.approx(1e6 / 5e7)
 
 
+def test_processes_sharing_cores_overlap_their_waits_with_the_others_computation():
+    """4 processes timed on 2 cores at 400 ms; 2 MB of partials at 10 MB/s = 300 ms of bytes.
+    Sharing the cores: max(400, 400 * 2/4 + 300) = 500 ms; bytes that fit in the others' turn
+    (20 ms) hide completely (400 ms); with a host each, or as many cores as processes, the sum."""
+    net = Network(1e7, latency=0.0, cycle=0.0)
+    assert step_time(0.4, des_traffic(2e6), 4, net, cores=2)["total"] == pytest.approx(0.5)
+    assert step_time(0.4, des_traffic(2e6 / 15), 4, net, cores=2)["total"] == pytest.approx(0.4)
+    for cores in (None, 4, 8):
+        assert step_time(0.4, des_traffic(2e6), 4, net, cores=cores)["total"] == pytest.approx(0.7)
+    t = step_time(0.4, des_traffic(2e6), 4, net, cores=2)
+    assert t["own_compute"] == pytest.approx(0.2) and t["comm_share"] == pytest.approx(0.3 / 0.5)
+
+
 def test_one_process_has_no_communication():
     t = step_time(0.01, ps_traffic(39, 1e6, 1e6, 1e6), 1, Network.parse("1gbit"))
     assert t["total"] == 0.01 and t["comm_share"] == 0.0
