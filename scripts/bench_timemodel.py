@@ -3,8 +3,8 @@
     python scripts/bench_timemodel.py --np 2,4 --rates 100mbit,300mbit,1gbit     # root (netbed)
 
 For each N: the computation per step under a local mpirun (the N processes share the cores as
-on the netbed), timed three ways: with no-op collectives (``des.train --comm noop``: the first
-model's term); DES with the processes kept in step by one 4-byte allreduce per step (``--comm
+on the netbed; ``--compute-on netbed``: across N unshaped emulated hosts, over TCP), timed
+three ways: with no-op collectives (``des.train --comm noop``: the first model's term); DES with the processes kept in step by one 4-byte allreduce per step (``--comm
 sync``); the PS with every collective a real call without its payload (``--comm meet``: its
 computation with all its meetings and waits, so no fixed cost is added). The model is
 des.timemodel with ``cores`` = the cores the hosts share: max(computation, computation x cores
@@ -72,13 +72,20 @@ def traffic(mode: str, s: dict) -> dict:
 
 
 def computation(mode: str, kind: str, n: int, a, data, run_args) -> dict:
-    """Rank 0's summary of a run with ``--comm kind`` (noop / sync) under a local mpirun; with
-    ``--reuse-compute`` the one a previous run left in --out, if there is one."""
+    """Rank 0's summary of a run with ``--comm kind`` (noop / sync / meet); with
+    ``--reuse-compute`` the one a previous run left in --out, if there is one. Under a local
+    mpirun, or with ``--compute-on netbed`` across N unshaped emulated hosts (the processes then
+    wait for each other over TCP as in the measured runs; on this machine that fitted DES better
+    at N=4 and the PS worse: README)."""
     saved = os.path.join(a.out, f"{a.model}-{mode}-{kind}-n{n}.json.rank0")
     if a.reuse_compute and os.path.exists(saved):
         with open(saved) as fh:
             return json.load(fh)
-    return compare.run(mode, a.model, data, run_args, a.out, options=("--comm", kind), tag=f"-{kind}-n{n}")
+    if a.compute_on == "local":
+        return compare.run(mode, a.model, data, run_args, a.out, options=("--comm", kind), tag=f"-{kind}-n{n}")
+    with Netbed(n, rate=None) as bed:
+        return compare.run(mode, a.model, data, run_args, a.out, launcher=bed.mpirun(n), options=("--comm", kind),
+                           tag=f"-{kind}-n{n}")
 
 
 def step_seconds(s: dict, batch: int) -> float:
@@ -95,6 +102,8 @@ def main(argv=None) -> int:
     ap.add_argument("--np", default="2,4")
     ap.add_argument("--rates", default="100mbit,300mbit,1gbit")
     ap.add_argument("--columnar", action="store_true", help="every run reads a columnar copy (des.data.convert)")
+    ap.add_argument("--compute-on", choices=["local", "netbed"], default="local",
+                    help="time the computation under a local mpirun (default) or across unshaped emulated hosts")
     ap.add_argument("--cores", type=int, default=os.cpu_count(),
                     help="the cores every emulated host shares (default: this machine's)")
     ap.add_argument("--out", default="reports/timemodel")
