@@ -2,15 +2,16 @@
 
     python scripts/bench_timemodel.py --np 2,4 --rates 100mbit,300mbit,1gbit     # root (netbed)
 
-For each N: the computation per step under a local mpirun (the N processes share the cores as
-on the netbed; ``--compute-on netbed``: across N unshaped emulated hosts, over TCP), timed
-three ways: with no-op collectives (``des.train --comm noop``: the first model's term); DES with the processes kept in step by one 4-byte allreduce per step (``--comm
-sync``); the PS with every collective a real call without its payload (``--comm meet``: its
-computation with all its meetings and waits, so no fixed cost is added). The model is
-des.timemodel with ``cores`` = the cores the hosts share: max(computation, computation x cores
-/ N + communication), all-to-alls at their calibrated bandwidth. Each row also shows the plain
-sum of the terms and the first model (no-op computation, every collective at the allreduce's
-bandwidth), and the allreduce's time over its wire-time bound (1 MiB, calibrated).
+For each N: the computation per step under a local mpirun (the N processes share the cores as on
+the netbed; ``--compute-on netbed``: across N unshaped emulated hosts, over TCP), timed three
+ways: with no-op collectives (``des.train --comm noop``: the first model's term); DES with the
+processes kept in step by one 4-byte allreduce per step (``--comm sync``); the PS with every
+collective a real call without its payload (``--comm meet``: its computation with all its
+meetings and waits, so no fixed cost is added). The model is des.timemodel with ``cores`` = the
+cores the hosts share: max(computation, computation x cores / N + communication), all-to-alls at
+their calibrated bandwidth. Each row also shows the plain sum of the terms and the first model
+(no-op computation, every collective at the allreduce's bandwidth), and the allreduce's time
+over its wire-time bound (1 MiB, calibrated).
 ``--reuse-netbed`` recomputes the table from the netbed runs and calibrations a previous run
 left in --out (no netbed, no root). For each N and rate:
 the netbed up; Horovod's cycle, the cost of a call within a phase and the effective bandwidth
