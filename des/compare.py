@@ -342,7 +342,11 @@ def main(argv=None) -> int:
     os.makedirs(out, exist_ok=True)
     if a.bandwidth:
         from des import projection
-        rows = projection.project([m for m in a.models.split(",") if m], data_files(data), fmt, a, nps, out)
+        timed = None
+        if a.columnar:      # the computation is timed reading the columnar copy, as the runs would
+            timed_data, _ = ensure_columnar(data_files(data), fmt, None, meta)
+            timed = ([timed_data], "columnar")
+        rows = projection.project([m for m in a.models.split(",") if m], data_files(data), fmt, a, nps, out, timed)
         md = projection.markdown(rows, a)
         with open(os.path.join(out, "projection.md"), "w") as fh:
             fh.write(md)

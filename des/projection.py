@@ -54,14 +54,19 @@ def traffic_at(model: str, data: list[str], fmt: str, a, n: int) -> dict[str, di
             "ps": timemodel.ps_traffic(t["tables"], t["ps_alltoall"], t["ps_alltoall"], t["ps_dense_payload"])}
 
 
-def project(models_: list[str], data: list[str], fmt: str, a, nps: list[int], out: str) -> list[dict]:
+def project(models_: list[str], data: list[str], fmt: str, a, nps: list[int], out: str,
+            timed: tuple[list[str], str] | None = None) -> list[dict]:
+    """Rows of projected step times. ``timed``: the (files, format) the computation is timed on,
+    e.g. the columnar copy (default: ``data``, ``fmt``); the bytes always come from ``data``."""
     net = timemodel.Network.parse(a.bandwidth, a.latency, a.cycle / 1e3)
+    timed_data, timed_fmt = timed or (data, fmt)
     rows = []
     for model in models_:
         for n in nps:
             traffic = traffic_at(model, data, fmt, a, n)
             for mode in ("des", "ps"):
-                t = timemodel.step_time(compute_seconds(mode, model, data, fmt, a, n, out), traffic[mode], n, net)
+                compute = compute_seconds(mode, model, timed_data, timed_fmt, a, n, out)
+                t = timemodel.step_time(compute, traffic[mode], n, net)
                 rows.append(dict(t, model=model, mode=mode, samples_per_s=a.batch / t["total"]))   # t has "n"
     return rows
 

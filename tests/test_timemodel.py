@@ -103,3 +103,19 @@ def test_projection_rows_and_table(monkeypatch):
                       else ps_traffic(4, 2e6, 2e6, 1e5), r["n"], net)
         assert r["samples_per_s"] == pytest.approx(2048 / t["total"])
     assert "| lr | 16 |" in projection.markdown(rows, a)
+
+
+def test_a_columnar_projection_times_the_columnar_copy(monkeypatch, tmp_path):
+    """des.compare --bandwidth --columnar: the computation is timed reading the columnar copy (a
+    projection once timed the text reader by mistake), the bytes come from the data's own files."""
+    from des import compare, projection
+    seen = {"compute": set(), "traffic": set()}
+    monkeypatch.setattr(projection, "compute_seconds",
+                        lambda mode, model, data, fmt, *rest: seen["compute"].add((tuple(data), fmt)) or 0.01)
+    monkeypatch.setattr(projection, "traffic_at", lambda model, data, fmt, a, n: seen["traffic"].add(
+        (tuple(data), fmt)) or {"des": des_traffic(1e4), "ps": ps_traffic(2, 1e5, 1e5, 1e3)})
+    assert compare.main(["--models", "lr", "--preset", "tiny", "--rows", "300", "--batch", "64", "--columnar",
+                         "--bandwidth", "1gbit", "--np", "2,4", "--out", str(tmp_path)]) == 0
+    (timed, timed_fmt), = seen["compute"]
+    (data, fmt), = seen["traffic"]
+    assert timed_fmt == "columnar" and timed == (data[0] + ".cols",) and fmt != "columnar"
