@@ -309,6 +309,9 @@ def main(argv=None) -> int:
     ap.add_argument("--bandwidth", default=None, help="project samples/s at this bandwidth per host (des.projection)")
     ap.add_argument("--latency", default="20us", help="with --bandwidth: per message")
     ap.add_argument("--cycle", type=float, default=1.0, help="with --bandwidth: Horovod's cycle time (ms)")
+    ap.add_argument("--call", default=None,
+                    help="with --bandwidth: the cost of one collective call within a phase (e.g. 170us, as "
+                         "scripts/bench_collectives.py measures it; default: 2(N-1) x --latency)")
     ap.add_argument("--columnar", action="store_true",
                     help="convert the data once (des.data.convert) and let every run read the columnar copy: "
                          "a DES process reads only its own fields' columns, a PS process only its slice's rows")

@@ -11,6 +11,7 @@ over the N slices, and the dense allreduce); the model adds Horovod's cycles and
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -59,6 +60,8 @@ def project(models_: list[str], data: list[str], fmt: str, a, nps: list[int], ou
     """Rows of projected step times. ``timed``: the (files, format) the computation is timed on,
     e.g. the columnar copy (default: ``data``, ``fmt``); the bytes always come from ``data``."""
     net = timemodel.Network.parse(a.bandwidth, a.latency, a.cycle / 1e3)
+    if getattr(a, "call", None):
+        net = dataclasses.replace(net, call=timemodel.parse_time(a.call))
     timed_data, timed_fmt = timed or (data, fmt)
     rows = []
     for model in models_:
@@ -74,7 +77,8 @@ def project(models_: list[str], data: list[str], fmt: str, a, nps: list[int], ou
 def markdown(rows: list[dict], a) -> str:
     from des.runs import describe_source
     lines = [f"# Projected samples/s - {describe_source(a)}, global batch {a.batch}, {a.bandwidth} per host, "
-             f"{a.latency} per message, Horovod cycle {a.cycle} ms", "",
+             f"{a.latency} per message, Horovod cycle {a.cycle} ms, "
+             f"{getattr(a, 'call', None) or '2(N-1) x latency'} per collective call", "",
              "Computation measured here (rank 0 of N alone, no-op collectives); communication by "
              "des.timemodel from the data's bytes. DES/PS = the speed-up.", "",
              "| model | N | DES samples/s | PS samples/s | DES/PS | DES comm share | PS comm share | "

@@ -103,6 +103,11 @@ def test_projection_rows_and_table(monkeypatch):
                       else ps_traffic(4, 2e6, 2e6, 1e5), r["n"], net)
         assert r["samples_per_s"] == pytest.approx(2048 / t["total"])
     assert "| lr | 16 |" in projection.markdown(rows, a)
+    a.call = "170us"                   # a measured cost per collective call replaces 2(N-1) x latency
+    slow = projection.project(["lr"], ["x"], "libffm", a, [16], "out")
+    ps = step_time(0.01, ps_traffic(4, 2e6, 2e6, 1e5), 16, Network(net.bandwidth, net.latency, net.cycle, call=170e-6))
+    assert slow[1]["total"] == pytest.approx(ps["total"]) and ps["fixed"] == pytest.approx(5e-3 + 14 * 170e-6)
+    assert "170us per collective call" in projection.markdown(slow, a)
 
 
 def test_a_columnar_projection_times_the_columnar_copy(monkeypatch, tmp_path):
