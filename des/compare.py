@@ -171,7 +171,9 @@ def _fmt(v, spec: str = ",.0f") -> str:
 def markdown(rows: list[dict], results: dict, a, meta: dict) -> str:
     head = ["model", "mode", "N", "AUC", "log loss", "samples/s", "bytes/step/proc (a2a measured + ring model)",
             "analytic (formulas)", "wire B/step/host (interface)", "saving vs PS", "unique ids/step", "PS remote ids/step", "cache hit rate", "rows fetched+pushed/step", "peak MiB"]
+    cpus = getattr(a, "cpus", None)
     net = (f", netbed: one process per emulated host, {a.rate} per host"
+           + (f", a CPU budget of {cpus} per host" if cpus else "")
            if getattr(a, "net", "local") == "netbed" else "")
     bayes = meta.get("bayes_auc")
     lines = [f"# DES vs PS vs one process - {describe_source(a)}, N={a.np}, global batch {a.batch}, "
@@ -306,6 +308,9 @@ def main(argv=None) -> int:
     ap.add_argument("--net", default="local", choices=["local", "netbed"],
                     help="netbed: one process per emulated host (des.netbed; root), wire bytes measured")
     ap.add_argument("--rate", default="1gbit", help="netbed: each host's sending rate (tc units)")
+    ap.add_argument("--cpus", default=None,
+                    help="netbed: each host's own CPU budget, a number of CPUs or 'share' (cores / N), as a "
+                         "cluster's hosts have (default: every host shares all cores)")
     ap.add_argument("--bandwidth", default=None, help="project samples/s at this bandwidth per host (des.projection)")
     ap.add_argument("--latency", default="20us", help="with --bandwidth: per message")
     ap.add_argument("--cycle", type=float, default=1.0, help="with --bandwidth: Horovod's cycle time (ms)")
@@ -321,6 +326,8 @@ def main(argv=None) -> int:
         ap.error("--eval-data needs --data (a preset holds out its last lines)")
     if a.format and not a.data:
         ap.error("--format needs --data (a preset's format is known)")
+    if a.cpus and a.net != "netbed":
+        ap.error("--cpus needs --net netbed (a CPU budget per emulated host)")
     nps = [int(x) for x in a.np.split(",") if x]
     if len(nps) != 1 and not a.bandwidth:
         ap.error("--np: one number (a list only with --bandwidth, to project)")
@@ -372,7 +379,7 @@ def main(argv=None) -> int:
     bed = None
     if a.net == "netbed":
         from des.netbed import Netbed
-        bed = Netbed(a.np, rate=a.rate).up()
+        bed = Netbed(a.np, rate=a.rate, cpus=a.cpus).up()
     run_data, run_a = data, a
     if a.columnar:
         import copy

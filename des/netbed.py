@@ -4,18 +4,28 @@ Each host ``deshK`` is a network namespace with one interface ``eth0`` (address 
 joined by a veth pair to a bridge ``desbr0`` (10.77.0.254, so mpirun's daemons can reach back;
 no uplink: traffic stays between the namespaces made here). Each host's sending side is
 shaped like a NIC: a ``tbf`` token bucket at ``rate`` (measured here: 98.8 Mbit/s through a
-100mbit bucket), after a ``tc netem`` delay when ``delay`` is given (kernels without netem,
+100mbit bucket) that holds 100 us of it (at least 2 frames), after a ``tc netem`` delay when ``delay`` is given (kernels without netem,
 such as this project's machines, refuse ``delay`` with a message). mpirun starts
 one process per host through an rsh agent that runs ``ip netns exec deshK`` (scripts/netbed_rsh.sh),
 with Open MPI's TCP transport on the bridge subnet only. Needs root (as on this project's machines).
 
+A host's CPU: without ``cpus`` every host's processes share all of this machine's cores, so a
+process that waits for the network leaves its share to the others and a host's speed depends
+on what the other hosts do. ``cpus=C`` gives every host a CPU budget of its own, as a cluster's
+hosts have: a cgroup per host (``desh<K>`` under the cpu controller, cgroup v1 or v2) with a CFS
+quota of C CPUs over a 10 ms period, which the rsh agent joins before it starts the host's
+daemon (so every process of the host is in it). ``cpus="share"`` is 0.9 x this machine's cores /
+hosts (a tenth is left to mpirun and the kernel's network processing, which run outside them).
+
     python -m des.netbed up 2 --rate 1gbit --delay 100us
+    python -m des.netbed up 4 --rate 100mbit --cpus share      # each host 0.45 CPU (0.9 x 2 cores / 4)
     python -m des.netbed run 2 --rate 1gbit -- python -m des.train --mode des ...   # up, run, down
     python -m des.netbed down
 
     >>> with Netbed(2, rate="1gbit", delay="100us") as bed:          # doctest: +SKIP
     ...     subprocess.run(bed.mpirun(2) + ["python", "-m", "des.train", ...])
     ...     bed.sent_bytes()                # bytes each host put on its interface
+    ...     bed.cpu_seconds()               # CPU time each host's processes used (with cpus)
 """
 from __future__ import annotations
 
@@ -32,6 +42,18 @@ AGENT = os.path.join(ROOT, "scripts", "netbed_rsh.sh")
 # busy. Open MPI's default choice for these sizes sent 1 MiB at 1/2.2 of a 100mbit link (N=4),
 # the ring at 1/1.44 (scripts/bench_collectives.py on the netbed); the ring's sums are the same
 # on every process.
+# The token bucket's depth: 100 us at the rate, at least 2 full frames. The bucket fills while the
+# link is idle and then lets that many bytes pass at once, which no NIC does: with the former
+# 16 KB minimum an 8 KB message after 5 ms idle crossed a "30mbit" host at 612 Mbit/s (one the
+# size of a PS all-to-all's message per table), with 3028 B at 40 Mbit/s; bulk rates are the same
+# (28.6 and 28.7 Mbit/s for 4 MiB).
+BURST_MIN, BURST_TIME = 3028, 100e-6
+# "share": this machine's cores / hosts, less a tenth left to what runs outside the hosts' cgroups
+# (the kernel's network processing, mpirun): budgets that add up to every core are caps the hosts
+# then compete for, not budgets each host gets.
+SHARE = 0.9
+CPUACCT_V1 = "/sys/fs/cgroup/cpuacct"
+CPU_PERIOD_US = 10_000       # the CFS period of a host's quota: short, so a throttled host waits <= 10 ms
 RING_ALLREDUCE = ("--mca", "coll_tuned_use_dynamic_rules", "1", "--mca", "coll_tuned_allreduce_algorithm", "4")
 
 
@@ -50,20 +72,49 @@ def hosts() -> list[str]:
                   key=lambda h: int(h[len(PREFIX):]))
 
 
+def cpu_root() -> tuple[str, int] | None:
+    """Where per-host cpu cgroups are made, and the cgroup version: (path, 1 or 2), or None."""
+    if os.path.exists("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"):
+        return "/sys/fs/cgroup/cpu", 1
+    try:
+        with open("/sys/fs/cgroup/cgroup.controllers") as fh:
+            if "cpu" in fh.read().split():
+                return "/sys/fs/cgroup", 2
+    except OSError:
+        pass
+    return None
+
+
+def parse_cpus(cpus: float | str | None, n: int) -> float | None:
+    """A host's CPU budget: a number of CPUs, "share" (0.9 x this machine's cores / ``n``) or None."""
+    if cpus is None or cpus == "none":
+        return None
+    value = SHARE * (os.cpu_count() or 1) / n if cpus == "share" else float(cpus)
+    if not 0.01 <= value <= (os.cpu_count() or 1):
+        raise ValueError(f"netbed: a host's CPUs must be 0.01..{os.cpu_count()} (or 'share'), not {cpus}")
+    return value
+
+
 class Netbed:
     """``n`` hosts on one bridge; ``rate`` (tc units: 1gbit, 100mbit) and ``delay`` (100us, 1ms)
-    shape every host's outgoing traffic. A context manager: torn down on exit (also on errors)."""
+    shape every host's outgoing traffic; ``cpus`` (a number, "share" or None) is each host's CPU
+    budget. A context manager: torn down on exit (also on errors)."""
 
-    def __init__(self, n: int, rate: str | None = "1gbit", delay: str | None = None, burst: str | None = None):
+    def __init__(self, n: int, rate: str | None = "1gbit", delay: str | None = None, burst: str | None = None,
+                 cpus: float | str | None = None):
         if n < 1 or n > 250:
             raise ValueError(f"netbed: 1..250 hosts, not {n}")
         if os.geteuid() != 0:
             raise PermissionError("netbed: network namespaces need root")
         self.n, self.rate, self.delay = n, rate, delay
-        if burst is None and rate:             # 1 ms at the rate (a bigger bucket lets messages pass unshaped)
+        if burst is None and rate:
             from des.timemodel import parse_rate
-            burst = f"{max(16384, int(parse_rate(rate) * 1e-3))}b"
+            burst = f"{max(BURST_MIN, int(parse_rate(rate) * BURST_TIME))}b"
         self.burst = burst
+        self.cpus = parse_cpus(cpus, n)
+        if self.cpus is not None and cpu_root() is None:
+            raise RuntimeError("netbed: --cpus needs the cgroup cpu controller (cgroup v1 cpu or v2 cpu.max), "
+                               "which this machine does not offer")
 
     def address(self, k: int) -> str:
         return f"{SUBNET}.{k}"
@@ -83,6 +134,8 @@ class Netbed:
                 _ip("ip", "link", "set", "eth0", "up", ns=ns)
                 _ip("ip", "link", "set", "lo", "up", ns=ns)
                 self._shape(ns)
+                if self.cpus is not None:
+                    self._limit_cpu(ns)
             self._wait_ready()
         except BaseException:
             down()
@@ -122,6 +175,30 @@ class Netbed:
             _ip("tc", "qdisc", "add", "dev", "eth0", *parent, "handle", "2:", "tbf", "rate", self.rate,
                 "burst", self.burst, "latency", "1s", ns=ns)
 
+    def _limit_cpu(self, ns: str) -> None:
+        root, version = cpu_root()
+        path = os.path.join(root, ns)
+        os.makedirs(path, exist_ok=True)
+        quota = max(1000, int(round(self.cpus * CPU_PERIOD_US)))
+        if version == 1:
+            _write(os.path.join(path, "cpu.cfs_period_us"), CPU_PERIOD_US)
+            _write(os.path.join(path, "cpu.cfs_quota_us"), quota)
+            if os.path.isdir(CPUACCT_V1):        # v1 counts CPU time in its own hierarchy
+                os.makedirs(os.path.join(CPUACCT_V1, ns), exist_ok=True)
+        else:
+            _write(os.path.join(path, "cpu.max"), f"{quota} {CPU_PERIOD_US}")
+
+    def cpu_seconds(self) -> list[float]:
+        """CPU time each host's processes have used so far (seconds; needs ``cpus``)."""
+        out = []
+        for k in range(1, self.n + 1):
+            out.append(_cpu_stat(f"{PREFIX}{k}")["usage"])
+        return out
+
+    def throttled_seconds(self) -> list[float]:
+        """Time each host spent throttled by its quota so far (seconds; needs ``cpus``)."""
+        return [_cpu_stat(f"{PREFIX}{k}")["throttled"] for k in range(1, self.n + 1)]
+
     def mpirun(self, np_: int | None = None, env: tuple[str, ...] = ()) -> list[str]:
         """The mpirun command line (one process per host, round robin when ``np_`` > hosts)."""
         np_ = np_ or self.n
@@ -151,6 +228,33 @@ class Netbed:
         down()
 
 
+def _write(path: str, value) -> None:
+    with open(path, "w") as fh:
+        fh.write(str(value))
+
+
+def _cpu_stat(ns: str) -> dict:
+    """{"usage": s, "throttled": s} of a host's cgroup."""
+    root, version = cpu_root()
+    with open(os.path.join(root, ns, "cpu.stat")) as fh:
+        stat = dict(line.split() for line in fh if line.strip())
+    if version == 2:
+        return {"usage": int(stat["usage_usec"]) / 1e6, "throttled": int(stat.get("throttled_usec", 0)) / 1e6}
+    usage = float("nan")          # v1 without a cpuacct controller: not counted
+    for acct in (os.path.join(root, ns, "cpuacct.usage"), os.path.join(CPUACCT_V1, ns, "cpuacct.usage")):
+        if os.path.exists(acct):
+            with open(acct) as fh:
+                usage = int(fh.read()) / 1e9
+            break
+    return {"usage": usage, "throttled": int(stat.get("throttled_time", 0)) / 1e9}
+
+
+def _cgroups() -> list[str]:
+    roots = [r for r in ((cpu_root() or ("",))[0], CPUACCT_V1) if r and os.path.isdir(r)]
+    return [os.path.join(root, d) for root in dict.fromkeys(roots) for d in os.listdir(root)
+            if d.startswith(PREFIX) and d[len(PREFIX):].isdigit() and os.path.isdir(os.path.join(root, d))]
+
+
 def _links() -> list[str]:
     return [d for d in os.listdir("/sys/class/net") if d == BRIDGE or (d.startswith("desv") and d[4:].isdigit())]
 
@@ -171,6 +275,15 @@ def down(timeout: float = 15.0) -> None:
         time.sleep(0.2)
     if _links():
         raise RuntimeError(f"netbed: could not remove {_links()}")
+    for path in _cgroups():        # empty once the host's processes have ended
+        while True:
+            try:
+                os.rmdir(path)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"netbed: could not remove the cgroup {path} (processes left in it?)")
+                time.sleep(0.2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--np", type=int, help="processes (default: one per host)")
     ap.add_argument("--rate", default="1gbit", help="each host's sending rate (tc units; 'none' = unshaped)")
     ap.add_argument("--delay", default=None, help="one-way delay added to each host's sends (e.g. 100us)")
+    ap.add_argument("--cpus", default=None,
+                    help="each host's CPU budget: a number of CPUs or 'share' (cores / hosts); default: all shared")
     a = ap.parse_args(argv)
     rate = None if a.rate == "none" else a.rate
     if a.action == "down":
@@ -191,11 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.action == "status":
         print(" ".join(hosts()) or "no netbed hosts")
         return 0
-    bed = Netbed(a.hosts, rate, a.delay)
+    bed = Netbed(a.hosts, rate, a.delay, cpus=a.cpus)
     if a.action == "up":
         bed.up()
         print(f"netbed: {a.hosts} hosts {', '.join(bed.address(k) for k in range(1, a.hosts + 1))}; "
-              f"rate {rate or 'unshaped'}, delay {a.delay or 0}. mpirun with:\n  " + " ".join(bed.mpirun(a.np)))
+              f"rate {rate or 'unshaped'}, delay {a.delay or 0}, "
+              f"CPUs {bed.cpus if bed.cpus is not None else 'shared'} per host. mpirun with:\n  " + " ".join(bed.mpirun(a.np)))
         return 0
     if not cmd:
         ap.error("run needs a command after --")

@@ -82,9 +82,9 @@ def computation(mode: str, kind: str, n: int, a, data, run_args) -> dict:
     if a.reuse_compute and os.path.exists(saved):
         with open(saved) as fh:
             return json.load(fh)
-    if a.compute_on == "local":
+    if a.compute_on == "local" and a.cpus is None:
         return compare.run(mode, a.model, data, run_args, a.out, options=("--comm", kind), tag=f"-{kind}-n{n}")
-    with Netbed(n, rate=None) as bed:
+    with Netbed(n, rate=None, cpus=a.cpus) as bed:
         return compare.run(mode, a.model, data, run_args, a.out, launcher=bed.mpirun(n), options=("--comm", kind),
                            tag=f"-{kind}-n{n}")
 
@@ -106,7 +106,11 @@ def main(argv=None) -> int:
     ap.add_argument("--compute-on", choices=["local", "netbed"], default="local",
                     help="time the computation under a local mpirun (default) or across unshaped emulated hosts")
     ap.add_argument("--cores", type=int, default=os.cpu_count(),
-                    help="the cores every emulated host shares (default: this machine's)")
+                    help="the cores every emulated host shares (default: this machine's; unused with --cpus)")
+    ap.add_argument("--cpus", default=None,
+                    help="each emulated host's own CPU budget (des.netbed: a number of CPUs or 'share' = cores / N); "
+                         "the computation is then timed across unshaped hosts with the same budget, and the model "
+                         "is the plain sum of its terms, as on a cluster")
     ap.add_argument("--out", default="reports/timemodel")
     ap.add_argument("--reuse-compute", action="store_true",
                     help="take the computation runs' summaries a previous run left in --out")
@@ -132,7 +136,7 @@ def main(argv=None) -> int:
         compute = {(m, kind): step_seconds(computation(m, kind, n, a, data, run_args), a.batch)
                    for m, kinds in (("des", ("noop", "sync")), ("ps", ("noop", "meet"))) for kind in kinds}
         for rate in a.rates.split(","):
-            with (_Saved(saved[n, rate]) if a.reuse_netbed else Netbed(n, rate=rate)) as bed:
+            with (_Saved(saved[n, rate]) if a.reuse_netbed else Netbed(n, rate=rate, cpus=a.cpus)) as bed:
                 cal = bed.calibration if a.reuse_netbed else calibrate(bed, n)
                 # the first model: no-op computation, every collective at the allreduce's bandwidth;
                 # the model now: computation kept in step (--comm sync), all-to-alls at their own bandwidth
@@ -150,13 +154,14 @@ def main(argv=None) -> int:
                     # with every meeting (--comm meet), so no fixed cost on top, + its bytes
                     kind, model_net = (("sync", net) if mode == "des" else
                                        ("meet", dataclasses.replace(net, cycle=0.0, call=0.0)))
-                    pred = timemodel.step_time(compute[mode, kind], traffic(mode, s), n, model_net, cores=a.cores)
+                    cores = None if a.cpus is not None else a.cores     # a budget each: the plain sum
+                    pred = timemodel.step_time(compute[mode, kind], traffic(mode, s), n, model_net, cores=cores)
                     summed = timemodel.step_time(compute[mode, kind], traffic(mode, s), n, model_net)
                     measured = step_seconds(s, a.batch)
                     rows.append(dict(n=n, rate=rate, mode=mode, measured=measured, error=pred["total"] / measured - 1,
                                      predicted=pred["total"], computation=kind, compute=pred["compute"],
                                      own_compute=pred["own_compute"], fixed=pred["fixed"],
-                                     bandwidth_term=pred["bandwidth"], cores=a.cores,
+                                     bandwidth_term=pred["bandwidth"], cores=cores, cpus_per_host=a.cpus,
                                      effective_bandwidth=net.bandwidth, alltoall_bandwidth=net.alltoall_bandwidth,
                                      allreduce_over_wire_bound=bound, cycle=net.cycle, call=net.call,
                                      sum_predicted=summed["total"], sum_error=summed["total"] / measured - 1,
@@ -176,7 +181,8 @@ def main(argv=None) -> int:
             "fixed | bytes/bw | eff. MB/s allreduce / all-to-all | allreduce / wire bound | the sum ms | its error | "
             "no-op model ms | its error |")
     md = [f"# Time model vs the netbed: {a.model}, {a.preset}{' (columnar)' if a.columnar else ''}, global batch "
-          f"{a.batch}, {a.cores} cores shared", "", head, "|" + "---|" * 17]
+          f"{a.batch}, " + (f"a CPU budget of {a.cpus} per host" if a.cpus is not None else f"{a.cores} cores shared"),
+          "", head, "|" + "---|" * 17]
     for r in rows:
         a2a = r["alltoall_bandwidth"] or r["effective_bandwidth"]
         md.append(f"| {r['n']} | {r['rate']} | {r['mode']} | {r['measured'] * 1e3:.1f} | {r['predicted'] * 1e3:.1f} | "

@@ -69,3 +69,42 @@ def test_netbed_down_removes_everything_and_bad_host_counts_are_refused():
     finally:
         down()
     assert hosts() == [] and not os.path.exists("/sys/class/net/desbr0")
+
+
+@needs_root
+def test_a_host_cpu_budget_holds_every_process_of_the_host(tmp_path):
+    """cpus=0.25: each host's processes (started by mpirun through the rsh agent) are in the host's
+    cgroup and get a quarter of a CPU - a busy loop of 1.5 s wall burns 0.2-0.3 CPU s per s - while
+    without a budget the same loop gets about a whole core; the cgroups go with the netbed."""
+    from des.netbed import Netbed, _cgroups, cpu_root
+    if cpu_root() is None:
+        pytest.skip("no cgroup cpu controller")
+    prog = tmp_path / "busy.py"
+    prog.write_text("import os, sys, time\nt0, c0 = time.perf_counter(), time.process_time()\n"
+                    "while time.perf_counter() - t0 < 1.5: pass\n"
+                    "cg = sorted(l.strip() for l in open('/proc/self/cgroup') if ':cpu' in l or l.startswith('0::'))\n"
+                    "ratio = (time.process_time() - c0) / (time.perf_counter() - t0)\n"
+                    "open(os.path.join(sys.argv[1], str(os.getpid())), 'w').write(f'{ratio} {cg}')\n")
+    ratios = {}
+    for cpus in (0.25, None):
+        seen = tmp_path / f"seen-{cpus}"
+        seen.mkdir()
+        with Netbed(2, rate=None, cpus=cpus) as bed:
+            run = subprocess.run(bed.mpirun(2) + [sys.executable, str(prog), str(seen)], env=ENV, cwd=ROOT,
+                                 capture_output=True, text=True, timeout=120)
+            assert run.returncode == 0, run.stderr[-2000:]
+            lines = [p.read_text() for p in seen.iterdir()]
+            assert len(lines) == 2, lines
+            ratios[cpus] = sorted(float(line.split()[0]) for line in lines)
+            if cpus:
+                assert sorted("/desh1" in line for line in lines) == [False, True], lines
+                assert sorted("/desh2" in line for line in lines) == [False, True], lines
+                used, throttled = bed.cpu_seconds(), bed.throttled_seconds()
+                print("host CPU s", used, "throttled s", throttled)
+                assert all(0.3 <= u <= 1.5 for u in used) and all(t > 0.5 for t in throttled)
+        assert _cgroups() == []
+    print("CPU s per wall s, budget 0.25:", ratios[0.25], "no budget:", ratios[None])
+    assert all(0.2 <= r <= 0.3 for r in ratios[0.25])
+    assert all(r >= 0.6 for r in ratios[None])        # 2 loops on 2 cores (a noisy machine: not 1.0)
+    with pytest.raises(ValueError, match="a host's CPUs"):
+        Netbed(2, cpus=0)
