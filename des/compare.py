@@ -317,6 +317,9 @@ def main(argv=None) -> int:
     ap.add_argument("--call", default=None,
                     help="with --bandwidth: the cost of one collective call within a phase (e.g. 170us, as "
                          "scripts/bench_collectives.py measures it; default: 2(N-1) x --latency)")
+    ap.add_argument("--ps-overlap", type=float, default=0.0,
+                    help="with --bandwidth: the share of the PS's computation that runs while its bytes travel "
+                         "(scripts/bench_timemodel.py calibrates it on the netbed; default 0: the plain sum)")
     ap.add_argument("--columnar", action="store_true",
                     help="convert the data once (des.data.convert) and let every run read the columnar copy: "
                          "a DES process reads only its own fields' columns, a PS process only its slice's rows")

@@ -8,6 +8,8 @@ rank 0 of N (``des.train --comm noop`` with the launcher's variables set: on a r
 host has its own cores); the bytes per process come from the formulas on the data's first
 global batch (DES 4 B w; PS the all-to-all of distinct remote ids, rows and gradient rows, mean
 over the N slices, and the dense allreduce); the model adds Horovod's cycles and the calls.
+``--ps-overlap F``: the share of the PS's computation that runs while its bytes travel
+(scripts/bench_timemodel.py calibrates it on the netbed; default 0, the plain sum).
 """
 from __future__ import annotations
 
@@ -69,7 +71,8 @@ def project(models_: list[str], data: list[str], fmt: str, a, nps: list[int], ou
             traffic = traffic_at(model, data, fmt, a, n)
             for mode in ("des", "ps"):
                 compute = compute_seconds(mode, model, timed_data, timed_fmt, a, n, out)
-                t = timemodel.step_time(compute, traffic[mode], n, net)
+                overlap = getattr(a, "ps_overlap", 0.0) if mode == "ps" else 0.0
+                t = timemodel.step_time(compute, traffic[mode], n, net, overlap=overlap)
                 rows.append(dict(t, model=model, mode=mode, samples_per_s=a.batch / t["total"]))   # t has "n"
     return rows
 
@@ -78,7 +81,8 @@ def markdown(rows: list[dict], a) -> str:
     from des.runs import describe_source
     lines = [f"# Projected samples/s - {describe_source(a)}, global batch {a.batch}, {a.bandwidth} per host, "
              f"{a.latency} per message, Horovod cycle {a.cycle} ms, "
-             f"{getattr(a, 'call', None) or '2(N-1) x latency'} per collective call", "",
+             f"{getattr(a, 'call', None) or '2(N-1) x latency'} per collective call, "
+             f"{getattr(a, 'ps_overlap', 0.0):.2f} of the PS's communication overlapped", "",
              "Computation measured here (rank 0 of N alone, no-op collectives); communication by "
              "des.timemodel from the data's bytes. DES/PS = the speed-up.", "",
              "| model | N | DES samples/s | PS samples/s | DES/PS | DES comm share | PS comm share | "

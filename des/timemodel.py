@@ -16,7 +16,11 @@ Per process and step, with bandwidth b (bytes/s per host and direction):
 
 DES: one phase, ONE allreduce of 4 B w bytes (w floats per sample). PS: the slice-size allreduce;
 per table an all-to-all of ids, then one of rows (forward), then one of gradient rows (backward);
-then the dense allreduce - 5 phases, 3 T + 2 calls. Computation is measured with the collectives
+then the dense allreduce - 5 phases, 3 T + 2 calls. Horovod runs the collectives on its own
+thread, so the PS's per-table work (deduplicating one table's ids, the owner's lookup) goes on
+while other tables' bytes travel: ``overlap`` is the share of its computation that runs while
+its bytes travel (calibrated on the netbed, ``calibrate_overlap``). DES's one allreduce needs every partial, and
+the rest of the step needs its result: nothing overlaps. Computation is measured with the collectives
 replaced by no-ops (``des.train --comm noop``), or better with the processes still kept in step
 by one 4-byte allreduce per step (``--comm sync``): a synchronous step waits for the slowest
 process, and on shared cores that wait is most of DES's gap to the no-op time. ``b`` is the
@@ -30,7 +34,8 @@ bytes frees its share of the cores for the others, so its wait overlaps their co
 step is then the larger of the cores' bound (the computation as measured, all processes
 competing) and one process's own path (its computation with a core to itself, compute x cores
 / N, plus its communication). With cores >= N, or on a cluster (``cores=None``: each host has
-its own), that is the sum of the terms.
+its own), that is the sum of the terms; so too on the netbed with a CPU budget per host
+(``des.netbed --cpus``), where a waiting host's budget is not the others' to take.
 
     >>> shared = step_time(0.400, des_traffic(2e6), n=4, net=Network(1e7, cycle=0.0), cores=2)  # 4 on 2 cores
     >>> round(shared["total"], 3), round(step_time(0.400, des_traffic(2e6), 4, Network(1e7, cycle=0.0))["total"], 3)
@@ -82,11 +87,17 @@ class Network:
         return self.call if self.call is not None else 2 * (n - 1) * self.latency
 
 
-def step_time(compute: float, traffic: dict, n: int, net: Network, cores: int | None = None) -> dict:
+def step_time(compute: float, traffic: dict, n: int, net: Network, cores: int | None = None,
+              overlap: float = 0.0) -> dict:
     """Seconds per step and its terms. ``traffic`` (one process, one step): {"phases": k,
     "allreduce": [payload bytes per call], "alltoall": [(bytes out, bytes in) per call]}.
     ``cores``: the cores the n processes shared when ``compute`` was timed and share when they
-    run (None: one host each)."""
+    run (None: one host each). ``overlap``: the share of the computation that runs while the
+    step's bytes travel (``calibrate_overlap``; 0 = none: DES's one allreduce waits for every
+    partial), so the step is (1 - overlap) x computation + communication, and never less than
+    either term alone."""
+    if not 0.0 <= overlap <= 1.0:
+        raise ValueError(f"overlap {overlap}: a share of the computation, 0..1")
     fixed = bandwidth = 0.0
     if n > 1:
         calls = len(traffic.get("allreduce", [])) + len(traffic.get("alltoall", []))
@@ -94,9 +105,24 @@ def step_time(compute: float, traffic: dict, n: int, net: Network, cores: int | 
         bandwidth = sum(ring_share(n) * p for p in traffic.get("allreduce", [])) / net.bandwidth
         bandwidth += sum(max(o, i) for o, i in traffic.get("alltoall", [])) / (net.alltoall_bandwidth or net.bandwidth)
     own = compute * min(1.0, cores / n) if cores else compute     # one process's path with a core of its own
-    total = max(compute, own + fixed + bandwidth)
+    comm = fixed + bandwidth
+    total = max(compute, comm, own * (1.0 - overlap) + comm)
     return {"n": n, "compute": compute, "fixed": fixed, "bandwidth": bandwidth, "total": total,
-            "own_compute": own, "comm_share": (fixed + bandwidth) / total if total else 0.0}
+            "own_compute": own, "overlap": overlap, "comm_share": comm / total if total else 0.0}
+
+
+def calibrate_overlap(measured: float, compute: float, communication: float) -> float:
+    """The ``overlap`` that makes ``step_time`` equal a measured step (one host each), from
+    measured = (1 - overlap) x compute + communication, clipped to 0..1. Calibrate where the
+    communication weighs most (there the step depends on the overlap most, and on the noise of
+    the computation least), then predict the other points with it.
+
+    >>> round(calibrate_overlap(0.5165, 0.3313, 0.3103), 3)      # the PS at N=2, 30mbit (README)
+    0.378
+    """
+    if compute <= 0:
+        return 0.0
+    return min(1.0, max(0.0, (compute + communication - measured) / compute))
 
 
 def des_traffic(payload_bytes: float) -> dict:

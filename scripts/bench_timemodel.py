@@ -89,6 +89,25 @@ def computation(mode: str, kind: str, n: int, a, data, run_args) -> dict:
                            tag=f"-{kind}-n{n}")
 
 
+def apply_overlap(rows: list[dict], how: str) -> None:
+    """The PS's predictions with the share of its computation that runs while its bytes travel
+    (des.timemodel ``overlap``): ``how`` = a number, or "calibrate": from the PS point whose
+    communication is the largest share of its terms (marked ``calibrates``), applied to all."""
+    ps = [r for r in rows if r["mode"] == "ps"]
+    if not ps or how in ("0", "0.0"):
+        return
+    if how == "calibrate":
+        at = max(ps, key=lambda r: (r["fixed"] + r["bandwidth_term"]) / (r["compute"] + r["fixed"] + r["bandwidth_term"]))
+        at["calibrates"] = True
+        overlap = timemodel.calibrate_overlap(at["measured"], at["compute"], at["fixed"] + at["bandwidth_term"])
+    else:
+        overlap = float(how)
+    for r in ps:
+        t = timemodel.step_time(r["compute"], r["traffic"], r["n"], timemodel.Network(**r["network"]),
+                                cores=r["cores"], overlap=overlap)
+        r.update(overlap=overlap, predicted=t["total"], error=t["total"] / r["measured"] - 1)
+
+
 def step_seconds(s: dict, batch: int) -> float:
     return batch / s["samples_per_second"]
 
@@ -111,6 +130,9 @@ def main(argv=None) -> int:
                     help="each emulated host's own CPU budget (des.netbed: a number of CPUs or 'share' = cores / N); "
                          "the computation is then timed across unshaped hosts with the same budget, and the model "
                          "is the plain sum of its terms, as on a cluster")
+    ap.add_argument("--ps-overlap", default="calibrate",
+                    help="the share of the PS's computation that runs while its bytes travel (des.timemodel): "
+                         "a number, or 'calibrate' (default) from the PS point whose communication weighs most")
     ap.add_argument("--out", default="reports/timemodel")
     ap.add_argument("--reuse-compute", action="store_true",
                     help="take the computation runs' summaries a previous run left in --out")
@@ -166,28 +188,32 @@ def main(argv=None) -> int:
                                      allreduce_over_wire_bound=bound, cycle=net.cycle, call=net.call,
                                      sum_predicted=summed["total"], sum_error=summed["total"] / measured - 1,
                                      noop_predicted=first["total"], noop_error=first["total"] / measured - 1,
-                                     noop_compute=compute[mode, "noop"], calibration=cal,
+                                     noop_compute=compute[mode, "noop"], calibration=cal, overlap=0.0,
+                                     traffic=traffic(mode, s), network=dataclasses.asdict(model_net),
                                      wire_bytes_per_host_step=s.get("wire_bytes_per_host_step")))
-                    r = rows[-1]
-                    print(f"[timemodel] N={n} {rate:>8} {mode:<3}: measured {measured * 1e3:7.1f} ms, predicted "
-                          f"{r['predicted'] * 1e3:7.1f} ms ({r['error']:+.1%}) = max(compute ({kind}) "
-                          f"{r['compute'] * 1e3:.1f}, {r['own_compute'] * 1e3:.1f} + fixed {r['fixed'] * 1e3:.1f} + "
-                          f"bytes {r['bandwidth_term'] * 1e3:.1f}); the sum {r['sum_predicted'] * 1e3:.1f} "
-                          f"({r['sum_error']:+.1%}); the no-op model {r['noop_predicted'] * 1e3:.1f} "
-                          f"({r['noop_error']:+.1%})", flush=True)
+    apply_overlap(rows, a.ps_overlap)
+    for r in rows:
+        print(f"[timemodel] N={r['n']} {r['rate']:>8} {r['mode']:<3}: measured {r['measured'] * 1e3:7.1f} ms, predicted "
+              f"{r['predicted'] * 1e3:7.1f} ms ({r['error']:+.1%}) = max(compute ({r['computation']}) "
+              f"{r['compute'] * 1e3:.1f}, {1 - r['overlap']:.2f} x {r['own_compute'] * 1e3:.1f} + fixed "
+              f"{r['fixed'] * 1e3:.1f} + bytes {r['bandwidth_term'] * 1e3:.1f}){' [calibrates the overlap]' if r.get('calibrates') else ''}; "
+              f"the sum {r['sum_predicted'] * 1e3:.1f} ({r['sum_error']:+.1%}); the no-op model "
+              f"{r['noop_predicted'] * 1e3:.1f} ({r['noop_error']:+.1%})", flush=True)
     with open(os.path.join(a.out, "timemodel.json"), "w") as fh:
         json.dump(rows, fh, indent=1)
     head = ("| N | rate | mode | measured ms | predicted ms | error | computation | its ms | with a core each | "
-            "fixed | bytes/bw | eff. MB/s allreduce / all-to-all | allreduce / wire bound | the sum ms | its error | "
+            "fixed | bytes/bw | overlap | eff. MB/s allreduce / all-to-all | allreduce / wire bound | the sum ms | its error | "
             "no-op model ms | its error |")
     md = [f"# Time model vs the netbed: {a.model}, {a.preset}{' (columnar)' if a.columnar else ''}, global batch "
           f"{a.batch}, " + (f"a CPU budget of {a.cpus} per host" if a.cpus is not None else f"{a.cores} cores shared"),
-          "", head, "|" + "---|" * 17]
+          "", head, "|" + "---|" * 18]
     for r in rows:
         a2a = r["alltoall_bandwidth"] or r["effective_bandwidth"]
         md.append(f"| {r['n']} | {r['rate']} | {r['mode']} | {r['measured'] * 1e3:.1f} | {r['predicted'] * 1e3:.1f} | "
                   f"{r['error']:+.1%} | {r['computation']} | {r['compute'] * 1e3:.1f} | {r['own_compute'] * 1e3:.1f} | "
-                  f"{r['fixed'] * 1e3:.1f} | {r['bandwidth_term'] * 1e3:.1f} | {r['effective_bandwidth'] / 1e6:.1f} / "
+                  f"{r['fixed'] * 1e3:.1f} | {r['bandwidth_term'] * 1e3:.1f} | "
+                  f"{r['overlap']:.2f}{' (calibrated here)' if r.get('calibrates') else ''} | "
+                  f"{r['effective_bandwidth'] / 1e6:.1f} / "
                   f"{a2a / 1e6:.1f} | {r['allreduce_over_wire_bound']:.2f} | {r['sum_predicted'] * 1e3:.1f} | "
                   f"{r['sum_error']:+.1%} | {r['noop_predicted'] * 1e3:.1f} | {r['noop_error']:+.1%} |")
     with open(os.path.join(a.out, "timemodel.md"), "w") as fh:
@@ -205,6 +231,10 @@ def main(argv=None) -> int:
             pts = [r for r in rows if r["mode"] == mode and r["n"] == n]
             ax.scatter([r["measured"] * 1e3 for r in pts], [r["predicted"] * 1e3 for r in pts], marker=marker,
                        color=color, label=f"{mode.upper()} N={n}")
+    for r in rows:
+        if r.get("calibrates"):
+            ax.scatter([r["measured"] * 1e3], [r["predicted"] * 1e3], marker="o", s=160, facecolors="none",
+                       edgecolors="k", label="calibrates the PS's overlap")
     ax.set(xlabel="measured step time on the netbed (ms)", ylabel="predicted (ms)", xlim=(0, top), ylim=(0, top),
            title=f"{a.model}, {a.preset}, batch {a.batch}")
     ax.legend()

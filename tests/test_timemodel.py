@@ -56,6 +56,24 @@ def test_processes_sharing_cores_overlap_their_waits_with_the_others_computation
     assert t["own_compute"] == pytest.approx(0.2) and t["comm_share"] == pytest.approx(0.3 / 0.5)
 
 
+def test_computation_that_runs_while_the_bytes_travel():
+    """A PS step of 300 ms computation and 300 ms of bytes (30 MB/s, 9 MB): with 40 % of the
+    computation running while the bytes travel, 0.6 x 300 + 300 = 480 ms; never below either term
+    alone (all of it: 300; 100 ms of computation, all of it overlapped: still the bytes' 300);
+    calibrate_overlap inverts it and clips to 0..1."""
+    net = Network(3e7, latency=0.0, cycle=0.0)
+    traffic = des_traffic(9e6)                    # N=2: the ring sends 1/2 x 2 x 9e6 = 9 MB
+    assert step_time(0.3, traffic, 2, net)["total"] == pytest.approx(0.6)
+    assert step_time(0.3, traffic, 2, net, overlap=0.4)["total"] == pytest.approx(0.48)
+    assert step_time(0.3, traffic, 2, net, overlap=1.0)["total"] == pytest.approx(0.3)
+    assert step_time(0.1, traffic, 2, net, overlap=1.0)["total"] == pytest.approx(0.3)
+    assert step_time(0.9, traffic, 2, net, overlap=1.0)["total"] == pytest.approx(0.9)
+    assert timemodel.calibrate_overlap(0.48, 0.3, 0.3) == pytest.approx(0.4)
+    assert timemodel.calibrate_overlap(0.7, 0.3, 0.3) == 0.0 and timemodel.calibrate_overlap(0.2, 0.3, 0.3) == 1.0
+    with pytest.raises(ValueError, match="overlap 1.5"):
+        step_time(0.3, traffic, 2, net, overlap=1.5)
+
+
 def test_one_process_has_no_communication():
     t = step_time(0.01, ps_traffic(39, 1e6, 1e6, 1e6), 1, Network.parse("1gbit"))
     assert t["total"] == 0.01 and t["comm_share"] == 0.0
