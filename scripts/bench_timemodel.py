@@ -1,17 +1,20 @@
 """Validate des.timemodel on the emulated cluster: predicted vs measured step time, DES and PS.
 
-    python scripts/bench_timemodel.py --np 2,4 --rates 100mbit,300mbit,1gbit     # root (netbed)
+    python scripts/bench_timemodel.py --np 2,4 --rates 30mbit,100mbit,1gbit --cpus share   # root (netbed)
 
-For each N: the computation per step under a local mpirun (the N processes share the cores as on
-the netbed; ``--compute-on netbed``: across N unshaped emulated hosts, over TCP), timed three
-ways: with no-op collectives (``des.train --comm noop``: the first model's term); DES with the
-processes kept in step by one 4-byte allreduce per step (``--comm sync``); the PS with every
-collective a real call without its payload (``--comm meet``: its computation with all its
-meetings and waits, so no fixed cost is added). The model is des.timemodel with ``cores`` = the
-cores the hosts share: max(computation, computation x cores / N + communication), all-to-alls at
-their calibrated bandwidth. Each row also shows the plain sum of the terms and the first model
-(no-op computation, every collective at the allreduce's bandwidth), and the allreduce's time
-over its wire-time bound (1 MiB, calibrated).
+For each N: the computation per step, timed three ways: with no-op collectives (``des.train
+--comm noop``: the first model's term); DES with the processes kept in step by one 4-byte
+allreduce per step (``--comm sync``); the PS with every collective a real call without its
+payload (``--comm meet``: its computation with all its meetings and waits, so no fixed cost is
+added). With ``--cpus`` (a CPU budget per emulated host, des.netbed) the computation is timed
+across N unshaped hosts with that budget and the model is the plain sum of its terms, as on a
+cluster; without it, under a local mpirun (``--compute-on netbed``: across unshaped hosts) with
+``cores`` = the cores the hosts share: max(computation, computation x cores / N +
+communication). All-to-alls at their calibrated bandwidth. The PS's ``overlap`` (the share of
+its computation that runs while its bytes travel, ``--ps-overlap``) is calibrated at the PS
+point whose communication weighs most and applied to every point. Each row also shows the plain
+sum of the terms and the first model (no-op computation, every collective at the allreduce's
+bandwidth), and the allreduce's time over its wire-time bound (1 MiB, calibrated).
 ``--reuse-netbed`` recomputes the table from the netbed runs and calibrations a previous run
 left in --out (no netbed, no root). For each N and rate:
 the netbed up; Horovod's cycle, the cost of a call within a phase and the effective bandwidth
