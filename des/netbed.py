@@ -186,6 +186,10 @@ class Netbed:
             if os.path.isdir(CPUACCT_V1):        # v1 counts CPU time in its own hierarchy
                 os.makedirs(os.path.join(CPUACCT_V1, ns), exist_ok=True)
         else:
+            try:                                   # children get cpu.max only where the parent hands it down
+                _write(os.path.join(root, "cgroup.subtree_control"), "+cpu")
+            except OSError:
+                pass
             _write(os.path.join(path, "cpu.max"), f"{quota} {CPU_PERIOD_US}")
 
     def cpu_seconds(self) -> list[float]:
