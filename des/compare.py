@@ -309,7 +309,7 @@ def main(argv=None) -> int:
                     help="netbed: one process per emulated host (des.netbed; root), wire bytes measured")
     ap.add_argument("--rate", default="1gbit", help="netbed: each host's sending rate (tc units)")
     ap.add_argument("--cpus", default=None,
-                    help="netbed: each host's own CPU budget, a number of CPUs or 'share' (cores / N), as a "
+                    help="netbed: each host's own CPU budget, a number of CPUs or 'share' (0.9 x cores / N), as a "
                          "cluster's hosts have (default: every host shares all cores)")
     ap.add_argument("--bandwidth", default=None, help="project samples/s at this bandwidth per host (des.projection)")
     ap.add_argument("--latency", default="20us", help="with --bandwidth: per message")

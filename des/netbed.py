@@ -4,8 +4,9 @@ Each host ``deshK`` is a network namespace with one interface ``eth0`` (address 
 joined by a veth pair to a bridge ``desbr0`` (10.77.0.254, so mpirun's daemons can reach back;
 no uplink: traffic stays between the namespaces made here). Each host's sending side is
 shaped like a NIC: a ``tbf`` token bucket at ``rate`` (measured here: 98.8 Mbit/s through a
-100mbit bucket) that holds 100 us of it (at least 2 frames), after a ``tc netem`` delay when ``delay`` is given (kernels without netem,
-such as this project's machines, refuse ``delay`` with a message). mpirun starts
+100mbit bucket) that holds 100 us of it (at least 2 frames), after a ``tc netem`` delay when
+``delay`` is given (kernels without netem, such as this project's machines, refuse ``delay``
+with a message). mpirun starts
 one process per host through an rsh agent that runs ``ip netns exec deshK`` (scripts/netbed_rsh.sh),
 with Open MPI's TCP transport on the bridge subnet only. Needs root (as on this project's machines).
 
@@ -194,10 +195,7 @@ class Netbed:
 
     def cpu_seconds(self) -> list[float]:
         """CPU time each host's processes have used so far (seconds; needs ``cpus``)."""
-        out = []
-        for k in range(1, self.n + 1):
-            out.append(_cpu_stat(f"{PREFIX}{k}")["usage"])
-        return out
+        return [_cpu_stat(f"{PREFIX}{k}")["usage"] for k in range(1, self.n + 1)]
 
     def throttled_seconds(self) -> list[float]:
         """Time each host spent throttled by its quota so far (seconds; needs ``cpus``)."""
@@ -301,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", default="1gbit", help="each host's sending rate (tc units; 'none' = unshaped)")
     ap.add_argument("--delay", default=None, help="one-way delay added to each host's sends (e.g. 100us)")
     ap.add_argument("--cpus", default=None,
-                    help="each host's CPU budget: a number of CPUs or 'share' (cores / hosts); default: all shared")
+                    help="each host's CPU budget: a number of CPUs or 'share' (0.9 x cores / hosts); "
+                         "default: all cores shared")
     a = ap.parse_args(argv)
     rate = None if a.rate == "none" else a.rate
     if a.action == "down":

@@ -82,7 +82,7 @@ def markdown(rows: list[dict], a) -> str:
     lines = [f"# Projected samples/s - {describe_source(a)}, global batch {a.batch}, {a.bandwidth} per host, "
              f"{a.latency} per message, Horovod cycle {a.cycle} ms, "
              f"{getattr(a, 'call', None) or '2(N-1) x latency'} per collective call, "
-             f"{getattr(a, 'ps_overlap', 0.0):.2f} of the PS's communication overlapped", "",
+             f"{getattr(a, 'ps_overlap', 0.0):.2f} of the PS's computation overlapping its bytes", "",
              "Computation measured here (rank 0 of N alone, no-op collectives); communication by "
              "des.timemodel from the data's bytes. DES/PS = the speed-up.", "",
              "| model | N | DES samples/s | PS samples/s | DES/PS | DES comm share | PS comm share | "

@@ -97,7 +97,7 @@ def apply_overlap(rows: list[dict], how: str) -> None:
     (des.timemodel ``overlap``): ``how`` = a number, or "calibrate": from the PS point whose
     communication is the largest share of its terms (marked ``calibrates``), applied to all."""
     ps = [r for r in rows if r["mode"] == "ps"]
-    if not ps or how in ("0", "0.0"):
+    if not ps:
         return
     if how == "calibrate":
         at = max(ps, key=lambda r: (r["fixed"] + r["bandwidth_term"]) / (r["compute"] + r["fixed"] + r["bandwidth_term"]))
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cores", type=int, default=os.cpu_count(),
                     help="the cores every emulated host shares (default: this machine's; unused with --cpus)")
     ap.add_argument("--cpus", default=None,
-                    help="each emulated host's own CPU budget (des.netbed: a number of CPUs or 'share' = cores / N); "
+                    help="each emulated host's own CPU budget (des.netbed: a number of CPUs or 'share' = 0.9 x cores / N); "
                          "the computation is then timed across unshaped hosts with the same budget, and the model "
                          "is the plain sum of its terms, as on a cluster")
     ap.add_argument("--ps-overlap", default="calibrate",
@@ -174,14 +174,15 @@ def main(argv=None) -> int:
                     s = (compare.load(os.path.join(a.out, f"{a.model}-{mode}-n{n}-{rate}.json"), n) if a.reuse_netbed
                          else compare.run(mode, a.model, data, run_args, a.out, launcher=bed.mpirun(n),
                                           tag=f"-n{n}-{rate}"))
-                    first = timemodel.step_time(compute[mode, "noop"], traffic(mode, s), n, old)
+                    load = traffic(mode, s)
+                    first = timemodel.step_time(compute[mode, "noop"], load, n, old)
                     # DES: its computation kept in step + its one collective; the PS: its computation
                     # with every meeting (--comm meet), so no fixed cost on top, + its bytes
                     kind, model_net = (("sync", net) if mode == "des" else
                                        ("meet", dataclasses.replace(net, cycle=0.0, call=0.0)))
                     cores = None if a.cpus is not None else a.cores     # a budget each: the plain sum
-                    pred = timemodel.step_time(compute[mode, kind], traffic(mode, s), n, model_net, cores=cores)
-                    summed = timemodel.step_time(compute[mode, kind], traffic(mode, s), n, model_net)
+                    pred = timemodel.step_time(compute[mode, kind], load, n, model_net, cores=cores)
+                    summed = timemodel.step_time(compute[mode, kind], load, n, model_net)
                     measured = step_seconds(s, a.batch)
                     rows.append(dict(n=n, rate=rate, mode=mode, measured=measured, error=pred["total"] / measured - 1,
                                      predicted=pred["total"], computation=kind, compute=pred["compute"],
@@ -192,7 +193,7 @@ def main(argv=None) -> int:
                                      sum_predicted=summed["total"], sum_error=summed["total"] / measured - 1,
                                      noop_predicted=first["total"], noop_error=first["total"] / measured - 1,
                                      noop_compute=compute[mode, "noop"], calibration=cal, overlap=0.0,
-                                     traffic=traffic(mode, s), network=dataclasses.asdict(model_net),
+                                     traffic=load, network=dataclasses.asdict(model_net),
                                      wire_bytes_per_host_step=s.get("wire_bytes_per_host_step")))
     apply_overlap(rows, a.ps_overlap)
     for r in rows:
