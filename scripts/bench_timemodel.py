@@ -15,6 +15,8 @@ its computation that runs while its bytes travel, ``--ps-overlap``) is calibrate
 point whose communication weighs most and applied to every point. Each row also shows the plain
 sum of the terms and the first model (no-op computation, every collective at the allreduce's
 bandwidth), and the allreduce's time over its wire-time bound (1 MiB, calibrated).
+``--repeats K`` runs every point K times and takes the median step time (one run of the PS on
+this machine is not reproducible to 20 %: README). ``--modes`` limits the runs to DES or the PS.
 ``--reuse-netbed`` recomputes the table from the netbed runs and calibrations a previous run
 left in --out (no netbed, no root). For each N and rate:
 the netbed up; Horovod's cycle, the cost of a call within a phase and the effective bandwidth
@@ -30,6 +32,8 @@ import json
 import os
 import subprocess
 import sys
+
+import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -75,21 +79,33 @@ def traffic(mode: str, s: dict) -> dict:
                                 max(r["allreduce_payload_bytes_per_step"] for r in ranks) - 4)
 
 
-def computation(mode: str, kind: str, n: int, a, data, run_args) -> dict:
-    """Rank 0's summary of a run with ``--comm kind`` (noop / sync / meet); with
-    ``--reuse-compute`` the one a previous run left in --out, if there is one. Under a local
-    mpirun, or with ``--compute-on netbed`` across N unshaped emulated hosts (the processes then
-    wait for each other over TCP as in the measured runs; on this machine that fitted DES better
-    at N=4 and the PS worse: README)."""
-    saved = os.path.join(a.out, f"{a.model}-{mode}-{kind}-n{n}.json.rank0")
-    if a.reuse_compute and os.path.exists(saved):
-        with open(saved) as fh:
-            return json.load(fh)
-    if a.compute_on == "local" and a.cpus is None:
-        return compare.run(mode, a.model, data, run_args, a.out, options=("--comm", kind), tag=f"-{kind}-n{n}")
-    with Netbed(n, rate=None, cpus=a.cpus) as bed:
-        return compare.run(mode, a.model, data, run_args, a.out, launcher=bed.mpirun(n), options=("--comm", kind),
-                           tag=f"-{kind}-n{n}")
+def computation(mode: str, kind: str, n: int, a, data, run_args) -> float:
+    """The computation's step time: the median over ``a.repeats`` runs with ``--comm kind``
+    (noop / sync / meet) of each run's step time (global batch / samples/s, itself a median over
+    steps); with ``--reuse-compute`` the runs a previous run left in --out, where there are. Under
+    a local mpirun, or with ``--compute-on netbed`` across N unshaped emulated hosts (the
+    processes then wait for each other over TCP as in the measured runs; on this machine that
+    fitted DES better at N=4 and the PS worse: README)."""
+    times = []
+    for k in range(a.repeats):
+        tag = f"-{kind}-n{n}{repeat_tag(k, a.repeats)}"
+        saved = os.path.join(a.out, f"{a.model}-{mode}{tag}.json.rank0")
+        if a.reuse_compute and os.path.exists(saved):
+            with open(saved) as fh:
+                s = json.load(fh)
+        elif a.compute_on == "local" and a.cpus is None:
+            s = compare.run(mode, a.model, data, run_args, a.out, options=("--comm", kind), tag=tag)
+        else:
+            with Netbed(n, rate=None, cpus=a.cpus) as bed:
+                s = compare.run(mode, a.model, data, run_args, a.out, launcher=bed.mpirun(n),
+                                options=("--comm", kind), tag=tag)
+        times.append(step_seconds(s, a.batch))
+    return float(np.median(times))
+
+
+def repeat_tag(k: int, repeats: int) -> str:
+    """A run's file-name suffix: none with one run per point (the layout of earlier reports)."""
+    return f"-r{k}" if repeats > 1 else ""
 
 
 def apply_overlap(rows: list[dict], how: str) -> None:
@@ -136,12 +152,19 @@ def main(argv=None) -> int:
     ap.add_argument("--ps-overlap", default="calibrate",
                     help="the share of the PS's computation that runs while its bytes travel (des.timemodel): "
                          "a number, or 'calibrate' (default) from the PS point whose communication weighs most")
+    ap.add_argument("--modes", default="des,ps", help="the modes to run and model (default both)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs per point (each measured and each computation run): the model and the table take "
+                         "the median of their step times (a run's step time is already a median over its steps)")
     ap.add_argument("--out", default="reports/timemodel")
     ap.add_argument("--reuse-compute", action="store_true",
                     help="take the computation runs' summaries a previous run left in --out")
     ap.add_argument("--reuse-netbed", action="store_true",
                     help="take the netbed runs and calibrations a previous run left in --out (timemodel.json)")
     a = ap.parse_args(argv)
+    modes = [m for m in ("des", "ps") if m in a.modes.split(",")]
+    if not modes or a.repeats < 1:
+        ap.error("--modes takes des and/or ps, --repeats at least 1")
     os.makedirs(a.out, exist_ok=True)
     data = compare.ensure_data(a.preset, a.rows, 0, os.path.join(a.out, "data"))
     run_args = argparse.Namespace(batch=a.batch, steps=a.steps, holdout=1000, dim=8, hidden="128,64",
@@ -158,8 +181,8 @@ def main(argv=None) -> int:
             saved = {(r["n"], r["rate"]): r["calibration"] for r in json.load(fh)}
     for n in [int(x) for x in a.np.split(",")]:
         run_args.np = n
-        compute = {(m, kind): step_seconds(computation(m, kind, n, a, data, run_args), a.batch)
-                   for m, kinds in (("des", ("noop", "sync")), ("ps", ("noop", "meet"))) for kind in kinds}
+        compute = {(m, kind): computation(m, kind, n, a, data, run_args)
+                   for m, kinds in (("des", ("noop", "sync")), ("ps", ("noop", "meet"))) if m in modes for kind in kinds}
         for rate in a.rates.split(","):
             with (_Saved(saved[n, rate]) if a.reuse_netbed else Netbed(n, rate=rate, cpus=a.cpus)) as bed:
                 cal = bed.calibration if a.reuse_netbed else calibrate(bed, n)
@@ -170,10 +193,14 @@ def main(argv=None) -> int:
                 net = timemodel.Network(old.bandwidth, cycle=old.cycle, call=old.call,
                                         alltoall_bandwidth=cal.get("effective_alltoall_Bps_1MiB"))
                 bound = timemodel.parse_rate(rate) / net.bandwidth      # the allreduce's time / its wire time
-                for mode in ("des", "ps"):
-                    s = (compare.load(os.path.join(a.out, f"{a.model}-{mode}-n{n}-{rate}.json"), n) if a.reuse_netbed
-                         else compare.run(mode, a.model, data, run_args, a.out, launcher=bed.mpirun(n),
-                                          tag=f"-n{n}-{rate}"))
+                for mode in modes:
+                    runs = []
+                    for k in range(a.repeats):
+                        tag = f"-n{n}-{rate}{repeat_tag(k, a.repeats)}"
+                        runs.append(compare.load(os.path.join(a.out, f"{a.model}-{mode}{tag}.json"), n)
+                                    if a.reuse_netbed else
+                                    compare.run(mode, a.model, data, run_args, a.out, launcher=bed.mpirun(n), tag=tag))
+                    s = runs[0]                  # the bytes: the same in every run (the ids are)
                     load = traffic(mode, s)
                     first = timemodel.step_time(compute[mode, "noop"], load, n, old)
                     # DES: its computation kept in step + its one collective; the PS: its computation
@@ -183,8 +210,9 @@ def main(argv=None) -> int:
                     cores = None if a.cpus is not None else a.cores     # a budget each: the plain sum
                     pred = timemodel.step_time(compute[mode, kind], load, n, model_net, cores=cores)
                     summed = timemodel.step_time(compute[mode, kind], load, n, model_net)
-                    measured = step_seconds(s, a.batch)
-                    rows.append(dict(n=n, rate=rate, mode=mode, measured=measured, error=pred["total"] / measured - 1,
+                    measured_runs = [step_seconds(r, a.batch) for r in runs]
+                    measured = float(np.median(measured_runs))
+                    rows.append(dict(n=n, rate=rate, mode=mode, measured=measured, measured_runs=measured_runs, error=pred["total"] / measured - 1,
                                      predicted=pred["total"], computation=kind, compute=pred["compute"],
                                      own_compute=pred["own_compute"], fixed=pred["fixed"],
                                      bandwidth_term=pred["bandwidth"], cores=cores, cpus_per_host=a.cpus,
@@ -209,11 +237,14 @@ def main(argv=None) -> int:
             "fixed | bytes/bw | overlap | eff. MB/s allreduce / all-to-all | allreduce / wire bound | the sum ms | its error | "
             "no-op model ms | its error |")
     md = [f"# Time model vs the netbed: {a.model}, {a.preset}{' (columnar)' if a.columnar else ''}, global batch "
-          f"{a.batch}, " + (f"a CPU budget of {a.cpus} per host" if a.cpus is not None else f"{a.cores} cores shared"),
+          f"{a.batch}, " + (f"a CPU budget of {a.cpus} per host" if a.cpus is not None else f"{a.cores} cores shared")
+          + (f"; every step time the median of {a.repeats} runs (measured: their range)" if a.repeats > 1 else ""),
           "", head, "|" + "---|" * 18]
     for r in rows:
         a2a = r["alltoall_bandwidth"] or r["effective_bandwidth"]
-        md.append(f"| {r['n']} | {r['rate']} | {r['mode']} | {r['measured'] * 1e3:.1f} | {r['predicted'] * 1e3:.1f} | "
+        spread = (f" ({min(r['measured_runs']) * 1e3:.0f}–{max(r['measured_runs']) * 1e3:.0f})"
+                  if len(r.get("measured_runs", [])) > 1 else "")
+        md.append(f"| {r['n']} | {r['rate']} | {r['mode']} | {r['measured'] * 1e3:.1f}{spread} | {r['predicted'] * 1e3:.1f} | "
                   f"{r['error']:+.1%} | {r['computation']} | {r['compute'] * 1e3:.1f} | {r['own_compute'] * 1e3:.1f} | "
                   f"{r['fixed'] * 1e3:.1f} | {r['bandwidth_term'] * 1e3:.1f} | "
                   f"{r['overlap']:.2f}{' (calibrated here)' if r.get('calibrates') else ''} | "
