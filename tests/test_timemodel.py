@@ -142,3 +142,41 @@ def test_a_columnar_projection_times_the_columnar_copy(monkeypatch, tmp_path):
     (timed, timed_fmt), = seen["compute"]
     (data, fmt), = seen["traffic"]
     assert timed_fmt == "columnar" and timed == (data[0] + ".cols",) and fmt != "columnar"
+
+
+def test_the_bench_takes_the_median_of_repeated_runs(tmp_path):
+    """scripts/bench_timemodel.py --repeats 3 --modes ps, recomputed from saved runs (no netbed):
+    each point's measured step and the computation are the medians of their 3 runs' step times
+    (global batch / samples/s), and the table shows the measured range."""
+    import importlib.util
+    import json
+    import os
+    spec = importlib.util.spec_from_file_location(
+        "bench_timemodel", os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "bench_timemodel.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out, batch = tmp_path / "tm", 1000
+    out.mkdir()
+    rank = {"wire_out_bytes_per_step": 3e5, "wire_in_bytes_per_step": 3e5, "allreduce_payload_bytes_per_step": 404,
+            "tables": 1, "peak_rss_mib": 100.0}
+
+    def save(tag, step_seconds):
+        for r in range(2):
+            (out / f"lr-ps{tag}.json.rank{r}").write_text(json.dumps(dict(rank, samples_per_second=batch / step_seconds)))
+    for k, (noop, meet, measured) in enumerate([(0.2, 0.30, 0.5), (0.1, 0.10, 0.4), (0.3, 0.35, 0.9)]):
+        save(f"-noop-n2-r{k}", noop)
+        save(f"-meet-n2-r{k}", meet)
+        save(f"-n2-30mbit-r{k}", measured)
+    cal = {"effective_bandwidth_Bps_1MiB": 3e6, "effective_alltoall_Bps_1MiB": 3e6, "cycle": 1e-3,
+           "per_call_in_a_phase": 1e-4}
+    (out / "timemodel.json").write_text(json.dumps([{"n": 2, "rate": "30mbit", "calibration": cal}]))
+    assert bench.main(["--model", "lr", "--preset", "criteo-like", "--rows", "300", "--batch", str(batch),
+                       "--np", "2", "--rates", "30mbit", "--cpus", "share", "--modes", "ps", "--repeats", "3",
+                       "--ps-overlap", "0", "--out", str(out), "--reuse-netbed", "--reuse-compute"]) == 0
+    [row] = json.loads((out / "timemodel.json").read_text())
+    assert row["mode"] == "ps" and row["measured_runs"] == pytest.approx([0.5, 0.4, 0.9])
+    assert row["measured"] == pytest.approx(0.5) and row["compute"] == pytest.approx(0.30)
+    assert row["noop_compute"] == pytest.approx(0.2)
+    # the plain sum: computation + the all-to-alls' 3e5 B + the dense 400 B, at 3 MB/s
+    assert row["predicted"] == pytest.approx(0.30 + (3e5 + 4 + 400) / 3e6)
+    assert "| 2 | 30mbit | ps | 500.0 (400–900) |" in (out / "timemodel.md").read_text()
