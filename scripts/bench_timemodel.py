@@ -212,8 +212,8 @@ def main(argv=None) -> int:
                     summed = timemodel.step_time(compute[mode, kind], load, n, model_net)
                     measured_runs = [step_seconds(r, a.batch) for r in runs]
                     measured = float(np.median(measured_runs))
-                    rows.append(dict(n=n, rate=rate, mode=mode, measured=measured, measured_runs=measured_runs, error=pred["total"] / measured - 1,
-                                     predicted=pred["total"], computation=kind, compute=pred["compute"],
+                    rows.append(dict(n=n, rate=rate, mode=mode, measured=measured, measured_runs=measured_runs,
+                                     error=pred["total"] / measured - 1, predicted=pred["total"], computation=kind, compute=pred["compute"],
                                      own_compute=pred["own_compute"], fixed=pred["fixed"],
                                      bandwidth_term=pred["bandwidth"], cores=cores, cpus_per_host=a.cpus,
                                      effective_bandwidth=net.bandwidth, alltoall_bandwidth=net.alltoall_bandwidth,
