@@ -21,9 +21,10 @@ thread, so the PS's per-table work (deduplicating one table's ids, the owner's l
 while other tables' bytes travel: ``overlap`` is the share of its computation that runs while
 its bytes travel (calibrated on the netbed, ``calibrate_overlap``). DES's one allreduce needs
 every partial, and the rest of the step needs its result: nothing overlaps. Computation is
-measured with the collectives replaced by no-ops (``des.train --comm noop``), or better with the processes still kept in step
-by one 4-byte allreduce per step (``--comm sync``): a synchronous step waits for the slowest
-process, and on shared cores that wait is most of DES's gap to the no-op time. ``b`` is the
+measured with the collectives replaced by no-ops (``des.train --comm noop``), or better with
+the processes still kept in step by one 4-byte allreduce per step (``--comm sync``): a
+synchronous step waits for the slowest process, and on shared cores that wait is most of DES's
+gap to the no-op time. ``b`` is the
 effective bandwidth: on the netbed MPI over TCP reaches about 60 % of the token bucket's rate in
 an allreduce (measured) and more in an all-to-all, which keeps every link busy at once, so
 calibrate both with scripts/bench_collectives.py (``alltoall_bandwidth``).

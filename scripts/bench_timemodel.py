@@ -146,8 +146,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cores", type=int, default=os.cpu_count(),
                     help="the cores every emulated host shares (default: this machine's; unused with --cpus)")
     ap.add_argument("--cpus", default=None,
-                    help="each emulated host's own CPU budget (des.netbed: a number of CPUs or 'share' = 0.9 x cores / N); "
-                         "the computation is then timed across unshaped hosts with the same budget, and the model "
+                    help="each emulated host's own CPU budget (des.netbed: a number of CPUs or 'share' = "
+                         "0.9 x cores / N); the computation is then timed across unshaped hosts with the same budget, and the model "
                          "is the plain sum of its terms, as on a cluster")
     ap.add_argument("--ps-overlap", default="calibrate",
                     help="the share of the PS's computation that runs while its bytes travel (des.timemodel): "
@@ -213,8 +213,8 @@ def main(argv=None) -> int:
                     measured_runs = [step_seconds(r, a.batch) for r in runs]
                     measured = float(np.median(measured_runs))
                     rows.append(dict(n=n, rate=rate, mode=mode, measured=measured, measured_runs=measured_runs,
-                                     error=pred["total"] / measured - 1, predicted=pred["total"], computation=kind, compute=pred["compute"],
-                                     own_compute=pred["own_compute"], fixed=pred["fixed"],
+                                     error=pred["total"] / measured - 1, predicted=pred["total"], computation=kind,
+                                     compute=pred["compute"], own_compute=pred["own_compute"], fixed=pred["fixed"],
                                      bandwidth_term=pred["bandwidth"], cores=cores, cpus_per_host=a.cpus,
                                      effective_bandwidth=net.bandwidth, alltoall_bandwidth=net.alltoall_bandwidth,
                                      allreduce_over_wire_bound=bound, cycle=net.cycle, call=net.call,
