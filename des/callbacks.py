@@ -69,6 +69,30 @@ class WireBytes(tf.keras.callbacks.Callback):
         return float(np.median(self.per_step)) if self.per_step else 0.0
 
 
+class CPUTime(tf.keras.callbacks.Callback):
+    """CPU seconds this process used per training step (every thread: TensorFlow's, Horovod's
+    background thread, MPI's progress). Next to the step's wall time it tells a CPU-bound step
+    (CPU ~ the host's budget x the step) from one that waits on the wire (CPU well below it).
+
+        >>> cpu = CPUTime()          # model.fit(..., callbacks=[cpu]); then cpu.median()
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.per_step: list[float] = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._start = time.process_time()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.per_step.append(time.process_time() - self._start)
+
+    def median(self) -> float:
+        """The median over steps after the first (which traces the graph)."""
+        t = self.per_step[1:] or self.per_step
+        return float(np.median(t)) if t else 0.0
+
+
 class ReplicaCheck(tf.keras.callbacks.Callback):
     """Every ``every`` steps, allreduce per-layer checksums of the replicated weights and, in
     the same allreduce, the fingerprint of the step's batch (des_ops DESFirstLayer); raise if

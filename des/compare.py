@@ -116,6 +116,8 @@ def load(summary: str, n: int) -> dict:
     s["ranks"] = ranks
     if all("wire_bytes_per_step" in r for r in ranks):
         s["wire_bytes_per_host_step"] = float(np.mean([r["wire_bytes_per_step"] for r in ranks]))
+    if all("cpu_seconds_per_step" in r for r in ranks):
+        s["cpu_seconds_per_host_step"] = float(np.mean([r["cpu_seconds_per_step"] for r in ranks]))
     return s
 
 
@@ -158,7 +160,8 @@ def table_rows(results: dict) -> list[dict]:
                          "hit_rate": s.get("hit_rate"), "rows_fetched_step": s.get("rows_fetched_per_step"),
                          "rows_pushed_step": s.get("rows_pushed_per_step"),
                          "het_rows_per_lookup": s.get("het_rows_per_lookup"),
-                         "wire_bytes_host_step": s.get("wire_bytes_per_host_step"), "peak_mib": s["peak_rss_mib"]})
+                         "wire_bytes_host_step": s.get("wire_bytes_per_host_step"),
+                         "cpu_s_step": s.get("cpu_seconds_per_host_step"), "peak_mib": s["peak_rss_mib"]})
     return rows
 
 
@@ -170,7 +173,8 @@ def _fmt(v, spec: str = ",.0f") -> str:
 
 def markdown(rows: list[dict], results: dict, a, meta: dict) -> str:
     head = ["model", "mode", "N", "AUC", "log loss", "samples/s", "bytes/step/proc (a2a measured + ring model)",
-            "analytic (formulas)", "wire B/step/host (interface)", "saving vs PS", "unique ids/step", "PS remote ids/step", "cache hit rate", "rows fetched+pushed/step", "peak MiB"]
+            "analytic (formulas)", "wire B/step/host (interface)", "CPU s/step/proc",
+            "saving vs PS", "unique ids/step", "PS remote ids/step", "cache hit rate", "rows fetched+pushed/step", "peak MiB"]
     cpus = getattr(a, "cpus", None)
     net = (f", netbed: one process per emulated host, {a.rate} per host"
            + (f", a CPU budget of {cpus} per host" if cpus else "")
@@ -186,14 +190,17 @@ def markdown(rows: list[dict], results: dict, a, meta: dict) -> str:
              f"bytes depend on MPI's algorithm: shown as the ring model 2(N-1)/N x payload, an analytic "
              f"figure. 'analytic (formulas)': the same from the ids by formula. 'wire' (--net netbed only): "
              f"what each host put on its interface per step (kernel counter; headers, MPI's algorithm and "
-             f"Horovod's coordination included), mean over hosts. Cache size {a.cache_size} "
+             f"Horovod's coordination included), mean over hosts. 'CPU s/step/proc': the CPU time a "
+             f"process used per step (median; every thread), mean over processes: next to the step time "
+             f"(global batch / samples/s) and a host's CPU budget it tells a CPU-bound step from one that "
+             f"waits. Cache size {a.cache_size} "
              f"of each field. samples/s = global batch / median step time.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join([
             r["model"], r["mode"], str(r["processes"]), _fmt(r["auc"], ".4f"), _fmt(r["logloss"], ".4f"),
             _fmt(r["samples_per_s"]), _fmt(r["bytes_step_measured"]), _fmt(r["bytes_step_analytic"]),
-            _fmt(r.get("wire_bytes_host_step")),
+            _fmt(r.get("wire_bytes_host_step")), _fmt(r.get("cpu_s_step"), ".3f"),
             _fmt(r["des_saving_pct"], ".1f") + ("%" if r["des_saving_pct"] is not None else ""),
             _fmt(r["unique_ids_step"]), _fmt(r["remote_ids_step"]), _fmt(r["hit_rate"], ".3f"),
             "-" if r["rows_fetched_step"] is None else _fmt(r["rows_fetched_step"] + r["rows_pushed_step"]),

@@ -123,7 +123,7 @@ def main(argv=None) -> int:
         tf.config.threading.set_inter_op_parallelism_threads(a.threads)
     import models
     from des import checkpoint, modes
-    from des.callbacks import Throughput
+    from des.callbacks import CPUTime, Throughput
     from des.data import DataError, SkipReport
     from des.data.errors import op_error_message
 
@@ -216,7 +216,8 @@ def main(argv=None) -> int:
     evald = evaluation()
     speed = Throughput(global_batch)
     curve = _AucCurve()
-    callbacks = [speed, curve] + mode.callbacks(model)
+    cpu = CPUTime()
+    callbacks = [speed, cpu, curve] + mode.callbacks(model)
     wire = None
     if os.environ.get("DES_WIRE_INTERFACE"):        # set by des.netbed: one process per emulated host
         from des.callbacks import WireBytes
@@ -258,7 +259,8 @@ def main(argv=None) -> int:
     read = mode.read_inputs()
     summary = {"model": a.model, "mode": a.mode, "world_size": mode.world_size,
                "auc": result.get("auc"), "logloss": result.get("logloss"),
-               "samples_per_second": speed.samples_per_second(), "bayes_auc": _bayes_auc(a, meta),
+               "samples_per_second": speed.samples_per_second(), "cpu_seconds_per_step": cpu.median(),
+               "bayes_auc": _bayes_auc(a, meta),
                "bad_lines_skipped": skips.total, "global_batch": global_batch,
                "train_auc_by_step": curve.points, "peak_rss_mib": _peak_rss_mib(),
                "inputs_read": len(read) if read is not None else len(spec.input_names())}
@@ -275,7 +277,8 @@ def main(argv=None) -> int:
     if evald is not None:
         log(f"AUC {summary['auc']:.4f} (Bayes-optimal {summary['bayes_auc'] or 'unknown'}), "
             f"log loss {summary['logloss']:.4f} on {eval_name}")
-    log(f"{summary['samples_per_second']:.0f} samples/s (global batch {global_batch} / median step time)")
+    log(f"{summary['samples_per_second']:.0f} samples/s (global batch {global_batch} / median step time); "
+        f"{summary['cpu_seconds_per_step']:.3f} CPU s per step on this process (median)")
     if saver is not None and saver.saves:
         log(f"checkpoint written to {a.checkpoint} ({saver.saves} save(s); the last at epoch "
             f"{saver.epoch}, step {saver.step})")

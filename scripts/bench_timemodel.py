@@ -39,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from des import compare, timemodel  # noqa: E402
-from des.netbed import Netbed  # noqa: E402
+from des.netbed import Netbed, parse_cpus  # noqa: E402
 
 
 def calibrate(bed: Netbed, n: int, attempts: int = 3) -> dict:
@@ -79,20 +79,19 @@ def traffic(mode: str, s: dict) -> dict:
                                 max(r["allreduce_payload_bytes_per_step"] for r in ranks) - 4)
 
 
-def computation(mode: str, kind: str, n: int, a, data, run_args) -> float:
+def computation(mode: str, kind: str, n: int, a, data, run_args) -> tuple[float, float | None]:
     """The computation's step time: the median over ``a.repeats`` runs with ``--comm kind``
     (noop / sync / meet) of each run's step time (global batch / samples/s, itself a median over
-    steps); with ``--reuse-compute`` the runs a previous run left in --out, where there are. Under
+    steps), and the median of their CPU seconds per step and process (None in older runs); with ``--reuse-compute`` the runs a previous run left in --out, where there are. Under
     a local mpirun, or with ``--compute-on netbed`` across N unshaped emulated hosts (the
     processes then wait for each other over TCP as in the measured runs; on this machine that
     fitted DES better at N=4 and the PS worse: README)."""
-    times = []
+    times, cpus = [], []
     for k in range(a.repeats):
         tag = f"-{kind}-n{n}{repeat_tag(k, a.repeats)}"
-        saved = os.path.join(a.out, f"{a.model}-{mode}{tag}.json.rank0")
-        if a.reuse_compute and os.path.exists(saved):
-            with open(saved) as fh:
-                s = json.load(fh)
+        saved = os.path.join(a.out, f"{a.model}-{mode}{tag}.json")
+        if a.reuse_compute and os.path.exists(saved + ".rank0"):
+            s = compare.load(saved, n)
         elif a.compute_on == "local" and a.cpus is None:
             s = compare.run(mode, a.model, data, run_args, a.out, options=("--comm", kind), tag=tag)
         else:
@@ -100,7 +99,19 @@ def computation(mode: str, kind: str, n: int, a, data, run_args) -> float:
                 s = compare.run(mode, a.model, data, run_args, a.out, launcher=bed.mpirun(n),
                                 options=("--comm", kind), tag=tag)
         times.append(step_seconds(s, a.batch))
-    return float(np.median(times))
+        cpus.append(cpu_seconds(s))
+    return float(np.median(times)), median_or_none(cpus)
+
+
+def cpu_cell(r: dict) -> str:
+    """'0.41 (91 %) / 0.45 (46 %)': CPU seconds per step and process in the measured runs and in
+    the computation runs, each with its share of the host's budget over its step time."""
+    def one(cpu, step):
+        if cpu is None:
+            return "-"
+        share = f" ({cpu / (r['budget'] * step):.0%})" if r.get("budget") else ""
+        return f"{cpu:.3f}{share}"
+    return f"{one(r.get('cpu_per_step'), r['measured'])} / {one(r.get('compute_cpu_per_step'), r['compute'])}"
 
 
 def repeat_tag(k: int, repeats: int) -> str:
@@ -129,6 +140,17 @@ def apply_overlap(rows: list[dict], how: str) -> None:
 
 def step_seconds(s: dict, batch: int) -> float:
     return batch / s["samples_per_second"]
+
+
+def cpu_seconds(s: dict) -> float | None:
+    """A run's CPU seconds per step and process (des.train's median per step, mean over ranks)."""
+    ranks = s.get("ranks") or [s]
+    cpu = [r.get("cpu_seconds_per_step") for r in ranks]
+    return float(np.mean(cpu)) if cpu and None not in cpu else None
+
+
+def median_or_none(values: list) -> float | None:
+    return None if not values or None in values else float(np.median(values))
 
 
 def main(argv=None) -> int:
@@ -181,8 +203,10 @@ def main(argv=None) -> int:
             saved = {(r["n"], r["rate"]): r["calibration"] for r in json.load(fh)}
     for n in [int(x) for x in a.np.split(",")]:
         run_args.np = n
-        compute = {(m, kind): computation(m, kind, n, a, data, run_args)
-                   for m, kinds in (("des", ("noop", "sync")), ("ps", ("noop", "meet"))) if m in modes for kind in kinds}
+        timed = {(m, kind): computation(m, kind, n, a, data, run_args)
+                 for m, kinds in (("des", ("noop", "sync")), ("ps", ("noop", "meet"))) if m in modes for kind in kinds}
+        compute = {key: seconds for key, (seconds, _) in timed.items()}
+        budget = parse_cpus(a.cpus, n)
         for rate in a.rates.split(","):
             with (_Saved(saved[n, rate]) if a.reuse_netbed else Netbed(n, rate=rate, cpus=a.cpus)) as bed:
                 cal = bed.calibration if a.reuse_netbed else calibrate(bed, n)
@@ -212,6 +236,7 @@ def main(argv=None) -> int:
                     summed = timemodel.step_time(compute[mode, kind], load, n, model_net)
                     measured_runs = [step_seconds(r, a.batch) for r in runs]
                     measured = float(np.median(measured_runs))
+                    cpu = median_or_none([cpu_seconds(r) for r in runs])
                     rows.append(dict(n=n, rate=rate, mode=mode, measured=measured, measured_runs=measured_runs,
                                      error=pred["total"] / measured - 1, predicted=pred["total"], computation=kind,
                                      compute=pred["compute"], own_compute=pred["own_compute"], fixed=pred["fixed"],
@@ -222,7 +247,8 @@ def main(argv=None) -> int:
                                      noop_predicted=first["total"], noop_error=first["total"] / measured - 1,
                                      noop_compute=compute[mode, "noop"], calibration=cal, overlap=0.0,
                                      traffic=load, network=dataclasses.asdict(model_net),
-                                     wire_bytes_per_host_step=s.get("wire_bytes_per_host_step")))
+                                     wire_bytes_per_host_step=s.get("wire_bytes_per_host_step"),
+                                     cpu_per_step=cpu, compute_cpu_per_step=timed[mode, kind][1], budget=budget))
     apply_overlap(rows, a.ps_overlap)
     for r in rows:
         print(f"[timemodel] N={r['n']} {r['rate']:>8} {r['mode']:<3}: measured {r['measured'] * 1e3:7.1f} ms, predicted "
@@ -235,11 +261,11 @@ def main(argv=None) -> int:
         json.dump(rows, fh, indent=1)
     head = ("| N | rate | mode | measured ms | predicted ms | error | computation | its ms | with a core each | "
             "fixed | bytes/bw | overlap | eff. MB/s allreduce / all-to-all | allreduce / wire bound | the sum ms | its error | "
-            "no-op model ms | its error |")
+            "no-op model ms | its error | CPU s/step: run / computation (share of the budget) |")
     md = [f"# Time model vs the netbed: {a.model}, {a.preset}{' (columnar)' if a.columnar else ''}, global batch "
           f"{a.batch}, " + (f"a CPU budget of {a.cpus} per host" if a.cpus is not None else f"{a.cores} cores shared")
           + (f"; every step time the median of {a.repeats} runs (measured: their range)" if a.repeats > 1 else ""),
-          "", head, "|" + "---|" * 18]
+          "", head, "|" + "---|" * 19]
     for r in rows:
         a2a = r["alltoall_bandwidth"] or r["effective_bandwidth"]
         spread = (f" ({min(r['measured_runs']) * 1e3:.0f}–{max(r['measured_runs']) * 1e3:.0f})"
@@ -250,7 +276,8 @@ def main(argv=None) -> int:
                   f"{r['overlap']:.2f}{' (calibrated here)' if r.get('calibrates') else ''} | "
                   f"{r['effective_bandwidth'] / 1e6:.1f} / "
                   f"{a2a / 1e6:.1f} | {r['allreduce_over_wire_bound']:.2f} | {r['sum_predicted'] * 1e3:.1f} | "
-                  f"{r['sum_error']:+.1%} | {r['noop_predicted'] * 1e3:.1f} | {r['noop_error']:+.1%} |")
+                  f"{r['sum_error']:+.1%} | {r['noop_predicted'] * 1e3:.1f} | {r['noop_error']:+.1%} | "
+                  f"{cpu_cell(r)} |")
     with open(os.path.join(a.out, "timemodel.md"), "w") as fh:
         fh.write("\n".join(md) + "\n")
     print("\n".join(md))

@@ -39,6 +39,7 @@ def test_eval_data_file_equals_holding_out_the_same_lines(tmp_path):
     assert "on all lines of --data, evaluating on" in runs["eval"][1]
     assert runs["eval"][0]["auc"] == runs["holdout"][0]["auc"] and 0 < runs["eval"][0]["auc"] < 1
     assert runs["eval"][0]["logloss"] == runs["holdout"][0]["logloss"]
+    assert 0 < runs["eval"][0]["cpu_seconds_per_step"] < 60 and "CPU s per step on this process" in runs["eval"][1]
 
 
 def test_eval_file_with_longer_bags_than_training_is_sized_from_both(tmp_path):

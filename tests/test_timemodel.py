@@ -160,13 +160,14 @@ def test_the_bench_takes_the_median_of_repeated_runs(tmp_path):
     rank = {"wire_out_bytes_per_step": 3e5, "wire_in_bytes_per_step": 3e5, "allreduce_payload_bytes_per_step": 404,
             "tables": 1, "peak_rss_mib": 100.0}
 
-    def save(tag, step_seconds):
+    def save(tag, step_seconds, cpu):        # rank 1 used 0.1 s more CPU per step than rank 0
         for r in range(2):
-            (out / f"lr-ps{tag}.json.rank{r}").write_text(json.dumps(dict(rank, samples_per_second=batch / step_seconds)))
+            (out / f"lr-ps{tag}.json.rank{r}").write_text(json.dumps(dict(
+                rank, samples_per_second=batch / step_seconds, cpu_seconds_per_step=cpu + 0.1 * r)))
     for k, (noop, meet, measured) in enumerate([(0.2, 0.30, 0.5), (0.1, 0.10, 0.4), (0.3, 0.35, 0.9)]):
-        save(f"-noop-n2-r{k}", noop)
-        save(f"-meet-n2-r{k}", meet)
-        save(f"-n2-30mbit-r{k}", measured)
+        save(f"-noop-n2-r{k}", noop, 0.1)
+        save(f"-meet-n2-r{k}", meet, [0.2, 0.0, 0.25][k])
+        save(f"-n2-30mbit-r{k}", measured, [0.15, 0.05, 0.35][k])
     cal = {"effective_bandwidth_Bps_1MiB": 3e6, "effective_alltoall_Bps_1MiB": 3e6, "cycle": 1e-3,
            "per_call_in_a_phase": 1e-4}
     (out / "timemodel.json").write_text(json.dumps([{"n": 2, "rate": "30mbit", "calibration": cal}]))
@@ -179,4 +180,10 @@ def test_the_bench_takes_the_median_of_repeated_runs(tmp_path):
     assert row["noop_compute"] == pytest.approx(0.2)
     # the plain sum: computation + the all-to-alls' 3e5 B + the dense 400 B, at 3 MB/s
     assert row["predicted"] == pytest.approx(0.30 + (3e5 + 4 + 400) / 3e6)
-    assert "| 2 | 30mbit | ps | 500.0 (400–900) |" in (out / "timemodel.md").read_text()
+    table = (out / "timemodel.md").read_text()
+    assert "| 2 | 30mbit | ps | 500.0 (400–900) |" in table
+    # CPU per step and process: the mean over ranks, the median over runs; its share of the budget
+    from des.netbed import parse_cpus
+    budget = parse_cpus("share", 2)
+    assert row["cpu_per_step"] == pytest.approx(0.2) and row["compute_cpu_per_step"] == pytest.approx(0.25)
+    assert f"| 0.200 ({0.2 / (budget * 0.5):.0%}) / 0.250 ({0.25 / (budget * 0.3):.0%}) |" in table
