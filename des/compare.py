@@ -11,7 +11,8 @@ your own files (``--data FILE... --format F [--eval-data FILE...]``), then write
 ``--out``/<preset> (with ``--data``: ``--out``/<name of the first data file>):
 
 - ``comparison.md`` / ``comparison.csv`` (and stdout): AUC, log loss, samples/s, bytes sent
-  per step per process (measured and analytic), DES saving, unique ids per step, peak memory;
+  per step per process (measured and analytic), CPU seconds per step per process, DES saving,
+  unique ids per step, peak memory;
   the cost model's verdict per substituted operator;
 - ``bytes_vs_batch.png``: bytes/step/process vs global batch per mode (the formulas on the
   data's own ids at each batch size, with the measured points of the runs);
@@ -318,6 +319,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cpus", default=None,
                     help="netbed: each host's own CPU budget, a number of CPUs or 'share' (0.9 x cores / N), as a "
                          "cluster's hosts have (default: every host shares all cores)")
+    ap.add_argument("--cpu-period-us", type=int, default=10_000,
+                    help="netbed with --cpus: the CFS period of a host's CPU quota in us (the quota must be >= 1000)")
     ap.add_argument("--bandwidth", default=None, help="project samples/s at this bandwidth per host (des.projection)")
     ap.add_argument("--latency", default="20us", help="with --bandwidth: per message")
     ap.add_argument("--cycle", type=float, default=1.0, help="with --bandwidth: Horovod's cycle time (ms)")
@@ -389,7 +392,7 @@ def main(argv=None) -> int:
     bed = None
     if a.net == "netbed":
         from des.netbed import Netbed
-        bed = Netbed(a.np, rate=a.rate, cpus=a.cpus).up()
+        bed = Netbed(a.np, rate=a.rate, cpus=a.cpus, cpu_period_us=a.cpu_period_us).up()
     run_data, run_a = data, a
     if a.columnar:
         import copy

@@ -14,7 +14,8 @@ A host's CPU: without ``cpus`` every host's processes share all of this machine'
 process that waits for the network leaves its share to the others and a host's speed depends
 on what the other hosts do. ``cpus=C`` gives every host a CPU budget of its own, as a cluster's
 hosts have: a cgroup per host (``desh<K>`` under the cpu controller, cgroup v1 or v2) with a CFS
-quota of C CPUs over a 10 ms period, which the rsh agent joins before it starts the host's
+quota of C CPUs over a 10 ms period (``cpu_period_us``: shorter periods spread a host's budget
+finer; the kernel's smallest quota is 1 ms), which the rsh agent joins before it starts the host's
 daemon (so every process of the host is in it). ``cpus="share"`` is 0.9 x this machine's cores /
 hosts (a tenth is left to mpirun and the kernel's network processing, which run outside them).
 
@@ -31,6 +32,7 @@ hosts (a tenth is left to mpirun and the kernel's network processing, which run 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
@@ -55,6 +57,7 @@ BURST_MIN, BURST_TIME = 3028, 100e-6
 SHARE = 0.9
 CPUACCT_V1 = "/sys/fs/cgroup/cpuacct"
 CPU_PERIOD_US = 10_000       # the CFS period of a host's quota: short, so a throttled host waits <= 10 ms
+MIN_QUOTA_US = 1000          # the kernel refuses a CFS quota below 1 ms
 RING_ALLREDUCE = ("--mca", "coll_tuned_use_dynamic_rules", "1", "--mca", "coll_tuned_allreduce_algorithm", "4")
 
 
@@ -102,7 +105,7 @@ class Netbed:
     budget. A context manager: torn down on exit (also on errors)."""
 
     def __init__(self, n: int, rate: str | None = "1gbit", delay: str | None = None, burst: str | None = None,
-                 cpus: float | str | None = None):
+                 cpus: float | str | None = None, cpu_period_us: int = CPU_PERIOD_US):
         if n < 1 or n > 250:
             raise ValueError(f"netbed: 1..250 hosts, not {n}")
         if os.geteuid() != 0:
@@ -116,6 +119,13 @@ class Netbed:
         if self.cpus is not None and cpu_root() is None:
             raise RuntimeError("netbed: --cpus needs the cgroup cpu controller (cgroup v1 cpu or v2 cpu.max), "
                                "which this machine does not offer")
+        self.cpu_period_us = int(cpu_period_us)
+        if self.cpus is not None and not (MIN_QUOTA_US <= self.cpus * self.cpu_period_us
+                                          and self.cpu_period_us <= 1_000_000):
+            raise ValueError(f"netbed: a CPU budget of {self.cpus:g} over a {self.cpu_period_us} us period is a "
+                             f"quota of {self.cpus * self.cpu_period_us:.0f} us; the kernel's smallest is "
+                             f"{MIN_QUOTA_US} us and its longest period 1 s: use a period of at least "
+                             f"{math.ceil(MIN_QUOTA_US / self.cpus)} us")
 
     def address(self, k: int) -> str:
         return f"{SUBNET}.{k}"
@@ -180,9 +190,9 @@ class Netbed:
         root, version = cpu_root()
         path = os.path.join(root, ns)
         os.makedirs(path, exist_ok=True)
-        quota = max(1000, int(round(self.cpus * CPU_PERIOD_US)))
+        quota = int(round(self.cpus * self.cpu_period_us))
         if version == 1:
-            _write(os.path.join(path, "cpu.cfs_period_us"), CPU_PERIOD_US)
+            _write(os.path.join(path, "cpu.cfs_period_us"), self.cpu_period_us)
             _write(os.path.join(path, "cpu.cfs_quota_us"), quota)
             if os.path.isdir(CPUACCT_V1):        # v1 counts CPU time in its own hierarchy
                 os.makedirs(os.path.join(CPUACCT_V1, ns), exist_ok=True)
@@ -191,7 +201,7 @@ class Netbed:
                 _write(os.path.join(root, "cgroup.subtree_control"), "+cpu")
             except OSError:
                 pass
-            _write(os.path.join(path, "cpu.max"), f"{quota} {CPU_PERIOD_US}")
+            _write(os.path.join(path, "cpu.max"), f"{quota} {self.cpu_period_us}")
 
     def cpu_seconds(self) -> list[float]:
         """CPU time each host's processes have used so far (seconds; needs ``cpus``)."""
@@ -301,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpus", default=None,
                     help="each host's CPU budget: a number of CPUs or 'share' (0.9 x cores / hosts); "
                          "default: all cores shared")
+    ap.add_argument("--cpu-period-us", type=int, default=CPU_PERIOD_US,
+                    help="the CFS period of a host's CPU quota (default 10000; the quota must be >= 1000)")
     a = ap.parse_args(argv)
     rate = None if a.rate == "none" else a.rate
     if a.action == "down":
@@ -309,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.action == "status":
         print(" ".join(hosts()) or "no netbed hosts")
         return 0
-    bed = Netbed(a.hosts, rate, a.delay, cpus=a.cpus)
+    bed = Netbed(a.hosts, rate, a.delay, cpus=a.cpus, cpu_period_us=a.cpu_period_us)
     if a.action == "up":
         bed.up()
         print(f"netbed: {a.hosts} hosts {', '.join(bed.address(k) for k in range(1, a.hosts + 1))}; "

@@ -74,9 +74,11 @@ def test_netbed_down_removes_everything_and_bad_host_counts_are_refused():
 @needs_root
 def test_a_host_cpu_budget_holds_every_process_of_the_host(tmp_path):
     """cpus=0.25: each host's processes (started by mpirun through the rsh agent) are in the host's
-    cgroup and get a quarter of a CPU - a busy loop of 1.5 s wall burns 0.2-0.3 CPU s per s - while
-    without a budget the same loop gets about a whole core; the cgroups go with the netbed."""
-    from des.netbed import Netbed, _cgroups, cpu_root
+    cgroup and get a quarter of a CPU - a busy loop of 1.5 s wall burns 0.2-0.3 CPU s per s - over
+    the default 10 ms period and over a 4 ms one (cpu_period_us; a quota under the kernel's 1 ms is
+    refused), while without a budget the same loop gets about a whole core; the cgroups go with
+    the netbed."""
+    from des.netbed import Netbed, _cgroups, cpu_root, PREFIX
     if cpu_root() is None:
         pytest.skip("no cgroup cpu controller")
     prog = tmp_path / "busy.py"
@@ -86,25 +88,31 @@ def test_a_host_cpu_budget_holds_every_process_of_the_host(tmp_path):
                     "ratio = (time.process_time() - c0) / (time.perf_counter() - t0)\n"
                     "open(os.path.join(sys.argv[1], str(os.getpid())), 'w').write(f'{ratio} {cg}')\n")
     ratios = {}
-    for cpus in (0.25, None):
-        seen = tmp_path / f"seen-{cpus}"
+    for cpus, period in ((0.25, 10_000), (0.25, 4_000), (None, 10_000)):
+        seen = tmp_path / f"seen-{cpus}-{period}"
         seen.mkdir()
-        with Netbed(2, rate=None, cpus=cpus) as bed:
+        with Netbed(2, rate=None, cpus=cpus, cpu_period_us=period) as bed:
             run = subprocess.run(bed.mpirun(2) + [sys.executable, str(prog), str(seen)], env=ENV, cwd=ROOT,
                                  capture_output=True, text=True, timeout=120)
             assert run.returncode == 0, run.stderr[-2000:]
             lines = [p.read_text() for p in seen.iterdir()]
             assert len(lines) == 2, lines
-            ratios[cpus] = sorted(float(line.split()[0]) for line in lines)
+            ratios[cpus, period] = sorted(float(line.split()[0]) for line in lines)
             if cpus:
+                root, version = cpu_root()
+                name = "cpu.cfs_period_us" if version == 1 else "cpu.max"
+                assert open(os.path.join(root, f"{PREFIX}1", name)).read().split()[-1] == str(period)
                 assert sorted("/desh1" in line for line in lines) == [False, True], lines
                 assert sorted("/desh2" in line for line in lines) == [False, True], lines
                 used, throttled = bed.cpu_seconds(), bed.throttled_seconds()
                 print("host CPU s", used, "throttled s", throttled)
                 assert all(0.3 <= u <= 1.5 for u in used) and all(t > 0.5 for t in throttled)
         assert _cgroups() == []
-    print("CPU s per wall s, budget 0.25:", ratios[0.25], "no budget:", ratios[None])
-    assert all(0.2 <= r <= 0.3 for r in ratios[0.25])
-    assert all(r >= 0.6 for r in ratios[None])        # 2 loops on 2 cores (a noisy machine: not 1.0)
+    print("CPU s per wall s, budget 0.25 over 10 and 4 ms:", ratios[0.25, 10_000], ratios[0.25, 4_000],
+          "no budget:", ratios[None, 10_000])
+    assert all(0.2 <= r <= 0.3 for r in ratios[0.25, 10_000] + ratios[0.25, 4_000])
+    assert all(r >= 0.6 for r in ratios[None, 10_000])        # 2 loops on 2 cores (a noisy machine: not 1.0)
     with pytest.raises(ValueError, match="a host's CPUs"):
         Netbed(2, cpus=0)
+    with pytest.raises(ValueError, match="quota of 500 us.*at least 4000 us"):
+        Netbed(2, cpus=0.25, cpu_period_us=2000)
