@@ -319,8 +319,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cpus", default=None,
                     help="netbed: each host's own CPU budget, a number of CPUs or 'share' (0.9 x cores / N), as a "
                          "cluster's hosts have (default: every host shares all cores)")
-    ap.add_argument("--cpu-period-us", type=int, default=10_000,
-                    help="netbed with --cpus: the CFS period of a host's CPU quota in us (the quota must be >= 1000)")
+    ap.add_argument("--cpu-period-us", type=int, default=None,
+                    help="netbed with --cpus: the CFS period of a host's CPU quota in us (default: the shortest "
+                         "with a quota >= 1000 us, at least 2500)")
     ap.add_argument("--bandwidth", default=None, help="project samples/s at this bandwidth per host (des.projection)")
     ap.add_argument("--latency", default="20us", help="with --bandwidth: per message")
     ap.add_argument("--cycle", type=float, default=1.0, help="with --bandwidth: Horovod's cycle time (ms)")

@@ -14,8 +14,8 @@ A host's CPU: without ``cpus`` every host's processes share all of this machine'
 process that waits for the network leaves its share to the others and a host's speed depends
 on what the other hosts do. ``cpus=C`` gives every host a CPU budget of its own, as a cluster's
 hosts have: a cgroup per host (``desh<K>`` under the cpu controller, cgroup v1 or v2) with a CFS
-quota of C CPUs over a 10 ms period (``cpu_period_us``: shorter periods spread a host's budget
-finer; the kernel's smallest quota is 1 ms), which the rsh agent joins before it starts the host's
+quota of C CPUs over a short period (``cpu_period_us``; default the shortest the kernel takes for
+C, at least 2.5 ms: its smallest quota is 1 ms), which the rsh agent joins before it starts the host's
 daemon (so every process of the host is in it). ``cpus="share"`` is 0.9 x this machine's cores /
 hosts (a tenth is left to mpirun and the kernel's network processing, which run outside them).
 
@@ -56,8 +56,12 @@ BURST_MIN, BURST_TIME = 3028, 100e-6
 # then compete for, not budgets each host gets.
 SHARE = 0.9
 CPUACCT_V1 = "/sys/fs/cgroup/cpuacct"
-CPU_PERIOD_US = 10_000       # the CFS period of a host's quota: short, so a throttled host waits <= 10 ms
-MIN_QUOTA_US = 1000          # the kernel refuses a CFS quota below 1 ms
+# The CFS period of a host's quota. A host that has used its quota waits for the next period, and
+# a process waiting for the network spends its quota polling (Open MPI's progress loop), so it is
+# late by up to period x (1 - C) when its bytes come: with 10 ms the PS (3 collectives per table)
+# stepped in 1,137 ms at 30 Mbit/s (N=4, 0.45 CPU), with 2.5 ms in 793 ms (README). The default:
+# the shortest period the kernel takes for the budget (its smallest quota is 1 ms), at least 2.5 ms.
+MIN_PERIOD_US, MIN_QUOTA_US = 2500, 1000
 RING_ALLREDUCE = ("--mca", "coll_tuned_use_dynamic_rules", "1", "--mca", "coll_tuned_allreduce_algorithm", "4")
 
 
@@ -89,6 +93,15 @@ def cpu_root() -> tuple[str, int] | None:
     return None
 
 
+def default_period_us(cpus: float | None) -> int:
+    """The shortest CFS period with a quota the kernel takes (>= 1 ms), at least 2.5 ms.
+
+        >>> default_period_us(0.45), default_period_us(0.25), default_period_us(None)
+        (2500, 4000, 2500)
+    """
+    return max(MIN_PERIOD_US, math.ceil(MIN_QUOTA_US / cpus)) if cpus else MIN_PERIOD_US
+
+
 def parse_cpus(cpus: float | str | None, n: int) -> float | None:
     """A host's CPU budget: a number of CPUs, "share" (0.9 x this machine's cores / ``n``) or None."""
     if cpus is None or cpus == "none":
@@ -105,7 +118,7 @@ class Netbed:
     budget. A context manager: torn down on exit (also on errors)."""
 
     def __init__(self, n: int, rate: str | None = "1gbit", delay: str | None = None, burst: str | None = None,
-                 cpus: float | str | None = None, cpu_period_us: int = CPU_PERIOD_US):
+                 cpus: float | str | None = None, cpu_period_us: int | None = None):
         if n < 1 or n > 250:
             raise ValueError(f"netbed: 1..250 hosts, not {n}")
         if os.geteuid() != 0:
@@ -119,7 +132,7 @@ class Netbed:
         if self.cpus is not None and cpu_root() is None:
             raise RuntimeError("netbed: --cpus needs the cgroup cpu controller (cgroup v1 cpu or v2 cpu.max), "
                                "which this machine does not offer")
-        self.cpu_period_us = int(cpu_period_us)
+        self.cpu_period_us = int(cpu_period_us or default_period_us(self.cpus))
         if self.cpus is not None and not (MIN_QUOTA_US <= self.cpus * self.cpu_period_us
                                           and self.cpu_period_us <= 1_000_000):
             raise ValueError(f"netbed: a CPU budget of {self.cpus:g} over a {self.cpu_period_us} us period is a "
@@ -311,8 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpus", default=None,
                     help="each host's CPU budget: a number of CPUs or 'share' (0.9 x cores / hosts); "
                          "default: all cores shared")
-    ap.add_argument("--cpu-period-us", type=int, default=CPU_PERIOD_US,
-                    help="the CFS period of a host's CPU quota (default 10000; the quota must be >= 1000)")
+    ap.add_argument("--cpu-period-us", type=int, default=None,
+                    help="the CFS period of a host's CPU quota (default: the shortest with a quota >= 1000 us, "
+                         "at least 2500)")
     a = ap.parse_args(argv)
     rate = None if a.rate == "none" else a.rate
     if a.action == "down":

@@ -171,8 +171,9 @@ def main(argv=None) -> int:
                     help="each emulated host's own CPU budget (des.netbed: a number of CPUs or 'share' = "
                          "0.9 x cores / N); the computation is then timed across unshaped hosts with the same budget, and the model "
                          "is the plain sum of its terms, as on a cluster")
-    ap.add_argument("--cpu-period-us", type=int, default=10_000,
-                    help="with --cpus: the CFS period of a host's CPU quota in us (des.netbed; the quota must be >= 1000)")
+    ap.add_argument("--cpu-period-us", type=int, default=None,
+                    help="with --cpus: the CFS period of a host's CPU quota in us (des.netbed; default: the "
+                         "shortest with a quota >= 1000 us, at least 2500)")
     ap.add_argument("--ps-overlap", default="calibrate",
                     help="the share of the PS's computation that runs while its bytes travel (des.timemodel): "
                          "a number, or 'calibrate' (default) from the PS point whose communication weighs most")
@@ -210,7 +211,9 @@ def main(argv=None) -> int:
         compute = {key: seconds for key, (seconds, _) in timed.items()}
         budget = parse_cpus(a.cpus, n)
         for rate in a.rates.split(","):
-            with (_Saved(saved[n, rate]) if a.reuse_netbed else Netbed(n, rate=rate, cpus=a.cpus, cpu_period_us=a.cpu_period_us)) as bed:
+            bed = (_Saved(saved[n, rate]) if a.reuse_netbed else
+                   Netbed(n, rate=rate, cpus=a.cpus, cpu_period_us=a.cpu_period_us))
+            with bed:
                 cal = bed.calibration if a.reuse_netbed else calibrate(bed, n)
                 # the first model: no-op computation, every collective at the allreduce's bandwidth;
                 # the model now: computation kept in step (--comm sync), all-to-alls at their own bandwidth

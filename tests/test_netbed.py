@@ -116,3 +116,4 @@ def test_a_host_cpu_budget_holds_every_process_of_the_host(tmp_path):
         Netbed(2, cpus=0)
     with pytest.raises(ValueError, match="quota of 500 us.*at least 4000 us"):
         Netbed(2, cpus=0.25, cpu_period_us=2000)
+    assert Netbed(4, cpus=0.45).cpu_period_us == 2500 and Netbed(4, cpus=0.1).cpu_period_us == 10_000
