@@ -4,9 +4,11 @@
 
 For each N: the computation per step, timed three ways: with no-op collectives (``des.train
 --comm noop``: the first model's term); DES with the processes kept in step by one 4-byte
-allreduce per step (``--comm sync``); the PS with every collective a real call without its
-payload (``--comm meet``: its computation with all its meetings and waits, so no fixed cost is
-added). With ``--cpus`` (a CPU budget per emulated host, des.netbed) the computation is timed
+allreduce per step (``--comm sync``); the PS as it trains, across unshaped emulated hosts
+(``--ps-computation unshaped``, the default: its computation with all its meetings, waits and the
+CPU its bytes cost, the bytes themselves at the veth's speed; no fixed cost is added), or with
+every collective a real call without its payload (``meet``: on 4 hosts of 0.45 CPU that took more
+CPU per step than the real runs, 0.364 s against 0.221 s at 1 Gbit/s: README). With ``--cpus`` (a CPU budget per emulated host, des.netbed) the computation is timed
 across N unshaped hosts with that budget and the model is the plain sum of its terms, as on a
 cluster; without it, under a local mpirun (``--compute-on netbed``: across unshaped hosts) with
 ``cores`` = the cores the hosts share: max(computation, computation x cores / N +
@@ -81,23 +83,24 @@ def traffic(mode: str, s: dict) -> dict:
 
 def computation(mode: str, kind: str, n: int, a, data, run_args) -> tuple[float, float | None]:
     """The computation's step time: the median over ``a.repeats`` runs with ``--comm kind``
-    (noop / sync / meet) of each run's step time (global batch / samples/s, itself a median over
+    (noop / sync / meet; ``unshaped``: the real collectives on unshaped links) of each run's step time (global batch / samples/s, itself a median over
     steps), and the median of their CPU seconds per step and process (None in older runs); with ``--reuse-compute`` the runs a previous run left in --out, where there are. Under
     a local mpirun, or with ``--compute-on netbed`` across N unshaped emulated hosts (the
     processes then wait for each other over TCP as in the measured runs; on this machine that
     fitted DES better at N=4 and the PS worse: README)."""
     times, cpus = [], []
+    options = () if kind == "unshaped" else ("--comm", kind)
     for k in range(a.repeats):
         tag = f"-{kind}-n{n}{repeat_tag(k, a.repeats)}"
         saved = os.path.join(a.out, f"{a.model}-{mode}{tag}.json")
         if a.reuse_compute and os.path.exists(saved + ".rank0"):
             s = compare.load(saved, n)
         elif a.compute_on == "local" and a.cpus is None:
-            s = compare.run(mode, a.model, data, run_args, a.out, options=("--comm", kind), tag=tag)
+            s = compare.run(mode, a.model, data, run_args, a.out, options=options, tag=tag)
         else:
             with Netbed(n, rate=None, cpus=a.cpus, cpu_period_us=a.cpu_period_us) as bed:
                 s = compare.run(mode, a.model, data, run_args, a.out, launcher=bed.mpirun(n),
-                                options=("--comm", kind), tag=tag)
+                                options=options, tag=tag)
         times.append(step_seconds(s, a.batch))
         cpus.append(cpu_seconds(s))
     return float(np.median(times)), median_or_none(cpus)
@@ -174,6 +177,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-period-us", type=int, default=None,
                     help="with --cpus: the CFS period of a host's CPU quota in us (des.netbed; default: the "
                          "shortest with a quota >= 1000 us, at least 2500)")
+    ap.add_argument("--ps-computation", choices=["unshaped", "meet"], default="unshaped",
+                    help="the PS's computation term: its real runs across unshaped hosts (default), or every "
+                         "collective without its payload (--comm meet)")
     ap.add_argument("--ps-overlap", default="calibrate",
                     help="the share of the PS's computation that runs while its bytes travel (des.timemodel): "
                          "a number, or 'calibrate' (default) from the PS point whose communication weighs most")
@@ -207,7 +213,8 @@ def main(argv=None) -> int:
     for n in [int(x) for x in a.np.split(",")]:
         run_args.np = n
         timed = {(m, kind): computation(m, kind, n, a, data, run_args)
-                 for m, kinds in (("des", ("noop", "sync")), ("ps", ("noop", "meet"))) if m in modes for kind in kinds}
+                 for m, kinds in (("des", ("noop", "sync")), ("ps", ("noop", a.ps_computation)))
+                 if m in modes for kind in kinds}
         compute = {key: seconds for key, (seconds, _) in timed.items()}
         budget = parse_cpus(a.cpus, n)
         for rate in a.rates.split(","):
@@ -233,9 +240,10 @@ def main(argv=None) -> int:
                     load = traffic(mode, s)
                     first = timemodel.step_time(compute[mode, "noop"], load, n, old)
                     # DES: its computation kept in step + its one collective; the PS: its computation
-                    # with every meeting (--comm meet), so no fixed cost on top, + its bytes
+                    # with every meeting (real runs on unshaped links, or --comm meet), so no fixed cost on
+                    # top, + its bytes
                     kind, model_net = (("sync", net) if mode == "des" else
-                                       ("meet", dataclasses.replace(net, cycle=0.0, call=0.0)))
+                                       (a.ps_computation, dataclasses.replace(net, cycle=0.0, call=0.0)))
                     cores = None if a.cpus is not None else a.cores     # a budget each: the plain sum
                     pred = timemodel.step_time(compute[mode, kind], load, n, model_net, cores=cores)
                     summed = timemodel.step_time(compute[mode, kind], load, n, model_net)

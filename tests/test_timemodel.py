@@ -146,8 +146,9 @@ def test_a_columnar_projection_times_the_columnar_copy(monkeypatch, tmp_path):
 
 def test_the_bench_takes_the_median_of_repeated_runs(tmp_path):
     """scripts/bench_timemodel.py --repeats 3 --modes ps, recomputed from saved runs (no netbed):
-    each point's measured step and the computation are the medians of their 3 runs' step times
-    (global batch / samples/s), and the table shows the measured range."""
+    each point's measured step and the computation (the PS's real runs on unshaped links) are the
+    medians of their 3 runs' step times (global batch / samples/s), and the table shows the
+    measured range and the CPU per step."""
     import importlib.util
     import json
     import os
@@ -164,9 +165,9 @@ def test_the_bench_takes_the_median_of_repeated_runs(tmp_path):
         for r in range(2):
             (out / f"lr-ps{tag}.json.rank{r}").write_text(json.dumps(dict(
                 rank, samples_per_second=batch / step_seconds, cpu_seconds_per_step=cpu + 0.1 * r)))
-    for k, (noop, meet, measured) in enumerate([(0.2, 0.30, 0.5), (0.1, 0.10, 0.4), (0.3, 0.35, 0.9)]):
+    for k, (noop, unshaped, measured) in enumerate([(0.2, 0.30, 0.5), (0.1, 0.10, 0.4), (0.3, 0.35, 0.9)]):
         save(f"-noop-n2-r{k}", noop, 0.1)
-        save(f"-meet-n2-r{k}", meet, [0.2, 0.0, 0.25][k])
+        save(f"-unshaped-n2-r{k}", unshaped, [0.2, 0.0, 0.25][k])     # the PS's computation: its real runs
         save(f"-n2-30mbit-r{k}", measured, [0.15, 0.05, 0.35][k])
     cal = {"effective_bandwidth_Bps_1MiB": 3e6, "effective_alltoall_Bps_1MiB": 3e6, "cycle": 1e-3,
            "per_call_in_a_phase": 1e-4}
@@ -175,7 +176,8 @@ def test_the_bench_takes_the_median_of_repeated_runs(tmp_path):
                        "--np", "2", "--rates", "30mbit", "--cpus", "share", "--modes", "ps", "--repeats", "3",
                        "--ps-overlap", "0", "--out", str(out), "--reuse-netbed", "--reuse-compute"]) == 0
     [row] = json.loads((out / "timemodel.json").read_text())
-    assert row["mode"] == "ps" and row["measured_runs"] == pytest.approx([0.5, 0.4, 0.9])
+    assert row["mode"] == "ps" and row["computation"] == "unshaped"
+    assert row["measured_runs"] == pytest.approx([0.5, 0.4, 0.9])
     assert row["measured"] == pytest.approx(0.5) and row["compute"] == pytest.approx(0.30)
     assert row["noop_compute"] == pytest.approx(0.2)
     # the plain sum: computation + the all-to-alls' 3e5 B + the dense 400 B, at 3 MB/s
