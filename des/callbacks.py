@@ -7,23 +7,36 @@ import numpy as np
 import tensorflow as tf
 
 
-class Throughput(tf.keras.callbacks.Callback):
+class _StepClock(tf.keras.callbacks.Callback):
+    """A clock read at each training step's begin and end; ``median`` over the steps after the
+    first (which traces the graph). ``clock``: time.perf_counter (wall) or time.process_time (CPU)."""
+    clock = staticmethod(time.perf_counter)
+
+    def __init__(self):
+        super().__init__()
+        self.times: list[float] = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._t = self.clock()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.times.append(self.clock() - self._t)
+
+    def median(self) -> float:
+        t = self.times[1:] or self.times
+        return float(np.median(t)) if t else 0.0
+
+
+class Throughput(_StepClock):
     """Samples per second of training (median over batches after the first, which traces)."""
 
     def __init__(self, batch_size: int):
         super().__init__()
         self.batch_size = batch_size
-        self.times: list[float] = []
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self._t = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.times.append(time.perf_counter() - self._t)
 
     def samples_per_second(self) -> float:
-        t = self.times[1:] or self.times
-        return float(self.batch_size / np.median(t)) if t else 0.0
+        t = self.median()
+        return float(self.batch_size / t) if t else 0.0
 
 
 class BytesPerStep(tf.keras.callbacks.Callback):
@@ -69,28 +82,15 @@ class WireBytes(tf.keras.callbacks.Callback):
         return float(np.median(self.per_step)) if self.per_step else 0.0
 
 
-class CPUTime(tf.keras.callbacks.Callback):
+class CPUTime(_StepClock):
     """CPU seconds this process used per training step (every thread: TensorFlow's, Horovod's
-    background thread, MPI's progress). Next to the step's wall time it tells a CPU-bound step
-    (CPU ~ the host's budget x the step) from one that waits on the wire (CPU well below it).
+    background thread, MPI's progress); ``median`` over the steps after the first. Next to the
+    step's wall time it tells a CPU-bound step (CPU ~ the host's budget x the step) from one that
+    waits on the wire (CPU well below it).
 
         >>> cpu = CPUTime()          # model.fit(..., callbacks=[cpu]); then cpu.median()
     """
-
-    def __init__(self):
-        super().__init__()
-        self.per_step: list[float] = []
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self._start = time.process_time()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.per_step.append(time.process_time() - self._start)
-
-    def median(self) -> float:
-        """The median over steps after the first (which traces the graph)."""
-        t = self.per_step[1:] or self.per_step
-        return float(np.median(t)) if t else 0.0
+    clock = staticmethod(time.process_time)
 
 
 class ReplicaCheck(tf.keras.callbacks.Callback):
