@@ -59,7 +59,7 @@ CPUACCT_V1 = "/sys/fs/cgroup/cpuacct"
 # The CFS period of a host's quota. A host that has used its quota waits for the next period, and
 # a process waiting for the network spends its quota polling (Open MPI's progress loop), so it is
 # late by up to period x (1 - C) when its bytes come: with 10 ms the PS (3 collectives per table)
-# stepped in 1,137 ms at 30 Mbit/s (N=4, 0.45 CPU), with 2.5 ms in 793 ms (README). The default:
+# stepped in 1,137.5 ms at 30 Mbit/s (N=4, 0.45 CPU), with 2.5 ms in 789.5 ms (README). The default:
 # the shortest period the kernel takes for the budget (its smallest quota is 1 ms), at least 2.5 ms.
 MIN_PERIOD_US, MIN_QUOTA_US = 2500, 1000
 RING_ALLREDUCE = ("--mca", "coll_tuned_use_dynamic_rules", "1", "--mca", "coll_tuned_allreduce_algorithm", "4")

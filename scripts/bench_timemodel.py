@@ -8,7 +8,8 @@ allreduce per step (``--comm sync``); the PS as it trains, across unshaped emula
 (``--ps-computation unshaped``, the default: its computation with all its meetings, waits and the
 CPU its bytes cost, the bytes themselves at the veth's speed; no fixed cost is added), or with
 every collective a real call without its payload (``meet``: on 4 hosts of 0.45 CPU that took more
-CPU per step than the real runs, 0.364 s against 0.221 s at 1 Gbit/s: README). With ``--cpus`` (a CPU budget per emulated host, des.netbed) the computation is timed
+CPU per step than the real runs, 0.364 s against 0.221 s at 1 Gbit/s: README). With ``--cpus``
+(a CPU budget per emulated host, des.netbed) the computation is timed
 across N unshaped hosts with that budget and the model is the plain sum of its terms, as on a
 cluster; without it, under a local mpirun (``--compute-on netbed``: across unshaped hosts) with
 ``cores`` = the cores the hosts share: max(computation, computation x cores / N +
@@ -83,8 +84,10 @@ def traffic(mode: str, s: dict) -> dict:
 
 def computation(mode: str, kind: str, n: int, a, data, run_args) -> tuple[float, float | None]:
     """The computation's step time: the median over ``a.repeats`` runs with ``--comm kind``
-    (noop / sync / meet; ``unshaped``: the real collectives on unshaped links) of each run's step time (global batch / samples/s, itself a median over
-    steps), and the median of their CPU seconds per step and process (None in older runs); with ``--reuse-compute`` the runs a previous run left in --out, where there are. Under
+    (noop / sync / meet; ``unshaped``: the real collectives on unshaped links) of each run's step
+    time (global batch / samples/s, itself a median over steps), and the median of their CPU
+    seconds per step and process (None in older runs); with ``--reuse-compute`` the runs a
+    previous run left in --out, where there are. Under
     a local mpirun, or with ``--compute-on netbed`` across N unshaped emulated hosts (the
     processes then wait for each other over TCP as in the measured runs; on this machine that
     fitted DES better at N=4 and the PS worse: README)."""
@@ -102,7 +105,7 @@ def computation(mode: str, kind: str, n: int, a, data, run_args) -> tuple[float,
                 s = compare.run(mode, a.model, data, run_args, a.out, launcher=bed.mpirun(n),
                                 options=options, tag=tag)
         times.append(step_seconds(s, a.batch))
-        cpus.append(cpu_seconds(s))
+        cpus.append(s.get("cpu_seconds_per_host_step"))     # compare.load: the mean over ranks
     return float(np.median(times)), median_or_none(cpus)
 
 
@@ -143,13 +146,6 @@ def apply_overlap(rows: list[dict], how: str) -> None:
 
 def step_seconds(s: dict, batch: int) -> float:
     return batch / s["samples_per_second"]
-
-
-def cpu_seconds(s: dict) -> float | None:
-    """A run's CPU seconds per step and process (des.train's median per step, mean over ranks)."""
-    ranks = s.get("ranks") or [s]
-    cpu = [r.get("cpu_seconds_per_step") for r in ranks]
-    return float(np.mean(cpu)) if cpu and None not in cpu else None
 
 
 def median_or_none(values: list) -> float | None:
@@ -249,7 +245,7 @@ def main(argv=None) -> int:
                     summed = timemodel.step_time(compute[mode, kind], load, n, model_net)
                     measured_runs = [step_seconds(r, a.batch) for r in runs]
                     measured = float(np.median(measured_runs))
-                    cpu = median_or_none([cpu_seconds(r) for r in runs])
+                    cpu = median_or_none([r.get("cpu_seconds_per_host_step") for r in runs])
                     rows.append(dict(n=n, rate=rate, mode=mode, measured=measured, measured_runs=measured_runs,
                                      error=pred["total"] / measured - 1, predicted=pred["total"], computation=kind,
                                      compute=pred["compute"], own_compute=pred["own_compute"], fixed=pred["fixed"],

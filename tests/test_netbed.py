@@ -75,7 +75,7 @@ def test_netbed_down_removes_everything_and_bad_host_counts_are_refused():
 def test_a_host_cpu_budget_holds_every_process_of_the_host(tmp_path):
     """cpus=0.25: each host's processes (started by mpirun through the rsh agent) are in the host's
     cgroup and get a quarter of a CPU - a busy loop of 1.5 s wall burns 0.2-0.3 CPU s per s - over
-    the default 10 ms period and over a 4 ms one (cpu_period_us; a quota under the kernel's 1 ms is
+    a 10 ms period and over a 4 ms one (cpu_period_us; a quota under the kernel's 1 ms is
     refused), while without a budget the same loop gets about a whole core; the cgroups go with
     the netbed."""
     from des.netbed import Netbed, _cgroups, cpu_root, PREFIX
