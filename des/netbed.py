@@ -63,6 +63,19 @@ CPUACCT_V1 = "/sys/fs/cgroup/cpuacct"
 # the shortest period the kernel takes for the budget (its smallest quota is 1 ms), at least 2.5 ms.
 MIN_PERIOD_US, MIN_QUOTA_US = 2500, 1000
 RING_ALLREDUCE = ("--mca", "coll_tuned_use_dynamic_rules", "1", "--mca", "coll_tuned_allreduce_algorithm", "4")
+# Open MPI's TCP transport sends a message above 64 KB in two phases: 64 KB, then the rest once
+# the receiver's acknowledgement comes back. On a shaped host that acknowledgement queues behind
+# the receiver's own outgoing data, and the sender's link idles meanwhile: a 1 MiB ring allreduce
+# (N=4, 30 Mbit/s, 0.45 CPU per host) took 1.49x its wire time, all-to-alls 1.61x. Sent in one
+# phase up to 4 MiB (and with the short socket queues below): 1.11x and 1.17x
+# (scripts/bench_collectives.py; README). Both modes' collectives are sent this way.
+EAGER = ("--mca", "btl_tcp_eager_limit", "4194304", "--mca", "btl_tcp_rndv_eager_limit", "4194304",
+         "--mca", "btl_tcp_max_send_size", "4194304")
+# How many bytes one TCP socket may have queued below it (Linux's TSQ, net.ipv4.tcp_limit_output_bytes,
+# a per-namespace setting; 4 MiB here): every ACK and acknowledgement a host sends waits behind its
+# queue, over a second at 30 Mbit/s. A NIC drains its host's 4 MiB in under 4 ms at 10 Gbit/s;
+# each host here gets 1 ms at its rate, at least 16 KB (1.26x -> 1.11x above).
+TSQ_TIME, TSQ_MIN = 1e-3, 16384
 
 
 def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -198,6 +211,9 @@ class Netbed:
         if self.rate:
             _ip("tc", "qdisc", "add", "dev", "eth0", *parent, "handle", "2:", "tbf", "rate", self.rate,
                 "burst", self.burst, "latency", "1s", ns=ns)
+            from des.timemodel import parse_rate
+            tsq = max(TSQ_MIN, int(parse_rate(self.rate) * TSQ_TIME))
+            _ip("sh", "-c", f"echo {tsq} > /proc/sys/net/ipv4/tcp_limit_output_bytes", ns=ns)
 
     def _limit_cpu(self, ns: str) -> None:
         root, version = cpu_root()
@@ -232,7 +248,7 @@ class Netbed:
         cmd = ["mpirun", "-np", str(np_), "--host", host_list, "--map-by", "node", "--bind-to", "none",
                "--oversubscribe", "--mca", "plm_rsh_agent", AGENT, "--mca", "btl", "tcp,self",
                "--mca", "btl_tcp_if_include", f"{SUBNET}.0/24", "--mca", "oob_tcp_if_include", f"{SUBNET}.0/24",
-               *RING_ALLREDUCE, "--wdir", os.getcwd()]
+               *RING_ALLREDUCE, *EAGER, "--wdir", os.getcwd()]
         for name in ("PATH", "PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", "OMPI_MCA_mpi_yield_when_idle", *env):
             if name in os.environ:
                 cmd += ["-x", name]
