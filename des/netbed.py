@@ -6,9 +6,10 @@ no uplink: traffic stays between the namespaces made here). Each host's sending 
 shaped like a NIC: a ``tbf`` token bucket at ``rate`` (measured here: 98.8 Mbit/s through a
 100mbit bucket) that holds 100 us of it (at least 2 frames), after a ``tc netem`` delay when
 ``delay`` is given (kernels without netem, such as this project's machines, refuse ``delay``
-with a message). mpirun starts
-one process per host through an rsh agent that runs ``ip netns exec deshK`` (scripts/netbed_rsh.sh),
-with Open MPI's TCP transport on the bridge subnet only. Needs root (as on this project's machines).
+with a message), and each TCP socket may queue 1 ms of the rate below it (``EAGER``, ``TSQ_TIME``
+below). mpirun starts one process per host through an rsh agent that runs ``ip netns exec deshK``
+(scripts/netbed_rsh.sh), with Open MPI's TCP transport on the bridge subnet only, messages up to
+4 MiB sent in one phase. Needs root (as on this project's machines).
 
 A host's CPU: without ``cpus`` every host's processes share all of this machine's cores, so a
 process that waits for the network leaves its share to the others and a host's speed depends

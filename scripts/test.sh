@@ -1,31 +1,77 @@
 #!/usr/bin/env bash
 # The test suite, one pytest process per test file: TensorFlow does not give back the memory
 # of the hundreds of models the suite builds, and in one process it grew past 15 GiB before
-# the mpirun tests (which start 2-4 TensorFlow processes more) ran. Extra arguments go to
-# every pytest call (e.g. -x, -k name, --durations=10). Exit status: non-zero if any file failed.
-# The last line adds up every file's counts: "suite: N passed, N failed".
+# the mpirun tests (which start 2-4 TensorFlow processes more) ran.
+#
+# Files run TEST_JOBS at a time (default 2: most files keep one core busy with Python and
+# small eager ops, and this machine kind has 2), the longest first; each file's output is
+# printed whole when it ends, with its wall time. Files whose checks start many processes or
+# measure CPU budgets and timings (ALONE) run afterwards, one at a time, with nothing beside
+# them. TEST_JOBS=1 runs every file in turn. Extra arguments go to every pytest call (e.g. -x,
+# -k name, --durations=10). Exit status: non-zero if any file failed. The last line adds up
+# every file's counts: "suite: N passed, N failed".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
+JOBS=${TEST_JOBS:-2}
+# mpirun with 2-6 TensorFlow processes, netbed CPU budgets, the timing communicators' waits
+ALONE=(tests/test_mpi.py tests/test_netbed.py tests/test_timemodel.py)
+# the longest files first (about 9, 5.5, 4 and 3.5 min alone), so that no long one starts last
+LONG=(tests/test_equivalence_sim.py tests/test_allocate.py tests/test_cache.py tests/test_models.py
+      tests/test_predict.py tests/test_cli.py tests/test_gallery.py tests/test_columnar.py)
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+trap 'kill $(jobs -p) 2>/dev/null; exit 130' INT TERM
+start=$(date +%s)
+
+run_file() {   # run_file FILE ARGS...: its log, exit status and seconds go to $logs
+  local f=$1 name t0
+  shift
+  name=$(basename "$f" .py)
+  t0=$(date +%s)
+  "$PY" -m pytest -q "$f" "$@" >"$logs/$name.log" 2>&1
+  echo $? >"$logs/$name.rc"
+  {
+    flock 9
+    echo "=== $f ($(( $(date +%s) - t0 )) s)"
+    cat "$logs/$name.log"
+  } 9>"$logs/.lock"
+}
+
+in_list() { local x=$1; shift; for y in "$@"; do [ "$x" = "$y" ] && return 0; done; return 1; }
+
+all=(tests/test_*.py)
+queue=()
+for f in "${LONG[@]}"; do [ -f "$f" ] && queue+=("$f"); done
+for f in "${all[@]}"; do
+  in_list "$f" "${LONG[@]}" "${ALONE[@]}" || queue+=("$f")
+done
+running=0
+for f in "${queue[@]}"; do
+  if [ "$running" -ge "$JOBS" ]; then wait -n; running=$(( running - 1 )); fi
+  run_file "$f" "$@" &
+  running=$(( running + 1 ))
+done
+wait
+for f in "${ALONE[@]}"; do [ -f "$f" ] && run_file "$f" "$@"; done
+
 failed=()
 passed_total=0
 failed_total=0
-log=$(mktemp)
-trap 'rm -f "$log"' EXIT
-start=$(date +%s)
-count() { grep -oE "[0-9]+ $1" "$log" | tail -1 | cut -d' ' -f1; }
-for f in tests/test_*.py; do
-  echo "=== $f"
-  "$PY" -m pytest -q "$f" "$@" 2>&1 | tee "$log"
-  rc=${PIPESTATUS[0]}
-  passed_total=$(( passed_total + $(count passed || true) + 0 ))
-  failed_total=$(( failed_total + $(count failed || true) + 0 + $(count error || true) + 0 ))
+count() { grep -oE "[0-9]+ $1" "$2" | tail -1 | cut -d' ' -f1; }
+for f in "${all[@]}"; do
+  name=$(basename "$f" .py)
+  log="$logs/$name.log"
+  [ -f "$logs/$name.rc" ] || continue
+  rc=$(cat "$logs/$name.rc")
+  passed_total=$(( passed_total + $(count passed "$log" || true) + 0 ))
+  failed_total=$(( failed_total + $(count failed "$log" || true) + 0 + $(count error "$log" || true) + 0 ))
   # 5: no test collected (e.g. -k matched nothing in this file)
-  if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then
+  if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then
     failed+=("$f")
-    [ "$(count failed)$(count error)" = "" ] && failed_total=$(( failed_total + 1 ))
+    [ "$(count failed "$log")$(count error "$log")" = "" ] && failed_total=$(( failed_total + 1 ))
   fi
 done
-echo "=== $(( ($(date +%s) - start) / 60 )) min; files failed: ${#failed[@]} ${failed[*]:-}"
+echo "=== $(( ($(date +%s) - start) / 60 )) min ($JOBS at a time); files failed: ${#failed[@]} ${failed[*]:-}"
 echo "suite: $passed_total passed, $failed_total failed"
 [ ${#failed[@]} -eq 0 ]

@@ -32,6 +32,12 @@ def test_des_and_ps_jobs_across_two_emulated_hosts(tmp_path):
     out = {}
     with Netbed(2, rate="1gbit") as bed:
         assert hosts() == ["desh1", "desh2"]
+        for ns in hosts():                  # 1 ms at 1 Gbit/s may wait below a socket (TSQ), not 4 MiB
+            tsq = subprocess.run(["ip", "netns", "exec", ns, "cat", "/proc/sys/net/ipv4/tcp_limit_output_bytes"],
+                                 capture_output=True, text=True, check=True).stdout
+            assert int(tsq) == 125_000, (ns, tsq)
+        cmd = bed.mpirun(2)                 # one phase up to 4 MiB: no acknowledgement to wait for
+        assert cmd[cmd.index("btl_tcp_eager_limit") + 1] == cmd[cmd.index("btl_tcp_rndv_eager_limit") + 1] == "4194304"
         for mode in ("des", "ps"):
             for attempt in range(2):     # orted crashed at start-up once in ~30 launches here: retry that only
                 run = subprocess.run(bed.mpirun(2) + [sys.executable, *TRAIN, "--mode", mode, "--data", data,
