@@ -255,6 +255,20 @@ class Netbed:
                 cmd += ["-x", name]
         return cmd + ["-x", "DES_WIRE_INTERFACE=eth0"]     # des.train reads each host's interface counter
 
+    def run(self, cmd: list[str], attempts: int = 3, **kwargs) -> subprocess.CompletedProcess:
+        """``subprocess.run(cmd, capture_output=True, text=True, **kwargs)`` for an mpirun line
+        from :meth:`mpirun`, again (up to ``attempts`` times) only when Open MPI's daemons did not
+        start: an ``orted`` crashes at start-up across the namespaces about once in 30 launches
+        here. Any other failure is returned at once.
+
+            >>> bed.run(bed.mpirun(2) + ["python", "-m", "des.train", ...], timeout=600)  # doctest: +SKIP
+        """
+        for _ in range(attempts):
+            done = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+            if done.returncode == 0 or "ORTE was unable to reliably start" not in done.stderr + done.stdout:
+                break
+        return done
+
     def sent_bytes(self) -> list[int]:
         """Bytes each host has sent on its interface so far (its veth's receive counter)."""
         out = []
