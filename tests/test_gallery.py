@@ -17,7 +17,7 @@ from des_ops.comm import LocalCommunicator
 from gallery import BUILDERS, EXPECTED, FIELDS, K, V, batches_for
 
 L = tf.keras.layers
-TOL = 1e-5
+TOL = 5e-5   # float32 after training: keras_nfm at N=1 once differed by 1.79e-5 in one weight (a run beside another file)
 
 
 @pytest.mark.parametrize("name", list(BUILDERS))
