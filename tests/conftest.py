@@ -9,7 +9,6 @@ import tensorflow as tf  # noqa: E402
 tf.config.threading.set_inter_op_parallelism_threads(64)
 
 
-
 def pytest_terminal_summary(terminalreporter):
     """This pytest process's peak memory, so that running files side by side (scripts/test.sh)
     can be checked against the machine's."""
