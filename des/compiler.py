@@ -22,6 +22,7 @@ the replicated tail are kept).
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import tensorflow as tf
 
@@ -29,7 +30,7 @@ from des.fields import GLUE, FieldAnalysis, FieldVector
 from des.ir import Graph, Node, call_node, is_keras_tensor, replay
 from des.keras_internals import has_weight_penalties, take_weight_penalties
 from des.plan import FieldCost, FieldPlan, check_agreement, make_plan
-from des_ops.comm import Communicator, default_communicator
+from des_ops.comm import Communicator, agree, default_communicator
 from des_ops.suboperators import DESFirstLayer
 from des_ops.wire import ring_share
 from rewrite_rules import RULES, Match, Rejection, find_substitutions, rule_named
@@ -246,6 +247,11 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
         field_plan = plan
     else:
         field_plan = make_plan(costs, comm.world_size, plan)
+    forced = _forced_disagreement(comm)
+    if forced == "plan":
+        moved = next(iter(field_plan.owner))
+        field_plan = dataclasses.replace(field_plan, owner={**field_plan.owner,
+                                                           moved: (field_plan.owner[moved] + 1) % comm.world_size})
     if comm.world_size > 1:
         check_agreement(field_plan, comm)
     mine = set(field_plan.fields_of(comm.rank))
@@ -273,10 +279,20 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
                 if v.field not in mine:
                     v.table.attrs["source"].release(v.table.layer)
 
-    chains = FieldChains(graph, list(owned_nodes.values()), sorted({t for ids in op_inputs for t in ids}))
+    # the vectors in graph order, never in tensor-id (memory address) order: the order in which the
+    # lookups are built decides the order in which TensorFlow adds their gradients, so an address
+    # order made the same job give other bits run after run
+    position = {t: k for k, t in enumerate(graph.tensors)}
+    chains = FieldChains(graph, list(owned_nodes.values()),
+                         sorted({t for ids in op_inputs for t in ids}, key=position.__getitem__))
     layers = list(dict.fromkeys(n.layer for n in chains.nodes))
     first = DESFirstLayer(layers, chains, ops, op_inputs, comm, owned_penalties, penalty_column,
                           name="des_first_layer")
+    if forced == "collective":
+        first.collective += "_forced_by_DES_TEST_DISAGREE"        # and no check: Horovod's stall shutdown must end it
+    elif comm.world_size > 1:
+        agree(comm, "collective schedule (one fused allreduce: its name and floats per sample)",
+              f"{first.collective}: {first.floats_per_sample()}")
     names_in = sorted({graph.nodes[i].layer.name for m in matches for v in m.vectors for i in v.chain | fields.cone(v.tensor)
                        if graph.nodes[i].kind == "input"})
     outs = first({n: graph.tensors[_input_id(graph, n)] for n in names_in})
@@ -293,6 +309,13 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     report.plan, report.floats_per_sample, report.widths = field_plan, first.floats_per_sample(), widths
     report.penalty_column = penalty_column
     return new_model, report
+
+
+def _forced_disagreement(comm: Communicator) -> str | None:
+    """Test hook: with DES_TEST_DISAGREE=plan:R (or collective:R), rank R makes its field plan
+    (or its allreduce's name) differ from the other ranks', to show that the job ends."""
+    kind, _, rank = os.environ.get("DES_TEST_DISAGREE", "").partition(":")
+    return kind if rank.isdigit() and int(rank) == comm.rank and kind in ("plan", "collective") else None
 
 
 def _model_class(model: tf.keras.Model) -> type:

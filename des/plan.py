@@ -75,17 +75,8 @@ def make_plan(fields: list[FieldCost], world_size: int, strategy: str = "balance
 
 def check_agreement(plan: FieldPlan, comm) -> None:
     """Every process must partition the fields the same way (a plan computed from local table
-    sizes, or read per process on restore, could differ). Rank 0 broadcasts a digest of its plan;
-    a process whose plan differs raises, naming itself and what differs (under mpirun that
-    ends the job)."""
-    import hashlib
-    import json
-
-    import numpy as np
-    own = json.dumps(sorted(plan.owner.items()))
-    digest = np.frombuffer(hashlib.sha256(own.encode()).digest()[:8], np.int64).copy()
-    root = comm.broadcast(digest, 0)
-    if not np.array_equal(root, digest):
-        raise ValueError(f"rank {comm.rank} of {comm.world_size}: its field plan differs from rank 0's "
-                         f"(this rank's field -> owner: {own}); every process must use the same plan: pass the same "
-                         f"plan=/spec= (cardinalities) or restore the same checkpoint on every process")
+    sizes, or read per process on restore, could differ): a process whose plan differs from
+    rank 0's raises des_ops.comm.DisagreementError naming both (under mpirun that ends the job).
+    To pass: the same plan=/spec= (cardinalities) or the same checkpoint on every process."""
+    from des_ops.comm import agree
+    agree(comm, "field plan", ", ".join(f"{f} -> {r}" for f, r in sorted(plan.owner.items())))

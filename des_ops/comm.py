@@ -10,6 +10,14 @@
     >>> y.numpy(), tape.gradient(y, partials).numpy(), comm.counted()["step"]
     (array([[1., 2.]], dtype=float32), array([[1., 1.]], dtype=float32), {'bytes': 8, 'calls': 1})
 
+Every collective has a NAME fixed by what it is, never by what a process owns or by the op that
+feeds it: Horovod matches collectives across ranks by name, and an unnamed ``hvd.allreduce``
+takes the name of the op feeding it, which differs on a process that owns no field of an
+operator (it builds zeros, not a concat) -- the job then hangs. The in-process world checks
+the names too: ranks that submit differently named collectives fail at once, naming them.
+Under Horovod a stalled collective ends the job: ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (default
+here 20 s) and ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` (default here 60 s) unless set.
+
 ``allreduce_sum`` is the only differentiable collective in DES. Its gradient is the
 identity: every rank computes the same loss on the same batch, so the upstream gradient
 is already the same everywhere, and d(sum)/d(addend) = 1. (Horovod's registered gradient
@@ -18,6 +26,7 @@ of allreduce is another allreduce, which would multiply it by N.)
 from __future__ import annotations
 
 import os
+import re
 import threading
 
 import numpy as np
@@ -53,17 +62,19 @@ class Communicator:
                         self.ncalls[purpose].assign_add(1))
 
     def allreduce_counted(self, x: tf.Tensor, purpose: str) -> tf.Tensor:
-        """``allreduce`` of ``x`` (no gradient), counted under ``purpose``."""
+        """``allreduce`` of ``x`` (no gradient) named ``des_<purpose>``, counted under ``purpose``."""
         x = tf.convert_to_tensor(x)
         with tf.control_dependencies([self.count(purpose, tf.size(x, tf.int64) * x.dtype.size)]):
-            return self.allreduce(x)
+            return self.allreduce(x, f"des_{purpose}")
 
     def counted(self) -> dict[str, dict[str, int]]:
         """Bytes handed over and calls so far, per purpose."""
         return {p: {"bytes": int(self.bytes[p].numpy()), "calls": int(self.ncalls[p].numpy())}
                 for p in self.PURPOSES}
 
-    def allreduce(self, x: tf.Tensor) -> tf.Tensor:  # pragma: no cover - interface
+    def allreduce(self, x: tf.Tensor, name: str) -> tf.Tensor:  # pragma: no cover - interface
+        """Sum of ``x`` over ranks; ``name`` identifies the collective and must be the same on
+        every rank for the same call (see the module docstring)."""
         raise NotImplementedError
 
     def broadcast(self, a: np.ndarray, root: int = 0) -> np.ndarray:  # pragma: no cover - interface
@@ -83,7 +94,7 @@ class LocalCommunicator(Communicator):
     """World of one process: allreduce is the identity."""
     name = "local"
 
-    def allreduce(self, x):
+    def allreduce(self, x, name="des_allreduce"):
         return tf.identity(x)
 
     def broadcast(self, a, root=0):
@@ -108,11 +119,11 @@ class NoopCommunicator(Communicator):
         self.world_size = env_size if world_size is None else world_size
         super().__init__()
 
-    def allreduce(self, x):
+    def allreduce(self, x, name="des_allreduce"):
         if self.sync and self.world_size > 1:
             # x times exactly 1 computed from the sync: a data dependency that grappler cannot fold
             # (a control dependency on the allreduce, or x + 0 * it, were optimised away: no wait)
-            return x * (1.0 + tf.minimum(tf.abs(tf.reduce_sum(sync_processes(x))), 0.0))
+            return x * (1.0 + tf.minimum(tf.abs(tf.reduce_sum(sync_processes(x, name))), 0.0))
         return tf.identity(x)
 
     def broadcast(self, a, root=0):
@@ -125,11 +136,30 @@ class SyncCommunicator(NoopCommunicator):
     sync = True
 
 
-def sync_processes(x: tf.Tensor) -> tf.Tensor:
+def sync_processes(x: tf.Tensor, name: str = "des_sync") -> tf.Tensor:
     """A Horovod allreduce of ``x``'s first element: returns when every process has reached it.
     (Of ``x``, not of a constant: grappler would fold an allreduce of constants at trace time.)"""
     import horovod.tensorflow as hvd
-    return hvd.allreduce(tf.reshape(x, [-1])[:1], op=hvd.Sum)
+    return hvd.allreduce(tf.reshape(x, [-1])[:1], op=hvd.Sum, name=op_name(name + "_sync"))
+
+
+def op_name(text: str) -> str:
+    """``text`` as a TensorFlow op name (Horovod's collective name): other characters -> '_'."""
+    return re.sub(r"[^A-Za-z0-9_.\-/]", "_", text).lstrip("_./-") or "des_collective"
+
+
+STALL_DEFAULTS = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "20", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "60"}
+
+
+def init_horovod():
+    """``hvd.init()`` with DES's stall settings unless the user set them: a collective that some
+    rank never submits is reported after 20 s (naming the missing ranks and the collective) and
+    ends the job after 60 s, instead of a silent hang. Returns horovod.tensorflow."""
+    for k, v in STALL_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+    import horovod.tensorflow as hvd
+    hvd.init()
+    return hvd
 
 
 class HorovodCommunicator(Communicator):
@@ -137,14 +167,13 @@ class HorovodCommunicator(Communicator):
     name = "horovod"
 
     def __init__(self) -> None:
-        import horovod.tensorflow as hvd
-        hvd.init()
+        hvd = init_horovod()
         self._hvd = hvd
         self.rank, self.world_size = hvd.rank(), hvd.size()
         super().__init__()
 
-    def allreduce(self, x):
-        return self._hvd.allreduce(x, op=self._hvd.Sum)
+    def allreduce(self, x, name="des_allreduce"):
+        return self._hvd.allreduce(x, op=self._hvd.Sum, name=op_name(name))
 
     def broadcast(self, a, root=0):
         self._broadcasts = getattr(self, "_broadcasts", 0) + 1
@@ -168,7 +197,7 @@ class Mpi4pyCommunicator(Communicator):
         self._comm.Allreduce(np.ascontiguousarray(a), out, op=self._mpi.SUM)
         return out
 
-    def allreduce(self, x):
+    def allreduce(self, x, name="des_allreduce"):
         y = tf.numpy_function(self._np_allreduce, [x], x.dtype, stateful=True)
         return tf.ensure_shape(y, x.shape)
 
@@ -189,8 +218,6 @@ class InProcessWorld:
 
     def __init__(self, world_size: int, timeout: float = 300.0):
         self.world_size = world_size
-        self._slots: list = [None] * world_size
-        self._barrier = threading.Barrier(world_size, timeout=timeout)
         self._timeout = timeout
         self._published: dict = {}
         self._broadcasts = [0] * world_size
@@ -202,15 +229,22 @@ class InProcessWorld:
     def communicator(self, rank: int) -> "InProcessCommunicator":
         return InProcessCommunicator(self, rank)
 
-    def allreduce(self, rank: int, a: np.ndarray) -> np.ndarray:
-        self._slots[rank] = a
-        self._barrier.wait()
-        total = self._slots[0].copy()
-        for other in self._slots[1:]:
-            total += other
-        self._barrier.wait()
-        return total
-
+    def allreduce(self, rank: int, a: np.ndarray, name: str = "des_allreduce") -> np.ndarray:
+        """Sum over ranks of their n-th allreduce; all must name it alike (Horovod matches by
+        name): otherwise every rank raises, naming the ranks and their names."""
+        def total(values, r):
+            names = [nm for nm, _ in values]
+            if len(set(names)) > 1:
+                by = {}
+                for i, nm in enumerate(names):
+                    by.setdefault(nm, []).append(i)
+                raise RuntimeError("collective mismatch: " + "; ".join(
+                    f"rank(s) {', '.join(map(str, rs))} submitted {nm!r}" for nm, rs in by.items()))
+            out = values[0][1].copy()
+            for _, v in values[1:]:
+                out += v
+            return out
+        return self.rendezvous(rank, "allreduce", (name, a), total)
 
     def rendezvous(self, rank: int, tag: str, value, combine):
         """Meet the other ranks at their call of the same ``tag`` (the n-th call of a tag meets the
@@ -251,7 +285,6 @@ class InProcessWorld:
         with self._cond:
             self._aborted = True
             self._cond.notify_all()
-        self._barrier.abort()
 
     def broadcast(self, rank: int, a: np.ndarray, root: int) -> np.ndarray:
         """The root publishes without waiting (so ranks may transform one after another in one
@@ -301,8 +334,8 @@ class InProcessCommunicator(Communicator):
         self.world, self.rank, self.world_size = world, rank, world.world_size
         super().__init__()
 
-    def allreduce(self, x):
-        y = tf.numpy_function(lambda a: self.world.allreduce(self.rank, a), [x], x.dtype, stateful=True)
+    def allreduce(self, x, name="des_allreduce"):
+        y = tf.numpy_function(lambda a: self.world.allreduce(self.rank, a, name), [x], x.dtype, stateful=True)
         return tf.ensure_shape(y, x.shape)
 
     def broadcast(self, a, root=0):
@@ -310,20 +343,44 @@ class InProcessCommunicator(Communicator):
         return self.world.broadcast(self.rank, a, root)
 
 
-def allreduce_sum(comm: Communicator, x: tf.Tensor) -> tf.Tensor:
-    """Sum of x over all ranks, with an identity gradient; counts the bytes handed over ("step")."""
+def allreduce_sum(comm: Communicator, x: tf.Tensor, name: str = "des_partials") -> tf.Tensor:
+    """Sum of x over all ranks, with an identity gradient; counts the bytes handed over ("step").
+    ``name`` is the collective's identity on every rank (see the module docstring)."""
     count = comm.count("step", tf.cast(tf.size(x), tf.int64) * x.dtype.size)
 
     @tf.custom_gradient
     def _sum(v):
         with tf.control_dependencies([count]):
-            y = comm.allreduce(v)
+            # + 0 read from a variable: on a process that owns nothing the partials are constant
+            # zeros, and grappler would fold Horovod's (stateless) allreduce of constants into its
+            # input: that process would then skip every collective while the others wait
+            calls = comm.ncalls["step"].read_value()
+            y = comm.allreduce(v + tf.cast(tf.minimum(calls, 0), v.dtype), name)
 
         def grad(dy):
             return tf.identity(dy)
         return y, grad
 
     return _sum(x)
+
+
+class DisagreementError(RuntimeError):
+    """Processes of one job disagree on something every process must share (plan, collectives)."""
+
+
+def agree(comm: Communicator, what: str, text: str) -> None:
+    """Raise DisagreementError on every rank whose ``text`` differs from rank 0's, naming this
+    rank, rank 0 and both values: a check made before the first collective of a step, so that
+    a disagreement ends the job at once instead of hanging it (under mpirun, a rank that raises
+    ends the job). Two broadcasts (length, then rank 0's bytes)."""
+    if comm.world_size == 1:
+        return
+    mine = np.frombuffer(text.encode(), np.uint8)
+    size = int(comm.broadcast(np.array([mine.size], np.int64), 0)[0])
+    root = comm.broadcast(mine if comm.rank == 0 else np.zeros(size, np.uint8), 0)
+    if comm.rank != 0 and not np.array_equal(root, mine):
+        raise DisagreementError(f"rank {comm.rank} of {comm.world_size} disagrees with rank 0 on the {what}: "
+                                f"rank 0 has {bytes(root).decode()!r}, rank {comm.rank} has {text!r}")
 
 
 def under_launcher() -> bool:
@@ -338,8 +395,7 @@ def start_horovod_thread() -> None:
     """Under mpirun, start Horovod (its background thread polls every cycle and takes CPU from the
     step, as in a real run) without calling any collective; alone, nothing."""
     if under_launcher() and "OMPI_COMM_WORLD_LOCAL_RANK" in os.environ:
-        import horovod.tensorflow as hvd
-        hvd.init()
+        init_horovod()
 
 
 def launcher_rank() -> tuple[int, int]:

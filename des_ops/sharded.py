@@ -33,7 +33,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from des.data.spec import PAD_ID
-from des_ops.comm import InProcessCollectives
+from des_ops.comm import op_name
 from models.layers import FieldEmbedding
 
 
@@ -56,8 +56,8 @@ class KeyExchange:
 
     @classmethod
     def horovod(cls) -> "KeyExchange":
-        import horovod.tensorflow as hvd
-        hvd.init()
+        from des_ops.comm import init_horovod
+        hvd = init_horovod()
         return cls(hvd.rank(), hvd.size(), hvd)
 
     @classmethod
@@ -171,14 +171,11 @@ class KeyExchange:
         if self.world_size == 1:
             return tf.identity(x)
         with tf.control_dependencies([self._add(counter, tf.size(x) * x.dtype.size)]):
-            if isinstance(self._hvd, InProcessCollectives):
-                return self._hvd.allreduce(x, name=counter)
-            return self._hvd.allreduce(x, op=self._hvd.Sum)
+            return self._hvd.allreduce(x, op=self._hvd.Sum, name=op_name(f"ps_{counter}"))
 
     def _alltoall(self, x, splits, name: str):
-        if isinstance(self._hvd, InProcessCollectives):
-            return self._hvd.alltoall(x, splits, name)
-        return self._hvd.alltoall(x, splits=splits)
+        """Every collective is named by what it moves, alike on every rank (Horovod matches by name)."""
+        return self._hvd.alltoall(x, splits=splits, name=op_name(f"ps_{name}"))
 
     def snapshot(self) -> dict:
         """The scalar counters, and ``sent``/``received`` bytes per process per all-to-all kind."""
@@ -197,21 +194,21 @@ class _NoCollectives:
     def __init__(self, sync: bool = False, meet: bool = False):
         self.sync, self.meet = sync or meet, meet
 
-    def alltoall(self, x, splits):
+    def alltoall(self, x, splits, name=None):
         if not self.meet:
             return tf.identity(x), tf.identity(splits)
         import horovod.tensorflow as hvd
         x = tf.convert_to_tensor(x)                                      # a gradient may be IndexedSlices
-        _, came = hvd.alltoall(x[:0], splits=tf.zeros_like(splits))   # no rows; the splits still meet
+        _, came = hvd.alltoall(x[:0], splits=tf.zeros_like(splits), name=name)   # no rows; the splits still meet
         return tf.identity(x), splits + came                             # + zeros: a data dependency
 
-    def allreduce(self, x, op=None):
+    def allreduce(self, x, op=None, name=None):
         if self.sync and x.shape.num_elements() == 1:
             import horovod.tensorflow as hvd
-            return hvd.allreduce(x, op=hvd.Sum)
+            return hvd.allreduce(x, op=hvd.Sum, name=name)
         if self.meet:
             from des_ops.comm import sync_processes
-            return x * (1.0 + tf.minimum(tf.abs(tf.reduce_sum(sync_processes(x))), 0.0))   # x, after a meeting
+            return x * (1.0 + tf.minimum(tf.abs(tf.reduce_sum(sync_processes(x, name or "ps_meet"))), 0.0))   # x, after a meeting
         return tf.identity(x)
 
 

@@ -139,6 +139,11 @@ class DESFirstLayer(tf.keras.layers.Layer):
         self._penalties = list(owned_penalties)
         self.penalty_column = penalty_column
         self.widths = [op.width for op in self.ops]
+        # the fused allreduce's identity on every rank: from the operators' kinds and widths (the
+        # graph), never from the fields a process owns or the op feeding it (see des_ops.comm)
+        self.collective = "des_partials__" + "__".join(
+            [f"{type(op).__name__.removesuffix('SubOp').lower()}{op.width}" for op in self.ops]
+            + (["penalty1"] if penalty_column else []))
         # of the last training batch: the replica check compares it across processes. Over the inputs
         # named in ``fingerprint_inputs`` (None: all), e.g. the ones every process reads
         self.fingerprint_inputs = None
@@ -155,7 +160,7 @@ class DESFirstLayer(tf.keras.layers.Layer):
         parts = [op.partial([flat[t] for t in ids], batch) for op, ids in zip(self.ops, self._op_inputs)]
         if self.penalty_column:
             parts.append(dm.first_row(self._owned_penalty(), batch))
-        total = allreduce_sum(self.comm, tf.concat(parts, axis=1))
+        total = allreduce_sum(self.comm, tf.concat(parts, axis=1), self.collective)
         if self.penalty_column:
             self.add_loss(tf.reduce_sum(total[:, -1]))
             total = total[:, :-1]

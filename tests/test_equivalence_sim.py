@@ -155,12 +155,14 @@ def test_processes_reading_different_batches_are_named_by_the_replica_check():
 
 def test_processes_with_different_field_plans_fail_at_transform():
     from des.plan import FieldPlan
+    from des_ops.comm import DisagreementError
     world = InProcessWorld(2)
     names = SPEC.names()
     a = FieldPlan(2, {f: i % 2 for i, f in enumerate(names)}, "mod")
     b = FieldPlan(2, {f: int(i < 2) for i, f in enumerate(names)}, "mod")
     des.transform(build("fm")(), comm=world.communicator(0), plan=a)
-    with pytest.raises(ValueError, match="rank 1 of 2: its field plan differs from rank 0's"):
+    with pytest.raises(DisagreementError, match=r"rank 1 of 2 disagrees with rank 0 on the field plan: "
+                                                 r"rank 0 has 'f0 -> 0, f1 -> 1, .*', rank 1 has 'f0 -> 1, f1 -> 1, "):
         des.transform(build("fm")(), comm=world.communicator(1), plan=b)
     world = InProcessWorld(2)                     # same owners, other label: fine
     des.transform(build("fm")(), comm=world.communicator(0), plan=a)
