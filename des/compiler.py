@@ -133,6 +133,11 @@ def explain_tables(graph: Graph, fields: FieldAnalysis, matches: list[Match],
 def _why_table(graph: Graph, fields: FieldAnalysis, table: Node, rejections: list[Rejection]) -> str:
     """Follow the table's output through its own chain and layout glue to the first node
     that is neither; say what it is and why no rule took it."""
+    per_field = fields.offset_fields(table)
+    if per_field:
+        return (f"it holds {per_field} fields as key ranges (its ids are ids + per-field offsets, as in DLRM "
+                f"ports): DES partitions by table, so this table would live on one process and partition "
+                f"nothing; give each field its own Embedding (one input and one table per field)")
     seen, frontier = set(), [table.output]
     while frontier:
         t = frontier.pop(0)
@@ -166,9 +171,9 @@ def _field_costs(graph: Graph, matches: list[Match], spec=None) -> list[FieldCos
     for m in matches:
         for v in m.vectors:
             f = v.field
-            if v.table.index in seen:
+            if id(v.table.layer) in seen:          # a table shared by several fields counts once
                 continue
-            seen.add(v.table.index)
+            seen.add(id(v.table.layer))
             width[f] = width.get(f, 0) + v.width
             size[f] = max(size.get(f, 0.0), v.table.attrs["source"].rows(v.table.layer))
             ops = v.table.tensor_operands()

@@ -27,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 from functools import lru_cache
 
+import numpy as np
+
 from des.ir import Graph, Node, TensorId
 
 GLUE = {"stack", "concat", "reshape", "flatten", "squeeze", "expand_dims", "identity"}
@@ -86,6 +88,7 @@ class FieldAnalysis:
         self.cone = lru_cache(maxsize=None)(self._cone)
         self.vector = lru_cache(maxsize=None)(self._vector)
         self.layout = lru_cache(maxsize=None)(self._layout)
+        self._groups = lru_cache(maxsize=None)(self._groups)
 
     def _cone(self, t: int) -> frozenset:
         """Node indices computing tensor t (inputs included)."""
@@ -115,12 +118,79 @@ class FieldAnalysis:
         if len(tables) != 1 or dims is None or (dims and not _row(dims)):
             return None
         chain = frozenset(i for i in self.cone(t) if g.nodes[i].kind != "input")
+        if self.unpooled_positions(chain) is not None or self.offset_fields(tables[0]):
+            return None
         for i in chain:                  # a weight shared with anything else cannot move to an owner
             node = g.nodes[i]
             if node.layer.weights and g.layer_calls(node.layer) != 1 and node.kind != "table":
                 return None
         table = tables[0]
-        return FieldVector(t, table, table.attrs.get("field") or self.ids_input(table), dims[-1] if dims else 1, chain)
+        return FieldVector(t, table, self.field_of(table), dims[-1] if dims else 1, chain)
+
+    def field_of(self, table: Node) -> str:
+        """The ownership unit of a table node: its field (the layer's declared field, or the ids
+        input it reads); where a table is shared by several fields (user_id and target_user_id
+        read one Embedding), the group of every field that reads it, e.g. 'user_id+target_user_id':
+        one process must own every row of a table, so it owns every field that reads it."""
+        base = self._base_field(table)
+        return self._groups().get(base, base)
+
+    def _base_field(self, table: Node) -> str:
+        return table.attrs.get("field") or self.ids_input(table)
+
+    def _groups(self) -> dict[str, str]:
+        """Field -> its group's name, for fields that share a table with another field."""
+        parent: dict[str, str] = {}
+
+        def root(f: str) -> str:
+            while parent.get(f, f) != f:
+                f = parent[f]
+            return f
+        by_layer: dict[int, list[str]] = {}
+        order: list[str] = []
+        for n in self.graph.nodes:
+            if n.kind == "table":
+                f = self._base_field(n)
+                by_layer.setdefault(id(n.layer), []).append(f)
+                order += [f] if f not in order else []
+        for fs in by_layer.values():
+            for f in fs[1:]:
+                a, b = root(fs[0]), root(f)
+                if a != b:
+                    parent[b] = a
+        members: dict[str, list[str]] = {}
+        for f in order:
+            members.setdefault(root(f), []).append(f)
+        return {f: "+".join(fs) for fs in members.values() if len(fs) > 1 for f in fs}
+
+    def unpooled_positions(self, chain) -> Node | None:
+        """The reshape/flatten in ``chain`` that lays several looked-up rows of one table side by
+        side ([B, P, K] -> [B, P*K]), or None. Such a tensor is P fields of one table (ids plus
+        per-field offsets, as in DLRM ports), not one field's vector."""
+        for i in sorted(chain):
+            node = self.graph.nodes[i]
+            if node.kind not in ("reshape", "flatten") or not node.tensor_operands():
+                continue
+            before, after = per_sample(self.graph, node.tensor_operands()[0]), per_sample(self.graph, node.output)
+            if before and after and len(before) > 1 and any(d > 1 for d in before[:-1]) and after[-1] > before[-1]:
+                return node
+        return None
+
+    def offset_fields(self, table: Node) -> int:
+        """P > 1 when the table's ids are ``ids + offsets`` with a constant offset per position
+        (one table holding P fields as P key ranges: DLRM / pytorch-fm ports), else 0."""
+        ops = table.tensor_operands()
+        for i in sorted(self.cone(ops[0])) if ops else []:
+            node = self.graph.nodes[i]
+            if node.kind != "add":
+                continue
+            for o in node.operands:
+                if isinstance(o, TensorId) or not hasattr(o, "shape"):
+                    continue
+                c = np.asarray(o)
+                if c.ndim >= 1 and c.shape[-1] > 1 and len(np.unique(c.reshape(-1, c.shape[-1]), axis=1)[0]) > 1:
+                    return int(c.shape[-1])
+        return 0
 
     def ids_input(self, table: Node) -> str:
         """The model input a table's ids come from (the first, if several)."""
@@ -200,5 +270,12 @@ class FieldAnalysis:
                     f"only stack/concat/reshape may sit between field vectors and the operator")
         dims = per_sample(g, t)
         if len(tables) == 1:
+            table = tables[0]
+            looked = per_sample(g, table.output) or ()
+            if len(looked) > 1 and any(d > 1 for d in looked[:-1]) and (
+                    self.unpooled_positions(self.cone(t)) is not None or n is table or dims == looked):
+                return (f"table {table.layer.name!r} looks up {int(np.prod(looked[:-1]))} ids per sample and "
+                        f"{n.layer.name!r} uses them unpooled: one table holding several fields (ids + per-field "
+                        f"offsets, as in DLRM ports) is not partitioned by DES; give each field its own table")
             return f"{n.layer.name!r} has per-sample shape {dims}, not one vector per sample"
         return f"{n.layer.name!r} ({n.kind}, per-sample shape {dims}) is not a stack or concatenation of field vectors"

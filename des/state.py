@@ -40,6 +40,13 @@ def _weight_keys(graph: Graph, skip: set[int]) -> dict[int, str]:
     return out
 
 
+def rows_key(graph: Graph, dense_key: str, keys: dict[int, str], vector) -> str:
+    """The key of a Dense kernel's rows that multiply one field vector: named after its table,
+    and, for a table read more than once (shared by several fields), after the call too."""
+    key = f"{dense_key}/rows:{keys[id(vector.table.layer)]}"
+    return key if graph.layer_calls(vector.table.layer) == 1 else f"{key}@{vector.table.index}"
+
+
 class StateKeys:
     """Where each variable of one model sits in the rank-independent state."""
 
@@ -67,7 +74,7 @@ class StateKeys:
                 dense_key = keys[id(m.root.layer)]
                 for p in m.data["parts"]:
                     if p.vector is not None:
-                        parts.append((f"{dense_key}/rows:{keys[id(p.vector.table.layer)]}", start, start + p.width))
+                        parts.append((rows_key(graph, dense_key, keys, p.vector), start, start + p.width))
                     else:
                         reps.append((start, start + p.width))
                     start += p.width
@@ -102,7 +109,7 @@ class StateKeys:
                 mine = set(op.fields)
                 for p in m.data["parts"]:
                     if p.vector is not None and p.vector.field in mine:
-                        parts.append((f"{dense_key}/rows:{keys[id(p.vector.table.layer)]}", start, start + p.width))
+                        parts.append((rows_key(graph, dense_key, keys, p.vector), start, start + p.width))
                         start += p.width
                 sk.owned[id(op.kernel_block)] = (op.kernel_block, parts)
         sk._origin = _weight_keys(graph, chain_layers)

@@ -101,8 +101,6 @@ def check_vectors(graph: Graph, vectors: list[FieldVector]) -> str | None:
         seen.add(v.table.index)
         if graph.dtype(v.tensor) != tf.float32:
             return f"field vector of {v.table.layer.name!r} has dtype {graph.dtype(v.tensor).name}, only float32 is supported"
-        if graph.layer_calls(v.table.layer) != 1:
-            return f"table {v.table.layer.name!r} is shared by several inputs"
     return None
 
 

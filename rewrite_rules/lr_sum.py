@@ -46,13 +46,15 @@ class LinearSumRule(Rule):
         leaves, glue, stack = [], {node.index}, list(node.operands)
         while stack:
             t = stack.pop(0)
-            n = graph.producer.get(t)
+            n = graph.producer.get(t) if isinstance(t, int) else None
             if n is not None and n.kind == "add" and fields.vector(t) is None and \
                     len(graph.consumers.get(t, [])) == 1 and graph.shape(t) == root_shape:
                 glue.add(n.index)
                 stack = list(n.operands) + stack
             else:
                 leaves.append(t)
+        if not all(isinstance(t, int) for t in leaves):     # a constant operand (ids + offsets): not a sum of fields
+            return None
         vectors, others = [], []
         for t in leaves:
             v = fields.vector(t)

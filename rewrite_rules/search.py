@@ -32,10 +32,10 @@ def find_substitutions(graph: Graph, fields: FieldAnalysis | None = None) -> tup
             if isinstance(found, Rejection):
                 rejections.append(found)
                 break
-    return drop_unsafe(graph, matches, rejections)
+    return drop_unsafe(graph, matches, rejections, fields)
 
 
-def drop_unsafe(graph: Graph, matches: list[Match], rejections: list[Rejection]):
+def drop_unsafe(graph: Graph, matches: list[Match], rejections: list[Rejection], fields: FieldAnalysis):
     """Drop (and reject, with the reason) every match whose intermediate results or tables are
     also read outside the substituted subgraphs, until none is left."""
     while True:
@@ -63,6 +63,12 @@ def drop_unsafe(graph: Graph, matches: list[Match], rejections: list[Rejection])
                         if users or t in graph.output_ids:
                             readers.setdefault(v.table.layer.name, (v.field, users[0].layer.name if users
                                                                     else "the model output"))
+            for v in m.vectors:          # a shared table: every call of it must be substituted too
+                for n in graph.nodes:
+                    if n.layer is v.table.layer and n.kind == "table" and n.index not in inside:
+                        users = [u.layer.name for t in n.outputs for u in graph.consumers.get(t, [])]
+                        readers.setdefault(v.table.layer.name, (fields.field_of(n),
+                                                                users[0] if users else "the model output"))
             if readers and bad is None:
                 listed = ", ".join(f"{t!r} (field {f!r}) by {who!r}" for t, (f, who) in readers.items())
                 bad = (m, f"tables are also read by layers that are not substituted: {listed}")

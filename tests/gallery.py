@@ -178,6 +178,52 @@ def custom_train_step():
     return ClippedModel(x, L.Dense(1, activation="sigmoid")(h))
 
 
+def shared_table_deepfm():
+    """User and target user (f0, f1) read ONE Embedding and ONE 1-wide weight table: a field
+    group that one process owns whole; f2 and f3 have their own tables."""
+    x = _ids()
+    user = (L.Embedding(V, K), L.Embedding(V, 1))
+    tables = {"f0": user, "f1": user, **{f: (L.Embedding(V, K), L.Embedding(V, 1)) for f in FIELDS[2:]}}
+    e = L.Concatenate(axis=1)([tables[f][0](x[f]) for f in FIELDS])
+    linear = L.Add()([L.Flatten()(tables[f][1](x[f])) for f in FIELDS])
+    deep = L.Dense(1)(L.Dense(8, activation="relu")(L.Flatten()(e)))
+    return tf.keras.Model(x, tf.sigmoid(linear + _fm_tf_ops(e) + deep))
+
+
+def two_tower():
+    """A user tower (f0 with a big table, f1) and an item tower (f2, f3), each Dense 16 -> 8,
+    the logit their dot product: two first Dense layers, each over some of the fields, so at
+    N = 2 the balanced plan leaves a process with no field of one of them."""
+    x = _ids()
+    sizes = {"f0": 50 * V, "f1": V, "f2": V, "f3": V}
+
+    def tower(fs):
+        h = L.Concatenate()([L.Flatten()(L.Embedding(sizes[f], K)(x[f])) for f in fs])
+        return L.Dense(8)(L.Dense(16, activation="relu")(h))
+    return tf.keras.Model(x, L.Activation("sigmoid")(L.Dot(axes=1)([tower(FIELDS[:2]), tower(FIELDS[2:])])))
+
+
+def dlrm_offsets():
+    """DLRM / pytorch-fm port: one [B, F] ids input plus per-field offsets into ONE table
+    Embedding(F*V, K), FM, a linear part from Embedding(F*V, 1) and an MLP. DES refuses it
+    with the reason (the table holds F fields as key ranges)."""
+    ids = tf.keras.Input(shape=(len(FIELDS),), dtype=tf.int64, name="ids")
+    x = ids + tf.constant(np.arange(len(FIELDS)) * V, tf.int64)
+    e = L.Embedding(len(FIELDS) * V, K)(x)
+    linear = tf.reduce_sum(L.Embedding(len(FIELDS) * V, 1)(x), axis=1)
+    deep = L.Dense(8, activation="relu")(L.Flatten()(e))
+    return tf.keras.Model(ids, tf.sigmoid(L.Dense(1)(L.Concatenate()([deep, _fm_tf_ops(e), linear]))))
+
+
+def deepctr_deepfm_defaults():
+    """DeepCTR's DeepFM as its README writes it: 8 fields, vocabulary 500, its default DNN
+    (256, 128, 64) and l2_reg_embedding 1e-5 (a weight penalty on every table)."""
+    from deepctr import models as dm
+    from deepctr.feature_column import SparseFeat
+    cols = [SparseFeat(f"c{j}", vocabulary_size=500, embedding_dim=K, dtype="int64") for j in range(8)]
+    return dm.DeepFM(cols, cols, seed=1)
+
+
 def _deepctr(kind: str):
     from deepctr import models as dm
     from deepctr.feature_column import SparseFeat
@@ -198,6 +244,9 @@ BUILDERS = {
     "lookup_preprocessing": lookup_preprocessing,
     "regularized": regularized,
     "custom_train_step": custom_train_step,
+    "shared_table_deepfm": shared_table_deepfm,
+    "two_tower": two_tower,
+    "deepctr_deepfm_defaults": deepctr_deepfm_defaults,
     "deepctr_deepfm": lambda: _deepctr("DeepFM"),
     "deepctr_wdl": lambda: _deepctr("WDL"),
     "deepctr_fnn": lambda: _deepctr("FNN"),
@@ -217,6 +266,9 @@ EXPECTED = {
     "lookup_preprocessing": ["embed_concat_dense", "lr_sum"],
     "regularized": ["embed_concat_dense"],
     "custom_train_step": ["embed_concat_dense"],
+    "shared_table_deepfm": ["embed_concat_dense", "fm_interaction", "lr_sum"],
+    "two_tower": ["embed_concat_dense", "embed_concat_dense"],
+    "deepctr_deepfm_defaults": ["embed_concat_dense", "fm_interaction", "lr_sum"],
     "deepctr_deepfm": ["embed_concat_dense", "fm_interaction", "lr_sum"],
     "deepctr_wdl": ["embed_concat_dense", "lr_sum"],
     "deepctr_fnn": ["embed_concat_dense", "lr_sum"],

@@ -235,33 +235,100 @@ def test_training_cli_ps_under_mpirun(data_file, single_run, tmp_path):
         assert r["remote_ids_per_step"] > 0 and r["dense_ring_bytes_per_step"] > 0
 
 
-@pytest.mark.mpi
-def test_users_models_under_mpirun_equal_single_process(tmp_path):
-    """DeepCTR's DeepFM and a TFRA DeepFM, each rank built with its own random weights: under a
-    real mpirun (Horovod, 3 processes) des.transform gives every rank rank 0's weights, and
-    after 20 steps of the user's fit the DES model equals the untouched model on one process."""
+def _gallery_under_mpirun(out, n: int, names: list[str], env: dict | None = None):
+    """scripts/mpi_gallery.py on ``n`` processes: {name: [rank snapshots]}, or the finished run."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none", sys.executable,
+           "scripts/mpi_gallery.py", str(out), *names]
+    run = subprocess.run(cmd, env=dict(ENV, **(env or {})), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if env:
+        return run
+    assert run.returncode == 0, run.stderr[-3000:]
+    return {name: [pickle.load(open(out / f"{name}.rank{r}.pkl", "rb")) for r in range(n)] for name in names}
+
+
+def _gallery_reference(name: str, initial) -> dict:
+    """The untouched model on one process, from rank 0's initial weights, fitted like the ranks."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import des
     from des.verify import fit_and_snapshot
     from gallery import BUILDERS, batches_for
-    names = ["deepctr_deepfm", "tfra_deepfm"]
-    n = 3
-    run = mpirun(n, "scripts/mpi_gallery.py", str(tmp_path), *names, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
+    reference = BUILDERS[name]()
+    reference.set_weights(initial)
+    des.make_keyed(reference, seed=0)
+    batches = batches_for(reference, 20, 32, seed=4)
+    return fit_and_snapshot(reference, batches, batches_for(reference, 1, 16, seed=99)[0][0])
+
+
+def _check_against_reference(name: str, ranks: list[dict]) -> dict:
+    """Predictions within 1e-6 of one process; table rows, kernel rows, weights, AUC and loss
+    within 1e-5 (20 steps of Adam amplify float32 summation order in the rows: up to 2.2e-6)."""
+    ref = _gallery_reference(name, ranks[0]["initial"])
+    diff = compare(ref, ranks)
+    diff["auc"] = max(abs(r["auc"] - ref["auc"]) for r in ranks)
+    diff["loss"] = max(abs(r["loss"] - ref["loss"]) for r in ranks)
+    print(f"mpirun -np {len(ranks)} {name}: {diff}")
+    assert diff["predictions"] < 1e-6 and max(diff.values()) < 1e-5, (name, diff)
+    for r in ranks:
+        assert np.array_equal(r["predictions"], ranks[0]["predictions"])     # replicas agree bitwise
+        assert r["allreduce_calls"] == 20 + 1                                # one per fit step, one predict
+        assert r["payload_bytes"] == 4 * r["floats_per_sample"] * (20 * 32 + 16)
+    return diff
+
+
+@pytest.mark.mpi
+def test_users_models_under_mpirun_equal_single_process(tmp_path):
+    """DeepCTR's DeepFM, a TFRA DeepFM, a two-tower model and a DeepFM whose two fields share
+    a table, each rank built with its own random weights: under a real mpirun (Horovod, 3
+    processes) des.transform gives every rank rank 0's weights, and after 20 steps of the
+    user's fit the DES model equals the untouched model on one process."""
+    names = ["deepctr_deepfm", "tfra_deepfm", "two_tower", "shared_table_deepfm"]
+    runs = _gallery_under_mpirun(tmp_path, 3, names)
     for name in names:
-        ranks = [pickle.load(open(tmp_path / f"{name}.rank{r}.pkl", "rb")) for r in range(n)]
-        assert "3 substitution(s), rank 0 of 3" in ranks[0]["report"]
-        reference = BUILDERS[name]()
-        reference.set_weights(ranks[0]["initial"])
-        des.make_keyed(reference, seed=0)
-        batches = batches_for(reference, 20, 32, seed=4)
-        ref = fit_and_snapshot(reference, batches, batches_for(reference, 1, 16, seed=99)[0][0])
-        diff = compare(ref, ranks)
-        diff["auc"] = max(abs(r["auc"] - ref["auc"]) for r in ranks)
-        diff["loss"] = max(abs(r["loss"] - ref["loss"]) for r in ranks)
-        print(f"mpirun -np {n} {name}: {diff}")
-        assert max(diff.values()) < 1e-5, (name, diff)
-        for r in ranks:
-            assert np.array_equal(r["predictions"], ranks[0]["predictions"])     # replicas agree bitwise
-            assert r["allreduce_calls"] == 20 + 1                                # one per fit step, one predict
-            assert r["payload_bytes"] == 4 * r["floats_per_sample"] * (20 * 32 + 16)
+        subs = "2 substitution(s)" if name == "two_tower" else "3 substitution(s)"
+        assert f"{subs}, rank 0 of 3" in runs[name][0]["report"]
+        _check_against_reference(name, runs[name])
+    assert "rank 0: load" in runs["shared_table_deepfm"][0]["report"] and "f0+f1" in runs["shared_table_deepfm"][0]["report"]
+
+
+@pytest.mark.mpi
+def test_same_mpirun_job_gives_the_same_bits_and_idle_processes_take_part(tmp_path):
+    """One job (DeepCTR's DeepFM with its defaults, the two-tower model, the shared-table
+    DeepFM) launched 3 times on 2 processes: bitwise-identical predictions and weights every
+    time, within 1e-6 of one process. On 2 processes the two-tower plan leaves a process with
+    no field of one tower; on 5 (more processes than fields or field groups) some own nothing
+    at all: the jobs end on their own and equal one process too."""
+    names = ["deepctr_deepfm_defaults", "two_tower", "shared_table_deepfm"]
+    launches = [_gallery_under_mpirun(tmp_path / f"launch{i}", 2, names) for i in range(3)]
+    for name in names:
+        _check_against_reference(name, launches[0][name])
+        for other in launches[1:]:
+            for a, b in zip(launches[0][name], other[name]):
+                np.testing.assert_array_equal(a["predictions"], b["predictions"])
+                for part in ("owned", "weights"):
+                    for k, v in a[part].items():
+                        np.testing.assert_array_equal(v, b[part][k], err_msg=f"{name} {part} {k}")
+    tt = launches[0]["two_tower"][0]["report"]
+    assert re.search(r"rank 0: load [\d.]+  \[f0\]", tt) and re.search(r"rank 1: load [\d.]+  \[f1, f2, f3\]", tt), tt
+    idle = _gallery_under_mpirun(tmp_path / "n5", 5, ["two_tower", "shared_table_deepfm"])
+    for name, ranks in idle.items():
+        assert "no fields: contributes zeros" in ranks[0]["report"]
+        _check_against_reference(name, ranks)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind, expected", [
+    ("plan", r"rank 1 of 2 disagrees with rank 0 on the field plan: rank 0 has 'f0 -> \d"),
+    ("collective", r"Missing ranks:\s+0: \[.*des_partials__denseblock16__denseblock16_forced_by_DES_TEST_DISAGREE\]")])
+def test_processes_that_disagree_end_the_job_with_a_message_naming_the_ranks(tmp_path, kind, expected):
+    """A forced disagreement (test hook DES_TEST_DISAGREE): a field plan that differs on rank 1
+    is caught at transform; an allreduce that rank 1 names differently (no check) is ended by
+    Horovod's stall shutdown (DES's default: 60 s), which names the missing ranks and the collective."""
+    import time
+    t0 = time.time()
+    run = _gallery_under_mpirun(tmp_path, 2, ["two_tower"], env={"DES_TEST_DISAGREE": f"{kind}:1"})
+    took = time.time() - t0
+    out = run.stdout + run.stderr
+    print(f"{kind}: ended in {took:.0f} s with code {run.returncode}")
+    assert run.returncode != 0 and re.search(expected, out), out[-3000:]
+    assert took < 60 + 60, took          # start-up and tracing (about 20 s here) + the 60 s stall shutdown
