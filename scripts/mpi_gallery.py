@@ -2,7 +2,8 @@
 
     mpirun -np 3 python scripts/mpi_gallery.py OUT_DIR deepctr_deepfm tfra_deepfm
 
-For each named model of tests/gallery.py: every rank builds it (its own random weights),
+For each named model of tests/gallery.py: every rank builds it (its own random weights, seeded
+by its rank: the same job gives the same bits in every launch),
 rank 0 saves its initial weights, des.transform (Horovod) gives every rank rank 0's weights
 and its fields, and each rank fits 20 steps and pickles its snapshot to
 OUT_DIR/<model>.rank<r>.pkl (rank 0 also the report).
@@ -27,6 +28,7 @@ from gallery import BUILDERS, batches_for  # noqa: E402
 
 def main(out: str, names: list[str]) -> None:
     comm = HorovodCommunicator()
+    tf.keras.utils.set_random_seed(comm.rank)    # other weights on every rank, the same in every launch
     for name in names:
         model = BUILDERS[name]()
         initial = model.get_weights()
