@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from des.fields import GLUE, FieldAnalysis, FieldVector
 from des.ir import Graph, Node, call_node, is_keras_tensor, replay
-from des.keras_internals import has_weight_penalties, take_weight_penalties
+from des.keras_internals import compile_args, has_weight_penalties, take_weight_penalties
 from des.plan import FieldCost, FieldPlan, check_agreement, make_plan
 from des_ops.comm import Communicator, agree, default_communicator
 from des_ops.suboperators import DESFirstLayer
@@ -53,6 +53,8 @@ class Report:
     tables: list[str] = dataclasses.field(default_factory=list)      # one line per table
     unsubstituted: list[str] = dataclasses.field(default_factory=list)   # names of tables left as they were
     penalty_column: bool = False
+    compiled: str = ""                # what became of the model's compile (a report line), if it was compiled
+    opaque: list[str] = dataclasses.field(default_factory=list)   # subclassed models inside: why they were not read
 
     def estimate_costs(self, batch_size: int, unique_per_slice: dict[str, float]) -> list:
         """DES vs PS bytes per operator (des.cost); kept for printing with the report."""
@@ -90,9 +92,12 @@ class Report:
                          f"= {self.payload_bytes(1)} bytes/sample; at B=4096: "
                          f"{self.payload_bytes(4096):,} bytes handed over, "
                          f"{self.ring_bytes(4096):,.0f} sent per process (ring)")
+        if self.compiled:
+            lines.append(f"  {self.compiled}")
         lines += [str(c) for c in self.costs]
         for r in self.rejections:
             lines.append(f"  not substituted: {r}")
+        lines += [f"  not read: {o}" for o in self.opaque]
         if self.tables:
             lines.append("tables:")
             lines += [f"  {t}" for t in self.tables]
@@ -117,17 +122,19 @@ def explain_tables(graph: Graph, fields: FieldAnalysis, matches: list[Match],
         if n.index in used:
             groups.setdefault((src.name, n.attrs["dim"], ", ".join(used[n.index])), []).append(head)
             continue
-        left.append(n.layer.name)
-        lines.append(f"{head}: NOT substituted: {_why_table(graph, fields, n, rejections)}")
-    done = []
-    for (src, dim, where), heads in groups.items():     # substituted alike: one line per group
+        if n.layer.name not in left:
+            left.append(n.layer.name)
+            groups.setdefault((src.name, n.attrs["dim"], "NOT substituted: " + _why_table(graph, fields, n, rejections)),
+                              []).append(head)
+    lines = []
+    for (src, dim, what), heads in groups.items():     # alike: one line per group
         if len(heads) <= 3:
-            done += [f"{h}: substituted in {where}" for h in heads]
+            lines += [f"{h}: {'substituted in ' if not what.startswith('NOT') else ''}{what}" for h in heads]
         else:
             names = [h.split(" (")[0] for h in heads]
-            done.append(f"{len(heads)} tables ({src}, width {dim}: {', '.join(names[:2])}, ..., {names[-1]}): "
-                        f"substituted in {where}")
-    return done + lines, left
+            lines.append(f"{len(heads)} tables ({src}, width {dim}: {', '.join(names[:2])}, ..., {names[-1]}): "
+                         f"{'substituted in ' if not what.startswith('NOT') else ''}{what}")
+    return lines, left
 
 
 def _why_table(graph: Graph, fields: FieldAnalysis, table: Node, rejections: list[Rejection]) -> str:
@@ -233,8 +240,12 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     fields = FieldAnalysis(graph)
     matches, rejections = find_substitutions(graph, fields)
     table_lines, left = explain_tables(graph, fields, matches, rejections)
-    report = Report(matches, rejections, None, comm.rank, comm.world_size, tables=table_lines, unsubstituted=left)
+    report = Report(matches, rejections, None, comm.rank, comm.world_size, tables=table_lines, unsubstituted=left,
+                    opaque=_opaque_models(graph))
     if strict and (rejections or left or not matches):
+        report.widths = {m.root.layer.name: rule_named(m.rule).sub_operator(m, m.vectors, name=f"probe_{m.rule}").width
+                         for m in matches}                  # what would be sent
+        report.floats_per_sample = sum(report.widths.values())
         raise TransformError(f"des.transform(strict=True): not everything could be substituted\n{report}")
     if not matches:
         return model, report
@@ -278,11 +289,13 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     owned_penalties = []
     for i in sorted(owned_nodes):
         owned_penalties += take_weight_penalties(owned_nodes[i].layer)
+    released = False
     if release_unowned:
         for m in matches:
             for v in m.vectors:
                 if v.field not in mine:
                     v.table.attrs["source"].release(v.table.layer)
+                    released = True
 
     # the vectors in graph order, never in tensor-id (memory address) order: the order in which the
     # lookups are built decides the order in which TensorFlow adds their gradients, so an address
@@ -313,7 +326,54 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     new_model.des_state = state.StateKeys.of_transform(graph, matches, first)
     report.plan, report.floats_per_sample, report.widths = field_plan, first.floats_per_sample(), widths
     report.penalty_column = penalty_column
+    report.compiled = _compile_like(model, new_model)
+    if released:
+        _mark_consumed(model)
     return new_model, report
+
+
+def _compile_like(model: tf.keras.Model, new_model: tf.keras.Model) -> str:
+    """Compile ``new_model`` as ``model`` was (loss, metrics, a fresh optimizer of the same
+    configuration: the old one's slots belong to the old variables). Returns a report line."""
+    args = compile_args(model)
+    if args is None:
+        return ""
+    opt = args["optimizer"]
+    try:
+        args["optimizer"] = type(opt).from_config(opt.get_config())
+    except Exception as e:  # noqa: BLE001 - an optimizer class of the user's without from_config
+        return (f"the model was compiled, the returned one is NOT ({type(opt).__name__} could not be copied: {e}); "
+                f"compile it before fit")
+    new_model.compile(**args)
+    return (f"compiled as the model was: loss, metrics and a new {type(opt).__name__} with the same configuration "
+            f"(its slots start empty)")
+
+
+def _mark_consumed(model: tf.keras.Model) -> None:
+    """The transformed model shares its layers with the returned one, and this process released
+    the tables it does not own: calling it again says so instead of failing deep inside a layer.
+    (On one process nothing is released and the model still computes what it did.)"""
+    def consumed(*args, **kwargs):
+        raise RuntimeError(f"model {model.name!r} was consumed by des.transform (its layers now belong to the "
+                           f"returned model, and this process dropped the tables it does not own): use the model "
+                           f"des.transform returned")
+    model.call = consumed
+
+
+def _opaque_models(graph: Graph) -> list[str]:
+    """Subclassed models called as layers that hold tables: their call() cannot be read."""
+    from des.sources import source_of
+    out = []
+    for n in graph.nodes:
+        layer = n.layer
+        if isinstance(layer, tf.keras.Model) and not getattr(layer, "_is_graph_network", False):
+            tables = [m.name for m in layer.submodules if isinstance(m, tf.keras.layers.Layer) and source_of(m)]
+            if tables:
+                out.append(f"{layer.name!r} is a subclassed {type(layer).__name__} whose call() DES cannot read, "
+                           f"so its tables ({', '.join(tables[:4])}{', ...' if len(tables) > 4 else ''}) stay "
+                           f"inside it; build it functionally (tf.keras.Model(inputs, outputs)) or call its layers "
+                           f"in the outer model")
+    return out
 
 
 def _forced_disagreement(comm: Communicator) -> str | None:

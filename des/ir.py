@@ -224,6 +224,9 @@ class Graph:
         if isinstance(layer, tf.keras.Sequential) and not kwargs and len(args) == 1 and layer.layers:
             self._inline_sequential(layer, args[0], outputs)
             return
+        if isinstance(layer, tf.keras.Model) and getattr(layer, "_is_graph_network", False) and len(args) == 1:
+            self._inline_functional(layer, args[0], outputs)
+            return
         kind, operands, attrs = classify(layer, args, kwargs, self._tid)
         outs = [TensorId(self._tid(t)) for t in tf.nest.flatten(outputs)]
         self.nodes.append(Node(len(self.nodes), layer, kind, operands, attrs, outs, args, kwargs))
@@ -236,6 +239,31 @@ class Graph:
             out = outputs if i == len(seq.layers) - 1 else layer(h)
             self._add(layer, (h,), {}, out)
             h = out
+
+    def _inline_functional(self, inner: tf.keras.Model, x, outputs) -> None:
+        """A functional model called as a layer (a tower): its nodes, called symbolically on the
+        outer tensors, become nodes of this graph, so its Embeddings and first Dense layers are
+        candidates like the outer model's; an identity node per output produces the call's own
+        output tensors."""
+        env = {id(i): o for i, o in zip(tf.nest.flatten(inner.input), tf.nest.flatten(x))}
+
+        def look(t):
+            return env[id(t)] if is_keras_tensor(t) else t
+        for depth in sorted(inner._nodes_by_depth, reverse=True):
+            for kn in inner._nodes_by_depth[depth]:
+                if kn.is_input:
+                    continue
+                args = tf.nest.map_structure(look, tuple(kn.call_args))
+                kwargs = tf.nest.map_structure(look, dict(kn.call_kwargs))
+                out = kn.layer(*args, **kwargs)
+                for old, new in zip(tf.nest.flatten(kn.outputs), tf.nest.flatten(out)):
+                    env[id(old)] = new
+                self._add(kn.layer, args, kwargs, out)
+        for got, t in zip(tf.nest.flatten(inner.output), tf.nest.flatten(outputs)):
+            same = tf.keras.layers.Identity(name=f"{inner.name}_output_{len(self.nodes)}")
+            src = env[id(got)]
+            self.nodes.append(Node(len(self.nodes), same, "identity", [TensorId(self._tid(src))], {},
+                                   [TensorId(self._tid(t))], (src,), {}))
 
     def shape(self, t: int) -> tf.TensorShape:
         return self.tensors[t].shape

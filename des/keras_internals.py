@@ -40,6 +40,13 @@ def release_variables(layer, names: list[str]) -> None:
 
 
 
+def compile_args(model) -> dict | None:
+    """The arguments ``model`` was compiled with (optimizer, loss, metrics, ...), or None."""
+    if not getattr(model, "_is_compiled", False) or getattr(model, "optimizer", None) is None:
+        return None
+    return model._get_compile_args()
+
+
 def refresh_call_signature(layer) -> None:
     """After ``layer.__class__`` was swapped, let Keras read the new ``call``'s arguments
     (so that it passes ``training``)."""

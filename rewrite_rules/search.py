@@ -61,17 +61,14 @@ def drop_unsafe(graph: Graph, matches: list[Match], rejections: list[Rejection],
                     for t in graph.nodes[idx].outputs:
                         users = [u for u in graph.consumers.get(t, []) if u.index not in inside]
                         if users or t in graph.output_ids:
-                            readers.setdefault(v.table.layer.name, (v.field, users[0].layer.name if users
-                                                                    else "the model output"))
+                            readers.setdefault(v.table.layer.name, (v.field, _blocker(graph, users)))
             for v in m.vectors:          # a shared table: every call of it must be substituted too
                 for n in graph.nodes:
                     if n.layer is v.table.layer and n.kind == "table" and n.index not in inside:
-                        users = [u.layer.name for t in n.outputs for u in graph.consumers.get(t, [])]
-                        readers.setdefault(v.table.layer.name, (fields.field_of(n),
-                                                                users[0] if users else "the model output"))
+                        users = [u for t in n.outputs for u in graph.consumers.get(t, [])]
+                        readers.setdefault(v.table.layer.name, (fields.field_of(n), _blocker(graph, users)))
             if readers and bad is None:
-                listed = ", ".join(f"{t!r} (field {f!r}) by {who!r}" for t, (f, who) in readers.items())
-                bad = (m, f"tables are also read by layers that are not substituted: {listed}")
+                bad = (m, f"tables are also read by layers that are not substituted: {_listed(readers)}")
             if bad:
                 break
         if bad is None:
@@ -79,6 +76,37 @@ def drop_unsafe(graph: Graph, matches: list[Match], rejections: list[Rejection],
         m, reason = bad
         matches = [x for x in matches if x is not m]
         rejections.append(Rejection(m.rule, m.root, reason))
+
+
+def _blocker(graph: Graph, users: list) -> str:
+    """The layer that blocks: the first reader, followed through layout glue (a concat feeding
+    xDeepFM's CIN names the CIN), with its class when it is not a plain Keras op."""
+    if not users:
+        return "the model output"
+    node, seen = users[0], set()
+    while node.kind in GLUE and node.index not in seen:
+        seen.add(node.index)
+        nxt = [u for t in node.outputs for u in graph.consumers.get(t, [])]
+        if not nxt:
+            break
+        node = nxt[0]
+    kind = node.kind.removeprefix("layer:")
+    return f"{node.layer.name!r}" + (f" ({kind})" if node.kind.startswith("layer:") else "")
+
+
+def _listed(readers: dict) -> str:
+    """'t' (field 'f') by 'who', one reader at a time; many tables of one reader in one phrase."""
+    by: dict = {}
+    for table, (field, who) in readers.items():
+        by.setdefault(who, []).append((table, field))
+    parts = []
+    for who, tables in by.items():
+        if len(tables) <= 3:
+            parts += [f"{t!r} (field {f!r}) by {who}" for t, f in tables]
+        else:
+            names = [t for t, _ in tables]
+            parts.append(f"{len(tables)} tables ({names[0]!r}, {names[1]!r}, ..., {names[-1]!r}) by {who}")
+    return ", ".join(parts)
 
 
 def rule_named(name: str) -> Rule:

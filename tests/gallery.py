@@ -203,6 +203,20 @@ def two_tower():
     return tf.keras.Model(x, L.Activation("sigmoid")(L.Dot(axes=1)([tower(FIELDS[:2]), tower(FIELDS[2:])])))
 
 
+def nested_towers():
+    """The two towers as functional models of their own, called as layers of the outer model:
+    DES reads through them."""
+    x = _ids()
+
+    def tower(fs, name):
+        inner = {f: tf.keras.Input(shape=(1,), dtype=tf.int64, name=f) for f in fs}
+        h = L.Concatenate()([L.Flatten()(L.Embedding(V, K)(inner[f])) for f in fs])
+        return tf.keras.Model(inner, L.Dense(8)(L.Dense(16, activation="relu")(h)), name=_uid(name))
+    user, item = tower(FIELDS[:2], "user_tower"), tower(FIELDS[2:], "item_tower")
+    dot = L.Dot(axes=1)([user({f: x[f] for f in FIELDS[:2]}), item({f: x[f] for f in FIELDS[2:]})])
+    return tf.keras.Model(x, L.Activation("sigmoid")(dot))
+
+
 def dlrm_offsets():
     """DLRM / pytorch-fm port: one [B, F] ids input plus per-field offsets into ONE table
     Embedding(F*V, K), FM, a linear part from Embedding(F*V, 1) and an MLP. DES refuses it
@@ -246,6 +260,7 @@ BUILDERS = {
     "custom_train_step": custom_train_step,
     "shared_table_deepfm": shared_table_deepfm,
     "two_tower": two_tower,
+    "nested_towers": nested_towers,
     "deepctr_deepfm_defaults": deepctr_deepfm_defaults,
     "deepctr_deepfm": lambda: _deepctr("DeepFM"),
     "deepctr_wdl": lambda: _deepctr("WDL"),
@@ -268,6 +283,7 @@ EXPECTED = {
     "custom_train_step": ["embed_concat_dense"],
     "shared_table_deepfm": ["embed_concat_dense", "fm_interaction", "lr_sum"],
     "two_tower": ["embed_concat_dense", "embed_concat_dense"],
+    "nested_towers": ["embed_concat_dense", "embed_concat_dense"],
     "deepctr_deepfm_defaults": ["embed_concat_dense", "fm_interaction", "lr_sum"],
     "deepctr_deepfm": ["embed_concat_dense", "fm_interaction", "lr_sum"],
     "deepctr_wdl": ["embed_concat_dense", "lr_sum"],
