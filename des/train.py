@@ -51,6 +51,9 @@ def _args(argv):
     ap.add_argument("--format", default=None, choices=["criteo", "avazu", "libsvm", "libffm", "columnar"],
                     help="default: columnar for a folder written by des.data.convert (a DES process then "
                          "reads only its own fields' columns), else the format in <data>.meta.json, else criteo")
+    ap.add_argument("--libsvm-layout", default="auto", choices=["auto", "positional", "bag"],
+                    help="libsvm: positional (the k-th feature of a line is field k), bag (one field of all "
+                         "features) or auto (positional when every line has as many features, else stop and ask)")
     ap.add_argument("--holdout", type=float, default=0.1,
                     help="held-out lines at the end: a fraction (<1) or a count")
     ap.add_argument("--eval-data", nargs="+", default=None,
@@ -135,13 +138,16 @@ def main(argv=None) -> int:
     a.format = a.format or meta.get("format", "criteo")
     try:
         spec = _spec(a, meta)
+        if a.format in ("libsvm", "libffm") and not meta.get("spec"):
+            from des.data.resolve import describe
+            print_once(f"{a.format}: scanned {', '.join(a.data)}: {describe(spec)}")
         header = 1 if a.format == "avazu" else 0
         total = None if a.eval_data else count_lines(a.data) - header * len(a.data)
     except (FileNotFoundError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_once(f"error: {e}")
         return 2
     if total is not None and total <= 0:
-        print(f"error: {a.data[0]}: file is empty", file=sys.stderr)
+        print_once(f"error: {a.data[0]}: file is empty")
         return 2
     if a.eval_data:  # train on every line of --data; no counting pass
         held, n_train, eval_files, eval_skip = 0, None, a.eval_data, 0
@@ -154,13 +160,14 @@ def main(argv=None) -> int:
         print("error: --checkpoint-every needs --checkpoint FOLDER", file=sys.stderr)
         return 2
 
-    def first_batch() -> dict:
-        return next(iter(_dataset(a, spec, a.batch, take_lines=min(a.batch, n_train or a.batch))))[0]
-    run = modes.Run(a, spec, first_batch, lambda: models.build(a.model, spec, seed=a.seed, hidden=_hidden(a)))
+    def first_lines(n: int) -> dict:
+        return next(iter(_dataset(a, spec, n, take_lines=min(n, n_train or n))))[0]
+    run = modes.Run(a, spec, lambda: first_lines(a.batch),
+                    lambda: models.build(a.model, spec, seed=a.seed, hidden=_hidden(a)), read_lines=first_lines)
     try:
         mode = modes.make(a.mode, run)     # --mode auto: des or ps (des.auto), from the first batch
     except (DataError, FileNotFoundError, modes.ModeError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_once(f"error: {e}")
         return 2
     rank0 = mode.rank == 0
     log = run.log = (lambda *m: print(*m, flush=True)) if rank0 else (lambda *m: None)
@@ -182,7 +189,7 @@ def main(argv=None) -> int:
         train(0, mode.eval_shard())   # reports a bad path or format now
         evaluation()
     except (DataError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_once(f"error: {e}")
         return 2
 
     start = {"epoch": 0, "step": 0}
@@ -191,14 +198,14 @@ def main(argv=None) -> int:
             checkpoint.check_config(a.restore, _config(a, spec))
             start = _start_position(a, checkpoint.load_config(a.restore), global_batch)
         except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
+            print_once(f"error: {e}")
             return 2
     if mode.auto is not None:
         log(mode.auto)
     try:
         model = mode.prepare(run.reference_model())
     except (DataError, modes.ModeError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_once(f"error: {e}")
         return 2
     optimizer = models.make_optimizer(a.optimizer, a.lr, linear=a.linear_optimizer,
                                       linear_learning_rate=a.linear_lr)
@@ -302,11 +309,20 @@ def _start_position(a, saved: dict, global_batch: int) -> dict:
     return start
 
 
+def print_once(message: str) -> None:
+    """An error every process meets alike (options, the data's layout, the spec): printed by
+    the launcher's rank 0 only, not once per process."""
+    from des_ops.comm import launcher_rank
+    if launcher_rank()[0] == 0:
+        print(message, file=sys.stderr)
+
+
 def _spec(a, meta: dict):
     """The FeatureSpec of the data (des.data.resolve.spec_for): the training AND the --eval-data
     files are scanned, so an evaluation file with longer bags than any training line works."""
     from des.data.resolve import spec_for
-    return spec_for(a.format, a.data, a.dim, meta, getattr(a, "eval_data", None) or [])
+    return spec_for(a.format, a.data, a.dim, meta, getattr(a, "eval_data", None) or [],
+                    layout=getattr(a, "libsvm_layout", "auto"))
 
 
 def _hidden(a) -> tuple[int, ...]:

@@ -139,3 +139,55 @@ def test_resume_after_a_crash_equals_the_uninterrupted_run(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
         preds.append(np.loadtxt(tmp_path / f"{ck}.txt"))
     assert preds[0].shape == (3000,) and np.abs(preds[0] - preds[1]).max() <= 1e-6
+
+
+def _train(tmp_path, *args):
+    return subprocess.run(TRAIN + list(args), env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_libsvm_a_short_line_stops_with_its_line_and_the_layout_is_chosen_by_a_flag(tmp_path):
+    """Every line has 3 positional features but line 58 ('0 7:1'): the layout is not guessed
+    (it was: one bag field, silently); the error names the line and the flag; the flag picks
+    the layout, and the scanned spec is printed at start."""
+    rng = np.random.default_rng(1)
+    lines = [f"{rng.integers(0, 2)} " + " ".join(f"{rng.integers(1, 50)}:1" for _ in range(3)) for _ in range(300)]
+    lines[57] = "0 7:1"
+    p = tmp_path / "short.svm"
+    p.write_text("\n".join(lines) + "\n")
+    auto = _train(tmp_path, "--format", "libsvm", "--data", str(p), "--steps", "2")
+    assert auto.returncode == 2 and auto.stderr.strip().splitlines()[-1] == (
+        f"error: {p}:58: 1 feature(s) where 299 of 300 lines have 3: the libsvm layout is ambiguous; pass "
+        f"--libsvm-layout positional (the k-th feature is field k: fix this line) or --libsvm-layout bag (each line "
+        f"is a bag of features)"), auto.stderr[-2000:]
+    positional = _train(tmp_path, "--format", "libsvm", "--libsvm-layout", "positional", "--data", str(p), "--steps", "2")
+    assert positional.returncode != 0 and f"{p}:58" in positional.stderr and "positional libsvm layout" in positional.stderr
+    bag = _train(tmp_path, "--format", "libsvm", "--libsvm-layout", "bag", "--data", str(p), "--steps", "2")
+    assert bag.returncode == 0, bag.stderr[-2000:]
+    assert f"libsvm: scanned {p}: 1 field(s): features (multi, up to 3 features)" in bag.stderr
+
+
+def test_libffm_a_field_id_past_a_gap_stops_with_its_line(tmp_path):
+    """'9:3:1' among fields 0-2 created F3..F9, seven of them empty, without a word."""
+    rng = np.random.default_rng(2)
+    lines = [f"{rng.integers(0, 2)} " + " ".join(f"{j}:{rng.integers(1, 50)}:1" for j in range(3)) for _ in range(200)]
+    lines[41] += " 9:3:1"
+    p = tmp_path / "gap.ffm"
+    p.write_text("\n".join(lines) + "\n")
+    r = _train(tmp_path, "--format", "libffm", "--data", str(p), "--steps", "2")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        f"error: {p}:42: field 9, but field(s) 3-8 never occur: libffm field ids must be 0..F-1 for F fields "
+        f"(a typo here would add 6 empty field(s))"), r.stderr[-2000:]
+
+
+def test_cache_mode_runs_with_its_default_size_on_a_file_without_metadata(tmp_path):
+    """--cache-size defaults to 10 % of a field's rows; a file with no metadata has no known
+    cardinality, so it stopped on every run. The distinct ids of the first training lines stand in."""
+    p = str(tmp_path / "plain.ffm")
+    write_small_ffm(p, 3000, seed=1)
+    os.remove(p + ".meta.json")
+    r = _train(tmp_path, "--mode", "cache", "--format", "libffm", "--data", p, "--steps", "3",
+               "--summary-json", str(tmp_path / "s.json"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "cache: 6 field(s) of no known cardinality (F0, F1, F2, ...): --cache-size 10% of the distinct ids " \
+           "in the first 2,700 training lines" in r.stdout, r.stdout
+    assert 0 < json.load(open(tmp_path / "s.json"))["auc"] < 1

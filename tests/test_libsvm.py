@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from des.data import SkipReport, feature_id
+from des.data import DataError, SkipReport, feature_id
 from des.data.libsvm import scan_spec, sparse_spec
 from des.data.readers import make_dataset
 from des.data.spec import PAD_ID
@@ -45,8 +45,10 @@ def test_libsvm_positional_and_bag_layouts(tmp_path):
     assert x["F1"][:, 0].tolist() == [int(feature_id("F1", "7")), int(feature_id("F1", "3"))]
     np.testing.assert_allclose(x["F1_weight"][:, 0], [0.5, 2.0])
 
-    q = write(tmp_path, "b.svm", "1 5:1 7:0.5 8:1\n0 9:1\n")  # varying counts: one bag field
-    spec = scan_spec([q], "libsvm", dim=4)
+    q = write(tmp_path, "b.svm", "1 5:1 7:0.5 8:1\n0 9:1\n")  # varying counts: ask, then one bag field
+    with pytest.raises(DataError, match=r"b.svm:2: 1 feature\(s\) where 1 of 2 lines have 3: the libsvm layout is ambiguous"):
+        scan_spec([q], "libsvm", dim=4)
+    spec = scan_spec([q], "libsvm", dim=4, layout="bag")
     assert spec.names() == ["features"] and spec["features"].max_len == 3
     x, _ = one_batch(q, "libsvm", spec)
     assert x["features"][1].tolist() == [int(feature_id("features", "9")), PAD_ID, PAD_ID]

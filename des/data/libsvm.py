@@ -219,41 +219,81 @@ def scan_spec(paths: Sequence[str], fmt: str, dim: int = 8, layout: str | None =
               batch_lines: int = 65536) -> FeatureSpec:
     """One pass over the files: the fields and the largest number of features per field.
 
-    libffm -> fields F0..F{max field}; libsvm positional -> F0..F{max features per line - 1}
-    (max_len 1); libsvm bag -> one field ``features``. Malformed tokens are ignored here (the
-    reader reports them). libsvm ``layout=None`` picks positional when every line has the
-    same number of features, else bag.
+    libffm -> fields F0..F{max field}; every field id from 0 to the largest must occur (a gap,
+    e.g. ``9:3:1`` among fields 0-2, stops with the file and line that has it). libsvm:
+    ``layout="positional"`` -> F0..F{max features per line - 1} (max_len 1); ``"bag"`` -> one
+    field ``features``; ``None`` (auto): positional when every line has the same number of
+    features, and otherwise it stops, naming the first line whose count differs from the most
+    common one, rather than guess (pass the layout). Malformed tokens are ignored here (the
+    reader reports them).
     """
     from des.data.files import check_paths
     paths = check_paths(paths)
-    ds = tf.data.TextLineDataset(paths).batch(batch_lines)
+    if layout not in (None, "auto", "positional", "bag"):
+        raise ValueError(f"libsvm layout must be auto, positional or bag, got {layout!r}")
     per_field = np.zeros(0, np.int64)
-    n_min, n_max = None, 0
-    for lines in ds:
-        toks = tf.strings.split(tf.strings.strip(lines))[:, 1:]
-        counts = toks.row_lengths().numpy()
-        n_min = counts.min() if n_min is None else min(n_min, counts.min())
-        n_max = max(n_max, int(counts.max()))
-        if fmt == "libffm":
-            flat = toks.flat_values
-            ok = tf.strings.regex_full_match(flat, Libffm.token_re)
-            field = tf.strings.to_number(tf.strings.split(tf.boolean_mask(flat, ok), ":").to_tensor("0")[:, 0],
-                                         tf.int64).numpy()
-            rows = tf.boolean_mask(toks.value_rowids(), ok).numpy()
-            if field.size:
-                m = int(field.max()) + 1
-                keys, c = np.unique(rows * m + field, return_counts=True)
-                need = np.zeros(m, np.int64)
-                np.maximum.at(need, keys % m, c)
-                per_field = np.pad(per_field, (0, max(0, m - per_field.size)))
-                per_field[:m] = np.maximum(per_field[:m], need)
+    counts_seen: dict[int, list] = {}            # features per line -> [lines, first (path, line)]
+    field_seen: dict[int, tuple] = {}            # libffm field id -> first (path, line)
+    for path in paths:
+        start = 1
+        for lines in tf.data.TextLineDataset([path]).batch(batch_lines):
+            toks = tf.strings.split(tf.strings.strip(lines))[:, 1:]
+            counts = toks.row_lengths().numpy()
+            values, first, n = np.unique(counts, return_index=True, return_counts=True)
+            for v, f, c in zip(values.tolist(), first.tolist(), n.tolist()):
+                seen = counts_seen.setdefault(v, [0, (path, start + f)])
+                seen[0] += c
+            if fmt == "libffm":
+                flat = toks.flat_values
+                ok = tf.strings.regex_full_match(flat, Libffm.token_re)
+                field = tf.strings.to_number(tf.strings.split(tf.boolean_mask(flat, ok), ":").to_tensor("0")[:, 0],
+                                             tf.int64).numpy()
+                rows = tf.boolean_mask(toks.value_rowids(), ok).numpy()
+                if field.size:
+                    m = int(field.max()) + 1
+                    ids, first_at = np.unique(field, return_index=True)
+                    for fid, at in zip(ids.tolist(), first_at.tolist()):
+                        field_seen.setdefault(fid, (path, start + int(rows[at])))
+                    keys, c = np.unique(rows * m + field, return_counts=True)
+                    need = np.zeros(m, np.int64)
+                    np.maximum.at(need, keys % m, c)
+                    per_field = np.pad(per_field, (0, max(0, m - per_field.size)))
+                    per_field[:m] = np.maximum(per_field[:m], need)
+            start += int(counts.size)
     if fmt == "libffm":
         if per_field.size == 0:
             raise DataError(f"{paths[0]}: no field:idx:val features found")
+        missing = [f for f in range(per_field.size) if f not in field_seen]
+        if missing:
+            after = min(f for f in field_seen if f > missing[0])
+            path, line = field_seen[after]
+            raise DataError(f"{path}:{line}: field {after}, but field(s) {_ranges(missing)} never occur: libffm field "
+                            f"ids must be 0..F-1 for F fields (a typo here would add {len(missing)} empty field(s))")
         return sparse_spec("F", per_field, dim)
     if fmt != "libsvm":
         raise ValueError(f"scan_spec reads libsvm or libffm, not {fmt!r}")
-    layout = layout or ("positional" if n_min == n_max else "bag")
+    n_max = max(counts_seen) if counts_seen else 0
+    if layout in (None, "auto"):
+        if len(counts_seen) > 1:
+            where = lambda v: (paths.index(counts_seen[v][1][0]), counts_seen[v][1][1])   # noqa: E731
+            common = max(counts_seen, key=lambda v: (counts_seen[v][0], tuple(-x for x in where(v))))  # ties: first seen
+            n_odd = min((v for v in counts_seen if v != common), key=where)
+            odd = counts_seen[n_odd][1]
+            total = sum(c for c, _ in counts_seen.values())
+            raise DataError(f"{odd[0]}:{odd[1]}: {n_odd} feature(s) where {counts_seen[common][0]:,} of {total:,} lines "
+                            f"have {common}: the libsvm layout is ambiguous; pass --libsvm-layout positional (the k-th "
+                            f"feature is field k: fix this line) or --libsvm-layout bag (each line is a bag of features)")
+        layout = "positional"
     if layout == "positional":
         return sparse_spec("F", [1] * n_max, dim)
     return FeatureSpec((Field("features", "multi", dim, max_len=max(1, n_max), weighted=True),))
+
+
+def _ranges(ids: list[int]) -> str:
+    """[3, 4, 5, 8] -> '3-5, 8'."""
+    out, start = [], ids[0]
+    for a, b in zip(ids, ids[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(out)

@@ -31,8 +31,21 @@ def metadata(path: str) -> dict:
         return json.load(fh)
 
 
+def describe(spec: FeatureSpec) -> str:
+    """One line: how many fields, of which kinds and widths (printed when a spec was scanned).
+
+    >>> from des.data.spec import Field
+    >>> describe(FeatureSpec((Field("F0", "multi", 8), Field("F1", "multi", 8, max_len=3))))
+    '2 field(s): F0 (multi, 1 feature), F1 (multi, up to 3 features)'
+    """
+    parts = [f"{f.name} ({f.kind}, {'1 feature' if f.max_len == 1 else f'up to {f.max_len} features'})"
+             for f in spec]
+    shown = parts if len(parts) <= 8 else parts[:6] + ["...", parts[-1]]
+    return f"{len(parts)} field(s): {', '.join(shown)}"
+
+
 def spec_for(fmt: str, paths: Sequence[str], dim: int, meta: dict | None = None,
-             eval_paths: Sequence[str] = ()) -> FeatureSpec:
+             eval_paths: Sequence[str] = (), layout: str = "auto") -> FeatureSpec:
     """The FeatureSpec of a data set: named by the format (criteo, avazu), read from a columnar
     folder or from the generator's metadata, else scanned from the files - the training AND the
     evaluation files, so an evaluation file with longer bags than any training line fits."""
@@ -47,4 +60,4 @@ def spec_for(fmt: str, paths: Sequence[str], dim: int, meta: dict | None = None,
         spec = FeatureSpec.from_json(json.dumps(meta["spec"])).with_dim(dim)
         return spec.with_cardinalities(meta.get("cardinalities") or {})   # e.g. --cache-size 10% on wide
     from des.data.libsvm import scan_spec
-    return scan_spec(list(paths) + list(eval_paths or []), fmt, dim)
+    return scan_spec(list(paths) + list(eval_paths or []), fmt, dim, layout=layout)

@@ -30,6 +30,7 @@ class Run:
     read_first_batch: Callable[[], dict]
     build_model: Callable[[], Any]
     log: Callable[..., None] = lambda *m: None
+    read_lines: Callable[[int], dict] | None = None     # the first n training lines' ids, in one batch
 
     def first_batch(self) -> dict:
         if not hasattr(self, "_first"):

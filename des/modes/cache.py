@@ -39,12 +39,34 @@ class Cache(PS):
     def _planned(self) -> bool:
         return self.a.allocate == "laia"
 
+    SEEN_LINES = 100_000
+
+    def _spec_with_cardinalities(self):
+        """The data's spec; with a --cache-size fraction, a field of no known cardinality (a plain
+        Criteo or libsvm file, no metadata) takes the count of its distinct ids in the first
+        100,000 training lines (the same lines on every process, so every cache is alike)."""
+        spec = self.run.spec
+        unknown = [f.name for f in spec if not f.cardinality]
+        if not isinstance(self.capacity, float) or not unknown or self.run.read_lines is None:
+            return spec
+        import numpy as np
+        from des.data.spec import PAD_ID
+        ids = self.run.read_lines(self.SEEN_LINES)
+        seen = {f: int(np.unique(v[v != PAD_ID]).size) or 1
+                for f in unknown for v in [np.asarray(ids[f]).reshape(-1)]}
+        lines = int(np.asarray(next(iter(ids.values()))).shape[0])
+        self.run.log(f"cache: {len(unknown)} field(s) of no known cardinality ({', '.join(unknown[:3])}"
+                     f"{', ...' if len(unknown) > 3 else ''}): --cache-size {self.a.cache_size} of the distinct "
+                     f"ids in the first {lines:,} training lines ({min(seen.values()):,}..{max(seen.values()):,})")
+        return spec.with_cardinalities(seen)
+
     def _shard(self, model):
         from des import cache
         a = self.a
         try:
             model = cache.cache(model, self.exchange, self.staleness, self.capacity, a.eviction,
-                                spec=self.run.spec, on_demand=a.on_demand, plan_pushes=a.plan_pushes)
+                                spec=self._spec_with_cardinalities(), on_demand=a.on_demand,
+                                plan_pushes=a.plan_pushes)
         except ValueError as e:
             raise ModeError(str(e)) from None
         self._tables = model.cached_tables()
