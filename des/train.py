@@ -188,8 +188,13 @@ def main(argv=None) -> int:
     try:
         train(0, mode.eval_shard())   # reports a bad path or format now
         evaluation()
+        if not a.skip_bad_lines:
+            run.first_batch()         # and a bad line among the first, before the model is built and traced
     except (DataError, FileNotFoundError) as e:
         print_once(f"error: {e}")
+        return 2
+    except tf.errors.OpError as e:
+        print_once(f"error: {op_error_message(e)}")
         return 2
 
     start = {"epoch": 0, "step": 0}

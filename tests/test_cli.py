@@ -191,3 +191,16 @@ def test_cache_mode_runs_with_its_default_size_on_a_file_without_metadata(tmp_pa
     assert "cache: 6 field(s) of no known cardinality (F0, F1, F2, ...): --cache-size 10% of the distinct ids " \
            "in the first 2,700 training lines" in r.stdout, r.stdout
     assert 0 < json.load(open(tmp_path / "s.json"))["auc"] < 1
+
+
+def test_a_bad_line_among_the_first_is_reported_before_the_model_is_built(tmp_path):
+    """Line 3 malformed: the error names it in one line, and no model was built or traced first
+    (the run stops before its 'training ...' line)."""
+    p = str(tmp_path / "bad.ffm")
+    write_small_ffm(p, 1000, seed=1)
+    lines = open(p).read().splitlines()
+    lines[2] = "1 0:5:1 x:y"
+    open(p, "w").write("\n".join(lines) + "\n")
+    r = _train(tmp_path, "--data", p, "--steps", "3")
+    assert r.returncode == 2 and "training fm" not in r.stdout, r.stdout + r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == f"error: {p}:3: feature 2 'x:y' is not field:idx:val", r.stderr[-2000:]

@@ -68,10 +68,14 @@ FFM_SPEC = sparse_spec("F", [2, 2, 1], dim=4)
     ("1 2:5:1 2:6:1", "field 'F2' has more than 1 features (the spec's max_len)"),
     ("", "empty line (no label)"),
     ("1 0:5:1e39", "value '1e39' of feature 1 '0:5:1e39' is not a finite float32"),
+    ("1 0:5:nan", "value 'nan' of feature 1 '0:5:nan' is not finite"),
+    ("1 0:5:1 1:7:-inf", "value '-inf' of feature 2 '1:7:-inf' is not finite"),
 ])
 def test_libffm_bad_lines_name_file_line_and_problem(tmp_path, bad, problem):
+    import warnings
     p = write(tmp_path, "t.ffm", "1 0:1:1\n" * 4 + bad + "\n0 1:2:1\n")
-    with pytest.raises(tf.errors.OpError) as e:
+    with pytest.raises(tf.errors.OpError) as e, warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)       # 1e39: the message alone, no numpy overflow warning
         one_batch(p, "libffm", FFM_SPEC)
     assert f"{p}:5: {problem}" in str(e.value)
 

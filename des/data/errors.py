@@ -13,7 +13,8 @@ def op_error_message(error: Exception) -> str:
     """The line to show for a tf.errors.OpError raised while reading: the reader's DataError line
     (file:line: problem) when there is one, else the error's first line."""
     text = str(error)
-    return next((line for line in text.splitlines() if "DataError" in line), text.split("\n")[0])
+    line = next((line for line in text.splitlines() if "DataError: " in line), None)
+    return line.split("DataError: ", 1)[1] if line else text.split("\n")[0]
 
 
 class SkipReport:

@@ -139,6 +139,9 @@ class _SparseText:
         counts: dict[int, int] = {}
         for k, t in enumerate(toks[1:]):
             if not re.fullmatch(self.token_re, t):
+                head, _, value = t.rpartition(":")
+                if head and re.fullmatch(self.token_re, f"{head}:0") and _not_finite(value):
+                    return f"value {value!r} of feature {k + 1} {t!r} is not finite"
                 return f"feature {k + 1} {t!r} is not {self.syntax}"
             j = self.field_of(t, k)
             if j >= len(self.fields):
@@ -148,9 +151,19 @@ class _SparseText:
                 return (f"field {self.fields[j].name!r} has more than {self.fields[j].max_len} "
                         f"features (the spec's max_len)")
             value = t.rsplit(":", 1)[1]
-            if not np.isfinite(np.float32(float(value))):
+            with np.errstate(over="ignore"):                # 1e39: no RuntimeWarning before the message
+                finite = np.isfinite(np.float32(float(value)))
+            if not finite:
                 return f"value {value!r} of feature {k + 1} {t!r} is not a finite float32"
         return self.count_problem(len(toks) - 1) or "line rejected by the parser"
+
+
+def _not_finite(text: str) -> bool:
+    """'nan', 'inf', '-Infinity': a float that is not finite."""
+    try:
+        return not np.isfinite(float(text))
+    except ValueError:
+        return False
 
 
 class Libffm(_SparseText):
