@@ -9,7 +9,7 @@
 # measure CPU budgets and timings (ALONE) run afterwards, one at a time, with nothing beside
 # them. TEST_JOBS=1 runs every file in turn. Extra arguments go to every pytest call (e.g. -x,
 # -k name, --durations=10). Exit status: non-zero if any file failed. The last line adds up
-# every file's counts: "suite: N passed, N failed".
+# every file's counts: "suite: N passed, N failed, N skipped" (the netbed tests skip without root).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -58,6 +58,7 @@ for f in "${ALONE[@]}"; do [ -f "$f" ] && run_file "$f" "$@"; done
 failed=()
 passed_total=0
 failed_total=0
+skipped_total=0
 count() { grep -oE "[0-9]+ $1" "$2" | tail -1 | cut -d' ' -f1; }
 for f in "${all[@]}"; do
   name=$(basename "$f" .py)
@@ -65,6 +66,7 @@ for f in "${all[@]}"; do
   [ -f "$logs/$name.rc" ] || continue
   rc=$(cat "$logs/$name.rc")
   passed_total=$(( passed_total + $(count passed "$log" || true) + 0 ))
+  skipped_total=$(( skipped_total + $(count skipped "$log" || true) + 0 ))
   failed_total=$(( failed_total + $(count failed "$log" || true) + 0 + $(count error "$log" || true) + 0 ))
   # 5: no test collected (e.g. -k matched nothing in this file)
   if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then
@@ -73,5 +75,5 @@ for f in "${all[@]}"; do
   fi
 done
 echo "=== $(( ($(date +%s) - start) / 60 )) min ($JOBS at a time); files failed: ${#failed[@]} ${failed[*]:-}"
-echo "suite: $passed_total passed, $failed_total failed"
+echo "suite: $passed_total passed, $failed_total failed, $skipped_total skipped"
 [ ${#failed[@]} -eq 0 ]
