@@ -12,8 +12,23 @@ PY="$VENV/bin/python"
 HOROVOD_VERSION=0.28.1
 say() { printf '[setup] %s\n' "$*" >&2; }
 
-# 1. System packages: Open MPI (runtime + headers, for mpi4py and Horovod) and a C++ toolchain.
+# 0. A Python TensorFlow 2.15.1 has wheels for (3.9-3.11): PYTHON, else python3.
+PYTHON=${PYTHON:-python3}
+PYV=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) || {
+  say "ERROR: $PYTHON not found: install Python 3.9-3.11 (TensorFlow 2.15.1 has wheels for those) or set PYTHON"
+  exit 1; }
+case "$PYV" in
+  3.9|3.10|3.11) ;;
+  *) say "ERROR: $PYTHON is Python $PYV; TensorFlow 2.15.1 needs 3.9-3.11: set PYTHON=python3.11 (or 3.10, 3.9)"
+     exit 1 ;;
+esac
+
+# 1. System packages: Open MPI (runtime + headers, for mpi4py and Horovod), a C++ toolchain and,
+#    when this Python lacks them, its venv module and headers (Debian's python3-venv, python3-dev).
 APT_PKGS="libopenmpi-dev openmpi-bin cmake g++ make iproute2"
+"$PYTHON" -c "import venv, ensurepip" 2>/dev/null || APT_PKGS="$APT_PKGS python3-venv"
+"$PYTHON" -c "import os, sysconfig; assert os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h'))" \
+  2>/dev/null || APT_PKGS="$APT_PKGS python3-dev"
 missing=""
 for p in $APT_PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
@@ -28,7 +43,7 @@ fi
 # 2. Virtualenv.
 if [ ! -x "$PY" ]; then
   say "creating virtualenv $VENV"
-  python3 -m venv "$VENV"
+  "$PYTHON" -m venv "$VENV"
 fi
 
 # 3. Pinned pip packages (re-run only when requirements.txt changes).
