@@ -51,6 +51,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--holdout", type=int, default=20_000, help="last lines of --data for the AUC")
     p.add_argument("--seed", type=int, default=0, help="initial weights (rank 0's are broadcast)")
+    p.add_argument("--summary-json", default=None, help="write AUC, log loss and DES bytes per step here (rank 0)")
     a = p.parse_args()
     tf.keras.utils.set_random_seed(a.seed)
 
@@ -69,11 +70,22 @@ def main() -> None:
                          seed=1).map(fold).take(a.steps)
     test = make_dataset(a.data, "criteo", spec, 4096, skip_lines=lines - a.holdout).map(fold)
     model.compile(tf.keras.optimizers.Adam(1e-3), "binary_crossentropy", metrics=[tf.keras.metrics.AUC(name="auc")])
+    comm = getattr(getattr(model, "des_layer", None), "comm", None)
+    before = comm.counted()["step"] if comm else {"bytes": 0, "calls": 0}
     model.fit(train, epochs=1, verbose=2 if report.rank == 0 else 0)
+    after = comm.counted()["step"] if comm else before
+    handed = (after["bytes"] - before["bytes"]) / max(1, after["calls"] - before["calls"])   # one allreduce a step
     result = model.evaluate(test, verbose=0, return_dict=True)
     if report.rank == 0:
         print(f"{a.model} DeepFM, {report.world_size} process(es): held-out AUC {result['auc']:.4f}, "
               f"log loss {result['loss']:.4f}", flush=True)
+        if a.summary_json:
+            import json
+            with open(a.summary_json, "w") as fh:
+                json.dump({"model": f"{a.model} DeepFM", "world_size": report.world_size, "auc": result["auc"],
+                           "logloss": result["loss"], "batch": a.batch, "steps": a.steps,
+                           "des_bytes_handed_per_step": handed,
+                           "sent_bytes_per_step": comm.ring_bytes(handed) if comm else 0.0}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,45 +1,30 @@
 #!/usr/bin/env bash
-# The README's demo: generate Criteo-like data, train DeepFM on one process, then the same
-# model with DES on 2 processes under mpirun; both print AUC next to the Bayes-optimal AUC.
-# The DES checkpoint then predicts a generated test.txt (Criteo's 39-column test layout), and
-# its export (one SavedModel) predicts it again on one process.
-# Then a small DES vs parameter-server vs HET-cache vs one-process comparison (table + plots).
+# `make demo`: the main job in about 3 minutes on 2 cores. A DeepFM written by hand in Keras
+# (examples/byom.py) trains on one process, then the same script with DES on 2 processes under
+# mpirun: the same held-out AUC and log loss. The parameter server trains a DeepFM on the same
+# data and processes for its bytes per step; a table and one plot put the two side by side.
+# `make tour` runs the longer walk (checkpoints, predict, export, the comparison grid).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
-DATA=data/demo/train.txt
-ROWS=${DEMO_ROWS:-200000}
+OUT=data/demo/quick
+DATA=$OUT/train.txt
+ROWS=${DEMO_ROWS:-60000}
+STEPS=${DEMO_STEPS:-40}
+MPI=(mpirun -np 2 --oversubscribe --bind-to none)
+quiet() { grep -v "^WARNING\|deepctr/#history\|cuda_\|^$" || true; }
+mkdir -p "$OUT"
 if [ ! -f "$DATA" ] || [ ! -f "$DATA.meta.json" ]; then
-  echo "== generating $ROWS rows of Criteo-like data (seeded) into $DATA"
+  echo "== generating $ROWS rows of Criteo-like data (39 fields, seeded) into $DATA"
   $PY -m des.data.synth --preset criteo-like --rows "$ROWS" --seed 0 --out "$DATA"
 fi
-COMMON=(--model deepfm --data "$DATA" --batch 1024 --epochs 1 --optimizer adam --lr 0.002
-        --dim 8 --hidden 128,64 --seed 0)
-echo "== single process"
-$PY -m des.train "${COMMON[@]}" --summary-json data/demo/single.json
-echo "== DES on 2 processes (mpirun + Horovod)"
-mpirun -np 2 --oversubscribe --bind-to none $PY -m des.train --mode des "${COMMON[@]}" \
-  --threads 1 --replica-check 50 --checkpoint data/demo/ckpt --summary-json data/demo/des.json
-echo "== results: data/demo/single.json, data/demo/des.json.rank0, checkpoint in data/demo/ckpt"
-echo "== bring your own model: DeepCTR's DeepFM with one des.transform line, 1 process then DES on 2"
-$PY examples/byom.py --model deepctr --data "$DATA" --steps 100 2>&1 | grep "held-out"
-mpirun -np 2 --oversubscribe --bind-to none $PY examples/byom.py --model deepctr --data "$DATA" --steps 100 \
-  2>&1 | grep -v "^WARNING\|deepctr/#history"
-TEST=data/demo/test.txt
-if [ ! -f "$TEST" ]; then
-  echo "== generating a test.txt (39 columns, no label) of the same task: other rows, same planted model"
-  $PY -m des.data.synth --preset criteo-like --rows 20000 --seed 0 --sample-seed 1 --no-label --out "$TEST"
-fi
-echo "== predicting $TEST with the DES checkpoint on 2 processes"
-mpirun -np 2 --oversubscribe --bind-to none $PY -m des.predict --checkpoint data/demo/ckpt \
-  --data "$TEST" --out data/demo/predictions.txt --threads 1
-echo "   first predictions: $(head -3 data/demo/predictions.txt | tr '\n' ' ')"
-echo "== exporting the DES checkpoint as one SavedModel (served without TFRA), predicting with it on 1 process"
-rm -rf data/demo/served
-$PY -m des.export --checkpoint data/demo/ckpt --out data/demo/served
-$PY -m des.predict --checkpoint data/demo/served --data "$TEST" --out data/demo/predictions_served.txt --threads 1
-echo "   first predictions: $(head -3 data/demo/predictions_served.txt | tr '\n' ' ')"
-echo "== comparison: DES vs parameter server vs HET cache (s=100) vs one process (lr, deepfm; N=2; several minutes)"
-$PY -m des.compare --models lr,deepfm --np 2 --preset criteo-like --rows 40000 --batch 2048 \
-  --modes single,des,ps,cache --staleness 100 --cache-size 10% \
-  --steps 15 --hidden 64,32 --batches 256,512,1024,2048,4096 --out reports/demo
+BYOM=(examples/byom.py --model keras --data "$DATA" --steps "$STEPS" --batch 1024 --holdout 10000)
+echo "== 1 process: a Keras DeepFM written by hand, $STEPS steps of 1024 rows"
+$PY "${BYOM[@]}" --summary-json $OUT/single.json 2>&1 | quiet | grep "held-out"
+echo "== the same script, DES on 2 processes (mpirun + Horovod): des.transform(model) is its one extra line"
+"${MPI[@]}" $PY "${BYOM[@]}" --summary-json $OUT/des.json 2>&1 | quiet | grep -v "^ \+[0-9]\+ tables\|^[0-9]*/[0-9]* - "
+echo "== a parameter server on 2 processes (des.train --mode ps), the same data, batch and steps"
+"${MPI[@]}" $PY -m des.train --mode ps --model deepfm --data "$DATA" --batch 1024 --steps "$STEPS" --dim 8 \
+  --hidden 64,32 --lr 0.001 --holdout 10000 --threads 1 --summary-json $OUT/ps.json 2>&1 | quiet | grep "AUC\|bytes/step"
+echo "== side by side"
+$PY scripts/demo_plot.py $OUT/single.json $OUT/des.json $OUT/ps.json.rank0 $OUT/demo.png

@@ -11,7 +11,7 @@ from des.verify import compare, run_in_process_world, train_and_snapshot
 from des_ops.comm import InProcessWorld, LocalCommunicator, allreduce_sum
 from helpers import random_batches, small_spec
 
-TOL = 1e-5
+TOL = 2e-6   # the README quotes <= 2.7e-7 measured; float32 summation order, not a loose bound
 SPEC = small_spec(4, dim=3)
 BATCHES = random_batches(SPEC, 20, 32, seed=4)
 PROBE = random_batches(SPEC, 1, 16, seed=99)[0][0]

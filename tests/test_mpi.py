@@ -38,7 +38,7 @@ def test_des_under_mpirun_equals_single_process(tmp_path, name, optimizer, n, co
                              random_batches(spec, 20, 32, seed=4), random_batches(spec, 1, 16, seed=99)[0][0])
     diff = compare(ref, ranks)
     print(f"mpirun -np {n} {name} {optimizer} ({comm}): {diff}")
-    assert max(diff.values()) < 1e-5, diff
+    assert max(diff.values()) < 2e-6, diff          # the README quotes <= 3e-7 measured
     for r in ranks:
         assert np.array_equal(r["predictions"], ranks[0]["predictions"])   # replicas agree bitwise
         assert np.allclose(r["grad_des"], 1.0)                              # identity gradient
