@@ -18,13 +18,14 @@ if [ ! -f "$DATA" ] || [ ! -f "$DATA.meta.json" ]; then
   echo "== generating $ROWS rows of Criteo-like data (39 fields, seeded) into $DATA"
   $PY -m des.data.synth --preset criteo-like --rows "$ROWS" --seed 0 --out "$DATA"
 fi
-BYOM=(examples/byom.py --model keras --data "$DATA" --steps "$STEPS" --batch 1024 --holdout 10000)
+DIM=${DEMO_DIM:-32}
+BYOM=(examples/byom.py --model keras --data "$DATA" --steps "$STEPS" --batch 1024 --dim "$DIM" --holdout 10000)
 echo "== 1 process: a Keras DeepFM written by hand, $STEPS steps of 1024 rows"
 $PY "${BYOM[@]}" --summary-json $OUT/single.json 2>&1 | quiet | grep "held-out"
 echo "== the same script, DES on 2 processes (mpirun + Horovod): des.transform(model) is its one extra line"
 "${MPI[@]}" $PY "${BYOM[@]}" --summary-json $OUT/des.json 2>&1 | quiet | grep -v "^ \+[0-9]\+ tables\|^[0-9]*/[0-9]* - "
 echo "== a parameter server on 2 processes (des.train --mode ps), the same data, batch and steps"
-"${MPI[@]}" $PY -m des.train --mode ps --model deepfm --data "$DATA" --batch 1024 --steps "$STEPS" --dim 8 \
+"${MPI[@]}" $PY -m des.train --mode ps --model deepfm --data "$DATA" --batch 1024 --steps "$STEPS" --dim "$DIM" \
   --hidden 64,32 --lr 0.001 --holdout 10000 --threads 1 --summary-json $OUT/ps.json 2>&1 | quiet | grep "AUC\|bytes/step"
 echo "== side by side"
 $PY scripts/demo_plot.py $OUT/single.json $OUT/des.json $OUT/ps.json.rank0 $OUT/demo.png
