@@ -23,7 +23,7 @@ def one_batch(path, fmt, spec, **kw):
 
 
 def test_libffm_fields_multi_values_weights_and_labels(tmp_path):
-    p = write(tmp_path, "a.ffm", "1 0:5:1 1:7:0.5 1:8:2e0\n-1 1:7:1\n0 0:9:1 0:5:1 2:ab:-1.5\n+1\n")
+    p = write(tmp_path, "a.ffm", "1 0:5:1 1:7:0.5 1:8:2e0\n-1 1:7:1\n-1 0:9:1 0:5:1 2:ab:-1.5\n+1\n")
     spec = scan_spec([p], "libffm", dim=4)
     assert spec.names() == ["F0", "F1", "F2"] and [f.max_len for f in spec] == [2, 2, 1]
     x, y = one_batch(p, "libffm", spec)
@@ -141,3 +141,19 @@ def test_wide_preset_is_deterministic_libffm_with_950_features(tmp_path):
         n = (x["F30"].numpy() != PAD_ID).sum(1)
         np.testing.assert_allclose(w.sum(1), n * np.round(1 / np.sqrt(n), 4), rtol=1e-3)
     assert rows == 300 and active / rows == pytest.approx(m1["active_features_per_sample"], abs=0.05)
+
+
+def test_a_file_mixing_label_conventions_stops_at_the_first_line_of_the_other(tmp_path):
+    """0/1 and -1/+1 are both accepted, one per file: a -1 after a 0 (or a 0 after a -1) is a
+    bad line naming the convention its file set, and --skip-bad-lines counts it."""
+    p = write(tmp_path, "mix.ffm", "1 0:5:1\n0 0:6:1\n1 0:7:1\n-1 0:8:1\n")
+    with pytest.raises(tf.errors.OpError) as e:
+        one_batch(p, "libffm", FFM_SPEC)
+    assert f"{p}:4: label '-1', but this file's labels are 0/1 (line 2 has '0'): one file must use one convention" \
+        in str(e.value)
+    report = SkipReport()
+    x, y = one_batch(p, "libffm", FFM_SPEC, skip_bad_lines=True, skip_report=report)
+    assert y.tolist() == [1, 0, 1] and report.total == 1
+    q = write(tmp_path, "pm.svm", "-1 5:1 7:1\n+1 5:1 7:1\n0 5:1 7:1\n")
+    with pytest.raises(tf.errors.OpError, match=r"pm.svm:3: label '0', but this file's labels are -1/\+1 \(line 1 has '-1'\)"):
+        one_batch(q, "libsvm", sparse_spec("F", [1, 1], dim=4))

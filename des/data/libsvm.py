@@ -1,6 +1,7 @@
 """libsvm (``label idx:val ...``) and libffm (``label field:idx:val ...``) text, vectorised.
 
-Labels are 0/1 or -1/+1 (-1 reads as 0). Every field of the FeatureSpec is a weighted
+Labels are 0/1 or -1/+1 (-1 reads as 0), one convention per file: a file's first 0 or -1
+label fixes it, and a line with the other stops the reader (file:line) or is skipped. Every field of the FeatureSpec is a weighted
 multi-valued field: ids [B, max_len] (PAD_ID after the last one) and weights [B, max_len]
 (``val``; 0 at padding). Which field a feature belongs to:
 
@@ -18,7 +19,7 @@ flagged for the reader, which stops or skips and counts them.
     >>> from des.data.readers import make_dataset
     >>> tmp = tempfile.mkdtemp(); path = os.path.join(tmp, "train.ffm")
     >>> with open(path, "w") as fh:
-    ...     _ = fh.write("1 0:5:1 1:7:1\\n0 0:6:1 1:7:0.5 1:8:1\\n-1 0:5:1\\n")
+    ...     _ = fh.write("+1 0:5:1 1:7:1\\n-1 0:6:1 1:7:0.5 1:8:1\\n-1 0:5:1\\n")
     >>> spec = scan_spec([path], "libffm", dim=8)     # fields and max_len from the data
     >>> [(f.name, f.kind, f.max_len) for f in spec]
     [('F0', 'multi', 1), ('F1', 'multi', 2)]
@@ -66,6 +67,8 @@ class _SparseText:
 
     header = None
     token_re = ""
+    # labels that fix a file's convention: a file reads 0/1 or -1/+1, never both
+    label_conventions = {"0": "0/1", "-1": "-1/+1"}
 
     def __init__(self, spec: FeatureSpec):
         self.spec = spec

@@ -20,6 +20,8 @@ Bad lines stop the run with a ``DataError`` naming file, line and problem; with
 """
 from __future__ import annotations
 
+import gzip
+
 from typing import Sequence
 
 import tensorflow as tf
@@ -58,12 +60,15 @@ def make_dataset(paths: Sequence[str] | str, fmt: str, spec: FeatureSpec, batch_
     ds = order(tf.data.Dataset.from_tensor_slices(files).flat_map(lines_of), skip_lines=skip_lines,
                take_lines=take_lines, epochs=epochs, shuffle_buffer=shuffle_buffer, seed=seed)
 
+    conventions = label_conventions(files, parser)
+
     def on_bad(path, lineno, line, bad):
         def record(p, n, text, b):
             for pi, ni, ti, bi in zip(p.numpy(), n.numpy(), text.numpy(), b.numpy()):
                 if not bi:
                     continue
-                where, problem = pi.decode(), parser.diagnose(ti)
+                where = pi.decode()
+                problem = _convention_problem(conventions, parser, where, ti) or parser.diagnose(ti)
                 if not skip_bad_lines:
                     raise DataError(f"{where}:{ni}: {problem}")
                 report.add(where, int(ni), problem)
@@ -75,6 +80,11 @@ def make_dataset(paths: Sequence[str] | str, fmt: str, spec: FeatureSpec, batch_
     def parse(path, lineno, line):
         line = tf.strings.regex_replace(line, "\r$", "")
         feats, label, bad = parser.parse(line)
+        if conventions:                 # a label of the other convention than its file's is a bad line
+            first = tf.strings.regex_replace(line, r"^\s*(\S*).*$", r"\1")
+            for path_c, (token, _, _) in conventions.items():
+                other = [t for t in parser.label_conventions if t != token]
+                bad = bad | ((path == path_c) & tf.reduce_any(tf.stack([first == t for t in other]), 0))
         with tf.control_dependencies([on_bad(path, lineno, line, bad)]):
             label = tf.identity(label)
         return feats, label, bad
@@ -89,6 +99,33 @@ def make_dataset(paths: Sequence[str] | str, fmt: str, spec: FeatureSpec, batch_
     if shard is not None:
         ds = ds.map(share(shard))
     return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def label_conventions(files: list[str], parser, lines: int = 10_000) -> dict[str, tuple[str, int, str]]:
+    """Each file's label convention, from its first line with a label that fixes one (0 or -1
+    for libsvm/libffm): {path: (label, line number, convention)}; {} for formats with one."""
+    table = getattr(parser, "label_conventions", None)
+    out = {}
+    for path in files if table else []:
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt", errors="replace") as fh:
+            for n, line in zip(range(1, lines + 1), fh):
+                token = line.split(maxsplit=1)[0] if line.strip() else ""
+                if token in table:
+                    out[path] = (token, n, table[token])
+                    break
+    return out
+
+
+def _convention_problem(conventions: dict, parser, path: str, line: bytes) -> str | None:
+    if path not in conventions:
+        return None
+    token = line.decode("utf-8", "replace").split(maxsplit=1)[0] if line.strip() else ""
+    first, at, name = conventions[path]
+    if token in parser.label_conventions and token != first:
+        return (f"label {token!r}, but this file's labels are {name} (line {at} has {first!r}): one file must "
+                f"use one convention")
+    return None
 
 
 def share(shard):
