@@ -38,7 +38,9 @@ def test_every_collective_is_counted_by_purpose_with_the_bytes_handed_over():
                                                                                         hidden=(8, 4)), work):
         assert before["broadcast"]["calls"] > 0 and before["broadcast"]["bytes"] > 0   # at transform
         assert before["step"] == before["check"] == {"bytes": 0, "calls": 0}
-        assert after["step"] == {"calls": 6 + 1, "bytes": 4 * floats * 32 * 7}
+        # DeepFM, 4 fields of width 3, first Dense of 8: LR 1 + FM (S 3, Q 1) + Dense 8 floats a sample
+        assert floats == 1 + (3 + 1) + 8
+        assert after["step"] == {"calls": 6 + 1, "bytes": 4 * (1 + 4 + 8) * 32 * 7}
         assert after["check"] == {"calls": 3, "bytes": 3 * n * (layers + 1) * 8}
         assert after["broadcast"] == before["broadcast"] and after["barrier"] == {"bytes": 0, "calls": 0}
 
