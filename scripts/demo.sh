@@ -28,4 +28,6 @@ echo "== a parameter server on 2 processes (des.train --mode ps), the same data,
 "${MPI[@]}" $PY -m des.train --mode ps --model deepfm --data "$DATA" --batch 1024 --steps "$STEPS" --dim "$DIM" \
   --hidden 64,32 --lr 0.001 --holdout 10000 --threads 1 --summary-json $OUT/ps.json 2>&1 | quiet | grep "AUC\|bytes/step"
 echo "== side by side"
-$PY scripts/demo_plot.py $OUT/single.json $OUT/des.json $OUT/ps.json.rank0 $OUT/demo.png
+mkdir -p reports
+$PY scripts/demo_plot.py $OUT/single.json $OUT/des.json $OUT/ps.json.rank0 $OUT/demo.png reports/demo.md \
+  "$ROWS generated Criteo-like rows (39 fields, seed 0), last 10,000 held out; $STEPS steps of 1024 rows; Adam 1e-3; dim $DIM; MLP 64-32; 2 processes on one machine (mpirun, Horovod)"

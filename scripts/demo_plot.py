@@ -1,6 +1,7 @@
 """The demo's summary: one process vs DES on 2 (a user-style Keras DeepFM, examples/byom.py) and
 the bytes per step each process sends, DES against the parameter server (des.train --mode ps),
-as a table on stdout and one bar chart.
+as a table on stdout, one bar chart and, with ``--report``, a markdown report (date, machine,
+conditions, the table) for the README to link.
 
     python scripts/demo_plot.py data/demo/single.json data/demo/des.json data/demo/ps.json.rank0 data/demo/demo.png
 """
@@ -10,21 +11,31 @@ import json
 import sys
 
 
-def main(single: str, des: str, ps: str, out: str) -> None:
+def main(single: str, des: str, ps: str, out: str, report: str | None = None, conditions: str = "") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     s, d, p = (json.load(open(f)) for f in (single, des, ps))
-    print(f"{'run':<34} {'held-out AUC':>12} {'log loss':>9} {'bytes sent / step / process':>28}")
-    print(f"{'Keras DeepFM, 1 process':<34} {s['auc']:>12.4f} {s['logloss']:>9.4f} {'-':>28}")
-    print(f"{'Keras DeepFM, DES on 2 (mpirun)':<34} {d['auc']:>12.4f} {d['logloss']:>9.4f} "
-          f"{d['sent_bytes_per_step']:>28,.0f}")
-    print(f"{'DeepFM, parameter server on 2':<34} {p['auc']:>12.4f} {p['logloss']:>9.4f} "
-          f"{p['sent_bytes_per_step']:>28,.0f}")
+    rows = [("Keras DeepFM, 1 process", s, "-"),
+            ("Keras DeepFM, DES on 2 (mpirun)", d, f"{d['sent_bytes_per_step']:,.0f}"),
+            ("DeepFM, parameter server on 2", p, f"{p['sent_bytes_per_step']:,.0f}")]
+    table = [f"| run | held-out AUC | log loss | bytes sent / step / process |", "|---|---|---|---|"]
+    table += [f"| {name} | {r['auc']:.4f} | {r['logloss']:.4f} | {b} |" for name, r, b in rows]
+    print("\n".join(table))
     ratio = p["sent_bytes_per_step"] / d["sent_bytes_per_step"]
     verdict = f"{ratio:.1f}x fewer" if ratio >= 1 else f"{1 / ratio:.1f}x more"
-    print(f"DES sends {verdict} bytes per step than the parameter server (global batch {d['batch']}): DES's bytes "
-          f"grow with batch x partial width, the server's with distinct ids x embedding width")
+    line = (f"DES sends {verdict} bytes per step than the parameter server (global batch {d['batch']}): DES's "
+            f"bytes grow with batch x partial width, the server's with distinct ids x embedding width")
+    print(line)
+    if report:
+        import datetime
+        import os
+        import platform
+        with open(report, "w") as fh:
+            fh.write(f"# make demo\n\nWritten by `scripts/demo_plot.py` at the end of `make demo` on "
+                     f"{datetime.date.today()}, {platform.node() or 'this machine'}: {os.cpu_count()} cores, "
+                     f"{platform.platform()}.\n\nConditions: {conditions}\n\n" + "\n".join(table) + f"\n\n{line}.\n")
+        print(f"report: {report}")
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ax.bar(["DES", "parameter server"], [d["sent_bytes_per_step"] / 1e6, p["sent_bytes_per_step"] / 1e6],
            color=["tab:blue", "tab:gray"])
@@ -37,4 +48,4 @@ def main(single: str, des: str, ps: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:7])
