@@ -27,7 +27,7 @@ import os
 import tensorflow as tf
 
 from des.fields import GLUE, FieldAnalysis, FieldVector
-from des.ir import Graph, Node, call_node, is_keras_tensor, replay
+from des.ir import Graph, Node, call_node, is_keras_tensor, replay, trace
 from des.keras_internals import compile_args, has_weight_penalties, take_weight_penalties
 from des.plan import FieldCost, FieldPlan, check_agreement, make_plan
 from des_ops.comm import Communicator, agree, default_communicator
@@ -225,7 +225,7 @@ class FieldChains:
 
 def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str | FieldPlan = "balanced",
               spec=None, release_unowned: bool = True, strict: bool = False, sync_weights: bool = True,
-              seed: int = 0) -> tuple[tf.keras.Model, Report]:
+              seed: int = 0, sample=None) -> tuple[tf.keras.Model, Report]:
     """Return (DES model for this process, report). ``plan``: 'balanced', 'mod' or a FieldPlan.
 
     ``spec`` (a FeatureSpec) gives expected cardinalities to the balanced plan. Every process
@@ -233,9 +233,18 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     that depend on (table, key, ``seed``) only. Rows of tables this process does not own are
     released when ``release_unowned``. ``strict``: raise TransformError instead of returning a
     model where some table or candidate operator was not substituted.
+
+    A subclassed model (a ``tf.keras.Model`` or ``tfrs.models.Model`` with its own ``call``) is
+    traced: its ``call`` runs on symbolic inputs shaped like ``sample`` (a batch of its inputs;
+    not needed once the model has been called), the functional graph this gives is rewritten,
+    and the SAME model object is returned with its forward pass replaced by the rewritten graph,
+    so its own ``compute_loss``, ``train_step``, tasks and metrics stay as they are.
     """
     from des import state
     comm = comm or default_communicator()
+    if not getattr(model, "_is_graph_network", False):
+        return _transform_subclassed(model, sample, comm=comm, plan=plan, spec=spec, release_unowned=release_unowned,
+                                     strict=strict, sync_weights=sync_weights, seed=seed)
     graph = Graph(model)
     fields = FieldAnalysis(graph)
     matches, rejections = find_substitutions(graph, fields)
@@ -360,8 +369,53 @@ def _mark_consumed(model: tf.keras.Model) -> None:
     model.call = consumed
 
 
+def _transform_subclassed(model: tf.keras.Model, sample, comm: Communicator, strict: bool, **kwargs):
+    """des.transform of a subclassed model: see transform's docstring."""
+    traced, why = trace_call(model, sample)
+    if traced is None:
+        report = Report([], [], None, comm.rank, comm.world_size, opaque=[why])
+        if strict:
+            raise TransformError(f"des.transform(strict=True): not everything could be substituted\n{report}")
+        return model, report
+    rewritten, report = transform(traced, comm=comm, strict=strict, **kwargs)
+    if not report.changed:
+        return model, report
+    model.des_forward = rewritten                   # tracked: its DES layer's weights are the model's
+
+    def call(inputs, training=None, **_):
+        return rewritten(inputs, training=training)
+    model.call = call
+    model.des_layer, model.des_plan, model.des_state = rewritten.des_layer, rewritten.des_plan, rewritten.des_state
+    return model, report
+
+
+def trace_call(model: tf.keras.Model, sample=None) -> tuple[tf.keras.Model | None, str]:
+    """A functional model of ``model.call`` on symbolic inputs (those ``call`` reads), sharing
+    ``model``'s layers, or (None, why not)."""
+    from des.keras_internals import input_spec_of
+    name = f"{model.name!r} ({type(model).__name__}, subclassed)"
+    spec = input_spec_of(model, sample)
+    if spec is None:
+        return None, (f"{name}: its input shapes are unknown: pass sample=<a batch of its inputs> to des.transform, "
+                      f"or call the model once on a batch first")
+    try:
+        traced = trace(model, spec)
+    except Exception as e:  # noqa: BLE001 - any failure of the user's call is a reason, not a traceback
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        return None, (f"{name}: its call() could not be traced on symbolic inputs ({type(e).__name__}: {first}); "
+                      f"write it with TensorFlow ops (tf.cond, tf.where) instead of Python control flow on "
+                      f"tensor values, and keep its state in layers")
+    if isinstance(traced.input, dict):              # only the inputs call() reads (a label in the batch is not)
+        graph = Graph(traced)
+        used = {graph.input_name(t) for t in graph.input_ids if graph.consumers.get(t)}
+        if used != set(traced.input):
+            traced = tf.keras.Model({k: v for k, v in traced.input.items() if k in used}, traced.output,
+                                    name=f"{model.name}_traced")
+    return traced, ""
+
+
 def _opaque_models(graph: Graph) -> list[str]:
-    """Subclassed models called as layers that hold tables: their call() cannot be read."""
+    """Subclassed models called as layers that hold tables and whose call() did not trace."""
     from des.sources import source_of
     out = []
     for n in graph.nodes:
@@ -369,10 +423,10 @@ def _opaque_models(graph: Graph) -> list[str]:
         if isinstance(layer, tf.keras.Model) and not getattr(layer, "_is_graph_network", False):
             tables = [m.name for m in layer.submodules if isinstance(m, tf.keras.layers.Layer) and source_of(m)]
             if tables:
-                out.append(f"{layer.name!r} is a subclassed {type(layer).__name__} whose call() DES cannot read, "
+                out.append(f"{layer.name!r} is a subclassed {type(layer).__name__} whose call() DES cannot trace, "
                            f"so its tables ({', '.join(tables[:4])}{', ...' if len(tables) > 4 else ''}) stay "
-                           f"inside it; build it functionally (tf.keras.Model(inputs, outputs)) or call its layers "
-                           f"in the outer model")
+                           f"inside it; write its call() with TensorFlow ops (tf.cond, tf.where) instead of Python "
+                           f"control flow on tensor values, or build it functionally")
     return out
 
 

@@ -196,8 +196,8 @@ class Graph:
 
     def __init__(self, model: tf.keras.Model):
         if not getattr(model, "_is_graph_network", False):
-            raise TypeError(f"des.transform needs a functional tf.keras model (or a Sequential with an "
-                            f"input shape), got a subclassed {type(model).__name__}")
+            raise TypeError(f"des.ir.Graph needs a functional tf.keras model (or a Sequential with an input "
+                            f"shape), got a subclassed {type(model).__name__}: trace it first (des.compiler.trace_call)")
         self.model = model
         self.tensors: dict[int, KerasTensor] = {}
         self.nodes: list[Node] = []
@@ -227,6 +227,14 @@ class Graph:
         if isinstance(layer, tf.keras.Model) and getattr(layer, "_is_graph_network", False) and len(args) == 1:
             self._inline_functional(layer, args[0], outputs)
             return
+        if isinstance(layer, tf.keras.Model) and len(args) == 1 and set(kwargs) <= {"training"}:
+            try:                          # a subclassed model inside: read its call() through if it traces
+                inner = trace(layer, args[0])
+            except Exception:  # noqa: BLE001 - left opaque; the report names it
+                inner = None
+            if inner is not None:
+                self._inline_functional(inner, args[0], outputs)
+                return
         kind, operands, attrs = classify(layer, args, kwargs, self._tid)
         outs = [TensorId(self._tid(t)) for t in tf.nest.flatten(outputs)]
         self.nodes.append(Node(len(self.nodes), layer, kind, operands, attrs, outs, args, kwargs))
@@ -286,6 +294,20 @@ class Graph:
             if n.layer is layer:
                 return f"{n.index}:{type(layer).__name__}"
         raise KeyError(layer.name)
+
+
+def trace(model: tf.keras.Model, like) -> tf.keras.Model:
+    """A functional model of ``model.call`` on fresh symbolic inputs shaped like ``like`` (nested
+    tf.TensorSpec or tensors; a dict keeps its keys as input names). It shares ``model``'s layers.
+    Raises what ``call`` raises on symbolic inputs (Python control flow on tensor values...)."""
+    def fresh(s, name=None):
+        return tf.keras.Input(shape=s.shape[1:], dtype=s.dtype, name=name)
+    specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), like)
+    if isinstance(specs, dict):
+        inputs = {k: fresh(s, str(k)) for k, s in specs.items()}
+    else:
+        inputs = tf.nest.map_structure(fresh, specs)
+    return tf.keras.Model(inputs, model.call(inputs), name=f"{model.name}_traced")
 
 
 def all_keras_tensors(structure) -> list:

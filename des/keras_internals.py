@@ -47,6 +47,17 @@ def compile_args(model) -> dict | None:
     return model._get_compile_args()
 
 
+def input_spec_of(model, sample=None):
+    """The nested tf.TensorSpec of ``model``'s inputs: from ``sample`` (a batch), else from the
+    spec Keras kept when the model was first called, else None."""
+    import tensorflow as tf
+    if sample is not None:
+        return tf.nest.map_structure(lambda t: tf.TensorSpec([None, *tf.convert_to_tensor(t).shape[1:]],
+                                                             tf.convert_to_tensor(t).dtype), sample)
+    spec = getattr(model, "_saved_model_inputs_spec", None)
+    return tf.nest.map_structure(lambda s: tf.TensorSpec([None, *s.shape[1:]], s.dtype), spec) if spec else None
+
+
 def refresh_call_signature(layer) -> None:
     """After ``layer.__class__`` was swapped, let Keras read the new ``call``'s arguments
     (so that it passes ``training``)."""

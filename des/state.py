@@ -113,20 +113,21 @@ class StateKeys:
                         start += p.width
                 sk.owned[id(op.kernel_block)] = (op.kernel_block, parts)
         sk._origin = _weight_keys(graph, chain_layers)
+        # kernels split by field (their rows live in the DES layer and the tail): not the model's any more
+        sk._replaced = {id(m.data["kernel"]) for m in matches if "parts" in m.data}
         sk._dense_keys = {id(m.root.layer): keys[id(m.root.layer)] for m in matches}
         return sk
 
     def bind_tail(self, model: tf.keras.Model) -> None:
         """Key the replicated weights of the DES model (after it is built)."""
-        des_layer = model.des_layer
-        for layer in model.layers:
-            if layer is des_layer:
+        skip = {id(w) for w in model.des_layer.weights} | getattr(self, "_replaced", set())
+        for w in model.weights:          # a subclassed model still holds the split kernel: skipped
+            if id(w) in skip:
                 continue
-            for w in layer.weights:
-                key = self._origin.get(id(w)) or getattr(w, "des_key", None)
-                if key is None:
-                    raise KeyError(f"no state key for weight {w.name} of {layer.name}")
-                self.weights[id(w)] = (w, key)
+            key = self._origin.get(id(w)) or getattr(w, "des_key", None)
+            if key is None:
+                raise KeyError(f"no state key for weight {w.name}")
+            self.weights[id(w)] = (w, key)
 
 
 def _find_var(graph: Graph, wid: int):

@@ -91,6 +91,14 @@ if ! "$PY" -c "import importlib.metadata as m; assert m.version('deepctr') == '$
   "$PY" -m pip install -q --no-deps "deepctr==$DEEPCTR_VERSION"
 fi
 
+# 5b. Test/extra dependency: TensorFlow Recommenders, whose subclassed models the tests trace and
+#     substitute; like deepctr it goes in without its dependencies (it runs on this TensorFlow).
+TFRS_VERSION=0.7.3
+if ! "$PY" -c "import importlib.metadata as m; assert m.version('tensorflow-recommenders') == '$TFRS_VERSION'" 2>/dev/null; then
+  say "installing tensorflow-recommenders $TFRS_VERSION (tests only; --no-deps)"
+  "$PY" -m pip install -q --no-deps "tensorflow-recommenders==$TFRS_VERSION"
+fi
+
 # 6. This project, editable.
 if [ ! -f "$VENV/.des-installed" ] || [ setup.cfg -nt "$VENV/.des-installed" ]; then
   say "installing this project in editable mode"

@@ -239,13 +239,32 @@ def test_negative_a_subclassed_model_inside_is_named_with_what_to_write_instead(
             self.dense = L.Dense(4)
 
         def call(self, ids):
-            return self.dense(L.Flatten()(self.emb(ids)))
+            h = L.Flatten()(self.emb(ids))
+            if tf.reduce_sum(h) > 0:              # Python control flow on a value: cannot be traced
+                h = 2.0 * h
+            return self.dense(h)
 
     x = _inputs()
     model = tf.keras.Model(x, L.Dense(1)(Tower()(x["f0"])))
     text = _report(model)
-    assert "not read: 'my_tower' is a subclassed Tower whose call() DES cannot read, so its tables (tower_emb) " \
-           "stay inside it; build it functionally (tf.keras.Model(inputs, outputs))" in text, text
+    assert "not read: 'my_tower' is a subclassed Tower whose call() DES cannot trace, so its tables (tower_emb) " \
+           "stay inside it; write its call() with TensorFlow ops (tf.cond, tf.where)" in text, text
+
+
+def test_a_subclassed_tower_inside_a_functional_model_is_traced_through():
+    class Tower(tf.keras.Model):
+        def __init__(self, name):
+            super().__init__(name=name)
+            self.embs = [L.Embedding(V, K) for _ in range(2)]
+            self.dense = L.Dense(4)
+
+        def call(self, ids):
+            return self.dense(tf.concat([L.Flatten()(e(i)) for e, i in zip(self.embs, ids)], axis=-1))
+
+    x = _inputs()
+    model = tf.keras.Model(x, L.Dense(1)(tf.concat([Tower("user")([x["f0"], x["f1"]]),
+                                                    Tower("item")([x["f2"], x["f3"]])], axis=-1)))
+    assert rules_and_reasons(model) == (["embed_concat_dense", "embed_concat_dense"], [])
 
 
 def test_the_transformed_model_is_consumed_and_a_compiled_model_stays_compiled():
