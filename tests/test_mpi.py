@@ -323,15 +323,18 @@ def test_same_mpirun_job_gives_the_same_bits_and_idle_processes_take_part(tmp_pa
 def test_processes_that_disagree_end_the_job_with_a_message_naming_the_ranks(tmp_path, kind, expected):
     """A forced disagreement (test hook DES_TEST_DISAGREE): a field plan that differs on rank 1
     is caught at transform; an allreduce that rank 1 names differently (no check) is ended by
-    Horovod's stall shutdown (DES's default: 60 s), which names the missing ranks and the collective."""
+    Horovod's stall shutdown (DES's default 60 s; here the user's own setting, 30 s, which wins),
+    which names the missing ranks and the collective."""
     import time
     t0 = time.time()
-    run = _gallery_under_mpirun(tmp_path, 2, ["two_tower"], env={"DES_TEST_DISAGREE": f"{kind}:1"})
+    run = _gallery_under_mpirun(tmp_path, 2, ["two_tower"], env={"DES_TEST_DISAGREE": f"{kind}:1",
+                                                                 "HOROVOD_STALL_CHECK_TIME_SECONDS": "10",
+                                                                 "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "30"})
     took = time.time() - t0
     out = run.stdout + run.stderr
     print(f"{kind}: ended in {took:.0f} s with code {run.returncode}")
     assert run.returncode != 0 and re.search(expected, out), out[-3000:]
-    assert took < 60 + 60, took          # start-up and tracing (about 20 s here) + the 60 s stall shutdown
+    assert took < 60 + 30, took          # start-up and tracing (about 20 s here) + the 30 s stall shutdown
 
 
 @pytest.mark.mpi
