@@ -39,6 +39,9 @@ from rewrite_rules import RULES, Match, Rejection, find_substitutions, rule_name
 class TransformError(ValueError):
     """des.transform(..., strict=True) could not substitute every table; the message is the report."""
 
+    def __init__(self, report: "Report"):
+        super().__init__(f"des.transform(strict=True): not everything could be substituted\n{report}")
+
 
 @dataclasses.dataclass
 class Report:
@@ -120,7 +123,7 @@ def explain_tables(graph: Graph, fields: FieldAnalysis, matches: list[Match],
         src = n.attrs["source"]
         head = f"{n.layer.name} ({src.name}, width {n.attrs['dim']}, field {fields.ids_input(n)!r})"
         if n.index in used:
-            groups.setdefault((src.name, n.attrs["dim"], ", ".join(used[n.index])), []).append(head)
+            groups.setdefault((src.name, n.attrs["dim"], "substituted in " + ", ".join(used[n.index])), []).append(head)
             continue
         if n.layer.name not in left:
             left.append(n.layer.name)
@@ -129,11 +132,11 @@ def explain_tables(graph: Graph, fields: FieldAnalysis, matches: list[Match],
     lines = []
     for (src, dim, what), heads in groups.items():     # alike: one line per group
         if len(heads) <= 3:
-            lines += [f"{h}: {'substituted in ' if not what.startswith('NOT') else ''}{what}" for h in heads]
+            lines += [f"{h}: {what}" for h in heads]
         else:
             names = [h.split(" (")[0] for h in heads]
             lines.append(f"{len(heads)} tables ({src}, width {dim}: {', '.join(names[:2])}, ..., {names[-1]}): "
-                         f"{'substituted in ' if not what.startswith('NOT') else ''}{what}")
+                         f"{what}")
     return lines, left
 
 
@@ -255,7 +258,7 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
         report.widths = {m.root.layer.name: rule_named(m.rule).sub_operator(m, m.vectors, name=f"probe_{m.rule}").width
                          for m in matches}                  # what would be sent
         report.floats_per_sample = sum(report.widths.values())
-        raise TransformError(f"des.transform(strict=True): not everything could be substituted\n{report}")
+        raise TransformError(report)
     if not matches:
         return model, report
     for n in graph.nodes:
@@ -375,7 +378,7 @@ def _transform_subclassed(model: tf.keras.Model, sample, comm: Communicator, str
     if traced is None:
         report = Report([], [], None, comm.rank, comm.world_size, opaque=[why])
         if strict:
-            raise TransformError(f"des.transform(strict=True): not everything could be substituted\n{report}")
+            raise TransformError(report)
         return model, report
     rewritten, report = transform(traced, comm=comm, strict=strict, **kwargs)
     if not report.changed:
