@@ -75,6 +75,11 @@ def per_sample(graph: Graph, t: int) -> tuple | None:
     return None if any(d is None for d in dims) else dims
 
 
+def _several_rows(dims: tuple) -> bool:
+    """A per-sample shape holding several looked-up rows ([P, K] with P > 1), not one vector."""
+    return len(dims) > 1 and any(d > 1 for d in dims[:-1])
+
+
 def _row(dims: tuple) -> bool:
     """A per-sample shape that is one row vector: every axis but the last is 1."""
     return all(d == 1 for d in dims[:-1])
@@ -172,7 +177,7 @@ class FieldAnalysis:
             if node.kind not in ("reshape", "flatten") or not node.tensor_operands():
                 continue
             before, after = per_sample(self.graph, node.tensor_operands()[0]), per_sample(self.graph, node.output)
-            if before and after and len(before) > 1 and any(d > 1 for d in before[:-1]) and after[-1] > before[-1]:
+            if before and after and _several_rows(before) and after[-1] > before[-1]:
                 return node
         return None
 
@@ -272,7 +277,7 @@ class FieldAnalysis:
         if len(tables) == 1:
             table = tables[0]
             looked = per_sample(g, table.output) or ()
-            if len(looked) > 1 and any(d > 1 for d in looked[:-1]) and (
+            if _several_rows(looked) and (
                     self.unpooled_positions(self.cone(t)) is not None or n is table or dims == looked):
                 return (f"table {table.layer.name!r} looks up {int(np.prod(looked[:-1]))} ids per sample and "
                         f"{n.layer.name!r} uses them unpooled: one table holding several fields (ids + per-field "
