@@ -206,36 +206,89 @@ def _field_costs(graph: Graph, matches: list[Match], spec=None) -> list[FieldCos
 
 class FieldChains:
     """Computes the owned field vectors from the model inputs by calling, once each and in
-    topological order, the layers of their chains (preprocessing, lookup, pooling, reshapes)."""
+    topological order, the layers of their chains (preprocessing, lookup, pooling, reshapes).
+    The table nodes of a fused group (``fused``: [(FusedTable, its table nodes in call order)])
+    are computed together, by one call of their fused table, when the first of them is reached."""
 
-    def __init__(self, graph: Graph, nodes: list[Node], wanted: list[int]):
+    def __init__(self, graph: Graph, nodes: list[Node], wanted: list[int], fused: list[tuple] = ()):
         self.nodes = sorted(nodes, key=lambda n: n.index)
         self.wanted = list(wanted)
         self.inputs = {t: graph.input_name(t) for t in graph.input_ids}
+        self.fused = list(fused)
+        self.group_of = {n.index: k for k, (_, members) in enumerate(self.fused) for n in members}
+        self.producer = {t: n for n in self.nodes for t in n.outputs}
 
     def __call__(self, inputs: dict) -> dict:
         env = {t: inputs[name] for t, name in self.inputs.items() if name in inputs}
 
         def look(x):
-            return env[id(x)] if is_keras_tensor(x) else x
+            if not is_keras_tensor(x):
+                return x
+            if id(x) not in env:                     # a fused group reads ahead of the topological order
+                run(self.producer[id(x)])
+            return env[id(x)]
 
-        for node in self.nodes:
+        def run(node: Node) -> None:
+            if node.index in self.group_of:
+                table, members = self.fused[self.group_of[node.index]]
+                outs = table([tf.nest.map_structure(look, m.call_args[0]) for m in members])
+                env.update({m.output: o for m, o in zip(members, outs)})
+                return
             out = call_node(node, look)
             for t, new in zip(node.outputs, tf.nest.flatten(out)):
                 env[t] = new
+
+        for node in self.nodes:
+            if not all(t in env for t in node.outputs):
+                run(node)
         return {t: env[t] for t in self.wanted}
+
+
+def build_fused_tables(graph: Graph, nodes: list[Node], rank: int) -> tuple[list[tuple], list[str]]:
+    """Group this process's table nodes whose rows can share one TFRA table (des_ops.fused.member_rows:
+    this project's FieldEmbedding and keyed TFRA Embeddings, trainable, without weight penalties,
+    called on one input) by (width, linear part or not); move their rows into one FusedTable per
+    group. Returns ([(table, its nodes)], report lines)."""
+    from des_ops.fused import FusedTable, member_rows
+    groups: dict[tuple, list[Node]] = {}
+    for n in sorted(nodes, key=lambda n: n.index):
+        layer = n.layer
+        if (n.kind != "table" or member_rows(layer) is None or not layer.trainable or has_weight_penalties(layer)
+                or len(n.call_args) != 1 or set(n.call_kwargs) - {"training"}):
+            continue
+        linear = bool(getattr(layer.shadow, "des_linear_part", False))
+        groups.setdefault((n.attrs["dim"], linear), []).append(n)
+    fused, lines = [], []
+    for (dim, linear), members in groups.items():
+        layers = list(dict.fromkeys(m.layer for m in members))
+        table = FusedTable(layers, [layers.index(m.layer) for m in members], dim,
+                           name=f"des_fused{dim}{'_linear' if linear else ''}_rank{rank}", linear=linear)
+        for slot, layer in enumerate(layers):
+            source = next(m.attrs["source"] for m in members if m.layer is layer)
+            keys, values = source.export(layer)
+            source.release(layer)
+            layer.des_fused = (table, slot)
+            source.load(layer, keys, values)           # into the fused table, under packed keys
+        fused.append((table, members))
+        names = [l.name for l in layers]
+        lines.append(f"fused table {table.name}: the rows of {len(layers)} table(s) of width {dim} "
+                     f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) in one TFRA table")
+    return fused, lines
 
 
 def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str | FieldPlan = "balanced",
               spec=None, release_unowned: bool = True, strict: bool = False, sync_weights: bool = True,
-              seed: int = 0, sample=None) -> tuple[tf.keras.Model, Report]:
+              seed: int = 0, sample=None, fuse_tables: bool = False) -> tuple[tf.keras.Model, Report]:
     """Return (DES model for this process, report). ``plan``: 'balanced', 'mod' or a FieldPlan.
 
     ``spec`` (a FeatureSpec) gives expected cardinalities to the balanced plan. Every process
     first takes rank 0's weights and table rows (``sync_weights``); TFRA tables get new rows
     that depend on (table, key, ``seed``) only. Rows of tables this process does not own are
     released when ``release_unowned``. ``strict``: raise TransformError instead of returning a
-    model where some table or candidate operator was not substituted.
+    model where some table or candidate operator was not substituted. ``fuse_tables``: this
+    process keeps the rows of all its tables of one width (and optimizer part) in one TFRA table
+    (des_ops.fused): one lookup and one update per width and step instead of one per table; the
+    results, the checkpoints and the state keys stay those of the tables the model declares.
 
     A subclassed model (a ``tf.keras.Model`` or ``tfrs.models.Model`` with its own ``call``) is
     traced: its ``call`` runs on symbolic inputs shaped like ``sample`` (a batch of its inputs;
@@ -247,7 +300,7 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     comm = comm or default_communicator()
     if not getattr(model, "_is_graph_network", False):
         return _transform_subclassed(model, sample, comm=comm, plan=plan, spec=spec, release_unowned=release_unowned,
-                                     strict=strict, sync_weights=sync_weights, seed=seed)
+                                     strict=strict, sync_weights=sync_weights, seed=seed, fuse_tables=fuse_tables)
     graph = Graph(model)
     fields = FieldAnalysis(graph)
     matches, rejections = find_substitutions(graph, fields)
@@ -313,9 +366,12 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     # lookups are built decides the order in which TensorFlow adds their gradients, so an address
     # order made the same job give other bits run after run
     position = {t: k for k, t in enumerate(graph.tensors)}
+    fused, fused_lines = build_fused_tables(graph, list(owned_nodes.values()), comm.rank) if fuse_tables else ([], [])
     chains = FieldChains(graph, list(owned_nodes.values()),
-                         sorted({t for ids in op_inputs for t in ids}, key=position.__getitem__))
-    layers = list(dict.fromkeys(n.layer for n in chains.nodes))
+                         sorted({t for ids in op_inputs for t in ids}, key=position.__getitem__), fused)
+    in_fused = {id(m.layer) for _, members in fused for m in members}
+    layers = [l for l in dict.fromkeys(n.layer for n in chains.nodes) if id(l) not in in_fused]
+    layers += [table for table, _ in fused]
     first = DESFirstLayer(layers, chains, ops, op_inputs, comm, owned_penalties, penalty_column,
                           name="des_first_layer")
     if forced == "collective":
@@ -335,7 +391,9 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     new_model = replay(graph, skip, given, cls=_model_class(model))
     new_model.des_layer = first
     new_model.des_plan = field_plan
-    new_model.des_state = state.StateKeys.of_transform(graph, matches, first)
+    new_model.des_state = state.StateKeys.of_transform(graph, matches, first,
+                                                       [m.layer for _, members in fused for m in members])
+    report.tables += fused_lines
     report.plan, report.floats_per_sample, report.widths = field_plan, first.floats_per_sample(), widths
     report.penalty_column = penalty_column
     report.compiled = _compile_like(model, new_model)

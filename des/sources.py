@@ -47,25 +47,60 @@ class TableSource:
         return getattr(layer, "field", None)
 
     def rows(self, layer) -> float:
+        fused = fused_of(layer)
+        if fused:
+            return float(len(fused[0].field_rows(fused[1])[0]))
         return float(layer.params.size().numpy())
 
     def export(self, layer) -> tuple[np.ndarray, np.ndarray]:
+        fused = fused_of(layer)
+        if fused:
+            return fused[0].field_rows(fused[1])
         keys, values = layer.params.export()
         return keys.numpy(), values.numpy()
 
     def load(self, layer, keys: np.ndarray, values: np.ndarray) -> None:
         """Replace the rows by (keys, values)."""
+        fused = fused_of(layer)
+        if fused:
+            fused[0].load_field(fused[1], keys, values)
+            return
         layer.params.clear()
         if len(keys):
             layer.params.upsert(tf.constant(keys, layer.params.key_dtype),
                                 tf.constant(values, layer.params.value_dtype))
 
     def release(self, layer) -> None:
-        layer.params.clear()
+        fused = fused_of(layer)
+        self.clear_rows(layer, fused[0].params if fused else layer.params)
+
+    def trainable(self, layer):
+        """The variable the optimizer updates for this table's rows (TFRA: a shadow, maybe of the
+        fused table that holds them; Keras: the matrix)."""
+        fused = fused_of(layer)
+        return fused[0].shadow if fused else layer.shadow
+
+    def store_keys(self, layer, keys: np.ndarray) -> np.ndarray:
+        """The keys under which ``keys`` are stored (and their optimizer slots): fused tables pack them."""
+        fused = fused_of(layer)
+        return fused[0].pack(fused[1], keys) if fused else keys
+
+    def clear_rows(self, layer, params) -> None:
+        """Remove this table's rows from ``params`` (its rows or an optimizer slot of them)."""
+        fused = fused_of(layer)
+        if fused:
+            fused[0].clear_field(params, fused[1])
+        else:
+            params.clear()
 
     def keyed(self, layer, seed: int, name: str) -> None:
         """Make new rows depend on (``name``, key, seed) only (already so for FieldEmbedding);
         ``name`` is the table's place in the graph, the same in every build of the model code."""
+
+
+def fused_of(layer):
+    """(fused table, slot) when des.transform moved ``layer``'s rows into a des_ops.fused.FusedTable."""
+    return getattr(layer, "des_fused", None)
 
 
 def register(cls: type) -> type:
@@ -146,6 +181,9 @@ class _KerasEmbedding(TableSource):
         from des.keras_internals import release_variables
         release_variables(layer, ["embeddings"])
 
+    def trainable(self, layer):
+        return layer.embeddings
+
 
 def _scale_of(init) -> float:
     cfg = init.get_config() if hasattr(init, "get_config") else {}
@@ -168,6 +206,7 @@ def _key_layer(layer, seed: int, name: str) -> None:
     dim = int(layer.embedding_size)
     salt = table_salt(name, dim, seed)
     squashed = base.__name__ == "SquashedEmbedding"
+    layer.des_salt, layer.des_scale, layer.des_squashed = salt, scale, squashed    # des_ops.fused reads them
 
     class Keyed(base):
         des_keyed_tfra = True

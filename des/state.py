@@ -91,16 +91,18 @@ class StateKeys:
         return sk
 
     @staticmethod
-    def of_transform(graph: Graph, matches, des_layer) -> "StateKeys":
-        """For the DES model des.transform builds from ``graph`` (called by transform)."""
+    def of_transform(graph: Graph, matches, des_layer, fused_layers=()) -> "StateKeys":
+        """For the DES model des.transform builds from ``graph`` (called by transform);
+        ``fused_layers``: owned tables whose rows now live in a fused table of ``des_layer``."""
         keys = _layer_keys(graph)
         sk = StateKeys()
-        chain_layers = {id(l) for l in des_layer.owned}
+        chain_layers = {id(l) for l in list(des_layer.owned) + list(fused_layers)}
         for n in graph.nodes:
             if n.kind == "table" and id(n.layer) in chain_layers:
                 sk.tables[keys[id(n.layer)]] = (n.layer, n.attrs["source"])
+        from des_ops.fused import FusedTable
         for l in des_layer.owned:                       # other weights of owned chains
-            if not any(n.layer is l and n.kind == "table" for n in graph.nodes):
+            if not isinstance(l, FusedTable) and not any(n.layer is l and n.kind == "table" for n in graph.nodes):
                 for i, w in enumerate(l.weights):
                     sk.owned[id(w)] = (w, [(f"{keys[id(l)]}/{i}", 0, None)])
         for m, op in zip(matches, des_layer.ops):
@@ -221,8 +223,8 @@ def create_slots(model: tf.keras.Model, optimizer) -> None:
 
 
 def _trainable_of(layer, source):
-    """The variable the optimizer sees for a table layer (TFRA: its shadow; Keras: the matrix)."""
-    return layer.shadow if source.dynamic else layer.embeddings
+    """The variable the optimizer sees for a table layer (TFRA: its shadow or its fused table's; Keras: the matrix)."""
+    return source.trainable(layer)
 
 
 def _slot_names(optimizer, var) -> list[str]:
@@ -276,7 +278,8 @@ def export_rows(model: tf.keras.Model, optimizer, kinds=("table", "owned", "weig
             for name in _slot_names(optimizer, trainable):
                 slot = _part_of(optimizer, trainable).get_slot(trainable, name)
                 if source.dynamic:
-                    found, exists = slot.params.lookup(tf.constant(entry["keys"]), return_exists=True)
+                    found, exists = slot.params.lookup(tf.constant(source.store_keys(var, entry["keys"])),
+                                                       return_exists=True)
                     entry[f"slot:{name}"] = found.numpy()
                     entry[f"has:{name}"] = exists.numpy()
                 else:
@@ -317,9 +320,10 @@ def load_rows(model: tf.keras.Model, optimizer, entries, keep_key=None) -> list[
                     raise KeyError(f"table {key}: the checkpoint has no optimizer slot {name!r}")
                 if source.dynamic:
                     has = cat(f"has:{name}")
-                    slot.params.clear()
+                    source.clear_rows(var, slot.params)
                     if has.any():
-                        slot.params.upsert(tf.constant(keys[has]), tf.constant(cat(f"slot:{name}")[has]))
+                        slot.params.upsert(tf.constant(source.store_keys(var, keys[has])),
+                                           tf.constant(cat(f"slot:{name}")[has]))
                 else:
                     slot.assign(cat(f"slot:{name}"))
             continue

@@ -52,6 +52,17 @@ def key_init(keys: tf.Tensor, salt: int, dim: int, scale: float) -> tf.Tensor:
     return tf.cast((2.0 * u - 1.0) * scale, tf.float32)
 
 
+def key_init_rows(keys: tf.Tensor, salts: tf.Tensor, dim: int, scales: tf.Tensor) -> tf.Tensor:
+    """``key_init`` with a salt (int64 [n]) and a scale (float64 [n]) per key, for a table that
+    holds the rows of several fields: row i has the bits ``key_init(keys[i:i+1], salts[i], dim,
+    scales[i])`` gives (zero scales give +0.0, as ``key_init`` does)."""
+    k = tf.bitcast(keys, _U64)
+    j = tf.cast(tf.range(dim, dtype=tf.int64), _U64)[None, :] + tf.bitcast(salts, _U64)[:, None]
+    x = _splitmix64(_splitmix64(k)[:, None] ^ _splitmix64(j))
+    u = tf.cast(tf.bitwise.right_shift(x, tf.constant(11, _U64)), tf.float64) * (2.0 ** -53)
+    return tf.cast((2.0 * u - 1.0) * scales[:, None] + 0.0, tf.float32)
+
+
 class FieldEmbedding(de.keras.layers.Embedding):
     """One field's dynamic table: ids [B] -> [B, dim]; multi-valued ids [B, L] -> sum-pooled [B, dim];
     ``[ids, weights]`` [B, L] each -> sum_l weights * row(ids).
@@ -93,13 +104,17 @@ class FieldEmbedding(de.keras.layers.Embedding):
             found = self.rows(tf.gather_nd(uniq, real), training)
             return tf.scatter_nd(real, found, tf.stack([tf.size(uniq, tf.int64), self.dim]))
         values, exists = self.params.lookup(uniq, return_exists=True)
-        init = key_init(uniq, self.salt, self.dim, self.init_scale)
+        init = self.new_rows(uniq)
         if training:
             missing = tf.logical_not(exists)
             insert = self.params.upsert(tf.boolean_mask(uniq, missing), tf.boolean_mask(init, missing))
             with tf.control_dependencies([insert]):
                 return de.shadow_ops.embedding_lookup(self.shadow, tf.identity(uniq))
         return tf.where(exists[:, None], de.shadow_ops.embedding_lookup(self.shadow, uniq), init)
+
+    def new_rows(self, uniq: tf.Tensor) -> tf.Tensor:
+        """The rows keys ``uniq`` start from (``key_init`` of this field's salt)."""
+        return key_init(uniq, self.salt, self.dim, self.init_scale)
 
     def compute_output_shape(self, input_shape):
         first = input_shape[0] if isinstance(input_shape, (list, tuple)) else input_shape

@@ -1,0 +1,130 @@
+"""Fused tables: the rows of several fields of one width (and optimizer group) in ONE TFRA table,
+so a step does one key lookup, one insert and one optimizer update per table instead of one per field.
+
+    >>> from models.layers import FieldEmbedding
+    >>> c1, c2 = FieldEmbedding("C1", dim=4), FieldEmbedding("C2", dim=4)
+    >>> fused = FusedTable([c1, c2], calls=[0, 1], dim=4, name="doc_fused4")
+    >>> a, b = fused([tf.constant([7, 8], tf.int64), tf.constant([7], tf.int64)], training=True)
+    >>> bool((a.numpy() == c1(tf.constant([7, 8], tf.int64)).numpy()).all())   # the rows C1's own table starts from
+    True
+    >>> fused.field_rows(1)[0].tolist(), fused.params.size().numpy()            # C2 holds id 7; 3 rows in all
+    ([7], 3)
+
+Key rule: the row of id ``i`` of the field in slot ``s`` (its place in ``members``) is stored under
+``s << 55 | i``. Ids must lie in [0, 2**55) (the readers' hashed ids do: des.data.hashing) and a table
+holds at most 256 fields; an id outside that range stops the step with a message naming the field.
+A new row depends on (field, id, seed) only, exactly as in the field's own table, so fusing changes
+no result; checkpoints still store (field, id) -> row (des.sources reads a field's rows through
+``field_rows``).
+"""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from des.data.spec import PAD_ID
+from models.layers import FieldEmbedding, key_init_rows, pool
+
+ID_BITS = 55
+MAX_FIELDS = 2 ** (63 - ID_BITS)
+_ID_MASK = (1 << ID_BITS) - 1
+
+
+def member_rows(layer) -> tuple[int, float, bool] | None:
+    """(salt, init scale, pools) of a table layer whose rows can live in a fused table, or None.
+    ``pools``: it sums multi-valued ids and skips PAD_ID (FieldEmbedding), or returns ids.shape +
+    [dim] (a keyed TFRA Embedding)."""
+    if type(layer) is FieldEmbedding:
+        return layer.salt, layer.init_scale, True
+    if getattr(layer, "des_keyed_tfra", False) and not getattr(layer, "des_squashed", False):
+        return layer.des_salt, layer.des_scale, False
+    return None
+
+
+class FusedTable(FieldEmbedding):
+    """One TFRA table for the rows of ``members`` (table layers of one width, see ``member_rows``).
+
+    ``calls[k]`` is the member read by the k-th input of ``call`` (a table shared by two fields
+    is read twice); ``call`` returns one tensor per input, what that member's own call returns."""
+    des_embedding = False          # not a table of the user's graph: des.sources reads its members
+
+    def __init__(self, members: list, calls: list[int], dim: int, name: str, linear: bool = False):
+        specs = [member_rows(m) for m in members]
+        if any(s is None for s in specs):
+            raise ValueError(f"{name}: these tables cannot be fused: "
+                             f"{[m.name for m, s in zip(members, specs) if s is None]}")
+        if len(members) > MAX_FIELDS:
+            raise ValueError(f"{name}: a fused table holds at most {MAX_FIELDS} tables, got {len(members)}")
+        super().__init__(field=name, dim=dim, name=name, linear=linear)
+        self.member_names = [m.name for m in members]
+        self.calls = list(calls)
+        self._salts = np.array([s[0] for s in specs], np.int64)
+        self._scales = np.array([s[1] for s in specs], np.float64)
+        self._pools = [s[2] for s in specs]
+
+    def call(self, inputs, training=None):
+        packed, shaped, padded = [], [], False
+        for x, slot in zip(inputs, self.calls):
+            ids, weights = (x[0], x[1]) if isinstance(x, (list, tuple)) else (x, None)
+            ids = tf.cast(tf.convert_to_tensor(ids), tf.int64)
+            flat = tf.reshape(ids, [-1])
+            multi = self._pools[slot] and ids.shape.rank == 2
+            padded |= multi
+            pad = (flat == PAD_ID) if multi else tf.zeros_like(flat, tf.bool)
+            fits = tf.logical_or(pad, tf.logical_and(flat >= 0, flat <= _ID_MASK))
+            check = tf.debugging.Assert(tf.reduce_all(fits), [
+                f"{self.member_names[slot]}: an id outside [0, 2**{ID_BITS}) cannot be stored in fused table "
+                f"{self.name} (key = field slot << {ID_BITS} | id); hash ids into that range or pass "
+                f"fuse_tables=False. First such id:", tf.boolean_mask(flat, tf.logical_not(fits))[:1]])
+            with tf.control_dependencies([check]):
+                packed.append(tf.where(pad, flat, tf.bitwise.bitwise_or(flat, tf.constant(slot << ID_BITS, tf.int64))))
+            shaped.append((ids, weights, slot))
+        uniq, idx = tf.unique(tf.concat(packed, axis=0))
+        rows = tf.gather(self.distinct_rows(uniq, training, multi_valued=padded), idx)
+        out = []
+        for (ids, weights, slot), part in zip(shaped, tf.split(rows, [tf.size(p) for p in packed])):
+            if self._pools[slot]:
+                out.append(pool(part, ids, weights, self.dim))
+            else:
+                out.append(tf.reshape(part, tf.concat([tf.shape(ids), [self.dim]], 0)))
+        return out
+
+    def new_rows(self, uniq: tf.Tensor) -> tf.Tensor:
+        slots = tf.bitwise.right_shift(uniq, tf.constant(ID_BITS, tf.int64))
+        return key_init_rows(tf.bitwise.bitwise_and(uniq, tf.constant(_ID_MASK, tf.int64)),
+                             tf.gather(self._salts, slots), self.dim, tf.gather(self._scales, slots))
+
+    # --- one member's rows, for des.sources (checkpoints, snapshots, the rank-0 broadcast) --------
+    def pack(self, slot: int, ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids, np.int64)
+        bad = (ids < 0) | (ids > _ID_MASK)
+        if bad.any():
+            raise ValueError(f"{self.member_names[slot]}: id {int(ids[bad][0])} is outside [0, 2**{ID_BITS}) and "
+                             f"cannot be stored in fused table {self.name}; restore into a model built with "
+                             f"fuse_tables=False")
+        return ids | np.int64(slot << ID_BITS)
+
+    def _keys_of(self, params, slot: int) -> np.ndarray:
+        keys = params.export()[0].numpy()
+        return keys[(keys >= 0) & ((keys >> ID_BITS) == slot)]
+
+    def field_rows(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, rows) of member ``slot``."""
+        keys, values = self.params.export()
+        keys, values = keys.numpy(), values.numpy()
+        mine = (keys >= 0) & ((keys >> ID_BITS) == slot)
+        return keys[mine] & _ID_MASK, values[mine]
+
+    def clear_field(self, params, slot: int) -> None:
+        """Remove member ``slot``'s keys from ``params`` (this table's rows or one of its optimizer slots)."""
+        keys = self._keys_of(params, slot)
+        if len(keys):
+            params.remove(tf.constant(keys, tf.int64))
+
+    def load_field(self, slot: int, ids: np.ndarray, values: np.ndarray) -> None:
+        self.clear_field(self.params, slot)
+        if len(ids):
+            self.params.upsert(tf.constant(self.pack(slot, ids)), tf.constant(values, self.params.value_dtype))
+
+    def get_config(self):
+        raise NotImplementedError("a FusedTable is built by des.transform, not from a config")

@@ -1,0 +1,154 @@
+"""Fused tables (des.transform(..., fuse_tables=True), des_ops.fused): a process keeps the rows of
+all its tables of one width in one TFRA table. Fused DES on N equals the untouched per-field model
+on one process; checkpoints keep their per-field format both ways; ids that do not fit the key
+rule stop the step with the field's name."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import des
+import models
+from des import state
+from des.data.spec import FeatureSpec, Field
+from des.verify import compare, run_in_process_world, train_and_snapshot
+from des_ops.comm import LocalCommunicator
+from des_ops.fused import ID_BITS, FusedTable
+from helpers import random_batches, small_spec
+from models.layers import table_name
+
+TOL = 2e-6        # as tests/test_equivalence_sim.py: float32 summation order
+SPEC = small_spec(4, dim=3)
+BATCHES = random_batches(SPEC, 16, 32, seed=4)
+PROBE = random_batches(SPEC, 1, 16, seed=99)[0][0]
+MIXED = FeatureSpec((Field("u", "categorical", 3, 30), Field("tags", "multi", 3, 40, max_len=4),
+                     Field("terms", "multi", 3, 60, max_len=5, weighted=True),
+                     Field("ad", "categorical", 3, 20)))
+MIXED_BATCHES = random_batches(MIXED, 12, 32, seed=5)
+
+
+def build(name, spec=SPEC):
+    return lambda: models.build(name, spec, seed=3, hidden=(8, 4))
+
+
+def fused_tables(model) -> list[FusedTable]:
+    return [l for l in model.des_layer.owned if isinstance(l, FusedTable)]
+
+
+@pytest.mark.parametrize("name,optimizer,sizes", [("deepfm", "adam", (1, 2, 3, 5)), ("wdl", "ftrl+adam", (3,)),
+                                                  ("fm", "adagrad", (2,)), ("lr", "ftrl", (5,))])
+def test_fused_des_equals_the_per_field_single_process(name, optimizer, sizes):
+    """Fused DES on N (N = 5: one rank owns no field) == the untouched per-field model on one process."""
+    if optimizer == "ftrl+adam":
+        opt, lr = (lambda: models.make_optimizer("adam", 0.01, linear="ftrl", linear_learning_rate=0.05)), None
+    else:
+        opt, lr = optimizer, {"adam": 0.01, "adagrad": 0.05, "ftrl": 0.05}[optimizer]
+    work = lambda m: train_and_snapshot(m, opt, lr, BATCHES, PROBE)  # noqa: E731
+    ref = work(build(name)())
+    assert np.ptp(ref["predictions"][:, 0]) > 1e-3
+    for n in sizes:
+        runs = run_in_process_world(n, build(name), lambda m: (work(m), owns_and_fused(m)), fuse_tables=True)
+        widths = 1 + (name != "lr")                    # the linear part's width-1 tables, the embeddings
+        assert [c for _, c in runs] == [(owns, widths * owns) for owns, _ in (c for _, c in runs)]
+        diff = compare(ref, [r for r, _ in runs])
+        print(f"{name} {optimizer} fused N={n}: {diff}")
+        assert max(diff.values()) < TOL, (n, diff)
+    if 5 in sizes:
+        assert (False, 0) in [c for _, c in runs]      # the idle rank: no field, no fused table
+
+
+def owns_and_fused(model) -> tuple[bool, int]:
+    return bool(model.des_plan.fields_of(model.des_layer.comm.rank)), len(fused_tables(model))
+
+
+def test_multi_valued_weighted_fields_fused():
+    make = build("deepfm", MIXED)
+    work = lambda m: train_and_snapshot(m, "adagrad", 0.05, MIXED_BATCHES, MIXED_BATCHES[0][0])  # noqa: E731
+    ref = work(make())
+    for n in (1, 2):
+        diff = compare(ref, run_in_process_world(n, make, work, fuse_tables=True))
+        assert max(diff.values()) < TOL, (n, diff)
+
+
+def test_same_bits_run_after_run():
+    work = lambda m: train_and_snapshot(m, "adam", 0.01, BATCHES[:6], PROBE)  # noqa: E731
+    a, b = (run_in_process_world(2, build("deepfm"), work, fuse_tables=True) for _ in range(2))
+    for x, y in zip(a, b):
+        assert np.array_equal(x["predictions"], y["predictions"])
+
+
+def test_user_tfra_embeddings_fuse_when_asked():
+    """A user's own TFRA de.keras.layers.Embedding tables: kept as declared by default, fused with
+    fuse_tables=True, and either way equal to the untouched model (keyed rows)."""
+    from tensorflow_recommenders_addons import dynamic_embedding as de
+
+    def make():
+        ins = {f: tf.keras.Input((), dtype=tf.int64, name=f) for f in SPEC.names()}
+        embs = [de.keras.layers.Embedding(3, initializer=tf.keras.initializers.RandomUniform(-0.05, 0.05),
+                                          name=table_name(f"user_{f}"))(ins[f])     # TFRA shares same-named tables
+                for f in SPEC.names()]
+        h = tf.keras.layers.Dense(4, activation="relu", kernel_initializer=tf.keras.initializers.GlorotUniform(1))(
+            tf.keras.layers.Concatenate()(embs))
+        return tf.keras.Model(ins, tf.keras.layers.Dense(1, activation="sigmoid",
+                                                         kernel_initializer=tf.keras.initializers.GlorotUniform(2))(h))
+
+    plain = make()
+    des.make_keyed(plain, seed=0)
+    work = lambda m: train_and_snapshot(m, "adagrad", 0.05, BATCHES[:8], PROBE)  # noqa: E731
+    ref = work(plain)
+    kept = des.transform(make(), comm=LocalCommunicator())[0]
+    assert fused_tables(kept) == []
+    runs = run_in_process_world(2, make, lambda m: (work(m), len(fused_tables(m))), fuse_tables=True)
+    assert [c for _, c in runs] == [1, 1]
+    diff = compare(ref, [r for r, _ in runs])
+    assert max(diff.values()) < TOL, diff
+
+
+def _trained(fuse: bool, steps: int = 4):
+    model, _ = des.transform(build("deepfm")(), comm=LocalCommunicator(), fuse_tables=fuse)
+    opt = models.make_optimizer("adam", 0.01)
+    model.compile(opt, "binary_crossentropy")
+    for x, y in BATCHES[:steps]:
+        model.train_on_batch(x, y)
+    return model, opt
+
+
+@pytest.mark.parametrize("direction", ["per-field into fused", "fused into per-field"])
+def test_checkpoint_rows_and_slots_cross_between_fused_and_per_field(direction, tmp_path):
+    """A checkpoint written by one layout restores into the other, row by row (values and Adam's
+    slots), and both then train on identically."""
+    from des import checkpoint
+    src_fused = direction == "fused into per-field"
+    src, src_opt = _trained(src_fused)
+    checkpoint.save(str(tmp_path / "ck"), src, src_opt, src.des_plan, 0, 1)
+    dst, dst_opt = _trained(not src_fused, steps=1)         # other rows and slots before the restore
+    checkpoint.restore(str(tmp_path / "ck"), dst, dst_opt, 0, 1)
+    a, b = state.export_rows(src, src_opt), state.export_rows(dst, dst_opt)
+    assert sorted(a) == sorted(b)
+    tables = [k for k in a if k[0] == "table"]
+    assert len(tables) == 8 and min(len(a[k]["keys"]) for k in tables) >= 5, {k: len(a[k]["keys"]) for k in tables}
+    for k in a:
+        order_a, order_b = (np.argsort(a[k]["keys"]), np.argsort(b[k]["keys"])) if k[0] == "table" else (..., ...)
+        for part in a[k]:
+            np.testing.assert_array_equal(np.asarray(a[k][part])[order_a], np.asarray(b[k][part])[order_b],
+                                          err_msg=f"{k} {part}")
+    for x, y in BATCHES[4:7]:
+        src.train_on_batch(x, y)
+        dst.train_on_batch(x, y)
+    np.testing.assert_allclose(src.predict_on_batch(PROBE), dst.predict_on_batch(PROBE), rtol=0, atol=1e-6)
+
+
+def test_an_id_outside_the_key_rule_names_the_field():
+    model, _ = des.transform(build("lr")(), comm=LocalCommunicator(), fuse_tables=True)
+    x = {k: np.array(v) for k, v in PROBE.items()}
+    x["f2"] = x["f2"].copy()
+    x["f2"][2] = 1 << ID_BITS
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"emb1_f2.*outside \[0, 2\*\*55\)"):
+        model(x, training=True)
+
+
+def test_report_names_the_fused_tables():
+    _, report = des.transform(build("deepfm")(), comm=LocalCommunicator(), fuse_tables=True)
+    text = str(report)
+    assert "fused table des_fused3_rank0: the rows of 4 table(s) of width 3" in text, text
+    assert "fused table des_fused1_linear_rank0: the rows of 4 table(s) of width 1" in text, text
+    assert text.count("FieldEmbedding, width") == 8           # every declared table is still listed
