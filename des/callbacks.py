@@ -28,11 +28,20 @@ class _StepClock(tf.keras.callbacks.Callback):
 
 
 class Throughput(_StepClock):
-    """Samples per second of training (median over batches after the first, which traces)."""
+    """Samples per second of training (median over batches after the first, which traces), and
+    ``seconds_to_first_step``: from ``started`` (a time.perf_counter() reading) to the end of the
+    first training step (reading the first batch, building, transforming and tracing the model)."""
 
-    def __init__(self, batch_size: int):
+    def __init__(self, batch_size: int, started: float | None = None):
         super().__init__()
         self.batch_size = batch_size
+        self.started = time.perf_counter() if started is None else started
+        self.seconds_to_first_step: float | None = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(batch, logs)
+        if self.seconds_to_first_step is None:
+            self.seconds_to_first_step = time.perf_counter() - self.started
 
     def samples_per_second(self) -> float:
         t = self.median()

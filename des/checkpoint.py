@@ -47,7 +47,7 @@ import numpy as np
 
 from des.plan import FieldPlan
 
-FORMAT = 2
+FORMAT = 3          # 3: ids of 55 bits (des.data.hashing); 2 (63-bit ids) is read by keeping the low 55 bits
 
 
 class CheckpointError(ValueError):
@@ -198,6 +198,27 @@ class _Shards:
                 raise CheckpointError(f"{name}: truncated or corrupt ({e})") from None
 
 
+def _with_55_bit_ids(shards: "_Shards", path: str):
+    """Entries of a format-2 checkpoint with its table ids as this version's readers make them: the
+    low 55 bits of the 63-bit ids (des.data.hashing). Two ids of one table that meet stop the restore."""
+    from des.data.hashing import ID_MASK
+
+    def entries(kind: str, key: str):
+        saved = list(shards(kind, key))
+        if kind != "table":
+            yield from saved
+            return
+        every = np.concatenate([e["keys"] for e in saved]) if saved else np.zeros(0, np.int64)
+        short = np.where(every >= 0, every & ID_MASK, every)
+        if len(np.unique(short)) != len(np.unique(every)):
+            raise CheckpointError(f"{path}: table {key}: {len(np.unique(every)) - len(np.unique(short))} pair(s) of its "
+                                  f"63-bit ids (checkpoint format 2) share their low 55 bits, which this version's "
+                                  f"ids keep; their rows cannot be told apart: train again")
+        for e in saved:
+            yield dict(e, keys=np.where(e["keys"] >= 0, e["keys"] & ID_MASK, e["keys"]))
+    return entries
+
+
 def reference_model(config: dict):
     """(the single-process model a checkpoint's config describes, its FeatureSpec): built from
     this project's reference models, ready for ``restore``."""
@@ -214,9 +235,12 @@ def restore(directory: str, model, optimizer=None, rank: int = 0, world_size: in
     from des.state import create_slots, load_rows, optimizer_parts
     path = _require(directory)
     config = load_config(directory)
-    if config.get("checkpoint_format") != FORMAT:
-        raise CheckpointError(f"{path}: checkpoint format {config.get('checkpoint_format')}, this version reads {FORMAT}")
+    fmt = config.get("checkpoint_format")
+    if fmt not in (2, FORMAT):
+        raise CheckpointError(f"{path}: checkpoint format {fmt}, this version reads 2 and {FORMAT}")
     shards = _Shards(path, int(config["world_size"]))
+    if fmt == 2:
+        shards = _with_55_bit_ids(shards, path)
     if optimizer is not None:
         create_slots(model, optimizer)
 

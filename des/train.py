@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 
 def _args(argv):
@@ -73,6 +74,9 @@ def _args(argv):
     ap.add_argument("--shuffle-buffer", type=int, default=50_000)
     ap.add_argument("--skip-bad-lines", action="store_true", help="drop and count malformed lines")
     ap.add_argument("--plan", default="balanced", choices=["balanced", "mod"])
+    ap.add_argument("--tables", default=None, choices=["fused", "per-field"],
+                    help="des: a process keeps its fields' rows of one width in one TFRA table (fused, the default "
+                         "under --mode des) or one table per field; the other modes keep one table per field")
     ap.add_argument("--comm", default="auto", choices=["auto", "horovod", "mpi4py", "local", "noop", "sync", "meet"],
                     help="noop: the launcher's rank and size but no collective (times the computation "
                          "alone, for des.timemodel; results are not the model's); sync: the same, but each "
@@ -118,6 +122,7 @@ def _config(a, spec) -> dict:
 
 
 def main(argv=None) -> int:
+    started = time.perf_counter()
     a = _args(argv)
     import des  # noqa: F401 - first: it quiets TF logs before TF loads
     import tensorflow as tf
@@ -226,7 +231,7 @@ def main(argv=None) -> int:
         log(f"restored {path}; continuing at epoch {start['epoch'] + 1}, step {start['step']}")
 
     evald = evaluation()
-    speed = Throughput(global_batch)
+    speed = Throughput(global_batch, started)
     curve = _AucCurve()
     cpu = CPUTime()
     callbacks = [speed, cpu, curve] + mode.callbacks(model)
@@ -272,6 +277,7 @@ def main(argv=None) -> int:
     summary = {"model": a.model, "mode": a.mode, "world_size": mode.world_size,
                "auc": result.get("auc"), "logloss": result.get("logloss"),
                "samples_per_second": speed.samples_per_second(), "cpu_seconds_per_step": cpu.median(),
+               "seconds_to_first_step": speed.seconds_to_first_step,
                "bayes_auc": _bayes_auc(a, meta),
                "bad_lines_skipped": skips.total, "global_batch": global_batch,
                "train_auc_by_step": curve.points, "peak_rss_mib": _peak_rss_mib(),
@@ -289,7 +295,8 @@ def main(argv=None) -> int:
     if evald is not None:
         log(f"AUC {summary['auc']:.4f} (Bayes-optimal {summary['bayes_auc'] or 'unknown'}), "
             f"log loss {summary['logloss']:.4f} on {eval_name}")
-    log(f"{summary['samples_per_second']:.0f} samples/s (global batch {global_batch} / median step time); "
+    log(f"first step done {summary['seconds_to_first_step'] or 0:.1f} s after start; "
+        f"{summary['samples_per_second']:.0f} samples/s (global batch {global_batch} / median step time); "
         f"{summary['cpu_seconds_per_step']:.3f} CPU s per step on this process (median)")
     if saver is not None and saver.saves:
         log(f"checkpoint written to {a.checkpoint} ({saver.saves} save(s); the last at epoch "

@@ -22,12 +22,12 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from des.data.hashing import ID_BITS, ID_MASK
 from des.data.spec import PAD_ID
 from models.layers import FieldEmbedding, key_init_rows, pool
 
-ID_BITS = 55
 MAX_FIELDS = 2 ** (63 - ID_BITS)
-_ID_MASK = (1 << ID_BITS) - 1
+_ID_MASK = ID_MASK
 
 
 def member_rows(layer) -> tuple[int, float, bool] | None:
@@ -62,32 +62,56 @@ class FusedTable(FieldEmbedding):
         self._scales = np.array([s[1] for s in specs], np.float64)
         self._pools = [s[2] for s in specs]
 
+    @tf.autograph.experimental.do_not_convert   # plain TF ops: autograph would only slow tracing
     def call(self, inputs, training=None):
-        packed, shaped, padded = [], [], False
-        for x, slot in zip(inputs, self.calls):
-            ids, weights = (x[0], x[1]) if isinstance(x, (list, tuple)) else (x, None)
-            ids = tf.cast(tf.convert_to_tensor(ids), tf.int64)
-            flat = tf.reshape(ids, [-1])
+        # one-hot inputs (ids [B], no weights) travel as one [B, S] block: a few ops whatever S is,
+        # since tracing cost grows with the number of ops; the others one by one
+        single = [k for k, x in enumerate(inputs) if not isinstance(x, (list, tuple)) and x.shape.rank == 1]
+        other = [k for k in range(len(inputs)) if k not in single]
+        packed, padded = [], False
+        if single:
+            ids = tf.stack([tf.cast(inputs[k], tf.int64) for k in single], axis=1)
+            self._check(ids, tf.zeros_like(ids, tf.bool), [self.calls[k] for k in single])
+            slots = tf.constant([self.calls[k] << ID_BITS for k in single], tf.int64)
+            packed.append(tf.reshape(tf.bitwise.bitwise_or(ids, slots[None, :]), [-1]))
+        for k in other:
+            ids, _ = self._ids_and_weights(inputs[k])
+            flat, slot = tf.reshape(ids, [-1]), self.calls[k]
             multi = self._pools[slot] and ids.shape.rank == 2
             padded |= multi
             pad = (flat == PAD_ID) if multi else tf.zeros_like(flat, tf.bool)
-            fits = tf.logical_or(pad, tf.logical_and(flat >= 0, flat <= _ID_MASK))
-            check = tf.debugging.Assert(tf.reduce_all(fits), [
-                f"{self.member_names[slot]}: an id outside [0, 2**{ID_BITS}) cannot be stored in fused table "
-                f"{self.name} (key = field slot << {ID_BITS} | id); hash ids into that range or pass "
-                f"fuse_tables=False. First such id:", tf.boolean_mask(flat, tf.logical_not(fits))[:1]])
-            with tf.control_dependencies([check]):
-                packed.append(tf.where(pad, flat, tf.bitwise.bitwise_or(flat, tf.constant(slot << ID_BITS, tf.int64))))
-            shaped.append((ids, weights, slot))
+            self._check(flat[:, None], pad[:, None], [slot])
+            packed.append(tf.where(pad, flat, tf.bitwise.bitwise_or(flat, tf.constant(slot << ID_BITS, tf.int64))))
         uniq, idx = tf.unique(tf.concat(packed, axis=0))
         rows = tf.gather(self.distinct_rows(uniq, training, multi_valued=padded), idx)
-        out = []
-        for (ids, weights, slot), part in zip(shaped, tf.split(rows, [tf.size(p) for p in packed])):
-            if self._pools[slot]:
-                out.append(pool(part, ids, weights, self.dim))
+        parts = tf.split(rows, [tf.size(p) for p in packed])
+        out = [None] * len(inputs)
+        if single:
+            block = tf.reshape(parts[0], [-1, len(single), self.dim])
+            for k, v in zip(single, tf.unstack(block, axis=1)):
+                out[k] = v
+        for k, part in zip(other, parts[1 if single else 0:]):
+            ids, weights = self._ids_and_weights(inputs[k])
+            if self._pools[self.calls[k]]:
+                out[k] = pool(part, ids, weights, self.dim)
             else:
-                out.append(tf.reshape(part, tf.concat([tf.shape(ids), [self.dim]], 0)))
+                out[k] = tf.reshape(part, tf.concat([tf.shape(ids), [self.dim]], 0))
         return out
+
+    @staticmethod
+    def _ids_and_weights(x):
+        ids, weights = (x[0], x[1]) if isinstance(x, (list, tuple)) else (x, None)
+        return tf.cast(tf.convert_to_tensor(ids), tf.int64), weights
+
+    def _check(self, ids: tf.Tensor, pad: tf.Tensor, slots: list[int]) -> None:
+        """Stop the step if an id of ``ids`` [n, len(slots)] (column j: member slots[j]) breaks the key rule."""
+        fits = pad | ((ids >= 0) & (ids <= _ID_MASK))
+        bad = tf.where(tf.logical_not(fits))[:1]
+        names = tf.constant([self.member_names[s] for s in slots])
+        tf.debugging.Assert(tf.reduce_all(fits), [
+            "an id outside [0, 2**55) cannot be stored in fused table", self.name,
+            "(key = field slot << 55 | id); hash ids into that range or pass fuse_tables=False. Table:",
+            tf.gather(names, bad[:, 1]), "id:", tf.gather_nd(ids, bad)], summarize=3)
 
     def new_rows(self, uniq: tf.Tensor) -> tf.Tensor:
         slots = tf.bitwise.right_shift(uniq, tf.constant(ID_BITS, tf.int64))

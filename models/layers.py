@@ -82,6 +82,7 @@ class FieldEmbedding(de.keras.layers.Embedding):
         if self.linear:
             self.shadow.des_linear_part = True
 
+    @tf.autograph.experimental.do_not_convert   # plain TF ops: autograph would only slow tracing
     def call(self, inputs, training=None):
         ids, weights = (inputs[0], inputs[1]) if isinstance(inputs, (list, tuple)) else (inputs, None)
         ids = tf.convert_to_tensor(ids, tf.int64)

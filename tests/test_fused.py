@@ -142,7 +142,7 @@ def test_an_id_outside_the_key_rule_names_the_field():
     x = {k: np.array(v) for k, v in PROBE.items()}
     x["f2"] = x["f2"].copy()
     x["f2"][2] = 1 << ID_BITS
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"emb1_f2.*outside \[0, 2\*\*55\)"):
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"(?s)outside \[0, 2\*\*55\).*emb1_f2.*36028797018963968"):
         model(x, training=True)
 
 
@@ -152,3 +152,58 @@ def test_report_names_the_fused_tables():
     assert "fused table des_fused3_rank0: the rows of 4 table(s) of width 3" in text, text
     assert "fused table des_fused1_linear_rank0: the rows of 4 table(s) of width 1" in text, text
     assert text.count("FieldEmbedding, width") == 8           # every declared table is still listed
+
+
+def _as_format_2(path: str, high_bits: int) -> None:
+    """Rewrite the checkpoint at ``path`` as the previous version wrote it: format 2, with table ids of
+    63 bits (``high_bits`` set above bit 55, as 63-bit hashes have)."""
+    import glob
+    import json
+    cfg = glob.glob(f"{path}/state/config.json")[0]
+    with open(cfg) as fh:
+        config = json.load(fh)
+    with open(cfg, "w") as fh:
+        json.dump(dict(config, checkpoint_format=2), fh)
+    for shard in glob.glob(f"{path}/state/*.npz"):
+        npz = dict(np.load(shard, allow_pickle=False))
+        index = json.loads(str(npz["index"]))
+        for i, (kind, _, field) in enumerate(index):
+            if kind == "table" and field == "keys":
+                npz[f"a{i}"] = npz[f"a{i}"] | np.int64(high_bits << ID_BITS)
+        np.savez(shard, **npz)
+
+
+def test_a_format_2_checkpoint_restores_with_the_low_55_bits_of_its_ids(tmp_path):
+    from des import checkpoint
+    src, opt = _trained(False)
+    path = str(tmp_path / "ck")
+    checkpoint.save(path, src, opt, src.des_plan, 0, 1)
+    _as_format_2(path, high_bits=0b1011)
+    dst, dst_opt = _trained(True, steps=1)
+    checkpoint.restore(path, dst, dst_opt, 0, 1)
+    a, b = state.snapshot(src)["tables"], state.snapshot(dst)["tables"]
+    assert a.keys() == b.keys() and all(a[k].keys() == b[k].keys() for k in a)
+    for k in a:
+        for i in a[k]:
+            np.testing.assert_array_equal(a[k][i], b[k][i])
+
+
+def test_format_2_ids_that_meet_in_55_bits_stop_the_restore(tmp_path):
+    import glob
+    import json
+    from des import checkpoint
+    src, opt = _trained(False)
+    path = str(tmp_path / "ck")
+    checkpoint.save(path, src, opt, src.des_plan, 0, 1)
+    shard = glob.glob(f"{path}/state/*.npz")[0]
+    npz = dict(np.load(shard, allow_pickle=False))
+    index = json.loads(str(npz["index"]))
+    i = next(i for i, (kind, _, field) in enumerate(index) if kind == "table" and field == "keys")
+    keys = npz[f"a{i}"].copy()
+    keys[1] = keys[0] | np.int64(1 << 60)           # another 63-bit id with the same low 55 bits
+    npz[f"a{i}"] = keys
+    np.savez(shard, **npz)
+    _as_format_2(path, high_bits=0)
+    dst, dst_opt = _trained(False, steps=1)
+    with pytest.raises(checkpoint.CheckpointError, match=r"table .*: 1 pair\(s\) of its 63-bit ids"):
+        checkpoint.restore(path, dst, dst_opt, 0, 1)

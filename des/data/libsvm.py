@@ -40,7 +40,7 @@ import numpy as np
 import tensorflow as tf
 
 from des.data.errors import DataError
-from des.data.hashing import SEP
+from des.data.hashing import SEP, hash_ids
 from des.data.text import utf8_ok
 from des.data.spec import PAD_ID, FeatureSpec, Field
 
@@ -48,7 +48,6 @@ NUM_RE = r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]{1,3})?"
 LABEL_RE = r"0|1|-1|\+1"
 FIELD_RE = r"[0-9]{1,6}"
 IDX_RE = r"[^:\s]+"
-_HASH_BUCKETS = 2**63 - 1
 
 
 def _rank_within_runs(keys: tf.Tensor) -> tf.Tensor:
@@ -118,7 +117,7 @@ class _SparseText:
         keep = tf.gather(ok, row)
         names = tf.constant([f"{f.name}{SEP}" for f in self.fields])
         field_k, idx_k, pos_k, row_k = [tf.boolean_mask(t, keep) for t in (field, idx, pos, row)]
-        ids = tf.strings.to_hash_bucket_fast(tf.strings.join([tf.gather(names, field_k), idx_k]), _HASH_BUCKETS)
+        ids = hash_ids(tf.strings.join([tf.gather(names, field_k), idx_k]))
         where = tf.stack([row_k, field_k, pos_k], 1)
         shape = tf.stack([b, nf, self.lmax])
         ids3 = tf.tensor_scatter_nd_update(tf.fill(shape, tf.constant(PAD_ID, tf.int64)), where, ids)

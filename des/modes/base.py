@@ -79,6 +79,8 @@ class Mode:
                             f"--staleness 0")
         if self.a.allocate_top_k is not None:
             raise ModeError("--allocate-top-k is an option of --allocate laia (--mode ps and cache)")
+        if self.a.tables == "fused" and self.name != "des":
+            raise ModeError(f"--tables fused is built by --mode des; --mode {self.name} keeps one table per field")
 
     _reads = "there is one process"
 

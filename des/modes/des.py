@@ -27,7 +27,8 @@ class DES(Mode):
         from des.cost import unique_ids_per_slice
         a = self.a
         plan = (a.restore and checkpoint.load_plan(a.restore, self.world_size)) or a.plan
-        model, self.report = des.transform(model, comm=self.comm, plan=plan, spec=self.run.spec)
+        model, self.report = des.transform(model, comm=self.comm, plan=plan, spec=self.run.spec,
+                                           fuse_tables=a.tables != "per-field")
         first = {k: v.numpy() for k, v in self.run.first_batch().items()}
         self.report.estimate_costs(a.batch, unique_ids_per_slice(first, self.run.spec, self.world_size))
         self.run.log(self.report)
