@@ -31,6 +31,7 @@ from des.ir import Graph, Node, call_node, is_keras_tensor, replay, trace
 from des.keras_internals import compile_args, has_weight_penalties, take_weight_penalties
 from des.plan import FieldCost, FieldPlan, check_agreement, make_plan
 from des_ops.comm import Communicator, agree, default_communicator
+from des_ops.fused import fuse_nodes
 from des_ops.suboperators import DESFirstLayer
 from des_ops.wire import ring_share
 from rewrite_rules import RULES, Match, Rejection, find_substitutions, rule_named
@@ -244,38 +245,6 @@ class FieldChains:
         return {t: env[t] for t in self.wanted}
 
 
-def build_fused_tables(graph: Graph, nodes: list[Node], rank: int) -> tuple[list[tuple], list[str]]:
-    """Group this process's table nodes whose rows can share one TFRA table (des_ops.fused.member_rows:
-    this project's FieldEmbedding and keyed TFRA Embeddings, trainable, without weight penalties,
-    called on one input) by (width, linear part or not); move their rows into one FusedTable per
-    group. Returns ([(table, its nodes)], report lines)."""
-    from des_ops.fused import FusedTable, member_rows
-    groups: dict[tuple, list[Node]] = {}
-    for n in sorted(nodes, key=lambda n: n.index):
-        layer = n.layer
-        if (n.kind != "table" or member_rows(layer) is None or not layer.trainable or has_weight_penalties(layer)
-                or len(n.call_args) != 1 or set(n.call_kwargs) - {"training"}):
-            continue
-        linear = bool(getattr(layer.shadow, "des_linear_part", False))
-        groups.setdefault((n.attrs["dim"], linear), []).append(n)
-    fused, lines = [], []
-    for (dim, linear), members in groups.items():
-        layers = list(dict.fromkeys(m.layer for m in members))
-        table = FusedTable(layers, [layers.index(m.layer) for m in members], dim,
-                           name=f"des_fused{dim}{'_linear' if linear else ''}_rank{rank}", linear=linear)
-        for slot, layer in enumerate(layers):
-            source = next(m.attrs["source"] for m in members if m.layer is layer)
-            keys, values = source.export(layer)
-            source.release(layer)
-            layer.des_fused = (table, slot)
-            source.load(layer, keys, values)           # into the fused table, under packed keys
-        fused.append((table, members))
-        names = [l.name for l in layers]
-        lines.append(f"fused table {table.name}: the rows of {len(layers)} table(s) of width {dim} "
-                     f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) in one TFRA table")
-    return fused, lines
-
-
 def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str | FieldPlan = "balanced",
               spec=None, release_unowned: bool = True, strict: bool = False, sync_weights: bool = True,
               seed: int = 0, sample=None, fuse_tables: bool = False) -> tuple[tf.keras.Model, Report]:
@@ -366,7 +335,7 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     # lookups are built decides the order in which TensorFlow adds their gradients, so an address
     # order made the same job give other bits run after run
     position = {t: k for k, t in enumerate(graph.tensors)}
-    fused, fused_lines = build_fused_tables(graph, list(owned_nodes.values()), comm.rank) if fuse_tables else ([], [])
+    fused, fused_lines = fuse_nodes(graph, list(owned_nodes.values()), f"rank{comm.rank}") if fuse_tables else ([], [])
     chains = FieldChains(graph, list(owned_nodes.values()),
                          sorted({t for ids in op_inputs for t in ids}, key=position.__getitem__), fused)
     in_fused = {id(m.layer) for _, members in fused for m in members}

@@ -4,11 +4,11 @@ so a step does one key lookup, one insert and one optimizer update per table ins
     >>> from models.layers import FieldEmbedding
     >>> c1, c2 = FieldEmbedding("C1", dim=4), FieldEmbedding("C2", dim=4)
     >>> fused = FusedTable([c1, c2], calls=[0, 1], dim=4, name="doc_fused4")
-    >>> a, b = fused([tf.constant([7, 8], tf.int64), tf.constant([7], tf.int64)], training=True)
+    >>> a, b = fused([tf.constant([7, 8], tf.int64), tf.constant([7, 9], tf.int64)], training=True)  # one batch
     >>> bool((a.numpy() == c1(tf.constant([7, 8], tf.int64)).numpy()).all())   # the rows C1's own table starts from
     True
-    >>> fused.field_rows(1)[0].tolist(), fused.params.size().numpy()            # C2 holds id 7; 3 rows in all
-    ([7], 3)
+    >>> sorted(fused.field_rows(1)[0].tolist()), fused.params.size().numpy()    # C2 holds ids 7, 9; 4 rows in all
+    ([7, 9], 4)
 
 Key rule: the row of id ``i`` of the field in slot ``s`` (its place in ``members``) is stored under
 ``s << 55 | i``. Ids must lie in [0, 2**55) (the readers' hashed ids do: des.data.hashing) and a table
@@ -152,3 +152,70 @@ class FusedTable(FieldEmbedding):
 
     def get_config(self):
         raise NotImplementedError("a FusedTable is built by des.transform, not from a config")
+
+
+def fuse_nodes(graph, nodes: list, suffix: str) -> tuple[list[tuple], list[str]]:
+    """Group the table nodes of ``nodes`` (des.ir nodes of ``graph``) whose rows can share one TFRA
+    table (``member_rows``: this project's FieldEmbedding and keyed TFRA Embeddings; trainable,
+    without weight penalties, called on one input) by (width, linear part or not) and move their rows
+    into one FusedTable per group, named ``des_fused<width>[_linear]_<suffix>``. Every member layer
+    then reads and writes its rows through the fused table (des.sources). Returns
+    ([(table, its nodes in graph order)], one report line per table)."""
+    from des.keras_internals import has_weight_penalties
+    groups: dict[tuple, list] = {}
+    for n in sorted(nodes, key=lambda n: n.index):
+        layer = n.layer
+        if (n.kind != "table" or member_rows(layer) is None or not layer.trainable or has_weight_penalties(layer)
+                or len(n.call_args) != 1 or set(n.call_kwargs) - {"training"}):
+            continue
+        linear = bool(getattr(layer.shadow, "des_linear_part", False))
+        groups.setdefault((n.attrs["dim"], linear), []).append(n)
+    fused, lines = [], []
+    for (dim, linear), members in groups.items():
+        layers = list(dict.fromkeys(m.layer for m in members))
+        table = FusedTable(layers, [layers.index(m.layer) for m in members], dim,
+                           name=f"des_fused{dim}{'_linear' if linear else ''}_{suffix}", linear=linear)
+        for slot, layer in enumerate(layers):
+            source = next(m.attrs["source"] for m in members if m.layer is layer)
+            keys, values = source.export(layer)
+            source.release(layer)
+            layer.des_fused = (table, slot)
+            source.load(layer, keys, values)           # into the fused table, under packed keys
+        fused.append((table, members))
+        names = [l.name for l in layers]
+        lines.append(f"fused table {table.name}: the rows of {len(layers)} table(s) of width {dim} "
+                     f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) in one TFRA table")
+    return fused, lines
+
+
+def fuse_model(model: tf.keras.Model) -> tuple[tf.keras.Model, list[str]]:
+    """``model`` (functional, untouched) with its fusable tables in one TFRA table per width: the same
+    function, the same state keys and checkpoints (des.state), one lookup and update per width.
+
+        >>> import models
+        >>> from des.data import FeatureSpec, Field
+        >>> spec = FeatureSpec((Field("C1", dim=4), Field("C2", dim=4)))
+        >>> fused, lines = fuse_model(models.deepfm(spec, hidden=(8,)))
+        >>> [line.split(":")[0] for line in lines]
+        ['fused table des_fused4_model', 'fused table des_fused1_linear_model']
+
+    Returns (the new model, one report line per fused table); the model itself if nothing fuses.
+    Its tables' inputs must be the model's inputs."""
+    from des import state
+    from des.ir import Graph, replay
+    graph = Graph(model)
+    keys = state.StateKeys.of_model(model)            # per table, before the rows move
+    nodes = [n for n in graph.nodes if n.kind == "table" and
+             all(graph.input_name(t) is not None for t in n.tensor_operands())]
+    fused, lines = fuse_nodes(graph, nodes, "model")
+    if not fused:
+        return model, lines
+    inputs = {t: graph.tensors[t] for t in graph.input_ids}
+    given = {}
+    for table, members in fused:
+        outs = table([tf.nest.map_structure(lambda x: inputs.get(id(x), x), m.call_args[0]) for m in members])
+        given.update({m.output: (lambda look, o=o: o) for m, o in zip(members, outs)})
+    cls = type(model) if type(model).__name__ not in ("Functional", "Sequential") else tf.keras.Model
+    new = replay(graph, {m.index for _, members in fused for m in members}, given, cls=cls, suffix="fused")
+    new.des_state = keys
+    return new, lines

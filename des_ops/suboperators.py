@@ -150,7 +150,6 @@ class DESFirstLayer(tf.keras.layers.Layer):
         self.batch_fingerprint = self.add_weight("batch_fingerprint", shape=(), dtype=tf.float64,
                                                  trainable=False, initializer="zeros")
 
-    @tf.autograph.experimental.do_not_convert   # plain TF ops: autograph would only slow tracing
     def call(self, inputs: dict, training=None):
         batch = tf.shape(next(iter(inputs.values())))[0]
         if training:

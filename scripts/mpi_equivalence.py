@@ -1,6 +1,6 @@
 """One process of an equivalence run under mpirun (used by tests/test_mpi.py):
 
-    mpirun -np 3 python scripts/mpi_equivalence.py deepfm adam OUT_DIR [horovod|mpi4py]
+    mpirun -np 3 python scripts/mpi_equivalence.py deepfm adam OUT_DIR [horovod|mpi4py] [per-field|fused]
 
 Each rank trains the DES model on the shared toy batches (PS_SPEC: one-hot, multi-valued and
 weighted multi-valued fields) and pickles its snapshot
@@ -26,12 +26,13 @@ from des_ops.comm import HorovodCommunicator, Mpi4pyCommunicator, allreduce_sum 
 LR = {"sgd": 0.2, "adagrad": 0.05, "adam": 0.01, "ftrl": 0.05}
 
 
-def main(name: str, optimizer: str, out: str, comm_kind: str = "horovod") -> None:
+def main(name: str, optimizer: str, out: str, comm_kind: str = "horovod", tables: str = "per-field") -> None:
     comm = HorovodCommunicator() if comm_kind == "horovod" else Mpi4pyCommunicator()
     spec = PS_SPEC            # one-hot, multi-valued and weighted multi-valued fields
     batches = random_batches(spec, 20, 32, seed=4)
     probe = random_batches(spec, 1, 16, seed=99)[0][0]
-    model, report = des.transform(models.build(name, spec, seed=3, hidden=(8, 4)), comm=comm)
+    model, report = des.transform(models.build(name, spec, seed=3, hidden=(8, 4)), comm=comm,
+                                  fuse_tables=tables == "fused")
     if comm.rank == 0:
         print(report, flush=True)
     snap = train_and_snapshot(model, optimizer_factory(optimizer, LR), None, batches, probe)
@@ -46,9 +47,11 @@ def main(name: str, optimizer: str, out: str, comm_kind: str = "horovod") -> Non
     snap["payload_bytes"] = int(comm.payload_bytes.numpy())
     snap["allreduce_calls"] = int(comm.calls.numpy())
     snap["floats_per_sample"] = report.floats_per_sample
+    snap["fused_tables"] = sum(line.startswith("fused table") for line in report.tables)
+    snap["owns_fields"] = bool(model.des_plan.fields_of(comm.rank))
     with open(os.path.join(out, f"rank{comm.rank}.pkl"), "wb") as fh:
         pickle.dump(snap, fh)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])

@@ -26,13 +26,20 @@ def mpirun(n, *args, timeout=600):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("name, optimizer, n, comm", [
-    ("deepfm", "adam", 2, "horovod"), ("wdl", "ftrl", 3, "horovod"), ("fm", "adagrad", 4, "horovod"),
-    ("dnn", "sgd", 3, "horovod"), ("lr", "adam", 2, "mpi4py"), ("wdl", "ftrl+adam", 2, "horovod")])
-def test_des_under_mpirun_equals_single_process(tmp_path, name, optimizer, n, comm):
-    run = mpirun(n, "scripts/mpi_equivalence.py", name, optimizer, str(tmp_path), comm)
+@pytest.mark.parametrize("name, optimizer, n, comm, tables", [
+    ("deepfm", "adam", 2, "horovod", "per-field"), ("wdl", "ftrl", 3, "horovod", "per-field"),
+    ("fm", "adagrad", 4, "horovod", "fused"), ("dnn", "sgd", 3, "horovod", "per-field"),
+    ("lr", "adam", 2, "mpi4py", "per-field"), ("wdl", "ftrl+adam", 2, "horovod", "fused"),
+    ("deepfm", "adam", 5, "horovod", "fused")])
+def test_des_under_mpirun_equals_single_process(tmp_path, name, optimizer, n, comm, tables):
+    """DES on N processes (per-field or fused tables; N = 5 > 4 fields: a process owns nothing) equals
+    the untouched per-field model on one process."""
+    run = mpirun(n, "scripts/mpi_equivalence.py", name, optimizer, str(tmp_path), comm, tables)
     assert run.returncode == 0, run.stderr[-3000:]
     ranks = [pickle.load(open(tmp_path / f"rank{r}.pkl", "rb")) for r in range(n)]
+    widths = 1 + (name not in ("lr", "dnn")) if tables == "fused" else 0   # fused tables of an owner
+    assert [r["fused_tables"] for r in ranks] == [widths * r["owns_fields"] for r in ranks]
+    assert (n == 5) == (not all(r["owns_fields"] for r in ranks))       # N = 5: one process owns no field
     spec = PS_SPEC                 # one-hot, multi-valued and weighted fields, as scripts/mpi_equivalence.py
     ref = train_and_snapshot(models.build(name, spec, seed=3, hidden=(8, 4)), optimizer_factory(optimizer, LR), None,
                              random_batches(spec, 20, 32, seed=4), random_batches(spec, 1, 16, seed=99)[0][0])

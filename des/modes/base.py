@@ -79,8 +79,9 @@ class Mode:
                             f"--staleness 0")
         if self.a.allocate_top_k is not None:
             raise ModeError("--allocate-top-k is an option of --allocate laia (--mode ps and cache)")
-        if self.a.tables == "fused" and self.name != "des":
-            raise ModeError(f"--tables fused is built by --mode des; --mode {self.name} keeps one table per field")
+        if self.a.tables == "fused" and self.name not in ("single", "des"):
+            raise ModeError(f"--tables fused is built by --mode single and des; --mode {self.name} keeps one table "
+                            f"per field")
 
     _reads = "there is one process"
 
@@ -96,7 +97,14 @@ class Mode:
         return None
 
     def prepare(self, model):
-        """The model this mode trains, built from the untouched reference ``model``."""
+        """The model this mode trains, built from the untouched reference ``model`` (one process:
+        with its tables of one width in one TFRA table, unless --tables per-field)."""
+        if self.a.tables == "per-field":
+            return model
+        from des_ops.fused import fuse_model
+        model, lines = fuse_model(model)
+        for line in lines:
+            self.run.log(line)
         return model
 
     def callbacks(self, model) -> list:
