@@ -73,9 +73,11 @@ class PSModel(tf.keras.Model):
 
 
 def shard(model: tf.keras.Model, exchange: KeyExchange, make_table=None, cls=PSModel,
-          mode: str = "ps") -> PSModel:
+          mode: str = "ps", fuse: bool = False) -> PSModel:
     """The same model with every FieldEmbedding replaced by a ShardedFieldEmbedding
-    (or by ``make_table(old_layer)``, e.g. a cached one), as a ``cls`` model."""
+    (or by ``make_table(old_layer)``, e.g. a cached one), as a ``cls`` model. ``fuse``: the
+    sharded tables of one width share one TFRA table per process (des_ops.sharded.ShardedFusedTable):
+    one set of all-to-alls per width and step instead of one per table."""
     graph = Graph(model)
     embeds = [n for n in graph.nodes if n.kind == "table"]
     given = {}
@@ -94,6 +96,11 @@ def shard(model: tf.keras.Model, exchange: KeyExchange, make_table=None, cls=PSM
         given[n.output] = lambda look, out=out: out
     ps = replay(graph, {n.index for n in embeds}, given, cls=cls, suffix=mode)
     ps.exchange = exchange
+    if fuse:
+        from des_ops.fused import fuse_model
+        tables = table_inputs(ps)
+        ps, ps.fused_lines = fuse_model(ps)
+        ps.exchange, ps.ps_tables = exchange, tables
     return ps
 
 
@@ -129,7 +136,10 @@ def analytic_bytes(feats: dict, tables: list[tuple[str, str | None, int]], rank:
 
 
 def table_inputs(model: tf.keras.Model) -> list[tuple[str, str | None, int]]:
-    """(ids input, weights input or None, dim) of every sharded table of a PS model."""
+    """(ids input, weights input or None, dim) of every sharded table of a PS model (of a fused one:
+    of the tables it fuses)."""
+    if getattr(model, "ps_tables", None) is not None:
+        return model.ps_tables
     graph = Graph(model)
     out = []
     for n in graph.nodes:

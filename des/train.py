@@ -75,9 +75,10 @@ def _args(argv):
     ap.add_argument("--skip-bad-lines", action="store_true", help="drop and count malformed lines")
     ap.add_argument("--plan", default="balanced", choices=["balanced", "mod"])
     ap.add_argument("--tables", default=None, choices=["fused", "per-field"],
-                    help="single and des: a process keeps its fields' rows of one width in one TFRA table (fused, "
-                         "their default) or one table per field (per-field: single trains the model untouched); "
-                         "ps and cache keep one table per field")
+                    help="single, des and ps: a process keeps its fields' rows of one width in one TFRA table "
+                         "(fused, their default; the PS then does one set of all-to-alls per width and step) or one "
+                         "table per field (per-field: single trains the model untouched); cache keeps one table per "
+                         "field")
     ap.add_argument("--comm", default="auto", choices=["auto", "horovod", "mpi4py", "local", "noop", "sync", "meet"],
                     help="noop: the launcher's rank and size but no collective (times the computation "
                          "alone, for des.timemodel; results are not the model's); sync: the same, but each "

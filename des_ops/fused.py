@@ -34,7 +34,7 @@ def member_rows(layer) -> tuple[int, float, bool] | None:
     """(salt, init scale, pools) of a table layer whose rows can live in a fused table, or None.
     ``pools``: it sums multi-valued ids and skips PAD_ID (FieldEmbedding), or returns ids.shape +
     [dim] (a keyed TFRA Embedding)."""
-    if type(layer) is FieldEmbedding:
+    if type(layer) in FUSED_CLASS:
         return layer.salt, layer.init_scale, True
     if getattr(layer, "des_keyed_tfra", False) and not getattr(layer, "des_squashed", False):
         return layer.des_salt, layer.des_scale, False
@@ -154,6 +154,10 @@ class FusedTable(FieldEmbedding):
         raise NotImplementedError("a FusedTable is built by des.transform, not from a config")
 
 
+# table class -> the class of the fused table that holds its rows (des_ops.sharded adds the PS's)
+FUSED_CLASS: dict[type, type] = {FieldEmbedding: FusedTable}
+
+
 def fuse_nodes(graph, nodes: list, suffix: str) -> tuple[list[tuple], list[str]]:
     """Group the table nodes of ``nodes`` (des.ir nodes of ``graph``) whose rows can share one TFRA
     table (``member_rows``: this project's FieldEmbedding and keyed TFRA Embeddings; trainable,
@@ -169,12 +173,12 @@ def fuse_nodes(graph, nodes: list, suffix: str) -> tuple[list[tuple], list[str]]
                 or len(n.call_args) != 1 or set(n.call_kwargs) - {"training"}):
             continue
         linear = bool(getattr(layer.shadow, "des_linear_part", False))
-        groups.setdefault((n.attrs["dim"], linear), []).append(n)
+        groups.setdefault((n.attrs["dim"], linear, FUSED_CLASS.get(type(layer), FusedTable)), []).append(n)
     fused, lines = [], []
-    for (dim, linear), members in groups.items():
+    for (dim, linear, cls), members in groups.items():
         layers = list(dict.fromkeys(m.layer for m in members))
-        table = FusedTable(layers, [layers.index(m.layer) for m in members], dim,
-                           name=f"des_fused{dim}{'_linear' if linear else ''}_{suffix}", linear=linear)
+        table = cls(layers, [layers.index(m.layer) for m in members], dim,
+                    name=f"des_fused{dim}{'_linear' if linear else ''}_{suffix}", linear=linear)
         for slot, layer in enumerate(layers):
             source = next(m.attrs["source"] for m in members if m.layer is layer)
             keys, values = source.export(layer)
@@ -218,4 +222,5 @@ def fuse_model(model: tf.keras.Model) -> tuple[tf.keras.Model, list[str]]:
     cls = type(model) if type(model).__name__ not in ("Functional", "Sequential") else tf.keras.Model
     new = replay(graph, {m.index for _, members in fused for m in members}, given, cls=cls, suffix="fused")
     new.des_state = keys
+    new.fused_tables = [table for table, _ in fused]
     return new, lines

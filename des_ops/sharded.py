@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from des.data.hashing import ID_MASK
 from des.data.spec import PAD_ID
 from des_ops.comm import op_name
+from des_ops.fused import FUSED_CLASS, FusedTable
 from models.layers import FieldEmbedding
 
 
@@ -90,14 +92,15 @@ class KeyExchange:
     def _add(self, name: str, value) -> tf.Operation:
         return self.counters[name].assign_add(tf.cast(value, tf.int64))
 
-    def lookup(self, local_rows, uniq: tf.Tensor, dim: int, tag: str = "") -> tf.Tensor:
+    def lookup(self, local_rows, uniq: tf.Tensor, dim: int, tag: str = "", ids_of=None) -> tf.Tensor:
         """Rows [n, dim] of distinct keys ``uniq`` [n]; ``local_rows(keys)`` reads the owner's table.
-        ``tag`` names the table alike on every process (the in-process world meets by name)."""
+        ``tag`` names the table alike on every process (the in-process world meets by name).
+        ``ids_of(keys)``: the ids whose owner (id mod N) holds a key (a fused table's keys pack them)."""
         n = tf.size(uniq)
         if self.world_size == 1:
             with tf.control_dependencies([self._add("unique_ids", n)]):
                 return local_rows(tf.identity(uniq))
-        owner = self.owner(uniq)
+        owner = self.owner(uniq if ids_of is None else ids_of(uniq))
         order = tf.argsort(owner, stable=True)
         splits = tf.math.bincount(owner, minlength=self.world_size, maxlength=self.world_size, dtype=tf.int32)
         remote = n - splits[self.rank]
@@ -234,3 +237,24 @@ class ShardedFieldEmbedding(FieldEmbedding):
         found = self.exchange.lookup(lambda k: FieldEmbedding.rows(self, k, training),
                                      tf.gather_nd(uniq, real), self.dim, tag=self.tag)
         return tf.scatter_nd(real, found, tf.stack([tf.size(uniq, tf.int64), self.dim]))
+
+
+class ShardedFusedTable(FusedTable):
+    """The rows of several ShardedFieldEmbedding tables of one width in one TFRA table per process:
+    one set of all-to-alls per width and step instead of one per table. A row still lives with the
+    owner of its id (id mod N), as in the tables it fuses, so checkpoints and bytes are theirs."""
+
+    def __init__(self, members: list, calls: list[int], dim: int, name: str, linear: bool = False):
+        super().__init__(members, calls, dim, name, linear)
+        self.exchange = members[0].exchange
+        self.tag = f"fused{dim}:{'linear' if linear else 'rows'}"
+
+    def distinct_rows(self, uniq, training, multi_valued):
+        real = tf.where(uniq != PAD_ID)
+        found = self.exchange.lookup(lambda k: FieldEmbedding.rows(self, k, training), tf.gather_nd(uniq, real),
+                                     self.dim, tag=self.tag,
+                                     ids_of=lambda k: tf.bitwise.bitwise_and(k, tf.constant(ID_MASK, tf.int64)))
+        return tf.scatter_nd(real, found, tf.stack([tf.size(uniq, tf.int64), self.dim]))
+
+
+FUSED_CLASS[ShardedFieldEmbedding] = ShardedFusedTable

@@ -1,6 +1,6 @@
 """Fused vs per-field tables: time to the first training step and samples/s of des.train on a
-39-field criteo-like file, for the single process (per-field, the untouched model) and DES on
-1 and 2 processes with each table layout. Medians of ``--repeats`` runs; writes reports/tables.md.
+39-field criteo-like file, for the single process, DES and the PS on 2 processes with each table
+layout, and the cache mode (per-field only). Medians of ``--repeats`` runs; writes reports/tables.md.
 
     .venv/bin/python scripts/bench_tables.py --rows 60000 --batch 4096 --steps 12 --repeats 2
 
@@ -21,7 +21,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
            OMPI_MCA_mpi_yield_when_idle="1", TF_CPP_MIN_LOG_LEVEL="2")
-RUNS = [("single", 1, None), ("des", 1, "per-field"), ("des", 1, "fused"), ("des", 2, "per-field"), ("des", 2, "fused")]
+RUNS = [("single", 1, "per-field"), ("single", 1, "fused"), ("des", 2, "per-field"), ("des", 2, "fused"),
+        ("ps", 2, "per-field"), ("ps", 2, "fused"), ("cache", 2, None)]
 
 
 def train(mode: str, n: int, tables: str | None, data: str, a, out: str) -> dict:
@@ -57,7 +58,7 @@ def main() -> None:
                for r in range(a.repeats)]
         first = statistics.median(g["seconds_to_first_step"] for g in got)
         speed = statistics.median(g["samples_per_second"] for g in got)
-        rows.append((mode, n, tables or "per-field (untouched model)", first, speed, got[0]["auc"], got[0]["logloss"]))
+        rows.append((mode, n, tables or "per-field", first, speed, got[0]["auc"], got[0]["logloss"]))
         print(f"{mode} N={n} {tables}: first step {first:.1f} s, {speed:.0f} samples/s", flush=True)
     base = {(m, n): (f, s) for m, n, t, f, s, *_ in rows if t == "per-field"}
     lines = [f"# Fused vs per-field tables: {a.model}, criteo-like (39 fields), dim {a.dim}, hidden {a.hidden}, "

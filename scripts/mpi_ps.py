@@ -1,6 +1,6 @@
 """One process of a parameter-server run under mpirun (used by tests/test_mpi.py):
 
-    mpirun -np 3 python scripts/mpi_ps.py deepfm adam OUT_DIR
+    mpirun -np 3 python scripts/mpi_ps.py deepfm adam OUT_DIR [per-field|fused]
 
 Each rank trains the PS model on ITS slice of the shared global batches (keys repeat within
 and across slices; the last global batch has fewer rows than processes, so some rank gets
@@ -28,11 +28,11 @@ from des_ops.sharded import KeyExchange  # noqa: E402
 LR = {"sgd": 0.2, "adagrad": 0.05, "adam": 0.01, "ftrl": 0.05}
 
 
-def main(name: str, optimizer: str, out: str) -> None:
+def main(name: str, optimizer: str, out: str, tables: str = "per-field") -> None:
     exchange = KeyExchange.horovod()
     rank, n = exchange.rank, exchange.world_size
     batches, probe = ps_batches()
-    model = shard(models.build(name, PS_SPEC, seed=3, hidden=(8, 4)), exchange)
+    model = shard(models.build(name, PS_SPEC, seed=3, hidden=(8, 4)), exchange, fuse=tables == "fused")
     model.compile(optimizer_factory(optimizer, LR)(), "binary_crossentropy")
     tables, dense = table_inputs(model), dense_parameters(model)
     preds, measured, analytic, rows = [], [], [], []
@@ -50,8 +50,9 @@ def main(name: str, optimizer: str, out: str) -> None:
         preds.append(model.predict_on_batch(probe))
     with open(os.path.join(out, f"rank{rank}.pkl"), "wb") as fh:
         pickle.dump({"predictions": preds, "measured": measured, "analytic": analytic, "rows": rows,
-                     "snapshot": snapshot(model), "rank": rank}, fh)
+                     "snapshot": snapshot(model), "rank": rank,
+                     "fused_tables": len(getattr(model, "fused_tables", []))}, fh)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

@@ -142,16 +142,18 @@ def test_a_killed_des_job_resumes_as_ps_on_3_processes_like_one_uninterrupted_pr
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("name, optimizer, n", [("deepfm", "adam", 2), ("wdl", "sgd", 3), ("fm", "ftrl", 3),
-                                                ("deepfm", "ftrl+adam", 2)])
-def test_ps_under_mpirun_equals_single_process_and_counts_bytes_exactly(tmp_path, name, optimizer, n):
-    """Sharded tables + all-to-all + dense allreduce on slices of the global batch make the same
-    updates as one process on the whole batch: every gradient reaches its row although keys
-    repeat across processes, and a process with an empty slice (no ids) takes part."""
+@pytest.mark.parametrize("name, optimizer, n, tables", [("deepfm", "adam", 2, "per-field"), ("wdl", "sgd", 3, "fused"),
+                                                        ("fm", "ftrl", 3, "per-field"), ("deepfm", "ftrl+adam", 2, "fused")])
+def test_ps_under_mpirun_equals_single_process_and_counts_bytes_exactly(tmp_path, name, optimizer, n, tables):
+    """Sharded tables (one per field, or fused: one per width) + all-to-all + dense allreduce on
+    slices of the global batch make the same updates as one process on the whole batch: every
+    gradient reaches its row although keys repeat across processes, and a process with an empty
+    slice (no ids) takes part."""
     from des.verify import ps_batches
-    run = mpirun(n, "scripts/mpi_ps.py", name, optimizer, str(tmp_path))
+    run = mpirun(n, "scripts/mpi_ps.py", name, optimizer, str(tmp_path), tables)
     assert run.returncode == 0, run.stderr[-3000:]
     ranks = [pickle.load(open(tmp_path / f"rank{r}.pkl", "rb")) for r in range(n)]
+    assert all(r["fused_tables"] == (2 if tables == "fused" else 0) for r in ranks)
     expected, ref = single_process_predictions(name, optimizer, LR, *ps_batches(), with_snapshot=True)
     if n == 3:
         assert [r["rows"][-2] for r in ranks] == [0, 1, 1]           # rank 0 had no ids in that step

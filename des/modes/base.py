@@ -79,9 +79,9 @@ class Mode:
                             f"--staleness 0")
         if self.a.allocate_top_k is not None:
             raise ModeError("--allocate-top-k is an option of --allocate laia (--mode ps and cache)")
-        if self.a.tables == "fused" and self.name not in ("single", "des"):
-            raise ModeError(f"--tables fused is built by --mode single and des; --mode {self.name} keeps one table "
-                            f"per field")
+        if self.a.tables == "fused" and self.name not in ("single", "des", "ps"):
+            raise ModeError(f"--tables fused is built by --mode single, des and ps; --mode {self.name} keeps one "
+                            f"table per field")
 
     _reads = "there is one process"
 

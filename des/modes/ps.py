@@ -81,8 +81,10 @@ class PS(Mode):
     def _shard(self, model):
         """The reference model with its tables sharded by key (the cache mode: and cached)."""
         from des import ps
-        model = ps.shard(model, self.exchange)
+        model = ps.shard(model, self.exchange, fuse=self.a.tables != "per-field")
         model.record_ids = self.a.check_bytes
+        for line in getattr(model, "fused_lines", []):
+            self.run.log(line)
         self.run.log(f"PS: {len(ps.table_inputs(model))} tables sharded by key over {self.world_size} process(es), "
                      f"{ps.dense_parameters(model)} dense parameters allreduced; global batch {self.global_batch}")
         return model
