@@ -55,7 +55,9 @@ class FusedTable(FieldEmbedding):
                              f"{[m.name for m, s in zip(members, specs) if s is None]}")
         if len(members) > MAX_FIELDS:
             raise ValueError(f"{name}: a fused table holds at most {MAX_FIELDS} tables, got {len(members)}")
-        super().__init__(field=name, dim=dim, name=name, linear=linear)
+        # room for what the members' own tables start with (TFRA's 8192 rows each): a table that
+        # starts small rehashes as it fills, a cost the per-field tables do not pay
+        super().__init__(field=name, dim=dim, name=name, linear=linear, init_capacity=8192 * len(members))
         self.member_names = [m.name for m in members]
         self.calls = list(calls)
         self._salts = np.array([s[0] for s in specs], np.int64)
