@@ -2,7 +2,7 @@
 39-field criteo-like file, for the single process, DES and the PS on 2 processes with each table
 layout (the cache mode has per-field tables only). Medians of ``--repeats`` runs; writes reports/tables.md.
 
-    .venv/bin/python scripts/bench_tables.py --rows 100000 --batch 4096 --steps 20 --repeats 3
+    .venv/bin/python scripts/bench_tables.py --rows 100000 --batch 4096 --steps 20 --repeats 3 --threads 1
 
 Each run is a whole des.train process (mpirun for N > 1): "first step" is from the start of
 des.train's main() to the end of its first training step (reading the first batch, building the
@@ -28,7 +28,7 @@ RUNS = [("single", 1, "per-field"), ("single", 1, "fused"), ("des", 2, "per-fiel
 def train(mode: str, n: int, tables: str | None, data: str, a, out: str) -> dict:
     args = [sys.executable, "-m", "des.train", "--mode", mode, "--model", a.model, "--data", data,
             "--batch", str(a.batch), "--steps", str(a.steps), "--holdout", "2000", "--dim", str(a.dim),
-            "--hidden", a.hidden, "--summary-json", out] + (["--tables", tables] if tables else [])
+            "--hidden", a.hidden, "--threads", str(a.threads), "--summary-json", out] + (["--tables", tables] if tables else [])
     if n > 1:
         args = ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none"] + args
     p = subprocess.run(args, env=ENV, cwd=ROOT, capture_output=True, text=True)
@@ -46,6 +46,8 @@ def main() -> None:
     ap.add_argument("--hidden", default="128,64")
     ap.add_argument("--model", default="deepfm")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="TF threads per process (0: TF's default; 2 processes x "
+                    "TF's default oversubscribe 2 cores)")
     ap.add_argument("--out", default=os.path.join(ROOT, "reports", "tables.md"))
     a = ap.parse_args()
     tmp = tempfile.mkdtemp()
@@ -65,7 +67,7 @@ def main() -> None:
              f"global batch {a.batch}",
              "",
              f"Written by `scripts/bench_tables.py --rows {a.rows} --batch {a.batch} --steps {a.steps} "
-             f"--repeats {a.repeats}` on {platform.node()} ({os.cpu_count()} cores, shared), "
+             f"--repeats {a.repeats} --threads {a.threads}` on {platform.node()} ({os.cpu_count()} cores, shared), "
              f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(began))} UTC. Medians of {a.repeats} runs; "
              f"first step = from des.train's start to the end of its first training step.",
              "",
