@@ -233,10 +233,17 @@ class ShardedFieldEmbedding(FieldEmbedding):
 
     def distinct_rows(self, uniq, training, multi_valued):
         """The rows of the distinct ids from their owners (padding: zero rows, never a key)."""
-        real = tf.where(uniq != PAD_ID)
-        found = self.exchange.lookup(lambda k: FieldEmbedding.rows(self, k, training),
-                                     tf.gather_nd(uniq, real), self.dim, tag=self.tag)
-        return tf.scatter_nd(real, found, tf.stack([tf.size(uniq, tf.int64), self.dim]))
+        return owners_rows(self, uniq, training)
+
+
+def owners_rows(table, uniq: tf.Tensor, training, ids_of=None) -> tf.Tensor:
+    """Rows [n, dim] of the distinct keys ``uniq`` of a sharded ``table`` (a FieldEmbedding with
+    ``exchange`` and ``tag``), read from their owners' tables; PAD_ID gives a zero row, never a key.
+    ``ids_of``: see KeyExchange.lookup."""
+    real = tf.where(uniq != PAD_ID)
+    found = table.exchange.lookup(lambda k: FieldEmbedding.rows(table, k, training), tf.gather_nd(uniq, real),
+                                  table.dim, tag=table.tag, ids_of=ids_of)
+    return tf.scatter_nd(real, found, tf.stack([tf.size(uniq, tf.int64), table.dim]))
 
 
 class ShardedFusedTable(FusedTable):
@@ -250,11 +257,8 @@ class ShardedFusedTable(FusedTable):
         self.tag = f"fused{dim}:{'linear' if linear else 'rows'}"
 
     def distinct_rows(self, uniq, training, multi_valued):
-        real = tf.where(uniq != PAD_ID)
-        found = self.exchange.lookup(lambda k: FieldEmbedding.rows(self, k, training), tf.gather_nd(uniq, real),
-                                     self.dim, tag=self.tag,
-                                     ids_of=lambda k: tf.bitwise.bitwise_and(k, tf.constant(ID_MASK, tf.int64)))
-        return tf.scatter_nd(real, found, tf.stack([tf.size(uniq, tf.int64), self.dim]))
+        return owners_rows(self, uniq, training,
+                           ids_of=lambda k: tf.bitwise.bitwise_and(k, tf.constant(ID_MASK, tf.int64)))
 
 
 FUSED_CLASS[ShardedFieldEmbedding] = ShardedFusedTable
