@@ -33,8 +33,12 @@ from des.plan import FieldCost, FieldPlan, check_agreement, make_plan
 from des_ops.comm import Communicator, agree, default_communicator
 from des_ops.fused import fuse_nodes
 from des_ops.suboperators import DESFirstLayer
+from des_ops.tail import GatherRows, ShardRows, count_tail_penalties_once, sum_tail_gradients, tail_obstacles
 from des_ops.wire import ring_share
 from rewrite_rules import RULES, Match, Rejection, find_substitutions, rule_named
+
+
+TAILS = ("replicated", "data_parallel")
 
 
 class TransformError(ValueError):
@@ -59,6 +63,7 @@ class Report:
     penalty_column: bool = False
     compiled: str = ""                # what became of the model's compile (a report line), if it was compiled
     opaque: list[str] = dataclasses.field(default_factory=list)   # subclassed models inside: why they were not read
+    tail: str = "replicated"          # how the layers after the first one run (des_ops.tail)
 
     def estimate_costs(self, batch_size: int, unique_per_slice: dict[str, float]) -> list:
         """DES vs PS bytes per operator (des.cost); kept for printing with the report."""
@@ -96,6 +101,10 @@ class Report:
                          f"= {self.payload_bytes(1)} bytes/sample; at B=4096: "
                          f"{self.payload_bytes(4096):,} bytes handed over, "
                          f"{self.ring_bytes(4096):,.0f} sent per process (ring)")
+            if self.tail == "data_parallel":
+                lines.append("  data-parallel tail: the partials are reduce-scattered, each process runs the layers "
+                             "after the first one on its B/N rows, the outputs are all-gathered and the tail's "
+                             "gradients summed (one allreduce per step)")
         if self.compiled:
             lines.append(f"  {self.compiled}")
         lines += [str(c) for c in self.costs]
@@ -247,7 +256,8 @@ class FieldChains:
 
 def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str | FieldPlan = "balanced",
               spec=None, release_unowned: bool = True, strict: bool = False, sync_weights: bool = True,
-              seed: int = 0, sample=None, fuse_tables: bool = False) -> tuple[tf.keras.Model, Report]:
+              seed: int = 0, sample=None, fuse_tables: bool = False,
+              tail: str = "replicated") -> tuple[tf.keras.Model, Report]:
     """Return (DES model for this process, report). ``plan``: 'balanced', 'mod' or a FieldPlan.
 
     ``spec`` (a FeatureSpec) gives expected cardinalities to the balanced plan. Every process
@@ -258,6 +268,10 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     process keeps the rows of all its tables of one width (and optimizer part) in one TFRA table
     (des_ops.fused): one lookup and one update per width and step instead of one per table; the
     results, the checkpoints and the state keys stay those of the tables the model declares.
+    ``tail``: ``"replicated"`` (every process runs the layers after the first one on the whole
+    batch) or ``"data_parallel"`` (each process runs them on its own rows of the batch: the
+    partials are reduce-scattered, the outputs all-gathered and the tail's gradients summed by
+    the optimizer the model is compiled with; des_ops.tail). Both compute what one process does.
 
     A subclassed model (a ``tf.keras.Model`` or ``tfrs.models.Model`` with its own ``call``) is
     traced: its ``call`` runs on symbolic inputs shaped like ``sample`` (a batch of its inputs;
@@ -269,7 +283,10 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     comm = comm or default_communicator()
     if not getattr(model, "_is_graph_network", False):
         return _transform_subclassed(model, sample, comm=comm, plan=plan, spec=spec, release_unowned=release_unowned,
-                                     strict=strict, sync_weights=sync_weights, seed=seed, fuse_tables=fuse_tables)
+                                     strict=strict, sync_weights=sync_weights, seed=seed, fuse_tables=fuse_tables,
+                                     tail=tail)
+    if tail not in TAILS:
+        raise ValueError(f"des.transform: tail={tail!r}; choose from {', '.join(TAILS)}")
     graph = Graph(model)
     fields = FieldAnalysis(graph)
     matches, rejections = find_substitutions(graph, fields)
@@ -338,11 +355,24 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     fused, fused_lines = fuse_nodes(graph, list(owned_nodes.values()), f"rank{comm.rank}") if fuse_tables else ([], [])
     chains = FieldChains(graph, list(owned_nodes.values()),
                          sorted({t for ids in op_inputs for t in ids}, key=position.__getitem__), fused)
+    skip = set()
+    for m in matches:
+        skip |= m.internal
+        for v in m.vectors:
+            skip |= v.chain
+    data_parallel = tail == "data_parallel"
+    if data_parallel:
+        tail_nodes = [n for n in graph.nodes if n.index not in skip and n.kind != "input"]
+        tail_layers = list(dict.fromkeys(n.layer for n in tail_nodes))
+        obstacles = tail_obstacles(tail_layers, sorted({n.layer.name for n in tail_nodes if n.kind == "table"}), comm)
+        if obstacles:
+            raise ValueError("des.transform(tail='data_parallel'): the tail cannot run data-parallel: "
+                             + "; ".join(obstacles))
     in_fused = {id(m.layer) for _, members in fused for m in members}
     layers = [l for l in dict.fromkeys(n.layer for n in chains.nodes) if id(l) not in in_fused]
     layers += [table for table, _ in fused]
     first = DESFirstLayer(layers, chains, ops, op_inputs, comm, owned_penalties, penalty_column,
-                          name="des_first_layer")
+                          shard_rows=data_parallel, name="des_first_layer")
     if forced == "collective":
         first.collective += "_forced_by_DES_TEST_DISAGREE"        # and no check: Horovod's stall shutdown must end it
     elif comm.world_size > 1:
@@ -351,13 +381,24 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     names_in = sorted({graph.nodes[i].layer.name for m in matches for v in m.vectors for i in v.chain | fields.cone(v.tensor)
                        if graph.nodes[i].kind == "input"})
     outs = first({n: graph.tensors[_input_id(graph, n)] for n in names_in})
-    skip = set()
-    for m in matches:
-        skip |= m.internal
-        for v in m.vectors:
-            skip |= v.chain
     given = {m.root.output: _finisher(graph, m, o) for m, o in zip(matches, outs)}
-    new_model = replay(graph, skip, given, cls=_model_class(model))
+    if data_parallel:
+        new_model = replay(graph, skip, given, cls=_model_class(model),
+                           input_map=lambda t: ShardRows(comm, name=f"des_rows_{t.name.split(':')[0]}")(t),
+                           output_map=lambda t, i: GatherRows(comm, f"des_tail_output{i}",
+                                                              name=f"des_gather_output{i}")(t))
+        count_tail_penalties_once([l for l in new_model.submodules
+                                   if isinstance(l, tf.keras.layers.Layer) and l is not first], comm.rank)
+        owned = {v.ref() for v in first.trainable_weights}
+        new_model.des_tail_variables = [v for v in new_model.trainable_variables if v.ref() not in owned]
+        if comm.world_size > 1:
+            agree(comm, "the data-parallel tail's gradients (variables: floats)",
+                  f"{len(new_model.des_tail_variables)}: "
+                  f"{sum(int(v.shape.num_elements()) for v in new_model.des_tail_variables)}")
+        sum_tail_gradients(new_model, comm, new_model.des_tail_variables)
+    else:
+        new_model = replay(graph, skip, given, cls=_model_class(model))
+    new_model.des_tail = tail
     new_model.des_layer = first
     new_model.des_plan = field_plan
     new_model.des_state = state.StateKeys.of_transform(graph, matches, first,
@@ -365,6 +406,7 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     report.tables += fused_lines
     report.plan, report.floats_per_sample, report.widths = field_plan, first.floats_per_sample(), widths
     report.penalty_column = penalty_column
+    report.tail = tail
     report.compiled = _compile_like(model, new_model)
     if released:
         _mark_consumed(model)
@@ -416,6 +458,9 @@ def _transform_subclassed(model: tf.keras.Model, sample, comm: Communicator, str
         return rewritten(inputs, training=training)
     model.call = call
     model.des_layer, model.des_plan, model.des_state = rewritten.des_layer, rewritten.des_plan, rewritten.des_state
+    model.des_tail = rewritten.des_tail
+    if rewritten.des_tail == "data_parallel":
+        sum_tail_gradients(model, comm, rewritten.des_tail_variables)     # the user compiles this model
     return model, report
 
 

@@ -322,17 +322,25 @@ def call_node(node: Node, look: Callable[[Any], Any]):
 
 
 def replay(graph: Graph, skip: set[int], given: dict[int, Callable], cls=tf.keras.Model,
-           suffix: str = "des") -> tf.keras.Model:
+           suffix: str = "des", input_map: Callable | None = None,
+           output_map: Callable | None = None) -> tf.keras.Model:
     """Rebuild graph.model as a new functional model (of class ``cls``), calling the same layers again.
 
     Nodes in ``skip`` are not called. ``given`` maps a tensor id to a function of ``look``
     (tensor of the old graph -> tensor of the new one) that makes its replacement; it is
-    called when the replay reaches the node producing that tensor.
+    called when the replay reaches the node producing that tensor. ``input_map(input)``: what
+    the replayed nodes read instead of a model input (made on first use); ``output_map(tensor,
+    index)``: what the model outputs instead of its index-th output.
     """
-    env: dict[int, KerasTensor] = {t: graph.tensors[t] for t in graph.input_ids}
+    env: dict[int, KerasTensor] = {} if input_map else {t: graph.tensors[t] for t in graph.input_ids}
+    inputs = set(graph.input_ids)
 
     def look(x):
-        return env[id(x)] if is_keras_tensor(x) else x
+        if not is_keras_tensor(x):
+            return x
+        if id(x) not in env and id(x) in inputs:
+            env[id(x)] = input_map(graph.tensors[id(x)])
+        return env[id(x)]
 
     for node in graph.nodes:
         if node.kind == "input":
@@ -345,5 +353,8 @@ def replay(graph: Graph, skip: set[int], given: dict[int, Callable], cls=tf.kera
         out = call_node(node, look)
         for t, new in zip(node.outputs, tf.nest.flatten(out)):
             env[t] = new
-    outputs = tf.nest.map_structure(lambda t: env[id(t)], graph.model.output)
+    flat = [look(t) for t in tf.nest.flatten(graph.model.output)]
+    if output_map:
+        flat = [output_map(t, i) for i, t in enumerate(flat)]
+    outputs = tf.nest.pack_sequence_as(graph.model.output, flat)
     return cls(graph.model.input, outputs, name=f"{graph.model.name}_{suffix}")

@@ -10,6 +10,8 @@ Keras upgrade has one file to check.
 """
 from __future__ import annotations
 
+import tensorflow as tf
+
 
 def take_weight_penalties(layer) -> list:
     """Remove and return the weight penalties (regularizer losses) ``layer`` registered, so that
@@ -22,6 +24,13 @@ def take_weight_penalties(layer) -> list:
 
 def has_weight_penalties(layer) -> bool:
     return bool(getattr(layer, "_callable_losses", []))
+
+
+def stop_penalty_gradients(layer) -> None:
+    """``layer``'s weight penalties keep their value in the loss but give no gradient."""
+    losses = getattr(layer, "_callable_losses", None)
+    if losses:
+        layer._callable_losses = [(lambda fn=fn: tf.stop_gradient(fn())) for fn in losses]
 
 
 def release_variables(layer, names: list[str]) -> None:

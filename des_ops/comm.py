@@ -39,7 +39,8 @@ class Communicator:
     """rank, world_size and a raw sum-allreduce of a float32 tensor (no gradient).
 
     Every collective is counted where it is called, by purpose: ``step`` (the DES allreduce of
-    training and predict steps: ``payload_bytes``, ``calls``), ``check`` (the replica check),
+    training and predict steps: ``payload_bytes``, ``calls``), ``tail`` (the data-parallel tail's
+    all-gathers and its gradient allreduce, des_ops.tail), ``check`` (the replica check),
     ``barrier`` (checkpoint barriers) and ``broadcast`` (rank 0's weights and plan at transform).
     Bytes are those of the tensors handed over; what a process puts on the wire for them depends
     on MPI's algorithm (``ring_bytes`` is the ring model, an analytic figure).
@@ -47,7 +48,7 @@ class Communicator:
     name = "base"
     rank = 0
     world_size = 1
-    PURPOSES = ("step", "check", "barrier", "broadcast")
+    PURPOSES = ("step", "tail", "check", "barrier", "broadcast")
 
     def __init__(self) -> None:
         self.bytes = {p: tf.Variable(0, dtype=tf.int64, trainable=False, name=f"des_{p}_bytes")
@@ -81,6 +82,14 @@ class Communicator:
         """Rank ``root``'s array on every rank (eager, outside training steps); same shape everywhere."""
         raise NotImplementedError
 
+    def allgather(self, x: tf.Tensor, name: str) -> tf.Tensor:
+        """Every rank's ``x`` (first dimensions may differ) concatenated in rank order (no gradient)."""
+        raise NotImplementedError(f"{type(self).__name__} has no all-gather")
+
+    def reducescatter(self, x: tf.Tensor, name: str) -> tf.Tensor:
+        """Rows ``shard_rows(B, rank, world_size)`` of the sum of ``x`` over ranks (no gradient)."""
+        raise NotImplementedError(f"{type(self).__name__} has no reduce-scatter")
+
     def ring_bytes(self, payload: float) -> float:
         """Bytes one process sends (and receives) for a ring allreduce of ``payload`` bytes."""
         n = self.world_size
@@ -95,6 +104,12 @@ class LocalCommunicator(Communicator):
     name = "local"
 
     def allreduce(self, x, name="des_allreduce"):
+        return tf.identity(x)
+
+    def allgather(self, x, name="des_allgather"):
+        return tf.identity(x)
+
+    def reducescatter(self, x, name="des_reducescatter"):
         return tf.identity(x)
 
     def broadcast(self, a, root=0):
@@ -174,6 +189,17 @@ class HorovodCommunicator(Communicator):
 
     def allreduce(self, x, name="des_allreduce"):
         return self._hvd.allreduce(x, op=self._hvd.Sum, name=op_name(name))
+
+    def allgather(self, x, name="des_allgather"):
+        return self._hvd.allgather(x, name=op_name(name))
+
+    def reducescatter(self, x, name="des_reducescatter"):
+        # Horovod splits dim 0 as shard_rows does (the first B % N ranks one row more); checked
+        y = self._hvd.reducescatter(x, op=self._hvd.Sum, name=op_name(name))
+        lo, hi = shard_rows(tf.shape(x)[0], self.rank, self.world_size)
+        with tf.control_dependencies([tf.debugging.assert_equal(tf.shape(y)[0], hi - lo, message=(
+                f"rank {self.rank}: Horovod's reducescatter split the batch unlike des_ops.comm.shard_rows"))]):
+            return tf.identity(y)
 
     def broadcast(self, a, root=0):
         self._broadcasts = getattr(self, "_broadcasts", 0) + 1
@@ -338,9 +364,49 @@ class InProcessCommunicator(Communicator):
         y = tf.numpy_function(lambda a: self.world.allreduce(self.rank, a, name), [x], x.dtype, stateful=True)
         return tf.ensure_shape(y, x.shape)
 
+    def allgather(self, x, name="des_allgather"):
+        y = tf.numpy_function(lambda a: self.world.rendezvous(self.rank, name, a, _concatenate), [x], x.dtype,
+                              stateful=True)
+        return tf.ensure_shape(y, [None, *x.shape[1:]])
+
+    def reducescatter(self, x, name="des_reducescatter"):
+        def rows_of_sum(values, r):
+            lo, hi = shard_rows(len(values[0]), r, len(values))
+            return _sum(values)[lo:hi]
+        y = tf.numpy_function(lambda a: self.world.rendezvous(self.rank, name, a, rows_of_sum), [x], x.dtype,
+                              stateful=True)
+        return tf.ensure_shape(y, [None, *x.shape[1:]])
+
     def broadcast(self, a, root=0):
         self.count("broadcast", np.asarray(a).nbytes)
         return self.world.broadcast(self.rank, a, root)
+
+
+def _concatenate(values, rank):
+    return np.concatenate(values, 0)
+
+
+def _sum(values):
+    out = values[0].copy()
+    for v in values[1:]:
+        out += v
+    return out
+
+
+def shard_rows(batch, rank: int, world_size: int):
+    """Rows [lo, hi) of a batch of ``batch`` rows that ``rank`` holds when a batch is split over
+    ``world_size`` processes: B // N rows each, one more for the first B % N ranks (Horovod's
+    reducescatter split). ``batch`` may be a tensor.
+
+    >>> [shard_rows(7, r, 3) for r in range(3)], shard_rows(2, 2, 3)
+    ([(0, 3), (3, 5), (5, 7)], (2, 2))
+    """
+    base, extra = batch // world_size, batch % world_size
+    if isinstance(batch, tf.Tensor):
+        lo = rank * base + tf.minimum(tf.cast(rank, batch.dtype), extra)
+        return lo, lo + base + tf.cast(rank < extra, batch.dtype)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + int(rank < extra)
 
 
 def allreduce_sum(comm: Communicator, x: tf.Tensor, name: str = "des_partials") -> tf.Tensor:

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from des_ops import partials as dm
 from des_ops.comm import Communicator, allreduce_sum
+from des_ops.tail import reduce_scatter_sum
 
 
 class SubOperator(tf.keras.layers.Layer):
@@ -129,8 +130,9 @@ class DESFirstLayer(tf.keras.layers.Layer):
 
     def __init__(self, owned_layers: list, field_vectors: Callable[[dict], dict], ops: list[SubOperator],
                  op_inputs: list[list[int]], comm: Communicator, owned_penalties: list[Callable] = (),
-                 penalty_column: bool = False, **kwargs):
+                 penalty_column: bool = False, shard_rows: bool = False, **kwargs):
         super().__init__(**kwargs)
+        self.shard_rows = shard_rows      # data-parallel tail: reduce-scatter, each process its rows
         self.owned = list(owned_layers)
         self._field_vectors = field_vectors
         self.ops = list(ops)
@@ -143,12 +145,16 @@ class DESFirstLayer(tf.keras.layers.Layer):
         # graph), never from the fields a process owns or the op feeding it (see des_ops.comm)
         self.collective = "des_partials__" + "__".join(
             [f"{type(op).__name__.removesuffix('SubOp').lower()}{op.width}" for op in self.ops]
-            + (["penalty1"] if penalty_column else []))
+            + (["penalty1"] if penalty_column else []) + (["rows"] if shard_rows else []))
         # of the last training batch: the replica check compares it across processes. Over the inputs
         # named in ``fingerprint_inputs`` (None: all), e.g. the ones every process reads
         self.fingerprint_inputs = None
         self.batch_fingerprint = self.add_weight("batch_fingerprint", shape=(), dtype=tf.float64,
                                                  trainable=False, initializer="zeros")
+        if shard_rows:
+            # a trainable zero that the partials depend on (with factor 0): its gradient needs the
+            # backward all-gather, so a process that owns no field still joins it (des_ops.tail)
+            self.rows_anchor = self.add_weight("rows_anchor", shape=(), initializer="zeros", trainable=True)
 
     def call(self, inputs: dict, training=None):
         batch = tf.shape(next(iter(inputs.values())))[0]
@@ -158,12 +164,22 @@ class DESFirstLayer(tf.keras.layers.Layer):
         vectors = self._field_vectors(inputs)
         flat = {t: tf.reshape(v, tf.stack([batch, -1])) for t, v in vectors.items()}
         parts = [op.partial([flat[t] for t in ids], batch) for op, ids in zip(self.ops, self._op_inputs)]
-        if self.penalty_column:
-            parts.append(dm.first_row(self._owned_penalty(), batch))
-        total = allreduce_sum(self.comm, tf.concat(parts, axis=1), self.collective)
-        if self.penalty_column:
-            self.add_loss(tf.reduce_sum(total[:, -1]))
-            total = total[:, :-1]
+        if self.shard_rows:
+            # each process gets its rows of the sum; the penalties (one number per process, not a
+            # row) are summed by their own allreduce with an identity gradient
+            if self.penalty_column:
+                self.add_loss(tf.reduce_sum(allreduce_sum(self.comm, tf.reshape(self._owned_penalty(), [1, 1]),
+                                                          self.collective + "_penalty")))
+            zero = tf.cast(tf.minimum(self.comm.ncalls["step"].read_value(), 0), tf.float32)
+            total = reduce_scatter_sum(self.comm, tf.concat(parts, axis=1) + self.rows_anchor * zero,
+                                       self.collective)
+        else:
+            if self.penalty_column:
+                parts.append(dm.first_row(self._owned_penalty(), batch))
+            total = allreduce_sum(self.comm, tf.concat(parts, axis=1), self.collective)
+            if self.penalty_column:
+                self.add_loss(tf.reduce_sum(total[:, -1]))
+                total = total[:, :-1]
         return [op.combine(part) for op, part in zip(self.ops, tf.split(total, self.widths, axis=1))]
 
     def _owned_penalty(self) -> tf.Tensor:
