@@ -43,14 +43,15 @@ def test_gallery_model_is_substituted_and_equivalent(name):
     assert sorted(m.rule for m in matches) == EXPECTED[name], [str(r) for r in rejections]
     batches = batches_for(base, 20, 32, seed=4)
     probe = batches_for(base, 1, 16, seed=99)[0][0]
-    for optimizer, learning_rate, worlds in (("adam", 0.02, (1, 3)), ("sgd", 0.1, (2,))):
+    # (optimizer, learning rate, how far the probe's predictions must move, worlds)
+    for optimizer, learning_rate, moves, worlds in (("adam", 0.02, 1e-2, (1, 3)), ("sgd", 0.5, 1e-4, (2,))):
         reference = build()
         copy_state(base, reference)
         des.make_keyed(reference, seed=0)
         untrained = np.asarray(reference.predict_on_batch(probe))
         fit = lambda m: fit_and_snapshot(m, batches, probe, optimizer=optimizer, learning_rate=learning_rate)
         ref = fit(reference)
-        assert np.abs(ref["predictions"] - untrained).max() > 1e-2                # training moved them
+        assert np.abs(ref["predictions"] - untrained).max() > moves               # training moved them
         for n in worlds:
             # rank 0 starts from base's weights, the other ranks from their own random ones: the
             # transform's broadcast must give every rank rank 0's weights

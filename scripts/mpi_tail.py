@@ -1,0 +1,61 @@
+"""One process of a data-parallel-tail run under mpirun (used by tests/test_mpi.py):
+
+    mpirun -np 3 python scripts/mpi_tail.py OUT_DIR keras_deepfm deepctr_deepfm
+
+For each named model of tests/gallery.py: every rank builds it (its own random weights, seeded
+by its rank), des.transform(tail="data_parallel") gives every rank rank 0's weights and its
+fields, and each rank fits 12 batches of 31 rows and one of 2 (31 is not divisible by 3; with
+2 rows some processes hold no row) with SGD, then pickles its snapshot, its bytes counted per
+purpose and its shard sizes to OUT_DIR/<model>.rank<r>.pkl.
+"""
+import os
+import pickle
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+import tensorflow as tf  # noqa: E402
+
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(1)
+
+import des  # noqa: E402
+from des.verify import fit_and_snapshot  # noqa: E402
+from des_ops.comm import HorovodCommunicator  # noqa: E402
+from gallery import BUILDERS, batches_for  # noqa: E402
+
+ROWS, BATCH = 12 * 31 + 2, 31
+
+
+def tail_batches(model):
+    """ROWS rows as batches of BATCH (the last one 2 rows) and a probe of 16 rows."""
+    rows = batches_for(model, 1, ROWS, seed=4)[0]
+    x, y = rows
+    batches = [({k: v[i:i + BATCH] for k, v in x.items()}, y[i:i + BATCH]) for i in range(0, ROWS, BATCH)]
+    return batches, batches_for(model, 1, 16, seed=99)[0][0]
+
+
+def main(out: str, names: list[str]) -> None:
+    comm = HorovodCommunicator()
+    tf.keras.utils.set_random_seed(comm.rank)    # other weights on every rank, the same in every launch
+    for name in names:
+        model = BUILDERS[name]()
+        initial = model.get_weights()
+        batches, probe = tail_batches(model)
+        model, report = des.transform(model, comm=comm, tail="data_parallel")
+        before = comm.counted()
+        snap = fit_and_snapshot(model, batches, probe, optimizer="sgd", learning_rate=0.5)
+        after = comm.counted()
+        snap["counted"] = {p: {k: after[p][k] - before[p][k] for k in after[p]} for p in after}
+        snap["floats_per_sample"] = report.floats_per_sample
+        snap["tail_floats"] = sum(int(v.shape.num_elements()) for v in model.des_tail_variables)
+        snap["owns_fields"] = bool(model.des_plan.fields_of(comm.rank))
+        if comm.rank == 0:
+            snap["initial"], snap["report"] = initial, str(report)
+        with open(os.path.join(out, f"{name}.rank{comm.rank}.pkl"), "wb") as fh:
+            pickle.dump(snap, fh)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

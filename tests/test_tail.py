@@ -1,0 +1,140 @@
+"""The data-parallel tail (des.transform(tail="data_parallel"), des_ops/tail.py): each process runs
+the layers after the first one on its own rows of the batch, and the model still computes what
+the untouched model computes on one process. Batches of 31 rows (not divisible by 2, 3 or 5) and
+a last batch of 2 (some processes hold no row); N = 5 > 4 fields (a process owns no field).
+
+Tolerances as in tests/test_gallery.py: SGD holds everything to float32 summation order (1e-6);
+adaptive optimizers amplify it in rows whose gradients are near zero (state 1e-4), while
+predictions, loss and AUC stay within 1e-6 / 1e-5."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import des
+from des.verify import compare, copy_state, fit_and_snapshot, run_in_process_world
+from des_ops.comm import InProcessWorld, LocalCommunicator, shard_rows
+from gallery import BUILDERS, FIELDS, K, V, batches_for
+
+L = tf.keras.layers
+ROWS, BATCH = 5 * 31 + 2, 31
+TOL_SGD, TOL_ADAPTIVE_STATE, TOL_PREDICTIONS, TOL_METRICS = 1e-6, 1e-4, 1e-6, 1e-5
+
+
+def _data(model):
+    x, y = batches_for(model, 1, ROWS, seed=4)[0]
+    batches = [({k: v[i:i + BATCH] for k, v in x.items()}, y[i:i + BATCH]) for i in range(0, ROWS, BATCH)]
+    return batches, batches_for(model, 1, 16, seed=99)[0][0]
+
+
+def _reference_and_base(name, optimizer, lr):
+    build = BUILDERS[name]
+    tf.keras.utils.set_random_seed(0)
+    base = build()
+    des.make_keyed(base, seed=0)
+    batches, probe = _data(base)
+    reference = build()
+    copy_state(base, reference)
+    des.make_keyed(reference, seed=0)
+    fit = lambda m: fit_and_snapshot(m, batches, probe, optimizer=optimizer, learning_rate=lr)
+    return build, base, fit, fit(reference)
+
+
+def _check(ref, ranks, optimizer):
+    diff = compare(ref, ranks)
+    metrics = max(max(abs(r["auc"] - ref["auc"]), abs(r["loss"] - ref["loss"])) for r in ranks)
+    state = max(diff["tables"], diff["owned"], diff["weights"])
+    assert diff["predictions"] < TOL_PREDICTIONS and metrics < TOL_METRICS, (diff, metrics)
+    assert state < (TOL_SGD if optimizer == "sgd" else TOL_ADAPTIVE_STATE), diff
+    return diff
+
+
+@pytest.mark.parametrize("name", ["keras_deepfm", "deepctr_deepfm", "regularized", "two_tower"])
+def test_data_parallel_tail_equals_one_process(name):
+    """keras_deepfm: FM + first Dense + linear sum; deepctr_deepfm: DeepCTR's penalties on tables
+    and tail; regularized: penalties on the first Dense's bias and replicated rows (tail side);
+    two_tower: two first Dense layers."""
+    build, base, fit, ref = _reference_and_base(name, "sgd", 0.5)
+    for n in (2, 3, 5):
+        ranks = run_in_process_world(n, build, lambda m: {**fit(m), "tail": m.des_tail}, init_from=base,
+                                     tail="data_parallel")
+        assert all(r["tail"] == "data_parallel" for r in ranks)
+        print(name, n, _check(ref, ranks, "sgd"))
+
+
+@pytest.mark.parametrize("optimizer, lr", [("adam", 0.02), ("adagrad", 0.05), ("ftrl", 0.05)])
+def test_data_parallel_tail_with_adaptive_optimizers(optimizer, lr):
+    build, base, fit, ref = _reference_and_base("keras_deepfm", optimizer, lr)
+    ranks = run_in_process_world(3, build, fit, init_from=base, tail="data_parallel")
+    print(optimizer, _check(ref, ranks, optimizer))
+
+
+def test_same_bits_every_run_and_replicated_tail_agrees():
+    build, base, fit, ref = _reference_and_base("keras_deepfm", "sgd", 0.5)
+    runs = [run_in_process_world(3, build, fit, init_from=base, tail="data_parallel") for _ in range(2)]
+    for a, b in zip(*runs):                               # every rank's predictions, rows and weights
+        flat_a, flat_b = tf.nest.flatten(a), tf.nest.flatten(b)
+        assert len(flat_a) == len(flat_b) > 3
+        for u, v in zip(flat_a, flat_b):
+            np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    replicated = run_in_process_world(3, build, fit, init_from=base)
+    _check(ref, replicated, "sgd")
+    _check(ref, runs[0], "sgd")
+    np.testing.assert_allclose(replicated[0]["predictions"], runs[0][0]["predictions"], atol=TOL_PREDICTIONS)
+
+
+def test_bytes_counted_equal_analytic():
+    """Per train step of B rows on rank r (b_r rows): the reduce-scatter hands over B x W floats
+    ("step"); the output all-gather b_r x 1, the backward all-gather b_r x W and the tail's
+    gradients T ("tail"). Predict: B x W and b_r x 1."""
+    build, base, fit, _ = _reference_and_base("keras_deepfm", "sgd", 0.5)
+    n = 3
+
+    def work(m):
+        before = m.des_layer.comm.counted()
+        fit(m)
+        after = m.des_layer.comm.counted()
+        return {p: after[p]["bytes"] - before[p]["bytes"] for p in ("step", "tail")}, m.des_layer.floats_per_sample(), \
+            sum(int(v.shape.num_elements()) for v in m.des_tail_variables)
+    out = run_in_process_world(n, build, work, init_from=base, tail="data_parallel")
+    sizes = [BATCH] * (ROWS // BATCH) + [ROWS % BATCH]
+    for r, (counted, w, t) in enumerate(out):
+        shard = lambda b: (lambda lo, hi: hi - lo)(*shard_rows(b, r, n))
+        step = sum(4 * b * w for b in sizes) + 4 * 16 * w
+        tail = sum(4 * (shard(b) * 1 + shard(b) * w + t) for b in sizes) + 4 * shard(16)
+        assert counted == {"step": step, "tail": tail}, (r, counted, step, tail)
+    assert shard_rows(2, 2, 3) == (2, 2)                                # the last batch: rank 2 holds none
+
+
+def test_a_batch_smaller_than_the_world_predicts_every_row():
+    build, base, _, _ = _reference_and_base("keras_deepfm", "sgd", 0.5)
+    x = batches_for(base, 1, 2, seed=5)[0][0]
+    expected = base.predict_on_batch(x)
+    preds = run_in_process_world(3, build, lambda m: m.predict_on_batch(x), init_from=base, tail="data_parallel")
+    for p in preds:
+        np.testing.assert_allclose(p, expected, atol=1e-6)
+
+
+def _inputs():
+    return {f: tf.keras.Input(shape=(), dtype=tf.int64, name=f) for f in FIELDS}
+
+
+def test_negative_tails_that_cannot_run_data_parallel():
+    x = _inputs()
+    h = L.Dense(8)(L.Concatenate()([L.Embedding(V, K)(x[f]) for f in FIELDS]))
+    bn = tf.keras.Model(x, L.Dense(1)(L.BatchNormalization(name="bn")(h)))
+    with pytest.raises(ValueError, match=r"'bn' \(BatchNormalization\) computes statistics over the whole batch"):
+        des.transform(bn, comm=LocalCommunicator(), tail="data_parallel")
+    x = _inputs()
+    e = [L.Embedding(V, K)(x[f]) for f in FIELDS]
+    cross = L.Multiply()([L.Embedding(V, K, name="side_a")(x["f0"]), L.Embedding(V, K, name="side_b")(x["f1"])])
+    mixed = tf.keras.Model(x, L.Dense(1)(L.Dense(8)(L.Concatenate()(e))) + L.Dense(1)(cross))   # no rule for a product
+    with pytest.raises(ValueError, match="reads tables that are not substituted \\(side_a, side_b\\)"):
+        des.transform(mixed, comm=LocalCommunicator(), tail="data_parallel")
+    with pytest.raises(ValueError, match="choose from replicated, data_parallel"):
+        des.transform(BUILDERS["keras_deepfm"](), comm=LocalCommunicator(), tail="sharded")
+
+
+def test_report_says_the_tail_is_data_parallel():
+    world = InProcessWorld(1)
+    _, report = des.transform(BUILDERS["keras_deepfm"](), comm=world.communicator(0), tail="data_parallel")
+    assert "data-parallel tail" in str(report)
