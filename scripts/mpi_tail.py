@@ -17,9 +17,6 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import tensorflow as tf  # noqa: E402
 
-tf.config.threading.set_intra_op_parallelism_threads(1)
-tf.config.threading.set_inter_op_parallelism_threads(1)
-
 import des  # noqa: E402
 from des.verify import fit_and_snapshot  # noqa: E402
 from des_ops.comm import HorovodCommunicator  # noqa: E402
@@ -37,6 +34,8 @@ def tail_batches(model):
 
 
 def main(out: str, names: list[str]) -> None:
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
     comm = HorovodCommunicator()
     tf.keras.utils.set_random_seed(comm.rank)    # other weights on every rank, the same in every launch
     for name in names:
