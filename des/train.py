@@ -79,6 +79,10 @@ def _args(argv):
                          "(fused, their default; the PS then does one set of all-to-alls per width and step) or one "
                          "table per field (per-field: single trains the model untouched); cache keeps one table per "
                          "field")
+    ap.add_argument("--tail", default="replicated", choices=["replicated", "data_parallel"],
+                    help="des: every process runs the layers after the first one on the whole batch (replicated) "
+                         "or on its own rows of it (data_parallel: less computation per process, two all-gathers "
+                         "and one gradient allreduce more; the same results)")
     ap.add_argument("--comm", default="auto", choices=["auto", "horovod", "mpi4py", "local", "noop", "sync", "meet"],
                     help="noop: the launcher's rank and size but no collective (times the computation "
                          "alone, for des.timemodel; results are not the model's); sync: the same, but each "
@@ -278,7 +282,7 @@ def main(argv=None) -> int:
     read = mode.read_inputs()
     summary = {"model": a.model, "mode": a.mode, "world_size": mode.world_size,
                "auc": result.get("auc"), "logloss": result.get("logloss"),
-               "samples_per_second": speed.samples_per_second(), "cpu_seconds_per_step": cpu.median(),
+               "samples_per_second": speed.samples_per_second(), "cpu_seconds_per_step": cpu.median(), "tail": getattr(a, "tail", "replicated"),
                "seconds_to_first_step": speed.seconds_to_first_step,
                "bayes_auc": _bayes_auc(a, meta),
                "bad_lines_skipped": skips.total, "global_batch": global_batch,

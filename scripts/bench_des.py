@@ -15,10 +15,12 @@ ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIR
            OMPI_MCA_mpi_yield_when_idle="1", TF_CPP_MIN_LOG_LEVEL="2")
 
 
-def run(n, mode, model, data, a, out):
+def run(n, mode, model, data, a, out, extra=()):
+    """des.train on ``n`` processes (mpirun when n > 1) with ``a``'s batch, steps, dim and hidden,
+    plus ``extra`` arguments; rank 0's summary."""
     args = [sys.executable, "-m", "des.train", "--mode", mode, "--model", model, "--data", data,
             "--batch", str(a.batch), "--steps", str(a.steps), "--holdout", "0", "--threads", "1",
-            "--dim", str(a.dim), "--hidden", a.hidden, "--shuffle-buffer", "0", "--summary-json", out]
+            "--dim", str(a.dim), "--hidden", a.hidden, "--shuffle-buffer", "0", "--summary-json", out, *extra]
     if n > 1:
         args = ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none"] + args
     p = subprocess.run(args, env=ENV, cwd=ROOT, capture_output=True, text=True)

@@ -79,6 +79,8 @@ class Mode:
                             f"--staleness 0")
         if self.a.allocate_top_k is not None:
             raise ModeError("--allocate-top-k is an option of --allocate laia (--mode ps and cache)")
+        if getattr(self.a, "tail", "replicated") != "replicated" and self.name != "des":
+            raise ModeError(f"--tail {self.a.tail} is an option of --mode des")
         if self.a.tables == "fused" and self.name not in ("single", "des", "ps"):
             raise ModeError(f"--tables fused is built by --mode single, des and ps; --mode {self.name} keeps one "
                             f"table per field")

@@ -28,7 +28,7 @@ class DES(Mode):
         a = self.a
         plan = (a.restore and checkpoint.load_plan(a.restore, self.world_size)) or a.plan
         model, self.report = des.transform(model, comm=self.comm, plan=plan, spec=self.run.spec,
-                                           fuse_tables=a.tables != "per-field")
+                                           fuse_tables=a.tables != "per-field", tail=a.tail)
         first = {k: v.numpy() for k, v in self.run.first_batch().items()}
         self.report.estimate_costs(a.batch, unique_ids_per_slice(first, self.run.spec, self.world_size))
         self.run.log(self.report)
@@ -70,7 +70,10 @@ class DES(Mode):
                      f"analytic {summary['bytes_per_step_analytic']} (4*B*{self.report.floats_per_sample}); a ring "
                      f"would send {summary['ring_bytes_per_step']:.0f} per process (model); replica checks "
                      f"{c['check']['bytes']} B in {c['check']['calls']} allreduce(s), broadcasts "
-                     f"{c['broadcast']['bytes']} B")
+                     f"{c['broadcast']['bytes']} B"
+                     + (f"; data-parallel tail: the partials reduce-scattered, {c['tail']['bytes']} B in "
+                        f"{c['tail']['calls']} all-gather(s) and gradient allreduce(s)"
+                        if self.report.tail == "data_parallel" else ""))
 
 
 def own_inputs(model, spec, rank: int) -> list[str]:
