@@ -30,7 +30,8 @@ def compute_seconds(mode: str, model: str, data: list[str], fmt: str, a, n: int,
     from des.runs import launch_env
     summary = os.path.join(out, f"{model}-{mode}-compute-n{n}.json")
     env = dict(launch_env(), OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE=str(n))
-    cmd = [sys.executable, "-m", "des.train", "--mode", mode, "--comm", "noop", "--model", model, "--data", *data, "--format", fmt,
+    tail = ["--tail", "data_parallel"] if mode == "des-dp" else []
+    cmd = [sys.executable, "-m", "des.train", "--mode", mode.removesuffix("-dp"), *tail, "--comm", "noop", "--model", model, "--data", *data, "--format", fmt,
            "--batch", str(a.batch), "--steps", str(a.steps), "--holdout", "0", "--dim", str(a.dim),
            "--hidden", a.hidden, "--optimizer", a.optimizer, "--lr", str(a.lr), "--threads", "1",
            "--replica-check", "0", "--shuffle-buffer", str(a.shuffle_buffer), "--summary-json", summary]
@@ -53,8 +54,24 @@ def traffic_at(model: str, data: list[str], fmt: str, a, n: int) -> dict[str, di
     plain = models.build(model, spec, hidden=tuple(int(h) for h in a.hidden.split(",") if h))
     x, _ = next(iter(make_dataset(data, fmt, spec, a.batch, take_lines=a.batch)))
     t = traffic(plain, {k: v.numpy() for k, v in x.items()}, n)
-    return {"des": timemodel.des_traffic(t["des_payload"]),
-            "ps": timemodel.ps_traffic(t["tables"], t["ps_alltoall"], t["ps_alltoall"], t["ps_dense_payload"])}
+    out = {"des": timemodel.des_traffic(t["des_payload"])}
+    tail = tail_floats(lambda: models.build(model, spec, hidden=tuple(int(h) for h in a.hidden.split(",") if h)))
+    if tail is not None:
+        out["des-dp"] = timemodel.des_tail_traffic(t["des_payload"], 4.0 * a.batch, 4.0 * tail)
+    out["ps"] = timemodel.ps_traffic(t["tables"], t["ps_alltoall"], t["ps_alltoall"], t["ps_dense_payload"])
+    return out
+
+
+def tail_floats(build) -> int | None:
+    """The floats of the tail's gradients when ``build()``'s model runs with the data-parallel
+    tail (des_ops.tail), or None when its tail cannot run data-parallel."""
+    import des
+    from des_ops.comm import LocalCommunicator
+    try:
+        new, _ = des.transform(build(), comm=LocalCommunicator(), tail="data_parallel")
+    except ValueError:
+        return None
+    return sum(int(v.shape.num_elements()) for v in new.des_tail_variables)
 
 
 def project(models_: list[str], data: list[str], fmt: str, a, nps: list[int], out: str,
@@ -69,7 +86,7 @@ def project(models_: list[str], data: list[str], fmt: str, a, nps: list[int], ou
     for model in models_:
         for n in nps:
             traffic = traffic_at(model, data, fmt, a, n)
-            for mode in ("des", "ps"):
+            for mode in traffic:
                 compute = compute_seconds(mode, model, timed_data, timed_fmt, a, n, out)
                 overlap = getattr(a, "ps_overlap", 0.0) if mode == "ps" else 0.0
                 t = timemodel.step_time(compute, traffic[mode], n, net, overlap=overlap)
@@ -93,4 +110,15 @@ def markdown(rows: list[dict], a) -> str:
         lines.append(f"| {model} | {n} | {d['samples_per_s']:,.0f} | {p['samples_per_s']:,.0f} | "
                      f"{d['samples_per_s'] / p['samples_per_s']:.2f}x | {d['comm_share']:.0%} | {p['comm_share']:.0%} | "
                      f"{p['compute'] * 1e3:.1f} + {p['fixed'] * 1e3:.1f} + {p['bandwidth'] * 1e3:.1f} |")
+    tails = [(m, n) for m, n in dict.fromkeys((r["model"], r["n"]) for r in rows) if (m, n, "des-dp") in by]
+    if tails:
+        lines += ["", "DES with the data-parallel tail (des_ops.tail): computation per process (ms, measured "
+                  "as above) and samples/s, against the replicated tail and the PS.", "",
+                  "| model | N | compute ms: replicated / data-parallel / PS | DES samples/s: replicated / "
+                  "data-parallel | data-parallel / PS |", "|" + "---|" * 5]
+        for model, n in tails:
+            d, t, p = by[(model, n, "des")], by[(model, n, "des-dp")], by[(model, n, "ps")]
+            lines.append(f"| {model} | {n} | {d['compute'] * 1e3:.1f} / {t['compute'] * 1e3:.1f} / "
+                         f"{p['compute'] * 1e3:.1f} | {d['samples_per_s']:,.0f} / {t['samples_per_s']:,.0f} | "
+                         f"{t['samples_per_s'] / p['samples_per_s']:.2f}x |")
     return "\n".join(lines) + "\n"

@@ -14,7 +14,8 @@ Per process and step, with bandwidth b (bytes/s per host and direction):
 - bandwidth: a ring allreduce of P bytes sends 2(N-1)/N P; an all-to-all sends its segments for
   other processes and receives theirs: max(out, in) / b.
 
-DES: one phase, ONE allreduce of 4 B w bytes (w floats per sample). PS: the slice-size allreduce;
+DES: one phase, ONE allreduce of 4 B w bytes (w floats per sample); with the data-parallel tail
+four (``des_tail_traffic``), and a computation that falls with N. PS: the slice-size allreduce;
 per table an all-to-all of ids, then one of rows (forward), then one of gradient rows (backward);
 then the dense allreduce - 5 phases, 3 T + 2 calls. Horovod runs the collectives on its own
 thread, so the PS's per-table work (deduplicating one table's ids, the owner's lookup) goes on
@@ -129,6 +130,18 @@ def calibrate_overlap(measured: float, compute: float, communication: float) -> 
 def des_traffic(payload_bytes: float) -> dict:
     """DES: one phase, one allreduce of the partials (4 B w bytes)."""
     return {"phases": 1, "allreduce": [payload_bytes]}
+
+
+def des_tail_traffic(payload_bytes: float, output_bytes: float, tail_gradient_bytes: float) -> dict:
+    """DES with the data-parallel tail (des_ops.tail): four dependent phases - the reduce-scatter
+    of the partials (4 B w), the all-gather of the outputs, the backward all-gather of the partials'
+    gradient, the allreduce of the tail's gradients. A ring reduce-scatter or all-gather of P bytes
+    sends (N-1)/N P, half a ring allreduce: here an allreduce of P/2.
+
+    >>> des_tail_traffic(1000.0, 40.0, 300.0)
+    {'phases': 4, 'allreduce': [500.0, 20.0, 500.0, 300.0]}
+    """
+    return {"phases": 4, "allreduce": [payload_bytes / 2, output_bytes / 2, payload_bytes / 2, tail_gradient_bytes]}
 
 
 def ps_traffic(tables: int, alltoall_out: float, alltoall_in: float, dense_bytes: float) -> dict:

@@ -3,7 +3,7 @@
 import pytest
 
 from des import timemodel
-from des.timemodel import Network, des_traffic, parse_rate, parse_time, ps_traffic, step_time
+from des.timemodel import Network, des_tail_traffic, des_traffic, parse_rate, parse_time, ps_traffic, step_time
 
 
 def test_units():
@@ -189,3 +189,35 @@ def test_the_bench_takes_the_median_of_repeated_runs(tmp_path):
     budget = parse_cpus("share", 2)
     assert row["cpu_per_step"] == pytest.approx(0.2) and row["compute_cpu_per_step"] == pytest.approx(0.25)
     assert f"| 0.200 ({0.2 / (budget * 0.5):.0%}) / 0.250 ({0.25 / (budget * 0.3):.0%}) |" in table
+
+
+def test_the_data_parallel_tail_costs_four_phases_and_half_rings():
+    """N = 4, 1e8 B/s, 10 us per message, 1 ms cycle: partials of 1e6 B reduce-scattered and their
+    gradient all-gathered (each (N-1)/N x 1e6 = 7.5e5 B sent), outputs of 16,384 B all-gathered
+    (12,288 B), the tail's 4e5 B of gradients in a ring allreduce (2 x 3/4 x 4e5 = 6e5 B):
+    2,112,288 B at 1e8 B/s = 21.12288 ms; 4 cycles + 4 calls x 2 x 3 x 10 us = 4.24 ms."""
+    t = step_time(0.010, des_tail_traffic(1e6, 16384, 4e5), 4, Network(1e8, latency=1e-5, cycle=1e-3))
+    assert t["bandwidth"] == pytest.approx(0.02112288) and t["fixed"] == pytest.approx(0.00424)
+    assert t["total"] == pytest.approx(0.010 + 0.02112288 + 0.00424)
+
+
+def test_projection_shows_both_tails(monkeypatch):
+    """With a data-parallel row (computation per process falls with N), the table shows the
+    computation of both tails and the PS's, and each tail's samples/s."""
+    import argparse
+    from des import projection
+    monkeypatch.setattr(projection, "compute_seconds",
+                        lambda mode, model, data, fmt, a, n, out: {"des": 0.04, "des-dp": 0.01 + 0.03 / n, "ps": 0.02}[mode])
+    monkeypatch.setattr(projection, "traffic_at", lambda model, data, fmt, a, n: {
+        "des": des_traffic(4 * 2048 * 18), "des-dp": des_tail_traffic(4 * 2048 * 18, 4 * 2048, 4e4),
+        "ps": ps_traffic(4, 2e6, 2e6, 1e5)})
+    a = argparse.Namespace(bandwidth="10gbit", latency="20us", cycle=1.0, batch=2048, preset="wide", data=None,
+                           rows=100, columnar=False, format=None)
+    rows = projection.project(["deepfm"], ["x"], "libffm", a, [16, 64], "out")
+    assert [(r["n"], r["mode"]) for r in rows] == [(16, "des"), (16, "des-dp"), (16, "ps"),
+                                                   (64, "des"), (64, "des-dp"), (64, "ps")]
+    net = Network.parse("10gbit", "20us", 1e-3)
+    dp = step_time(0.01 + 0.03 / 64, des_tail_traffic(4 * 2048 * 18, 4 * 2048, 4e4), 64, net)
+    assert rows[4]["samples_per_s"] == pytest.approx(2048 / dp["total"])
+    table = projection.markdown(rows, a)
+    assert "| deepfm | 64 | 40.0 / 10.5 / 20.0 |" in table, table
