@@ -138,3 +138,51 @@ def test_report_says_the_tail_is_data_parallel():
     world = InProcessWorld(1)
     _, report = des.transform(BUILDERS["keras_deepfm"](), comm=world.communicator(0), tail="data_parallel")
     assert "data-parallel tail" in str(report)
+
+
+def test_checkpoints_move_between_one_process_and_the_data_parallel_tail(tmp_path):
+    """The project's DeepFM (TFRA tables, FTRL on the linear part, Adagrad on the rest): one
+    process trains 3 steps and saves; DES on 3 with the data-parallel tail restores it (the same
+    predictions), trains 2 more steps (the uninterrupted single model's predictions) and saves;
+    one process restores that (the same rows and predictions as the data-parallel run)."""
+    import json
+    import os
+
+    import models
+    from des import checkpoint
+    from des.verify import random_batches, small_spec
+    spec = small_spec(5, dim=4)
+    batches, probe = random_batches(spec, 5, 32, seed=11), random_batches(spec, 1, 64, seed=99)[0][0]
+    build = lambda: models.build("deepfm", spec, seed=1, hidden=(8,))            # noqa: E731
+    optimizer = lambda: models.make_optimizer("adagrad", 0.05, linear="ftrl", linear_learning_rate=0.05)  # noqa: E731
+    config = {"model": "deepfm", "spec": json.loads(spec.to_json()), "hidden": "8", "seed": 1, "dim": 4,
+              "format": "libffm", "optimizer": "adagrad", "linear_optimizer": "ftrl"}
+    ref, opt = build(), optimizer()
+    ref.compile(opt, "binary_crossentropy")
+    for x, y in batches[:3]:
+        ref.train_on_batch(x, y)
+    single, dp = str(tmp_path / "single"), str(tmp_path / "dp")
+    checkpoint.save(single, ref, opt, config=config, position={"epoch": 0, "step": 3})
+    at3 = np.asarray(ref.predict_on_batch(probe))
+    for x, y in batches[3:]:
+        ref.train_on_batch(x, y)
+    at5 = np.asarray(ref.predict_on_batch(probe))
+
+    def resume(m):
+        comm = m.des_layer.comm
+        o = optimizer()
+        m.compile(o, "binary_crossentropy")
+        checkpoint.restore(single, m, o, comm.rank, 3)
+        p3 = np.asarray(m.predict_on_batch(probe))
+        for x, y in batches[3:]:
+            m.train_on_batch(x, y)
+        checkpoint.save(dp, m, o, m.des_plan, comm.rank, 3, config=config,
+                        barrier=lambda: comm.allreduce(tf.zeros([1])))
+        return p3, np.asarray(m.predict_on_batch(probe))
+    for p3, p5 in run_in_process_world(3, build, resume, tail="data_parallel"):
+        assert np.abs(p3 - at3).max() <= 1e-6 and np.abs(p5 - at5).max() <= 1e-6
+    assert sorted(os.listdir(os.path.join(dp, "state"))) == ["config.json"] + [f"rank{r}-of-3.npz" for r in range(3)]
+    back, o = build(), optimizer()
+    back.compile(o, "binary_crossentropy")
+    checkpoint.restore(dp, back, o)
+    assert np.abs(np.asarray(back.predict_on_batch(probe)) - at5).max() <= 1e-6
