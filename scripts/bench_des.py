@@ -29,6 +29,35 @@ def run(n, mode, model, data, a, out, extra=()):
     return json.load(open(out if n == 1 else out + ".rank0"))
 
 
+def config_parser(configs: str, report: str) -> argparse.ArgumentParser:
+    """The options of the benchmarks that sweep (N, hidden) configurations (bench_tail, bench_peer)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=60_000)
+    ap.add_argument("--batch", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--dim", type=int, default=8)
+    ap.add_argument("--configs", default=configs, help="N:hidden;...")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--report", default=os.path.join(ROOT, "reports", report))
+    return ap
+
+
+def synth_data(rows: int) -> str:
+    """``rows`` generated criteo-like lines in a new temporary folder: the file's path."""
+    data = os.path.join(tempfile.mkdtemp(), "train.txt")
+    subprocess.run([sys.executable, "-m", "des.data.synth", "--rows", str(rows), "--out", data],
+                   env=ENV, cwd=ROOT, check=True, capture_output=True)
+    return data
+
+
+def write_report(path: str, lines: list[str]) -> None:
+    """The Markdown lines a benchmark printed, written to ``path`` (its committed report)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    print(f"written: {path}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=100_000)

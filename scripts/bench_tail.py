@@ -4,31 +4,17 @@ and samples/second of DES DeepFM under mpirun, for each (N, hidden) given. One r
 
     .venv/bin/python scripts/bench_tail.py --rows 60000 --batch 4096 --steps 12 --repeats 2
 """
-import argparse
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 
-from bench_des import ENV, ROOT, run
+from bench_des import config_parser, run, synth_data, write_report
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, default=60_000)
-    ap.add_argument("--batch", type=int, default=4096)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--dim", type=int, default=8)
-    ap.add_argument("--configs", default="2:400,400,400;4:400,400,400;4:128,64", help="N:hidden;...")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--report", default=os.path.join(ROOT, "reports", "tail.md"))
-    a = ap.parse_args()
-    tmp = tempfile.mkdtemp()
-    data = os.path.join(tmp, "train.txt")
-    subprocess.run([sys.executable, "-m", "des.data.synth", "--rows", str(a.rows), "--out", data],
-                   env=ENV, cwd=ROOT, check=True, capture_output=True)
+    a = config_parser("2:400,400,400;4:400,400,400;4:128,64", "tail.md").parse_args()
+    data = synth_data(a.rows)
+    tmp = os.path.dirname(data)
     lines = [f"# Data-parallel vs replicated tail (DES DeepFM, criteo-like synthetic data, {a.rows} rows)", "",
              f"`scripts/bench_tail.py --rows {a.rows} --batch {a.batch} --steps {a.steps} --repeats {a.repeats} "
              f"--configs '{a.configs}'`, {time.strftime('%Y-%m-%d')}, this machine (2 shared cores; N processes "
@@ -52,10 +38,7 @@ def main():
             line = f"| {n} | {hidden} | {tail} | {cpu:.3f} | {sps:,.0f} | {auc:.4f} | {ratio} |"
             lines.append(line)
             print(line, flush=True)
-    os.makedirs(os.path.dirname(a.report), exist_ok=True)
-    with open(a.report, "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    print(f"written: {a.report}")
+    write_report(a.report, lines)
 
 
 if __name__ == "__main__":
