@@ -4,8 +4,8 @@ the untouched model computes on one process. Batches of 31 rows (not divisible b
 a last batch of 2 (some processes hold no row); N = 5 > 4 fields (a process owns no field).
 
 Tolerances as in tests/test_gallery.py: SGD holds everything to float32 summation order (1e-6);
-adaptive optimizers amplify it in rows whose gradients are near zero (state 1e-4), while
-predictions, loss and AUC stay within 1e-6 / 1e-5."""
+adaptive optimizers amplify it in rows whose gradients are near zero, so their rows and
+weights are held to 1e-5 (measured <= 6e-8 here), predictions to 1e-6."""
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -17,7 +17,7 @@ from gallery import BUILDERS, FIELDS, K, V, batches_for
 
 L = tf.keras.layers
 ROWS, BATCH = 5 * 31 + 2, 31
-TOL_SGD, TOL_ADAPTIVE_STATE, TOL_PREDICTIONS, TOL_METRICS = 1e-6, 1e-4, 1e-6, 1e-5
+TOL_SGD, TOL_ADAPTIVE_STATE, TOL_PREDICTIONS, TOL_METRICS = 1e-6, 1e-5, 1e-6, 1e-5
 
 
 def _data(model):
