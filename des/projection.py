@@ -51,11 +51,12 @@ def traffic_at(model: str, data: list[str], fmt: str, a, n: int) -> dict[str, di
     from des.data.readers import make_dataset
     from des.data.resolve import metadata, spec_for
     spec = spec_for(fmt, data, a.dim, metadata(data[0]), getattr(a, "eval_data", None) or [])
-    plain = models.build(model, spec, hidden=tuple(int(h) for h in a.hidden.split(",") if h))
+    build = lambda: models.build(model, spec, hidden=tuple(int(h) for h in a.hidden.split(",") if h))  # noqa: E731
+    plain = build()
     x, _ = next(iter(make_dataset(data, fmt, spec, a.batch, take_lines=a.batch)))
     t = traffic(plain, {k: v.numpy() for k, v in x.items()}, n)
     out = {"des": timemodel.des_traffic(t["des_payload"])}
-    tail = tail_floats(lambda: models.build(model, spec, hidden=tuple(int(h) for h in a.hidden.split(",") if h)))
+    tail = tail_floats(build)
     if tail is not None:
         out["des-dp"] = timemodel.des_tail_traffic(t["des_payload"], 4.0 * a.batch, 4.0 * tail)
     out["ps"] = timemodel.ps_traffic(t["tables"], t["ps_alltoall"], t["ps_alltoall"], t["ps_dense_payload"])

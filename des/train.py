@@ -282,7 +282,8 @@ def main(argv=None) -> int:
     read = mode.read_inputs()
     summary = {"model": a.model, "mode": a.mode, "world_size": mode.world_size,
                "auc": result.get("auc"), "logloss": result.get("logloss"),
-               "samples_per_second": speed.samples_per_second(), "cpu_seconds_per_step": cpu.median(), "tail": getattr(a, "tail", "replicated"),
+               "samples_per_second": speed.samples_per_second(), "cpu_seconds_per_step": cpu.median(),
+               "tail": getattr(a, "tail", "replicated"),
                "seconds_to_first_step": speed.seconds_to_first_step,
                "bayes_auc": _bayes_auc(a, meta),
                "bad_lines_skipped": skips.total, "global_batch": global_batch,

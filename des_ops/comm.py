@@ -274,10 +274,7 @@ class InProcessWorld:
                     by.setdefault(nm, []).append(i)
                 raise RuntimeError("collective mismatch: " + "; ".join(
                     f"rank(s) {', '.join(map(str, rs))} submitted {nm!r}" for nm, rs in by.items()))
-            out = values[0][1].copy()
-            for _, v in values[1:]:
-                out += v
-            return out
+            return _sum([v for _, v in values])
         return self.rendezvous(rank, "allreduce", (name, a), total)
 
     def rendezvous(self, rank: int, tag: str, value, combine):
@@ -351,13 +348,8 @@ class InProcessCollectives:
         return tf.ensure_shape(got, [None, *x.shape[1:]]), tf.ensure_shape(came, [self.world.world_size])
 
     def allreduce(self, x, op=None, name: str = "allreduce"):
-        def total(values, r):
-            out = values[0].copy()
-            for v in values[1:]:
-                out += v
-            return out
-        y = tf.numpy_function(lambda a: self.world.rendezvous(self.rank, name, a, total), [x], x.dtype,
-                              stateful=True)
+        y = tf.numpy_function(lambda a: self.world.rendezvous(self.rank, name, a, lambda values, r: _sum(values)),
+                              [x], x.dtype, stateful=True)
         return tf.ensure_shape(y, x.shape)
 
 
@@ -395,6 +387,7 @@ def _concatenate(values, rank):
 
 
 def _sum(values):
+    """The sum of the ranks' arrays, added in rank order (the same bits on every rank)."""
     out = values[0].copy()
     for v in values[1:]:
         out += v
@@ -423,19 +416,28 @@ def allreduce_sum(comm: Communicator, x: tf.Tensor, name: str = "des_partials") 
     count = comm.count("step", tf.cast(tf.size(x), tf.int64) * x.dtype.size)
 
     @tf.custom_gradient
-    def _sum(v):
+    def _allreduce(v):
         with tf.control_dependencies([count]):
-            # + 0 read from a variable: on a process that owns nothing the partials are constant
-            # zeros, and grappler would fold Horovod's (stateless) allreduce of constants into its
-            # input: that process would then skip every collective while the others wait
-            calls = comm.ncalls["step"].read_value()
-            y = comm.allreduce(v + tf.cast(tf.minimum(calls, 0), v.dtype), name)
+            y = comm.allreduce(not_folded(comm, v), name)
 
         def grad(dy):
             return tf.identity(dy)
         return y, grad
 
-    return _sum(x)
+    return _allreduce(x)
+
+
+def variable_zero(comm: Communicator, dtype=tf.float32) -> tf.Tensor:
+    """0, read from one of ``comm``'s counters: a zero that grappler cannot fold as a constant."""
+    return tf.cast(tf.minimum(comm.ncalls["step"].read_value(), 0), dtype)
+
+
+def not_folded(comm: Communicator, x: tf.Tensor) -> tf.Tensor:
+    """``x`` + ``variable_zero``, the input every collective is handed: on a process that owns
+    nothing the partials are constant zeros, and grappler would fold Horovod's (stateless)
+    collective of constants into its input; that process would then skip the collective while
+    the others wait."""
+    return x + variable_zero(comm, x.dtype)
 
 
 class DisagreementError(RuntimeError):

@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from des_ops import partials as dm
-from des_ops.comm import Communicator, allreduce_sum
+from des_ops.comm import Communicator, allreduce_sum, variable_zero
 from des_ops.tail import reduce_scatter_sum
 
 
@@ -170,9 +170,8 @@ class DESFirstLayer(tf.keras.layers.Layer):
             if self.penalty_column:
                 self.add_loss(tf.reduce_sum(allreduce_sum(self.comm, tf.reshape(self._owned_penalty(), [1, 1]),
                                                           self.collective + "_penalty")))
-            zero = tf.cast(tf.minimum(self.comm.ncalls["step"].read_value(), 0), tf.float32)
-            total = reduce_scatter_sum(self.comm, tf.concat(parts, axis=1) + self.rows_anchor * zero,
-                                       self.collective)
+            total = reduce_scatter_sum(self.comm, tf.concat(parts, axis=1)
+                                       + self.rows_anchor * variable_zero(self.comm), self.collective)
         else:
             if self.penalty_column:
                 parts.append(dm.first_row(self._owned_penalty(), batch))

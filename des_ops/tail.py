@@ -26,17 +26,11 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from des_ops.comm import Communicator, shard_rows
+from des_ops.comm import Communicator, not_folded, shard_rows
 
 
 def _nbytes(x: tf.Tensor) -> tf.Tensor:
     return tf.cast(tf.size(x), tf.int64) * x.dtype.size
-
-
-def _not_constant(comm: Communicator, x: tf.Tensor) -> tf.Tensor:
-    """``x`` + 0 read from a variable: grappler must not fold a collective of constant zeros (a
-    process that owns nothing) into its input; it would skip the collective (des_ops.comm)."""
-    return x + tf.cast(tf.minimum(comm.ncalls["tail"].read_value(), 0), x.dtype)
 
 
 def reduce_scatter_sum(comm: Communicator, x: tf.Tensor, name: str) -> tf.Tensor:
@@ -46,11 +40,11 @@ def reduce_scatter_sum(comm: Communicator, x: tf.Tensor, name: str) -> tf.Tensor
     @tf.custom_gradient
     def _scatter(v):
         with tf.control_dependencies([comm.count("step", _nbytes(v))]):
-            y = comm.reducescatter(_not_constant(comm, v), name)
+            y = comm.reducescatter(not_folded(comm, v), name)
 
         def grad(dy):
             with tf.control_dependencies([comm.count("tail", _nbytes(dy))]):
-                return tf.ensure_shape(comm.allgather(_not_constant(comm, dy), f"{name}_grad"), v.shape)
+                return tf.ensure_shape(comm.allgather(not_folded(comm, dy), f"{name}_grad"), v.shape)
         return y, grad
 
     return _scatter(x)
@@ -62,7 +56,7 @@ def gather_rows(comm: Communicator, x: tf.Tensor, name: str) -> tf.Tensor:
     @tf.custom_gradient
     def _gather(v):
         with tf.control_dependencies([comm.count("tail", _nbytes(v))]):
-            y = comm.allgather(_not_constant(comm, v), name)
+            y = comm.allgather(not_folded(comm, v), name)
 
         def grad(dy):
             lo, hi = shard_rows(tf.shape(dy, out_type=tf.int64)[0], comm.rank, comm.world_size)
@@ -119,7 +113,7 @@ def sum_tail_gradients(model: tf.keras.Model, comm: Communicator, tail_variables
                 others = [g for g, v in pairs if g is not None and v.ref() not in refs]
                 with tf.control_dependencies(others):
                     flat = tf.concat([tf.reshape(tf.cast(g, tf.float32), [-1]) for g in grads], 0)
-                total = comm.allreduce_counted(_not_constant(comm, flat), "tail")
+                total = comm.allreduce_counted(not_folded(comm, flat), "tail")
                 parts = tf.split(total, [int(g.shape.num_elements()) for g in grads])
                 for i, g, part in zip(mine, grads, parts):
                     pairs[i] = (tf.cast(tf.reshape(part, g.shape), g.dtype), pairs[i][1])
