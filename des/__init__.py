@@ -35,7 +35,11 @@ def transform(model, **kwargs):
 
 def __getattr__(name):
     """Lazily: des.TransformError, des.make_keyed (TFRA tables with key-deterministic new rows),
-    des.register_adapter (map a third-party layer to canonical math)."""
+    des.register_adapter (map a third-party layer to canonical math), des.AutoTail (what
+    tail="auto" assumes: batch size, FLOP rate, bandwidth)."""
+    if name == "AutoTail":
+        from des.cost import AutoTail
+        return AutoTail
     if name == "TransformError":
         from des.compiler import TransformError
         return TransformError

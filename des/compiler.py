@@ -26,6 +26,7 @@ import os
 
 import tensorflow as tf
 
+from des.cost import AutoTail, choose_tail
 from des.fields import GLUE, FieldAnalysis, FieldVector
 from des.ir import Graph, Node, call_node, is_keras_tensor, replay, trace
 from des.keras_internals import compile_args, has_weight_penalties, take_weight_penalties
@@ -38,7 +39,7 @@ from des_ops.wire import ring_share
 from rewrite_rules import RULES, Match, Rejection, find_substitutions, rule_named
 
 
-TAILS = ("replicated", "data_parallel")
+TAILS = ("replicated", "data_parallel", "auto")
 
 
 class TransformError(ValueError):
@@ -64,6 +65,7 @@ class Report:
     compiled: str = ""                # what became of the model's compile (a report line), if it was compiled
     opaque: list[str] = dataclasses.field(default_factory=list)   # subclassed models inside: why they were not read
     tail: str = "replicated"          # how the layers after the first one run (des_ops.tail)
+    tail_reason: str = ""             # tail="auto": what des.cost.choose_tail weighed
 
     def estimate_costs(self, batch_size: int, unique_per_slice: dict[str, float]) -> list:
         """DES vs PS bytes per operator (des.cost); kept for printing with the report."""
@@ -105,6 +107,8 @@ class Report:
                 lines.append("  data-parallel tail: the partials are reduce-scattered, each process runs the layers "
                              "after the first one on its B/N rows, the outputs are all-gathered and the tail's "
                              "gradients summed (one allreduce per step)")
+            if self.tail_reason:
+                lines.append(f"  tail chosen by the cost model (tail='auto'): {self.tail_reason}")
         if self.compiled:
             lines.append(f"  {self.compiled}")
         lines += [str(c) for c in self.costs]
@@ -257,7 +261,7 @@ class FieldChains:
 def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str | FieldPlan = "balanced",
               spec=None, release_unowned: bool = True, strict: bool = False, sync_weights: bool = True,
               seed: int = 0, sample=None, fuse_tables: bool = False,
-              tail: str = "replicated") -> tuple[tf.keras.Model, Report]:
+              tail: str | AutoTail = "replicated") -> tuple[tf.keras.Model, Report]:
     """Return (DES model for this process, report). ``plan``: 'balanced', 'mod' or a FieldPlan.
 
     ``spec`` (a FeatureSpec) gives expected cardinalities to the balanced plan. Every process
@@ -272,6 +276,8 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     batch) or ``"data_parallel"`` (each process runs them on its own rows of the batch: the
     partials are reduce-scattered, the outputs all-gathered and the tail's gradients summed by
     the optimizer the model is compiled with; des_ops.tail). Both compute what one process does.
+    ``"auto"`` (or a ``des.AutoTail`` giving the batch size, the FLOP rate and the bandwidth):
+    the cost model picks one (des.cost.choose_tail) and the report says why.
 
     A subclassed model (a ``tf.keras.Model`` or ``tfrs.models.Model`` with its own ``call``) is
     traced: its ``call`` runs on symbolic inputs shaped like ``sample`` (a batch of its inputs;
@@ -285,7 +291,7 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
         return _transform_subclassed(model, sample, comm=comm, plan=plan, spec=spec, release_unowned=release_unowned,
                                      strict=strict, sync_weights=sync_weights, seed=seed, fuse_tables=fuse_tables,
                                      tail=tail)
-    if tail not in TAILS:
+    if not isinstance(tail, AutoTail) and tail not in TAILS:
         raise ValueError(f"des.transform: tail={tail!r}; choose from {', '.join(TAILS)}")
     graph = Graph(model)
     fields = FieldAnalysis(graph)
@@ -360,14 +366,21 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
         skip |= m.internal
         for v in m.vectors:
             skip |= v.chain
-    data_parallel = tail == "data_parallel"
-    if data_parallel:
+    tail_reason = ""
+    if tail != "replicated":
         tail_nodes = [n for n in graph.nodes if n.index not in skip and n.kind != "input"]
         tail_layers = list(dict.fromkeys(n.layer for n in tail_nodes))
         obstacles = tail_obstacles(tail_layers, sorted({n.layer.name for n in tail_nodes if n.kind == "table"}), comm)
-        if obstacles:
+        if tail != "data_parallel":
+            tail, tail_reason = choose_tail(
+                sum(int(l.kernel.shape.num_elements()) for l in tail_layers if isinstance(l, tf.keras.layers.Dense)),
+                sum(int(w.shape.num_elements()) for l in tail_layers for w in l.trainable_weights),
+                sum(int(t.shape[-1] or 1) for t in model.outputs), comm.world_size,
+                tail if isinstance(tail, AutoTail) else AutoTail(), obstacles)
+        elif obstacles:
             raise ValueError("des.transform(tail='data_parallel'): the tail cannot run data-parallel: "
                              + "; ".join(obstacles))
+    data_parallel = tail == "data_parallel"
     in_fused = {id(m.layer) for _, members in fused for m in members}
     layers = [l for l in dict.fromkeys(n.layer for n in chains.nodes) if id(l) not in in_fused]
     layers += [table for table, _ in fused]
@@ -377,7 +390,7 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
         first.collective += "_forced_by_DES_TEST_DISAGREE"        # and no check: Horovod's stall shutdown must end it
     elif comm.world_size > 1:
         agree(comm, "collective schedule (one fused allreduce: its name and floats per sample)",
-              f"{first.collective}: {first.floats_per_sample()}")
+              f"{first.collective}: {first.floats_per_sample()}, {tail} tail")
     names_in = sorted({graph.nodes[i].layer.name for m in matches for v in m.vectors for i in v.chain | fields.cone(v.tensor)
                        if graph.nodes[i].kind == "input"})
     outs = first({n: graph.tensors[_input_id(graph, n)] for n in names_in})
@@ -406,7 +419,7 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     report.tables += fused_lines
     report.plan, report.floats_per_sample, report.widths = field_plan, first.floats_per_sample(), widths
     report.penalty_column = penalty_column
-    report.tail = tail
+    report.tail, report.tail_reason = tail, tail_reason
     report.compiled = _compile_like(model, new_model)
     if released:
         _mark_consumed(model)

@@ -87,3 +87,50 @@ def estimate(report, batch_size: int, unique_per_slice: dict[str, float]) -> lis
         ps += ring * 4 * m.dense_parameters
         out.append(OperatorCost(m.rule, m.root.layer.name, des_bytes, ps))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoTail:
+    """How ``des.transform(model, tail="auto")`` (or ``tail=AutoTail(...)``) weighs the
+    data-parallel tail (des_ops.tail) against the replicated one; ``choose_tail`` decides.
+
+    ``batch_size``: the global batch the model will train on. ``flops``: float32 operations per
+    second one process spends on the tail's matrix products (5e10: the 400,400,400 tail on this
+    project's machine, one thread; reports/tail.md). ``bandwidth``: effective bytes/s per process
+    and direction (1.25e9: 10 Gbit/s). ``per_collective``: the seconds an extra collective costs a
+    step beyond its bytes (3 ms: the 128,64 tail at N=4 on one machine, reports/tail.md).
+    """
+    batch_size: int = 4096
+    flops: float = 5e10
+    bandwidth: float = 1.25e9
+    per_collective: float = 3e-3
+
+
+def choose_tail(dense_weights: int, tail_weights: int, output_floats: int, world_size: int,
+                auto: AutoTail, obstacles: list[str] = ()) -> tuple[str, str]:
+    """("replicated" | "data_parallel", why). The data-parallel tail saves each process
+    (N-1)/N of the tail's matrix products, 6 x ``dense_weights`` operations per sample (forward
+    2, backward 4), and costs three collectives more per step: the all-gather of the outputs
+    (``output_floats`` per sample), the allreduce of the tail's ``tail_weights`` gradients, the
+    backward all-gather of the partials (whose bytes the reduce-scatter saves against the
+    allreduce it replaces).
+
+    >>> choose_tail(320_400, 320_401, 1, 4, AutoTail())[0]      # DeepFM, hidden 400,400,400
+    'data_parallel'
+    >>> print(choose_tail(8_256, 8_257, 1, 4, AutoTail())[1])   # hidden 128,64
+    replicated: the tail's products would save 3.0 ms per step (6 x 8,256 weights x B 4,096 x 3/4 at 5e+10 FLOP/s), 3 more collectives cost 9.0 ms (3 x 3.0 ms + 0.1 MB at 1.2e+09 B/s)
+    """
+    n = world_size
+    if n <= 1:
+        return "replicated", "replicated: one process, nothing to share"
+    if obstacles:
+        return "replicated", "replicated: the tail cannot run data-parallel: " + "; ".join(obstacles)
+    b = auto.batch_size
+    saved = 6.0 * dense_weights * b * (n - 1) / n / auto.flops
+    extra_bytes = ring_share(n) / 2 * 4 * b * output_floats + ring_share(n) * 4 * tail_weights
+    extra = 3 * auto.per_collective + extra_bytes / auto.bandwidth
+    choice = "data_parallel" if saved > extra else "replicated"
+    return choice, (f"{choice}: the tail's products would save {saved * 1e3:.1f} ms per step (6 x {dense_weights:,} "
+                    f"weights x B {b:,} x {n - 1}/{n} at {auto.flops:.0e} FLOP/s), 3 more collectives cost "
+                    f"{extra * 1e3:.1f} ms (3 x {auto.per_collective * 1e3:.1f} ms + {extra_bytes / 1e6:.1f} MB at "
+                    f"{auto.bandwidth:.1e} B/s)")

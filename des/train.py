@@ -79,10 +79,13 @@ def _args(argv):
                          "(fused, their default; the PS then does one set of all-to-alls per width and step) or one "
                          "table per field (per-field: single trains the model untouched); cache keeps one table per "
                          "field")
-    ap.add_argument("--tail", default="replicated", choices=["replicated", "data_parallel"],
+    ap.add_argument("--tail", default="replicated", choices=["replicated", "data_parallel", "auto"],
                     help="des: every process runs the layers after the first one on the whole batch (replicated) "
                          "or on its own rows of it (data_parallel: less computation per process, two all-gathers "
-                         "and one gradient allreduce more; the same results)")
+                         "and one gradient allreduce more; the same results); auto: the cost model picks one for "
+                         "--batch and the report says why")
+    ap.add_argument("--link", default="10gbit",
+                    help="--tail auto: each process's network rate (tc units, e.g. 100mbit) the cost model assumes")
     ap.add_argument("--comm", default="auto", choices=["auto", "horovod", "mpi4py", "local", "noop", "sync", "meet"],
                     help="noop: the launcher's rank and size but no collective (times the computation "
                          "alone, for des.timemodel; results are not the model's); sync: the same, but each "

@@ -15,15 +15,21 @@ ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIR
            OMPI_MCA_mpi_yield_when_idle="1", TF_CPP_MIN_LOG_LEVEL="2")
 
 
-def run(n, mode, model, data, a, out, extra=()):
-    """des.train on ``n`` processes (mpirun when n > 1) with ``a``'s batch, steps, dim and hidden,
-    plus ``extra`` arguments; rank 0's summary."""
+def run(n, mode, model, data, a, out, extra=(), launcher=None):
+    """des.train on ``n`` processes (mpirun when n > 1, or ``launcher``: a netbed's mpirun) with
+    ``a``'s batch, steps, dim and hidden, plus ``extra`` arguments; rank 0's summary."""
     args = [sys.executable, "-m", "des.train", "--mode", mode, "--model", model, "--data", data,
             "--batch", str(a.batch), "--steps", str(a.steps), "--holdout", "0", "--threads", "1",
             "--dim", str(a.dim), "--hidden", a.hidden, "--shuffle-buffer", "0", "--summary-json", out, *extra]
-    if n > 1:
+    if launcher:
+        args = list(launcher) + args
+    elif n > 1:
         args = ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none"] + args
-    p = subprocess.run(args, env=ENV, cwd=ROOT, capture_output=True, text=True)
+    for _ in range(3):     # Open MPI's daemons across the netbed's namespaces fail to start now and then
+        p = subprocess.run(args, env=ENV, cwd=ROOT, capture_output=True, text=True)
+        if p.returncode == 0 or not launcher or "ORTE" not in p.stderr + p.stdout:
+            break
+        print("mpirun could not start its daemons on the netbed; again", flush=True)
     if p.returncode:
         raise SystemExit(f"{' '.join(args)} failed:\n{p.stderr[-2000:]}")
     return json.load(open(out if n == 1 else out + ".rank0"))

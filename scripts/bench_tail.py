@@ -1,43 +1,68 @@
 """Benchmark the data-parallel tail against the replicated one: CPU seconds per step per process
 and samples/second of DES DeepFM under mpirun, for each (N, hidden) given. One run, medians of
-``--repeats`` launches; prints a Markdown table and writes it to ``--report``.
+``--repeats`` launches, and what ``--tail auto`` picks; prints a Markdown table and writes it to
+``--report``. ``--netbed RATE``: on the emulated cluster (des.netbed: one host per process, each
+with a CPU budget of its own, ``--cpus``), else on this machine's shared cores.
 
     .venv/bin/python scripts/bench_tail.py --rows 60000 --batch 4096 --steps 12 --repeats 2
+    .venv/bin/python scripts/bench_tail.py --netbed 100mbit --configs '4:400,400,400;4:128,64' --report reports/tail_netbed.md
 """
+import contextlib
 import os
 import statistics
+import sys
 import time
 
-from bench_des import config_parser, run, synth_data, write_report
+from bench_des import ROOT, config_parser, run, synth_data, write_report
+
+sys.path.insert(0, ROOT)
+from des.netbed import Netbed  # noqa: E402
 
 
 def main():
-    a = config_parser("2:400,400,400;4:400,400,400;4:128,64", "tail.md").parse_args()
+    ap = config_parser("2:400,400,400;4:400,400,400;4:128,64", "tail.md")
+    ap.add_argument("--netbed", default=None, metavar="RATE", help="run on the emulated cluster at this rate")
+    ap.add_argument("--cpus", default="share", help="--netbed: each host's CPU budget")
+    a = ap.parse_args()
     data = synth_data(a.rows)
     tmp = os.path.dirname(data)
+    link = a.netbed or "10gbit"
+    where = (f"the netbed (des.netbed: one host per process at {a.netbed}, CPU budget {a.cpus} each)" if a.netbed
+             else "this machine (2 shared cores; N processes oversubscribe them)")
     lines = [f"# Data-parallel vs replicated tail (DES DeepFM, criteo-like synthetic data, {a.rows} rows)", "",
              f"`scripts/bench_tail.py --rows {a.rows} --batch {a.batch} --steps {a.steps} --repeats {a.repeats} "
-             f"--configs '{a.configs}'`, {time.strftime('%Y-%m-%d')}, this machine (2 shared cores; N processes "
-             f"oversubscribe them, --threads 1). Global batch {a.batch}, dim {a.dim}; median over launches of "
-             f"each launch's median step.", "",
-             "| N | hidden | tail | CPU s/step/process | samples/s | train AUC at the last step | CPU ratio dp/rep | samples/s ratio |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"--configs '{a.configs}'" + (f" --netbed {a.netbed} --cpus {a.cpus}" if a.netbed else "")
+             + f"`, {time.strftime('%Y-%m-%d')}, {where}, --threads 1. Global batch {a.batch}, dim {a.dim}; median "
+             f"over launches of each launch's median step. 'auto picks': what `des.train --tail auto --link {link}` "
+             f"chose (des.cost.choose_tail), with its reason below the table.", "",
+             "| N | hidden | tail | CPU s/step/process | samples/s | train AUC at the last step | CPU ratio dp/rep | samples/s ratio | auto picks |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    reasons = []
     print("\n".join(lines), flush=True)
     for config in a.configs.split(";"):
         n, hidden = config.split(":")
         a.hidden = hidden
         got = {}
-        for tail in ("replicated", "data_parallel"):
-            runs = [run(int(n), "des", "deepfm", data, a, os.path.join(tmp, f"{n}_{tail}_{k}.json"),
-                        extra=("--tail", tail)) for k in range(a.repeats)]
+        bed = Netbed(int(n), rate=a.netbed, cpus=a.cpus) if a.netbed else contextlib.nullcontext()
+        with bed:
+            launch = lambda tail, k, *more: run(int(n), "des", "deepfm", data, a, os.path.join(tmp, f"{n}_{tail}_{k}.json"),  # noqa: E731
+                                                 extra=("--tail", tail, "--link", link, *more),
+                                                 launcher=bed.mpirun(int(n)) if a.netbed else None)
+            auto = launch("auto", 0, "--steps", "1")
+            reasons.append(f"- N={n}, hidden {hidden}: {auto['tail_reason']}")
+            runs_by_tail = {tail: [launch(tail, k) for k in range(a.repeats)] for tail in ("replicated", "data_parallel")}
+        for tail, runs in runs_by_tail.items():
             got[tail] = (statistics.median(r["cpu_seconds_per_step"] for r in runs),
                          statistics.median(r["samples_per_second"] for r in runs), runs[0]["train_auc_by_step"][-1][1])
         for tail, (cpu, sps, auc) in got.items():
             ratio = (f"{got['data_parallel'][0] / got['replicated'][0]:.2f}x | "
                      f"{got['data_parallel'][1] / got['replicated'][1]:.2f}x") if tail == "data_parallel" else " | "
-            line = f"| {n} | {hidden} | {tail} | {cpu:.3f} | {sps:,.0f} | {auc:.4f} | {ratio} |"
+            line = (f"| {n} | {hidden} | {tail} | {cpu:.3f} | {sps:,.0f} | {auc:.4f} | {ratio} | "
+                    f"{'**yes**' if tail == auto['tail'] else ''} |")
             lines.append(line)
             print(line, flush=True)
+    lines += ["", "What the cost model weighed (`--tail auto`):", "", *reasons]
+    print("\n".join(lines[-len(reasons) - 3:]))
     write_report(a.report, lines)
 
 

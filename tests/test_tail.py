@@ -135,6 +135,40 @@ def test_negative_tails_that_cannot_run_data_parallel():
         des.transform(BUILDERS["keras_deepfm"](), comm=LocalCommunicator(), tail="sharded")
 
 
+def _tower(hidden, batch_norm=False):
+    x = _inputs()
+    h = L.Dense(16, activation="relu")(L.Concatenate()([L.Embedding(V, K)(x[f]) for f in FIELDS]))
+    if batch_norm:
+        h = L.BatchNormalization(name="bn")(h)
+    for units in hidden:
+        h = L.Dense(units, activation="relu")(h)
+    return tf.keras.Model(x, L.Dense(1, activation="sigmoid")(h))
+
+
+def test_auto_tail_follows_the_cost_model():
+    """tail="auto" on 4 simulated processes: a wide tail (256, 256: 69,888 kernel weights)
+    is run data-parallel at B = 4096 and replicated at B = 64 (the products saved no longer
+    pay for three more collectives), a narrow one (8) is replicated, one the data-parallel tail
+    cannot run (BatchNormalization) is replicated, not refused; one process keeps the replicated
+    tail. Every process picks the same."""
+    from des.cost import AutoTail, choose_tail
+    cases = [((256, 256), False, 4096, "data_parallel"), ((256, 256), False, 64, "replicated"),
+             ((8,), False, 4096, "replicated"), ((256, 256), True, 4096, "replicated")]
+    for hidden, batch_norm, batch, expected in cases:
+        tails = run_in_process_world(4, lambda: _tower(hidden, batch_norm), lambda m: m.des_tail,
+                                     tail=AutoTail(batch_size=batch))
+        assert tails == [expected] * 4, (hidden, batch_norm, batch, tails)
+    dense = 16 * 256 + 256 * 256 + 256                     # the tail's kernels: 16x256, 256x256, 256x1
+    assert choose_tail(dense, dense + 513, 1, 4, AutoTail(batch_size=4096))[0] == "data_parallel"
+    _, report = des.transform(_tower((256, 256), batch_norm=True), comm=InProcessWorld(1).communicator(0),
+                              tail="auto")
+    assert report.tail == "replicated" and "one process" in str(report)
+    world = InProcessWorld(2)
+    reasons = [des.transform(_tower((256, 256), batch_norm=True), comm=world.communicator(r), tail="auto")[1]
+               .tail_reason for r in range(2)]
+    assert "'bn' (BatchNormalization) computes statistics" in reasons[0] and reasons[0] == reasons[1]
+
+
 def test_report_says_the_tail_is_data_parallel():
     world = InProcessWorld(1)
     _, report = des.transform(BUILDERS["keras_deepfm"](), comm=world.communicator(0), tail="data_parallel")

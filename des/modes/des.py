@@ -24,11 +24,14 @@ class DES(Mode):
     def prepare(self, model):
         import des
         from des import checkpoint
-        from des.cost import unique_ids_per_slice
+        from des.cost import AutoTail, unique_ids_per_slice
+        from des.timemodel import parse_rate
         a = self.a
         plan = (a.restore and checkpoint.load_plan(a.restore, self.world_size)) or a.plan
         model, self.report = des.transform(model, comm=self.comm, plan=plan, spec=self.run.spec,
-                                           fuse_tables=a.tables != "per-field", tail=a.tail)
+                                           fuse_tables=a.tables != "per-field",
+                                           tail=AutoTail(batch_size=a.batch, bandwidth=parse_rate(a.link))
+                                           if a.tail == "auto" else a.tail)
         first = {k: v.numpy() for k, v in self.run.first_batch().items()}
         self.report.estimate_costs(a.batch, unique_ids_per_slice(first, self.run.spec, self.world_size))
         self.run.log(self.report)
@@ -55,7 +58,7 @@ class DES(Mode):
     def summarise(self, model, summary: dict) -> None:
         report, comm, batch, traffic = self.report, self.comm, self.a.batch, self.traffic
         counted = comm.counted()
-        summary.update(floats_per_sample=report.floats_per_sample,
+        summary.update(floats_per_sample=report.floats_per_sample, tail=report.tail, tail_reason=report.tail_reason,
                        bytes_per_step_measured=traffic.median(),
                        bytes_per_step_analytic=report.payload_bytes(batch),
                        ring_bytes_per_step=report.ring_bytes(batch), collectives=counted,
