@@ -66,6 +66,7 @@ class Report:
     opaque: list[str] = dataclasses.field(default_factory=list)   # subclassed models inside: why they were not read
     tail: str = "replicated"          # how the layers after the first one run (des_ops.tail)
     tail_reason: str = ""             # tail="auto": what des.cost.choose_tail weighed
+    collectives: int = 1              # fused allreduces per step (one per tower when towers were transformed)
 
     def estimate_costs(self, batch_size: int, unique_per_slice: dict[str, float]) -> list:
         """DES vs PS bytes per operator (des.cost); kept for printing with the report."""
@@ -99,8 +100,10 @@ class Report:
             if self.penalty_column:
                 lines.append("  + 1 float per sample for the weight penalties (regularizers) of owned tables "
                              "and kernel rows, so every process reports the whole loss")
-            lines.append(f"  one fused allreduce of {self.floats_per_sample} floats per sample "
-                         f"= {self.payload_bytes(1)} bytes/sample; at B=4096: "
+            lines.append((f"  {self.collectives} allreduces (one per tower) of {self.floats_per_sample} floats per "
+                          f"sample in all " if self.collectives > 1 else
+                          f"  one fused allreduce of {self.floats_per_sample} floats per sample ")
+                         + f"= {self.payload_bytes(1)} bytes/sample; at B=4096: "
                          f"{self.payload_bytes(4096):,} bytes handed over, "
                          f"{self.ring_bytes(4096):,.0f} sent per process (ring)")
             if self.tail == "data_parallel":
@@ -179,7 +182,7 @@ def _why_table(graph: Graph, fields: FieldAnalysis, table: Node, rejections: lis
             for r in rejections:
                 if u.index in fields.cone(r.root.output):
                     return f"reaches {u.layer.name!r} on the way to {r.root.layer.name!r}: {r.reason}"
-            return (f"its field vector reaches {u.layer.name!r} ({u.kind}), which mixes "
+            return (f"its field vector reaches {u.layer.name!r} ({u.kind.removeprefix('layer:')}), which mixes "
                     f"{len(fields.tables(u.output))} tables in a way no rule "
                     f"({', '.join(r.name for r in RULES)}) understands")
         if t in graph.output_ids:
@@ -261,7 +264,7 @@ class FieldChains:
 def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str | FieldPlan = "balanced",
               spec=None, release_unowned: bool = True, strict: bool = False, sync_weights: bool = True,
               seed: int = 0, sample=None, fuse_tables: bool = False,
-              tail: str | AutoTail = "replicated") -> tuple[tf.keras.Model, Report]:
+              tail: str | AutoTail = "replicated", scope: str = "") -> tuple[tf.keras.Model, Report]:
     """Return (DES model for this process, report). ``plan``: 'balanced', 'mod' or a FieldPlan.
 
     ``spec`` (a FeatureSpec) gives expected cardinalities to the balanced plan. Every process
@@ -283,14 +286,18 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     traced: its ``call`` runs on symbolic inputs shaped like ``sample`` (a batch of its inputs;
     not needed once the model has been called), the functional graph this gives is rewritten,
     and the SAME model object is returned with its forward pass replaced by the rewritten graph,
-    so its own ``compute_loss``, ``train_step``, tasks and metrics stay as they are.
+    so its own ``compute_loss``, ``train_step``, tasks and metrics stay as they are. A model
+    without a ``call`` of its own whose ``compute_loss`` calls towers (a TFRS retrieval model:
+    ``self.query_model(...)``, ``self.candidate_model(...)``) has each tower that holds tables
+    transformed on its own (``scope``: the tower's attribute, in its collective's name) and put
+    back in its place.
     """
     from des import state
     comm = comm or default_communicator()
     if not getattr(model, "_is_graph_network", False):
         return _transform_subclassed(model, sample, comm=comm, plan=plan, spec=spec, release_unowned=release_unowned,
                                      strict=strict, sync_weights=sync_weights, seed=seed, fuse_tables=fuse_tables,
-                                     tail=tail)
+                                     tail=tail, scope=scope)
     if not isinstance(tail, AutoTail) and tail not in TAILS:
         raise ValueError(f"des.transform: tail={tail!r}; choose from {', '.join(TAILS)}")
     graph = Graph(model)
@@ -385,7 +392,7 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     layers = [l for l in dict.fromkeys(n.layer for n in chains.nodes) if id(l) not in in_fused]
     layers += [table for table, _ in fused]
     first = DESFirstLayer(layers, chains, ops, op_inputs, comm, owned_penalties, penalty_column,
-                          shard_rows=data_parallel, name="des_first_layer")
+                          shard_rows=data_parallel, scope=scope, name="des_first_layer")
     if forced == "collective":
         first.collective += "_forced_by_DES_TEST_DISAGREE"        # and no check: Horovod's stall shutdown must end it
     elif comm.world_size > 1:
@@ -454,9 +461,15 @@ def _mark_consumed(model: tf.keras.Model) -> None:
     model.call = consumed
 
 
-def _transform_subclassed(model: tf.keras.Model, sample, comm: Communicator, strict: bool, **kwargs):
-    """des.transform of a subclassed model: see transform's docstring."""
-    traced, why = trace_call(model, sample)
+def _transform_subclassed(model: tf.keras.Model, sample, comm: Communicator, strict: bool, input_prefix: str = "input",
+                          **kwargs):
+    """des.transform of a subclassed model (or of a tower, traced like one): see transform's
+    docstring. ``input_prefix`` names the traced inputs that are not keys of a dict."""
+    traced, why = trace_call(model, sample, input_prefix)
+    if traced is None and type(model).call is tf.keras.Model.call:
+        towers = _towers(model)
+        if towers:
+            return _transform_towers(model, towers, sample, comm=comm, strict=strict, **kwargs)
     if traced is None:
         report = Report([], [], None, comm.rank, comm.world_size, opaque=[why])
         if strict:
@@ -466,6 +479,9 @@ def _transform_subclassed(model: tf.keras.Model, sample, comm: Communicator, str
     if not report.changed:
         return model, report
     model.des_forward = rewritten                   # tracked: its DES layer's weights are the model's
+    for m in report.substitutions:                  # the user's object still holds the substituted Dense:
+        if type(m.root.layer) is tf.keras.layers.Dense:    # its kernel is split into the owners' blocks, its
+            m.root.layer.trainable = False          # bias lives on in the DES tail: nothing to train there
 
     def call(inputs, training=None, **_):
         return rewritten(inputs, training=training)
@@ -477,9 +493,70 @@ def _transform_subclassed(model: tf.keras.Model, sample, comm: Communicator, str
     return model, report
 
 
-def trace_call(model: tf.keras.Model, sample=None) -> tuple[tf.keras.Model | None, str]:
+def _towers(model: tf.keras.Model) -> dict[str, tf.keras.Model]:
+    """The model's direct attributes that are Keras models holding tables, in tracking order
+    (the same on every process)."""
+    from des.sources import source_of
+    out = {}
+    for attr, value in vars(model).items():
+        if attr.startswith("_") or not isinstance(value, tf.keras.Model):
+            continue
+        if any(isinstance(m, tf.keras.layers.Layer) and source_of(m) for m in value.submodules):
+            out[attr] = value
+    return dict(sorted(out.items()))
+
+
+def _transform_towers(model: tf.keras.Model, towers: dict, sample, comm: Communicator, strict: bool,
+                      tail="replicated", scope: str = "", **kwargs):
+    """des.transform of a model whose compute_loss calls towers (TFRS retrieval): each tower on
+    its own, its DES layer's collective named by the tower's attribute; one report."""
+    if tail != "replicated":
+        raise ValueError(f"des.transform: {model.name!r} calls its towers in compute_loss; only tail='replicated' "
+                         f"is supported there (each tower's outputs are already the whole batch's)")
+    from des.keras_internals import input_spec_of
+    unbuilt = [a for a, t in towers.items() if input_spec_of(t) is None]
+    if unbuilt and sample is not None and hasattr(model, "compute_loss"):
+        model.compute_loss(dict(sample) if isinstance(sample, dict) else sample, training=False)  # builds the towers
+        for m in model.metrics:
+            m.reset_state()
+        unbuilt = [a for a, t in towers.items() if input_spec_of(t) is None]
+    if unbuilt:
+        report = Report([], [], None, comm.rank, comm.world_size, opaque=[
+            f"{model.name!r} ({type(model).__name__}): its towers {unbuilt} have not been called yet, so their input "
+            f"shapes are unknown: pass sample=<a batch of the features compute_loss reads> to des.transform"])
+        if strict:
+            raise TransformError(report)
+        return model, report
+    reports = {}
+    for attr, tower in towers.items():      # traced: inputs named by the attribute, the same on every process
+        kwargs.update(comm=comm, strict=strict, scope=f"{scope}{attr}")
+        if getattr(tower, "_is_graph_network", False):      # Sequential / functional: put the DES model in its place
+            traced, why = trace_call(tower, None, attr)
+            new, reports[attr] = transform(traced, **kwargs) if traced is not None else \
+                (tower, Report([], [], None, comm.rank, comm.world_size, opaque=[why]))
+            if reports[attr].changed:
+                setattr(model, attr, new)
+        else:                                               # subclassed: the same object, its call replaced
+            _, reports[attr] = _transform_subclassed(tower, None, input_prefix=attr, **kwargs)
+    changed = [r for r in reports.values() if r.changed]
+    report = Report([m for r in changed for m in r.substitutions], [x for r in reports.values() for x in r.rejections],
+                    None, comm.rank, comm.world_size,
+                    tables=[f"{attr}: {line}" for attr, r in reports.items() for line in r.tables],
+                    unsubstituted=[t for r in reports.values() for t in r.unsubstituted],
+                    opaque=[o for r in reports.values() for o in r.opaque])
+    if changed:
+        report.floats_per_sample = sum(r.floats_per_sample for r in changed)
+        report.collectives = len(changed)
+        report.widths = {k: w for r in changed for k, w in r.widths.items()}
+        report.compiled = f"towers transformed one by one: {', '.join(a for a, r in reports.items() if r.changed)}"
+        model.des_towers = {a: r.plan for a, r in reports.items() if r.changed}
+    return model, report
+
+
+def trace_call(model: tf.keras.Model, sample=None, input_prefix: str = "input") -> tuple[tf.keras.Model | None, str]:
     """A functional model of ``model.call`` on symbolic inputs (those ``call`` reads), sharing
-    ``model``'s layers, or (None, why not)."""
+    ``model``'s layers, or (None, why not). Inputs that are not keys of a dict are named
+    ``input_prefix`` (one) or ``input_prefix_<i>``: the same on every process."""
     from des.keras_internals import input_spec_of
     name = f"{model.name!r} ({type(model).__name__}, subclassed)"
     spec = input_spec_of(model, sample)
@@ -487,7 +564,7 @@ def trace_call(model: tf.keras.Model, sample=None) -> tuple[tf.keras.Model | Non
         return None, (f"{name}: its input shapes are unknown: pass sample=<a batch of its inputs> to des.transform, "
                       f"or call the model once on a batch first")
     try:
-        traced = trace(model, spec)
+        traced = trace(model, spec, input_prefix)
     except Exception as e:  # noqa: BLE001 - any failure of the user's call is a reason, not a traceback
         first = (str(e).strip().splitlines() or [""])[0][:200]
         return None, (f"{name}: its call() could not be traced on symbolic inputs ({type(e).__name__}: {first}); "

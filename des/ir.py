@@ -296,17 +296,20 @@ class Graph:
         raise KeyError(layer.name)
 
 
-def trace(model: tf.keras.Model, like) -> tf.keras.Model:
+def trace(model: tf.keras.Model, like, prefix: str = "input") -> tf.keras.Model:
     """A functional model of ``model.call`` on fresh symbolic inputs shaped like ``like`` (nested
-    tf.TensorSpec or tensors; a dict keeps its keys as input names). It shares ``model``'s layers.
-    Raises what ``call`` raises on symbolic inputs (Python control flow on tensor values...)."""
+    tf.TensorSpec or tensors; a dict keeps its keys as input names, other inputs are named
+    ``prefix`` or ``prefix_<i>``, never by Keras's process-wide counter). It shares ``model``'s
+    layers. Raises what ``call`` raises on symbolic inputs (Python control flow on tensor values...)."""
     def fresh(s, name=None):
         return tf.keras.Input(shape=s.shape[1:], dtype=s.dtype, name=name)
     specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), like)
     if isinstance(specs, dict):
         inputs = {k: fresh(s, str(k)) for k, s in specs.items()}
     else:
-        inputs = tf.nest.map_structure(fresh, specs)
+        flat = tf.nest.flatten(specs)
+        names = [prefix] if len(flat) == 1 else [f"{prefix}_{i}" for i in range(len(flat))]
+        inputs = tf.nest.pack_sequence_as(specs, [fresh(s, n) for s, n in zip(flat, names)])
     return tf.keras.Model(inputs, model.call(inputs), name=f"{model.name}_traced")
 
 

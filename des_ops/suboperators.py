@@ -126,11 +126,13 @@ class DESFirstLayer(tf.keras.layers.Layer):
     ``penalty_column``, each process puts its share r_p in the first row of one more column
     of the fused allreduce, and the layer adds sum_p r_p as a loss. Every process then
     reports the whole model's loss, and the identity gradient gives each owner the gradient
-    of its own share, as on one process."""
+    of its own share, as on one process. ``scope`` goes into the allreduce's name when one
+    model holds several DES layers (towers transformed one by one), so that each is its own
+    collective."""
 
     def __init__(self, owned_layers: list, field_vectors: Callable[[dict], dict], ops: list[SubOperator],
                  op_inputs: list[list[int]], comm: Communicator, owned_penalties: list[Callable] = (),
-                 penalty_column: bool = False, shard_rows: bool = False, **kwargs):
+                 penalty_column: bool = False, shard_rows: bool = False, scope: str = "", **kwargs):
         super().__init__(**kwargs)
         self.shard_rows = shard_rows      # data-parallel tail: reduce-scatter, each process its rows
         self.owned = list(owned_layers)
@@ -143,7 +145,7 @@ class DESFirstLayer(tf.keras.layers.Layer):
         self.widths = [op.width for op in self.ops]
         # the fused allreduce's identity on every rank: from the operators' kinds and widths (the
         # graph), never from the fields a process owns or the op feeding it (see des_ops.comm)
-        self.collective = "des_partials__" + "__".join(
+        self.collective = "des_partials_" + (f"{scope}_" if scope else "") + "_" + "__".join(
             [f"{type(op).__name__.removesuffix('SubOp').lower()}{op.width}" for op in self.ops]
             + (["penalty1"] if penalty_column else []) + (["rows"] if shard_rows else []))
         # of the last training batch: the replica check compares it across processes. Over the inputs

@@ -1,6 +1,6 @@
 """One process of the subclassed-model runs under mpirun (used by tests/test_mpi.py):
 
-    mpirun -np 2 python scripts/mpi_subclassed.py OUT_DIR tfrs_ranking subclassed_wdl
+    mpirun -np 2 python scripts/mpi_subclassed.py OUT_DIR tfrs_ranking subclassed_wdl tfrs_retrieval
 
 For each named model of tests/subclassed_models.py: every rank builds it with its own random
 weights (seeded by its rank), calls it once on a batch (rank 0 saves those initial weights),
@@ -21,7 +21,7 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 
 import des  # noqa: E402
 from des_ops.comm import HorovodCommunicator  # noqa: E402
-from subclassed_models import BUILDERS, batches_for, probe_of, sample_of, train  # noqa: E402
+from subclassed_models import BUILDERS, batches_for, outputs, probe_of, sample_of, train  # noqa: E402
 
 
 def main(out: str, names: list[str]) -> None:
@@ -30,7 +30,7 @@ def main(out: str, names: list[str]) -> None:
         tf.keras.utils.set_random_seed(comm.rank)
         batches, probe = batches_for(name, 20, 32, seed=4), probe_of(name)
         model = BUILDERS[name]()
-        model(probe)                                        # builds it: its own random weights
+        outputs(name, model, probe)                         # builds it: its own random weights
         initial = model.get_weights()
         model, report = des.transform(model, comm=comm, sample=sample_of(name, batches))
         calls = int(comm.calls.numpy())

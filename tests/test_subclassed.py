@@ -10,7 +10,7 @@ import tensorflow as tf
 import des
 from des.verify import run_in_process_world
 from des_ops.comm import LocalCommunicator
-from subclassed_models import BUILDERS, EXPECTED, ValueDependent, batches_for, probe_of, sample_of, train
+from subclassed_models import BUILDERS, EXPECTED, ValueDependent, batches_for, outputs, probe_of, sample_of, train
 
 
 def _seeded(name):
@@ -24,7 +24,7 @@ def _seeded(name):
 def test_subclassed_model_is_traced_substituted_and_equivalent(name):
     build = _seeded(name)
     batches, probe = batches_for(name, 20, 32, seed=4), probe_of(name)
-    untrained = np.asarray(build()(probe))
+    untrained = outputs(name, build(), probe)
     ref = train(name, build(), batches, probe)
     assert np.abs(ref["predictions"] - untrained).max() > 1e-3                    # training moved them
     model = build()
@@ -66,3 +66,17 @@ def test_negative_python_control_flow_on_values_is_a_one_line_reason():
 def test_negative_unknown_input_shapes_ask_for_a_sample():
     _, report = des.transform(BUILDERS["subclassed_wdl"](), comm=LocalCommunicator())
     assert "its input shapes are unknown: pass sample=<a batch of its inputs> to des.transform" in str(report)
+
+
+def test_negative_tfrs_dcn_names_the_cross_layer():
+    """TFRS's DCN: the Cross layer multiplies x0 (every field's embedding) elementwise, so no
+    rule can split what it reads by field; the report names it for every table, nothing is
+    counted, and the model comes back as it was."""
+    from subclassed_models import tfrs_dcn
+    sample = batches_for("tfrs_ranking", 1, 8)[0]
+    model = tfrs_dcn()
+    same, report = des.transform(model, comm=LocalCommunicator(), sample={k: v for k, v in sample.items()
+                                                                          if k != "rating"})
+    assert same is model and not report.changed and report.floats_per_sample == 0
+    text = str(report)
+    assert "'cross' (Cross)" in text and len(report.unsubstituted) == 2, text
