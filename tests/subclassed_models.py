@@ -65,7 +65,8 @@ class QueryTower(tf.keras.Model):
 def tfrs_retrieval():
     """A two-tower retrieval model: the query tower (user_id, hour) and the candidate tower
     (movie_id -> IntegerLookup -> Embedding -> Dense 16, a Sequential) are called in
-    compute_loss, not in a call(); in-batch softmax loss (tfrs.tasks.Retrieval)."""
+    compute_loss, not in a call(); in-batch softmax loss (tfrs.tasks.Retrieval: summed over the
+    batch, about 100 here, so the tests hold it to float32 order relative to its size)."""
     import tensorflow_recommenders as tfrs
 
     class RetrievalModel(tfrs.models.Model):

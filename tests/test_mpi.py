@@ -371,7 +371,7 @@ def test_subclassed_and_tfrs_models_under_mpirun_equal_single_process(tmp_path, 
         for r in ranks:
             diff = float(np.abs(r["predictions"] - ref["predictions"]).max())
             print(f"mpirun -np {n} {name}: predictions {diff:.1e}")
-            assert diff < 1e-6 and abs(r["loss"] - ref["loss"]) < 1e-5
+            assert diff < 1e-6 and abs(r["loss"] - ref["loss"]) < 1e-5 * max(1.0, abs(ref["loss"]))   # retrieval: a sum ~100
             assert np.array_equal(r["predictions"], ranks[0]["predictions"])
             assert r["allreduce_calls"] == (20 + 1) * COLLECTIVES.get(name, 1)   # per fit step and predict
 

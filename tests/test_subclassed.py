@@ -37,7 +37,7 @@ def test_subclassed_model_is_traced_substituted_and_equivalent(name):
         for r in ranks:
             diff = float(np.abs(r["predictions"] - ref["predictions"]).max())
             print(f"{name} N={n}: predictions {diff:.1e}, loss {abs(r['loss'] - ref['loss']):.1e}")
-            assert diff < 1e-6 and abs(r["loss"] - ref["loss"]) < 1e-5
+            assert diff < 1e-6 and abs(r["loss"] - ref["loss"]) < 1e-5 * max(1.0, abs(ref["loss"]))   # retrieval: a sum ~100
             np.testing.assert_array_equal(r["predictions"], ranks[0]["predictions"])
 
 
