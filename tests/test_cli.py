@@ -204,3 +204,14 @@ def test_a_bad_line_among_the_first_is_reported_before_the_model_is_built(tmp_pa
     r = _train(tmp_path, "--data", p, "--steps", "3")
     assert r.returncode == 2 and "training fm" not in r.stdout, r.stdout + r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1] == f"error: {p}:3: feature 2 'x:y' is not field:idx:val", r.stderr[-2000:]
+
+
+def test_python_m_des_lists_the_commands_and_runs_one():
+    out = subprocess.run([sys.executable, "-m", "des"], env=ENV, cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and all(c in out.stdout for c in ("des-train", "des-predict", "des-export",
+                                                                  "des-compare", "des-netbed")), out.stdout
+    train = subprocess.run([sys.executable, "-m", "des", "train", "--help"], env=ENV, cwd=ROOT, capture_output=True,
+                           text=True)
+    assert train.returncode == 0 and "--mode" in train.stdout
+    bad = subprocess.run([sys.executable, "-m", "des", "trian"], env=ENV, cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("python -m des: unknown command 'trian'")
