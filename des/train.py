@@ -15,6 +15,8 @@ import os
 import sys
 import time
 
+from des.timemodel import parse_rate
+
 
 def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -107,7 +109,12 @@ def _args(argv):
     ap.add_argument("--summary-json", default=None,
                     help="write the results here (with several processes: PATH.rank<r> each)")
     ap.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    try:
+        parse_rate(a.link)
+    except ValueError as e:
+        ap.error(f"--link: {e}")
+    return a
 
 
 def count_lines(paths) -> int:

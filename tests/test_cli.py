@@ -215,3 +215,22 @@ def test_python_m_des_lists_the_commands_and_runs_one():
     assert train.returncode == 0 and "--mode" in train.stdout
     bad = subprocess.run([sys.executable, "-m", "des", "trian"], env=ENV, cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("python -m des: unknown command 'trian'")
+
+
+def test_tail_auto_reports_its_choice_and_a_bad_link_is_one_line(tmp_path):
+    """des.train --mode des --tail auto: the summary says which tail the cost model chose and why
+    (one process: replicated); --link must be a rate."""
+    data = str(tmp_path / "d.txt")
+    write_small_ffm(data, 1200, seed=5)
+    args = TRAIN + ["--mode", "des", "--data", data, "--steps", "2", "--holdout", "0", "--tail", "auto"]
+    r = subprocess.run(args + ["--link", "100mbit", "--summary-json", str(tmp_path / "s.json")], env=ENV, cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.load(open(tmp_path / "s.json"))
+    assert s["tail"] == "replicated" and s["tail_reason"] == "replicated: one process, nothing to share", s
+    assert "tail chosen by the cost model (tail='auto'): replicated: one process" in r.stdout
+    bad = subprocess.run(args + ["--link", "fast"], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    errors = [ln for ln in bad.stderr.splitlines() if ": error: " in ln]      # argparse's one line, no traceback
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and len(errors) == 1, bad.stderr[-2000:]
+    assert errors[0].endswith("error: --link: bandwidth 'fast': a number and one of bit, kbit, mbit, gbit, bps, kbps, "
+                              "mbps, gbps (e.g. 10gbit)"), errors
