@@ -77,6 +77,13 @@ def test_a_full_cache_keeps_the_new_lines_still_valid_first():
         assert alloc.evictions(0)["k"].tolist() == evicted
 
 
+# the contiguous sizes of ps_batches(steps=6, batch=50)'s batches (50 rows x 6, then 2, then 3) by
+# hand: process w gets rows [b w // n, b (w+1) // n), so the remainder falls to the later processes
+SIZES = {2: {50: [25, 25], 2: [1, 1], 3: [1, 2]},          # 3 rows: cuts 0, 1, 3
+         3: {50: [16, 17, 17], 2: [0, 1, 1], 3: [1, 1, 1]},  # 50 rows: cuts 0, 16, 33, 50; 2 rows: 0, 0, 1, 2
+         4: {50: [12, 13, 12, 13], 2: [0, 1, 0, 1], 3: [0, 1, 1, 1]}}   # 50: 0, 12, 25, 37, 50
+
+
 @pytest.mark.parametrize("kind", allocate.CHOICES)
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_every_sample_once_balanced_and_the_same_on_every_process(kind, n):
@@ -86,7 +93,7 @@ def test_every_sample_once_balanced_and_the_same_on_every_process(kind, n):
         feats = {k: v.numpy() for k, v in x.items()}
         parts = a(feats, len(y))
         assert sorted(np.concatenate(parts).tolist()) == list(range(len(y)))
-        assert [len(p) for p in parts] == allocate.sizes(len(y), n).tolist()
+        assert [len(p) for p in parts] == SIZES[n][len(y)]
         assert [p.tolist() for p in parts] == [p.tolist() for p in b(feats, len(y))]
     assert a.digest() == b.digest() and a.batches == len(batches)
 
@@ -269,30 +276,62 @@ def test_without_the_plan_the_cache_evicts_by_its_own_rule():
         assert counters["evicted_unplanned"] == counters["evicted"] > 0
 
 
+def _plain_sizes(batch: int, n: int) -> list:
+    """The contiguous slices' sizes: process w gets rows [batch w // n, batch (w+1) // n)."""
+    return [batch * (w + 1) // n - batch * w // n for w in range(n)]
+
+
+def _plain_assign(score: list, pref: list, room: list) -> list:
+    """Samples -> process in rounds: every unassigned sample asks the process with room it scores
+    highest (equal scores: the lower ``pref``); a process asked by more samples than its room keeps
+    the highest-scored (equal: the earlier sample) and is full; the rest ask again. -1: no room."""
+    room, owner = list(room), [-1] * len(score)
+    while True:
+        pending = [i for i in range(len(score)) if owner[i] < 0]
+        open_ = [w for w in range(len(room)) if room[w] > 0]
+        if not pending or not open_:
+            return owner
+        asks = {}
+        for i in pending:
+            best = max(open_, key=lambda w: (score[i][w], -pref[w]))
+            asks.setdefault(best, []).append(i)
+        for w, ask in asks.items():
+            for i in sorted(ask, key=lambda i: -score[i][w])[:room[w]]:     # sorted is stable
+                owner[i] = w
+                room[w] -= 1
+
+
 def _reference_laia(batches: list, n: int, inputs: list, chunk: int) -> list:
-    """laia written plainly (PS, no cache): per sample its (input, key) ids; sample i scores
-    for w the ids w owns (key mod n) or took with a sample given to it earlier in the batch."""
+    """laia written plainly (PS, no cache), with nothing of des.allocate: per sample its (input, key)
+    ids; sample i scores for w the ids w owns (key mod n) or took with a sample given to it earlier
+    in the batch, one per occurrence; equal scores go by a preference rotating with the batch
+    (batch b prefers process b mod n, then the next); a chunk first gives each process at most its
+    fair share of the chunk (ceil(chunk / n)), then whatever room is left of its contiguous size."""
     out = []
     for b, (feats, batch) in enumerate(batches):
         ids = [[(t, int(k)) for t, name in enumerate(inputs) for k in np.ravel(feats[name][i]) if k != -1]
                for i in range(batch)]
         held = [set() for _ in range(n)]
-        quota = allocate.sizes(batch, n).copy()
-        owner = np.full(batch, -1)
-        tie = ((np.arange(n) - b % n) % n) * 1e-3
+        quota = _plain_sizes(batch, n)
+        owner = [-1] * batch
+        pref = [(w - b) % n for w in range(n)]
         for lo in range(0, batch, chunk):
             hi = min(batch, lo + chunk)
-            score = np.array([[sum(k % n == w or (t, k) in held[w] for t, k in ids[i]) for w in range(n)]
-                              for i in range(lo, hi)], float) - tie
-            got = allocate._assign(score, np.minimum(quota, -(-(hi - lo) // n)))
-            if (got < 0).any():
-                rest = np.flatnonzero(got < 0)
-                got[rest] = allocate._assign(score[rest], quota - np.bincount(got[got >= 0], minlength=n))
-            quota -= np.bincount(got, minlength=n)
-            owner[lo:hi] = got
-            for i, w in zip(range(lo, hi), got):
-                held[w].update(ids[i])
-        out.append([np.flatnonzero(owner == w).tolist() for w in range(n)])
+            score = [[sum(1 for t, k in ids[i] if k % n == w or (t, k) in held[w]) for w in range(n)]
+                     for i in range(lo, hi)]
+            fair = (hi - lo + n - 1) // n
+            got = _plain_assign(score, pref, [min(q, fair) for q in quota])
+            left = [j for j, w in enumerate(got) if w < 0]
+            if left:
+                again = _plain_assign([score[j] for j in left], pref, [quota[w] - got.count(w) for w in range(n)])
+                for j, w in zip(left, again):
+                    got[j] = w
+            for j, w in enumerate(got):
+                assert w >= 0
+                quota[w] -= 1
+                owner[lo + j] = w
+                held[w].update(ids[lo + j])
+        out.append([[i for i in range(batch) if owner[i] == w] for w in range(n)])
     return out
 
 
@@ -368,7 +407,7 @@ def test_top_k_is_balanced_the_same_on_every_process_and_k_all_is_laia(k):
         feats = {key: v.numpy() for key, v in x.items()}
         parts = a(feats, len(y))
         assert sorted(np.concatenate(parts).tolist()) == list(range(len(y)))
-        assert [len(p) for p in parts] == allocate.sizes(len(y), 3).tolist()
+        assert [len(p) for p in parts] == SIZES[3][len(y)]
         assert [p.tolist() for p in parts] == [p.tolist() for p in b(feats, len(y))]
         full(feats, len(y))
     assert a.digest() == b.digest() and len(a.fields) == k

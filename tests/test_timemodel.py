@@ -115,16 +115,28 @@ def test_projection_rows_and_table(monkeypatch):
     rows = projection.project(["lr"], ["x"], "libffm", a, [4, 16], "out")
     assert [(r["model"], r["n"], r["mode"]) for r in rows] == [("lr", 4, "des"), ("lr", 4, "ps"),
                                                               ("lr", 16, "des"), ("lr", 16, "ps")]
-    net = Network.parse("10gbit", "20us", 1e-3)
+    # by hand, 10gbit = 1.25e9 B/s, 20 us per message, 1 ms cycle; DES: 4 x 2048 x 18 = 147,456 B
+    # of partials, 1 phase, 1 call; PS: 5 phases, 2 allreduces (4 B, 1e5 B) + 3 x 4 = 12 all-to-alls
+    # (14 calls) of 2e6 B in all each way, max(out, in) = 2e6 B; a call costs 2(N-1) x 20 us
+    total = {
+        # 0.02 + 1 ms + 2x3x20us + 2x3/4 x 147,456 B / 1.25e9 = 0.02 + 0.00112 + 0.0001769472
+        (4, "des"): 0.0212969472,
+        # 0.01 + 5 ms + 14 x 120us + (2x3/4 x 100,004 B + 2e6 B) / 1.25e9 = 0.01 + 0.00668 + 0.0017200048
+        (4, "ps"): 0.0184000048,
+        # 0.02 + 1 ms + 2x15x20us + 2x15/16 x 147,456 B / 1.25e9 = 0.02 + 0.0016 + 0.000221184
+        (16, "des"): 0.021821184,
+        # 0.01 + 5 ms + 14 x 600us + (2x15/16 x 100,004 B + 2e6 B) / 1.25e9 = 0.01 + 0.0134 + 0.001750006
+        (16, "ps"): 0.025150006,
+    }
     for r in rows:
-        t = step_time(0.02 if r["mode"] == "des" else 0.01, des_traffic(4 * 2048 * 18) if r["mode"] == "des"
-                      else ps_traffic(4, 2e6, 2e6, 1e5), r["n"], net)
-        assert r["samples_per_s"] == pytest.approx(2048 / t["total"])
+        assert r["total"] == pytest.approx(total[(r["n"], r["mode"])], rel=1e-9)
+        assert r["samples_per_s"] == pytest.approx(2048 / total[(r["n"], r["mode"])], rel=1e-9)
     assert "| lr | 16 |" in projection.markdown(rows, a)
     a.call = "170us"                   # a measured cost per collective call replaces 2(N-1) x latency
     slow = projection.project(["lr"], ["x"], "libffm", a, [16], "out")
-    ps = step_time(0.01, ps_traffic(4, 2e6, 2e6, 1e5), 16, Network(net.bandwidth, net.latency, net.cycle, call=170e-6))
-    assert slow[1]["total"] == pytest.approx(ps["total"]) and ps["fixed"] == pytest.approx(5e-3 + 14 * 170e-6)
+    # PS at N=16: fixed 5 ms + 14 x 170 us = 7.38 ms; 0.01 + 0.00738 + 0.001750006 (bytes as above)
+    assert slow[1]["mode"] == "ps" and slow[1]["fixed"] == pytest.approx(7.38e-3, rel=1e-9)
+    assert slow[1]["total"] == pytest.approx(0.019130006, rel=1e-9)
     assert "170us per collective call" in projection.markdown(slow, a)
 
 
@@ -216,8 +228,14 @@ def test_projection_shows_both_tails(monkeypatch):
     rows = projection.project(["deepfm"], ["x"], "libffm", a, [16, 64], "out")
     assert [(r["n"], r["mode"]) for r in rows] == [(16, "des"), (16, "des-dp"), (16, "ps"),
                                                    (64, "des"), (64, "des-dp"), (64, "ps")]
-    net = Network.parse("10gbit", "20us", 1e-3)
-    dp = step_time(0.01 + 0.03 / 64, des_tail_traffic(4 * 2048 * 18, 4 * 2048, 4e4), 64, net)
-    assert rows[4]["samples_per_s"] == pytest.approx(2048 / dp["total"])
+    # N=64, data-parallel tail by hand: computation 0.01 + 0.03/64 = 0.01046875; 4 phases x 1 ms +
+    # 4 calls x 2x63x20us = 0.004 + 0.01008 = 0.01408; half rings of 147,456 B (twice) and 8,192 B,
+    # a ring of 4e4 B: 2x63/64 x (73,728 + 4,096 + 73,728 + 40,000 = 191,552) = 377,118 B / 1.25e9
+    # = 0.0003016944; total 0.01046875 + 0.01408 + 0.0003016944 = 0.0248504444
+    assert (rows[4]["n"], rows[4]["mode"]) == (64, "des-dp")
+    assert rows[4]["fixed"] == pytest.approx(0.01408, rel=1e-9)
+    assert rows[4]["bandwidth"] == pytest.approx(0.0003016944, rel=1e-9)
+    assert rows[4]["total"] == pytest.approx(0.0248504444, rel=1e-9)
+    assert rows[4]["samples_per_s"] == pytest.approx(2048 / 0.0248504444, rel=1e-9)
     table = projection.markdown(rows, a)
     assert "| deepfm | 64 | 40.0 / 10.5 / 20.0 |" in table, table
