@@ -14,10 +14,12 @@ laia scores sample i for process w by how many of its ids w holds: keys w owns, 
 valid line in w's simulated cache (``capacity`` rows per input, LRU over the keys w looked up,
 a line outdated once another process used its key - staleness 0; no cache for the PS mode) and
 keys of samples already given to w in this batch (so samples sharing keys go together and a
-key is fetched by fewer processes). It takes the samples in chunks, gives each chunk's
-(sample, process) pairs greedily by score, each process taking at most its fair share of the
-chunk and, over the batch, exactly its contiguous size (so the batch stays balanced), breaking ties by a preference that rotates every batch, and
-never looks past the current batch. Every process runs the same allocator on the same global
+key is fetched by fewer processes). It takes the samples in chunks; within a chunk the samples
+ask in rounds, each for its best-scored process not yet tried, and a process keeps the
+best-scored askers up to its fair share of the chunk and rejects the rest (``_assign``; not a
+global greedy over all pairs), so that over the batch each process gets exactly its contiguous
+size (the batch stays balanced). Ties go by a preference that rotates every batch; it never
+looks past the current batch. Every process runs the same allocator on the same global
 batches in the same order, so all compute the same allocation with no collective
 (``digest`` lets a test compare them).
 
