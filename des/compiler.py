@@ -510,7 +510,7 @@ def _transform_towers(model: tf.keras.Model, towers: dict, sample, comm: Communi
                       tail="replicated", scope: str = "", **kwargs):
     """des.transform of a model whose compute_loss calls towers (TFRS retrieval): each tower on
     its own, its DES layer's collective named by the tower's attribute; one report."""
-    if tail != "replicated":
+    if tail == "data_parallel":          # "auto" picks replicated here
         raise ValueError(f"des.transform: {model.name!r} calls its towers in compute_loss; only tail='replicated' "
                          f"is supported there (each tower's outputs are already the whole batch's)")
     from des.keras_internals import input_spec_of

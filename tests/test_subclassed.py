@@ -80,3 +80,14 @@ def test_negative_tfrs_dcn_names_the_cross_layer():
     assert same is model and not report.changed and report.floats_per_sample == 0
     text = str(report)
     assert "'cross' (Cross)" in text and len(report.unsubstituted) == 2, text
+
+
+def test_towers_take_tail_auto_and_refuse_a_data_parallel_tail():
+    """A retrieval model's towers run the replicated tail: tail="auto" transforms them, tail=
+    "data_parallel" is refused in one line."""
+    name = "tfrs_retrieval"
+    sample = sample_of(name, batches_for(name, 1, 8))
+    _, report = des.transform(BUILDERS[name](), comm=LocalCommunicator(), sample=sample, tail="auto")
+    assert sorted(m.rule for m in report.substitutions) == EXPECTED[name]
+    with pytest.raises(ValueError, match="calls its towers in compute_loss; only tail='replicated'"):
+        des.transform(BUILDERS[name](), comm=LocalCommunicator(), sample=sample, tail="data_parallel")
