@@ -145,7 +145,7 @@ class DESFirstLayer(tf.keras.layers.Layer):
         self.widths = [op.width for op in self.ops]
         # the fused allreduce's identity on every rank: from the operators' kinds and widths (the
         # graph), never from the fields a process owns or the op feeding it (see des_ops.comm)
-        self.collective = "des_partials_" + (f"{scope}_" if scope else "") + "_" + "__".join(
+        self.collective = (f"des_partials_{scope}" if scope else "des_partials") + "__" + "__".join(
             [f"{type(op).__name__.removesuffix('SubOp').lower()}{op.width}" for op in self.ops]
             + (["penalty1"] if penalty_column else []) + (["rows"] if shard_rows else []))
         # of the last training batch: the replica check compares it across processes. Over the inputs
