@@ -147,6 +147,7 @@ def main(argv=None) -> int:
         tf.config.threading.set_inter_op_parallelism_threads(a.threads)
     import models
     from des import checkpoint, modes
+    from des.state import create_slots
     from des.callbacks import CPUTime, Throughput
     from des.data import DataError, SkipReport
     from des.data.errors import op_error_message
@@ -238,6 +239,7 @@ def main(argv=None) -> int:
     model.compile(optimizer, "binary_crossentropy",
                   metrics=[tf.keras.metrics.AUC(num_thresholds=10_000, name="auc"),
                            tf.keras.metrics.BinaryCrossentropy(name="logloss")])
+    create_slots(model, optimizer)      # before the first step: Keras traces the step once, not twice
     if a.restore:
         try:
             path = checkpoint.restore(a.restore, model, optimizer, mode.rank, mode.world_size)

@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from des.data.spec import PAD_ID, FeatureSpec, Field
+from des.state import create_slots
 from des_ops.comm import InProcessWorld
 
 
@@ -72,6 +73,7 @@ def train_and_snapshot(model, optimizer, learning_rate: float | None, batches, p
     from models.optim import make_optimizer
     opt = optimizer() if callable(optimizer) else make_optimizer(optimizer, learning_rate)
     model.compile(opt, loss="binary_crossentropy")
+    create_slots(model, opt)          # slots before the first step: one trace of the step, not two
     preds = []
     for x, y in batches:
         model.train_on_batch(x, y)
@@ -89,6 +91,7 @@ def fit_and_snapshot(model, batches, probe, optimizer: str = "adam", learning_ra
     from models.optim import make_optimizer
     model.compile(make_optimizer(optimizer, learning_rate), "binary_crossentropy",
                   metrics=[tf.keras.metrics.AUC(name="auc")])
+    create_slots(model, model.optimizer)
     xs = {k: tf.concat([x[k] for x, _ in batches], 0) for k in batches[0][0]}
     ys = tf.concat([y for _, y in batches], 0)
     ds = tf.data.Dataset.from_tensor_slices((xs, ys))

@@ -48,9 +48,11 @@ def single_process_predictions(name: str, optimizer: str, learning_rates: dict, 
     its predictions on ``probe`` after every step (what the PS and cache mpirun runs must match);
     ``with_snapshot``: also its final rows and weights (des.verify.snapshot)."""
     import models
+    from des.state import create_slots
     from des.verify import PS_SPEC, optimizer_factory, snapshot
     ref = models.build(name, PS_SPEC, seed=3, hidden=(8, 4))
     ref.compile(optimizer_factory(optimizer, learning_rates)(), "binary_crossentropy")
+    create_slots(ref, ref.optimizer)
     out = []
     for x, y in batches:
         ref.train_on_batch(x, y)
