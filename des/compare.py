@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import os
 import subprocess
@@ -30,8 +31,9 @@ import sys
 
 import numpy as np
 
+from des.config import AllocationOptions, CacheOptions, RunConfig
+from des.modes import MODES as MODE_CHOICES
 from des.runs import ROOT, data_files, describe_source, launch_env
-MODES = ("single", "des", "ps")   # the default; "cache" adds one run per --staleness
 
 
 def ensure_data(preset: str, rows: int, seed: int, folder: str) -> str:
@@ -69,27 +71,68 @@ def ensure_columnar(files: list[str], fmt: str, eval_files: list[str] | None, me
     return made[0], made[1]
 
 
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One column of the comparison: a mode, for ps and cache an allocation, for the cache a
+    staleness and its on-demand / plan-pushes plans. ``key`` is its label ("cache+laia s=0")."""
+    mode: str
+    allocation: str = "contiguous"
+    on_demand: bool = False
+    plan_pushes: bool = False
+    staleness: str | None = None
+
+    @property
+    def key(self) -> str:
+        plan = [self.allocation] * (self.allocation != "contiguous") + ["on-demand"] * self.on_demand \
+            + ["plan-pushes"] * self.plan_pushes
+        return "+".join([self.mode, *plan]) + (f" s={self.staleness}" if self.mode == "cache" else "")
+
+    @classmethod
+    def parse(cls, key: str) -> "Cell":
+        """``"cache+laia+on-demand s=0"`` -> Cell("cache", "laia", True, False, "0") (ValueError if unknown)."""
+        name, _, stale = key.partition(" s=")
+        base, *plan = name.split("+")
+        known = {"contiguous", "random", "laia"} | ({"on-demand", "plan-pushes"} if base == "cache" else set())
+        if base not in (*MODE_CHOICES, "auto") or (plan and (base not in ("ps", "cache") or not set(plan) <= known)) \
+                or (base == "cache") != bool(stale):
+            raise ValueError(f"unknown mode {name!r} (ps and cache also as ps+laia, cache+random, "
+                             f"cache+laia+on-demand, ...)")
+        allocation = next((p for p in plan if p not in ("on-demand", "plan-pushes")), "contiguous")
+        return cls(base, allocation, "on-demand" in plan, "plan-pushes" in plan, stale or None)
+
+
+def cells(modes: str, staleness: str) -> list[Cell]:
+    """--modes and --staleness -> the runs, in order (a cache mode once per staleness)."""
+    out = []
+    for name in [m for m in modes.split(",") if m]:
+        stales = [s for s in staleness.split(",") if s] if name.split("+")[0] == "cache" else [None]
+        out += [Cell.parse(name if s is None else f"{name} s={s}") for s in stales]
+    return out
+
+
+def train_config(cell: Cell, model: str, data, a, summary: str) -> RunConfig:
+    """The des.train run of one cell on ``data`` with the comparison's options ``a`` (batch, steps,
+    holdout, dim, hidden, optimizer, lr, shuffle_buffer, cache_size, format, eval_data)."""
+    return RunConfig(
+        data=data_files(data), mode=cell.mode, model=model, format=a.format, eval_data=a.eval_data,
+        holdout=0.1 if a.eval_data else a.holdout, batch=a.batch, steps=a.steps, dim=a.dim, hidden=a.hidden,
+        optimizer=a.optimizer, lr=a.lr, threads=1, summary_json=summary, shuffle_buffer=a.shuffle_buffer,
+        cache=CacheOptions(staleness=cell.staleness or "100", size=a.cache_size, on_demand=cell.on_demand,
+                           plan_pushes=cell.plan_pushes),
+        allocation=AllocationOptions(strategy=cell.allocation))
+
+
 def run(key: str, model: str, data: str, a, out: str, launcher: list[str] | None = None,
         options: tuple[str, ...] = (), tag: str = "") -> dict:
-    """One des.train run (``key``: a mode, or ``cache s=S``); returns rank 0's summary plus the
-    peak memory over processes and, on the netbed, the mean over hosts of the bytes per step
-    each host sent on its interface. ``launcher``: the mpirun command (default: local mpirun).
-    ``data``: a file or a list of files; ``a.format`` (if set) is passed as --format, and
-    ``a.eval_data`` (if set) as --eval-data instead of --holdout."""
-    mode, *plan = key.split(" ")[0].split("+")       # e.g. "cache+laia+on-demand s=0"
-    extra = []
-    for p in plan:
-        extra += [f"--{p}"] if p in ("on-demand", "plan-pushes") else ["--allocate", p]
-    if mode == "cache":
-        extra += ["--staleness", key.split("=")[1], "--cache-size", a.cache_size]
-    fmt, evals = getattr(a, "format", None), getattr(a, "eval_data", None)
-    data_args = ["--data", *data_files(data), *(["--format", fmt] if fmt else [])]
-    eval_args = ["--eval-data", *evals] if evals else ["--holdout", str(a.holdout)]
+    """One des.train run (``key``: a Cell's key, e.g. ``des`` or ``cache+laia s=0``); returns rank 0's
+    summary plus the peak memory over processes and, on the netbed, the mean over hosts of the bytes
+    per step each host sent on its interface. ``launcher``: the mpirun command (default: local
+    mpirun). ``data``: a file or a list of files; ``a``: the comparison's options (train_config),
+    with ``a.np`` processes; ``options``: more des.train flags."""
+    cell = Cell.parse(key)
     summary = os.path.join(out, f"{model}-{key.replace(' ', '-').replace('=', '').replace('+', '-')}{tag}.json")
-    args = ["-m", "des.train", "--mode", mode, *extra, "--model", model, *data_args, "--batch", str(a.batch),
-            "--steps", str(a.steps), *eval_args, "--dim", str(a.dim), "--hidden", a.hidden,
-            "--optimizer", a.optimizer, "--lr", str(a.lr), "--threads", "1", "--summary-json", summary,
-            "--shuffle-buffer", str(a.shuffle_buffer), *options]
+    args = ["-m", "des.train", *train_config(cell, model, data, a, summary).to_argv(), *options]
+    mode = cell.mode
     cmd = [sys.executable, *args]
     if mode != "single":
         cmd = [*(launcher or ["mpirun", "-np", str(a.np), "--oversubscribe", "--bind-to", "none"]), *cmd]
@@ -135,7 +178,7 @@ def bytes_curve(model: str, data, fmt: str, a, batches: list[int], meta: dict | 
     from des.data.resolve import metadata, spec_for
     files = data_files(data)
     meta = metadata(files[0]) if meta is None else meta
-    spec = spec_for(fmt, files, a.dim, meta, getattr(a, "eval_data", None) or [])
+    spec = spec_for(fmt, files, a.dim, meta, a.eval_data or [])
     plain = models.build(model, spec, hidden=tuple(int(h) for h in a.hidden.split(",") if h))
     out = {"des": [], "ps": []}
     for b in batches:
@@ -176,10 +219,9 @@ def markdown(rows: list[dict], results: dict, a, meta: dict) -> str:
     head = ["model", "mode", "N", "AUC", "log loss", "samples/s", "bytes/step/proc (a2a measured + ring model)",
             "analytic (formulas)", "wire B/step/host (interface)", "CPU s/step/proc",
             "saving vs PS", "unique ids/step", "PS remote ids/step", "cache hit rate", "rows fetched+pushed/step", "peak MiB"]
-    cpus = getattr(a, "cpus", None)
     net = (f", netbed: one process per emulated host, {a.rate} per host"
-           + (f", a CPU budget of {cpus} per host" if cpus else "")
-           if getattr(a, "net", "local") == "netbed" else "")
+           + (f", a CPU budget of {a.cpus} per host" if a.cpus else "")
+           if a.net == "netbed" else "")
     bayes = meta.get("bayes_auc")
     lines = [f"# DES vs PS vs one process - {describe_source(a)}, N={a.np}, global batch {a.batch}, "
              f"{a.steps} steps{net}", "",
@@ -282,7 +324,8 @@ def _save(fig, out: str, name: str) -> str:
     return path
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """des.compare's options (``parser().parse_args([])``: every default, as tests and benchmarks use them)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="lr,wdl,deepfm")
     ap.add_argument("--np", default="4", help="processes; with --bandwidth a list to project (4,8,16,64)")
@@ -335,6 +378,11 @@ def main(argv=None) -> int:
                     help="convert the data once (des.data.convert) and let every run read the columnar copy: "
                          "a DES process reads only its own fields' columns, a PS process only its slice's rows")
     ap.add_argument("--out", default="reports/compare")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     a = ap.parse_args(argv)
     if a.eval_data and not a.data:
         ap.error("--eval-data needs --data (a preset holds out its last lines)")
@@ -381,15 +429,10 @@ def main(argv=None) -> int:
     a.np = nps[0]
     batches = sorted({int(b) for b in a.batches.split(",")} | {a.batch})
     results, curves = {}, {}
-    keys = []
-    for mode in [m for m in a.modes.split(",") if m]:
-        base, *plan = mode.split("+")
-        known = {"contiguous", "random", "laia"} | ({"on-demand", "plan-pushes"} if base == "cache" else set())
-        if base not in ("single", "des", "ps", "cache", "auto") or (plan and (base not in ("ps", "cache")
-                                                                            or not set(plan) <= known)):
-            raise SystemExit(f"--modes: unknown mode {mode!r} (ps and cache also as ps+laia, cache+random, "
-                             f"cache+laia+on-demand, ...)")
-        keys += [f"{mode} s={s}" for s in a.staleness.split(",") if s] if base == "cache" else [mode]
+    try:
+        keys = [c.key for c in cells(a.modes, a.staleness)]
+    except ValueError as e:
+        raise SystemExit(f"--modes: {e}") from None
     bed = None
     if a.net == "netbed":
         from des.netbed import Netbed

@@ -50,7 +50,7 @@ def traffic_at(model: str, data: list[str], fmt: str, a, n: int) -> dict[str, di
     from des.auto import traffic
     from des.data.readers import make_dataset
     from des.data.resolve import metadata, spec_for
-    spec = spec_for(fmt, data, a.dim, metadata(data[0]), getattr(a, "eval_data", None) or [])
+    spec = spec_for(fmt, data, a.dim, metadata(data[0]), a.eval_data or [])
     build = lambda: models.build(model, spec, hidden=tuple(int(h) for h in a.hidden.split(",") if h))  # noqa: E731
     plain = build()
     x, _ = next(iter(make_dataset(data, fmt, spec, a.batch, take_lines=a.batch)))
@@ -80,7 +80,7 @@ def project(models_: list[str], data: list[str], fmt: str, a, nps: list[int], ou
     """Rows of projected step times. ``timed``: the (files, format) the computation is timed on,
     e.g. the columnar copy (default: ``data``, ``fmt``); the bytes always come from ``data``."""
     net = timemodel.Network.parse(a.bandwidth, a.latency, a.cycle / 1e3)
-    if getattr(a, "call", None):
+    if a.call:
         net = dataclasses.replace(net, call=timemodel.parse_time(a.call))
     timed_data, timed_fmt = timed or (data, fmt)
     rows = []
@@ -89,7 +89,7 @@ def project(models_: list[str], data: list[str], fmt: str, a, nps: list[int], ou
             traffic = traffic_at(model, data, fmt, a, n)
             for mode in traffic:
                 compute = compute_seconds(mode, model, timed_data, timed_fmt, a, n, out)
-                overlap = getattr(a, "ps_overlap", 0.0) if mode == "ps" else 0.0
+                overlap = a.ps_overlap if mode == "ps" else 0.0
                 t = timemodel.step_time(compute, traffic[mode], n, net, overlap=overlap)
                 rows.append(dict(t, model=model, mode=mode, samples_per_s=a.batch / t["total"]))   # t has "n"
     return rows
@@ -99,8 +99,8 @@ def markdown(rows: list[dict], a) -> str:
     from des.runs import describe_source
     lines = [f"# Projected samples/s - {describe_source(a)}, global batch {a.batch}, {a.bandwidth} per host, "
              f"{a.latency} per message, Horovod cycle {a.cycle} ms, "
-             f"{getattr(a, 'call', None) or '2(N-1) x latency'} per collective call, "
-             f"{getattr(a, 'ps_overlap', 0.0):.2f} of the PS's computation overlapping its bytes", "",
+             f"{a.call or '2(N-1) x latency'} per collective call, "
+             f"{a.ps_overlap:.2f} of the PS's computation overlapping its bytes", "",
              "Computation measured here (rank 0 of N alone, no-op collectives); communication by "
              "des.timemodel from the data's bytes. DES/PS = the speed-up.", "",
              "| model | N | DES samples/s | PS samples/s | DES/PS | DES comm share | PS comm share | "

@@ -24,12 +24,13 @@ def data_files(data) -> list[str]:
 
 
 def describe_source(a, short: bool = False) -> str:
-    """What the runs read, for titles: the preset, or the data (and evaluation) files."""
-    data = getattr(a, "data", None)
+    """What the runs read, for titles: the preset, or the data (and evaluation) files
+    (``a``: des.compare's options: preset, data, eval_data)."""
+    data = a.data
     if not data:
         return a.preset if short else f"preset {a.preset}"
     name = (lambda p: os.path.basename(p)) if short else (lambda p: p)
     text = ", ".join(name(p) for p in data)
-    if getattr(a, "eval_data", None):
+    if a.eval_data:
         text += " (eval " + ", ".join(name(p) for p in a.eval_data) + ")"
     return text if short else f"data {text}"

@@ -45,6 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="reports/cache")
     a = ap.parse_args(argv)
     a.holdout = max(1, a.rows // 10)
+    a.format = a.eval_data = None            # des.compare.train_config's options: a generated preset
     out = os.path.join(a.out, a.preset)
     os.makedirs(out, exist_ok=True)
     data = ensure_data(a.preset, a.rows, a.seed, os.path.join(a.out, "data"))

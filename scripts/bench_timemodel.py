@@ -195,7 +195,8 @@ def main(argv=None) -> int:
     os.makedirs(a.out, exist_ok=True)
     data = compare.ensure_data(a.preset, a.rows, 0, os.path.join(a.out, "data"))
     run_args = argparse.Namespace(batch=a.batch, steps=a.steps, holdout=1000, dim=8, hidden="128,64",
-                                  optimizer="adam", lr=0.002, shuffle_buffer=5000, cache_size="10%", np=0)
+                                  optimizer="adam", lr=0.002, shuffle_buffer=5000, cache_size="10%", np=0,
+                                  format=None, eval_data=None)
     if a.columnar:
         from des.data.resolve import metadata
         meta = metadata(data)

@@ -170,7 +170,6 @@ def test_options_are_checked():
 
 def test_compare_report_has_cache_rows_and_the_auc_vs_bytes_plot(tmp_path):
     """des.compare's table and plots with cache runs: savings against the PS, hit rates, rows moved."""
-    import argparse
     from des.compare import markdown, plots, table_rows
     base = {"world_size": 4, "logloss": 0.5, "samples_per_second": 1000.0, "peak_rss_mib": 900.0,
             "train_auc_by_step": [(1, 0.5), (2, 0.6)]}
@@ -184,7 +183,8 @@ def test_compare_report_has_cache_rows_and_the_auc_vs_bytes_plot(tmp_path):
     by = {r["mode"]: r for r in rows}
     assert by["des"]["des_saving_pct"] == pytest.approx(75.0)
     assert by["cache s=inf"]["des_saving_pct"] == pytest.approx(87.5) and by["ps"]["des_saving_pct"] is None
-    a = argparse.Namespace(preset="criteo-like", np=4, batch=1024, steps=10, cache_size="10%")
+    from des.compare import parser
+    a = parser().parse_args(["--np", "4", "--batch", "1024", "--steps", "10"])
     md = markdown(rows, results, a, {"bayes_auc": 0.78})
     assert "| deepfm | cache s=inf | 4 | 0.7400 |" in md and "| 0.900 | 15 |" in md
     assert "(a2a measured + ring model)" in md and "analytic (formulas)" in md   # what is a formula is labelled

@@ -3,7 +3,6 @@
 The data is a small generated libffm file (tests/helpers.py write_small_ffm) with its .meta.json
 removed, as a user's file has none: the spec is then scanned from the training and evaluation
 files, and the Bayes-optimal AUC is unknown."""
-import argparse
 import csv
 import json
 import os
@@ -68,8 +67,8 @@ def test_markdown_without_metadata_says_the_bayes_auc_is_unknown():
     from des.compare import markdown, table_rows
     s = {"world_size": 1, "auc": 0.7, "logloss": 0.5, "samples_per_second": 100.0, "peak_rss_mib": 10.0}
     results = {"lr": {"single": s}}
-    a = argparse.Namespace(preset="criteo-like", data=["a.ffm", "b.ffm"], eval_data=None, np=2, batch=256,
-                           steps=3, cache_size="10%")
+    from des.compare import parser
+    a = parser().parse_args(["--data", "a.ffm", "b.ffm", "--np", "2", "--batch", "256", "--steps", "3"])
     md = markdown(table_rows(results), results, a, {})
     assert md.startswith("# DES vs PS vs one process - data a.ffm, b.ffm, N=2")
     assert "Bayes-optimal AUC of the data: unknown." in md

@@ -5,23 +5,22 @@ apply to a mode are refused with a clear message, the PS/cache modes hand the re
 allocator's share per epoch, and each mode's hooks run in des.train's order on a tiny batch
 (prepare -> compile -> callbacks -> fit -> evaluate -> summarise) with the summary a mode owes.
 """
-import argparse
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import models
 from des import modes
+from des.config import RunConfig
 from des.verify import random_batches, small_spec
 
 
-def options(**kw) -> argparse.Namespace:
+def options(**kw) -> RunConfig:
     """des.train's options, parsed as the CLI does (so the defaults are the real ones)."""
-    from des.train import _args
     argv = ["--data", "unused.txt"]
     for k, v in kw.items():
         argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
-    return _args(argv)
+    return RunConfig.parse(argv)
 
 
 def make_run(spec, first, **kw) -> modes.Run:
@@ -31,7 +30,7 @@ def make_run(spec, first, **kw) -> modes.Run:
 
 
 def test_every_registered_mode_is_made_and_the_cli_offers_exactly_those():
-    from des.train import _args
+    _args = RunConfig.parse
     for name in modes.MODES:
         mode = modes.make(name, make_run(small_spec(), random_batches(small_spec(), 1, 8)[0], mode=name))
         assert mode.name == name and (mode.rank, mode.world_size) == (0, 1)
@@ -103,7 +102,7 @@ def test_a_mode_runs_des_train_s_hooks_in_order(name, kw, owed):
     batches = random_batches(spec, 3, 16, seed=4)
     mode = modes.make(name, make_run(spec, batches[0], mode=name, batch=16, **kw))
     model = mode.prepare(mode.run.reference_model())
-    model.compile(models.make_optimizer(mode.a.optimizer, 0.05), "binary_crossentropy",
+    model.compile(models.make_optimizer(mode.config.optimizer, 0.05), "binary_crossentropy",
                   metrics=[tf.keras.metrics.AUC(name="auc"), tf.keras.metrics.BinaryCrossentropy(name="logloss")])
     callbacks = mode.callbacks(model)
     shard = mode.train_shard(0)
@@ -134,7 +133,7 @@ def test_auto_resolves_to_a_mode_with_its_choice():
     spec = small_spec()
     run = make_run(spec, random_batches(spec, 1, 32)[0], mode="auto")
     mode = modes.make("auto", run)
-    assert mode.name == "des" and mode.auto.mode == "des" and run.args.mode == "des"   # one process: DES
+    assert mode.name == "des" and mode.auto.mode == "des" and run.config.mode == "des"   # one process: DES
     assert mode.auto.world_size == 1 and mode.auto.des_bytes == 0
 
 

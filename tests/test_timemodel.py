@@ -105,13 +105,12 @@ def test_sync_computation_waits_for_the_slowest_process_and_noop_does_not():
 def test_projection_rows_and_table(monkeypatch):
     """des.projection with the computation and the traffic stubbed (they need runs and data):
     one row per model, N and mode, samples/s = batch / the model's step time, and its table."""
-    import argparse
     from des import projection
     monkeypatch.setattr(projection, "compute_seconds", lambda mode, *rest: {"des": 0.02, "ps": 0.01}[mode])
     monkeypatch.setattr(projection, "traffic_at", lambda model, data, fmt, a, n: {
         "des": des_traffic(4 * 2048 * 18), "ps": ps_traffic(4, 2e6, 2e6, 1e5)})
-    a = argparse.Namespace(bandwidth="10gbit", latency="20us", cycle=1.0, batch=2048, preset="wide", data=None,
-                           rows=100, columnar=False, format=None)
+    from des.compare import parser
+    a = parser().parse_args(["--bandwidth", "10gbit", "--batch", "2048", "--preset", "wide", "--rows", "100"])
     rows = projection.project(["lr"], ["x"], "libffm", a, [4, 16], "out")
     assert [(r["model"], r["n"], r["mode"]) for r in rows] == [("lr", 4, "des"), ("lr", 4, "ps"),
                                                               ("lr", 16, "des"), ("lr", 16, "ps")]
@@ -216,15 +215,14 @@ def test_the_data_parallel_tail_costs_four_phases_and_half_rings():
 def test_projection_shows_both_tails(monkeypatch):
     """With a data-parallel row (computation per process falls with N), the table shows the
     computation of both tails and the PS's, and each tail's samples/s."""
-    import argparse
     from des import projection
     monkeypatch.setattr(projection, "compute_seconds",
                         lambda mode, model, data, fmt, a, n, out: {"des": 0.04, "des-dp": 0.01 + 0.03 / n, "ps": 0.02}[mode])
     monkeypatch.setattr(projection, "traffic_at", lambda model, data, fmt, a, n: {
         "des": des_traffic(4 * 2048 * 18), "des-dp": des_tail_traffic(4 * 2048 * 18, 4 * 2048, 4e4),
         "ps": ps_traffic(4, 2e6, 2e6, 1e5)})
-    a = argparse.Namespace(bandwidth="10gbit", latency="20us", cycle=1.0, batch=2048, preset="wide", data=None,
-                           rows=100, columnar=False, format=None)
+    from des.compare import parser
+    a = parser().parse_args(["--bandwidth", "10gbit", "--batch", "2048", "--preset", "wide", "--rows", "100"])
     rows = projection.project(["deepfm"], ["x"], "libffm", a, [16, 64], "out")
     assert [(r["n"], r["mode"]) for r in rows] == [(16, "des"), (16, "des-dp"), (16, "ps"),
                                                    (64, "des"), (64, "des-dp"), (64, "ps")]

@@ -29,15 +29,18 @@ def make(name: str, run: Run) -> Mode:
     """The mode ``name`` (or the one ``auto`` chooses) for this run, its options checked."""
     auto = None
     if name == "auto":
+        import dataclasses
         from des import auto as chooser
         from des_ops.comm import launcher_rank
         first = {k: v.numpy() for k, v in run.first_batch().items()}
-        auto = chooser.choose(run.reference_model(), first, launcher_rank()[1], run.args.allocate)
-        name = run.args.mode = auto.mode
-        if run.args.allocate != "contiguous" and name == "des":
-            print(f"--mode auto chose des: --allocate {run.args.allocate} does not apply (every process "
+        allocation = run.config.allocation
+        auto = chooser.choose(run.reference_model(), first, launcher_rank()[1], allocation.strategy)
+        name = auto.mode
+        if allocation.strategy != "contiguous" and name == "des":
+            print(f"--mode auto chose des: --allocate {allocation.strategy} does not apply (every process "
                   f"reads the whole batch)")
-            run.args.allocate = "contiguous"
+            allocation = dataclasses.replace(allocation, strategy="contiguous")
+        run.config = run.config.replace(mode=name, allocation=allocation)   # the run's record says what runs
     mode = MODES[name](run)
     mode.auto = auto
     mode.check()

@@ -13,7 +13,10 @@ say (``evaluate``, ``summarise``). Options that do not apply to it are refused b
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from des.config import RunConfig
 
 
 class ModeError(ValueError):
@@ -22,10 +25,10 @@ class ModeError(ValueError):
 
 @dataclasses.dataclass
 class Run:
-    """What a mode is given: the parsed des.train options, the data's FeatureSpec, a log that
-    prints on rank 0 only (set once the mode knows its rank), the first global batch of
-    training ids and the untouched reference model (each made lazily, at most once)."""
-    args: Any
+    """What a mode is given: the run's configuration (des.config.RunConfig), the data's
+    FeatureSpec, a log that prints on rank 0 only (set once the mode knows its rank), the first
+    global batch of training ids and the untouched reference model (each made lazily, at most once)."""
+    config: RunConfig
     spec: Any
     read_first_batch: Callable[[], dict]
     build_model: Callable[[], Any]
@@ -55,7 +58,7 @@ class Mode:
     sharded = False            # data parallel: each process trains its own slice of a global batch
 
     def __init__(self, run: Run):
-        self.run, self.a = run, run.args
+        self.run, self.config = run, run.config
         self.comm = self._communicator()
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.auto = None       # des.auto.Choice when --mode auto chose this mode
@@ -67,21 +70,22 @@ class Mode:
 
     @property
     def global_batch(self) -> int:
-        return self.a.batch
+        return self.config.batch
 
     def check(self) -> None:
         """Refuse options this mode does not have (ModeError)."""
-        if self.a.allocate != "contiguous":
-            raise ModeError(f"--allocate {self.a.allocate} is for --mode ps and cache (under {self.name} "
-                            f"{self._reads})")
-        if self.a.on_demand or self.a.plan_pushes:
-            raise ModeError(f"--{'on-demand' if self.a.on_demand else 'plan-pushes'} is a plan of --mode cache "
+        if self.config.allocation.strategy != "contiguous":
+            raise ModeError(f"--allocate {self.config.allocation.strategy} is for --mode ps and cache "
+                            f"(under {self.name} {self._reads})")
+        cache = self.config.cache
+        if cache.on_demand or cache.plan_pushes:
+            raise ModeError(f"--{'on-demand' if cache.on_demand else 'plan-pushes'} is a plan of --mode cache "
                             f"--staleness 0")
-        if self.a.allocate_top_k is not None:
+        if self.config.allocation.top_k is not None:
             raise ModeError("--allocate-top-k is an option of --allocate laia (--mode ps and cache)")
-        if getattr(self.a, "tail", "replicated") != "replicated" and self.name != "des":
-            raise ModeError(f"--tail {self.a.tail} is an option of --mode des")
-        if self.a.tables == "fused" and self.name not in ("single", "des", "ps"):
+        if self.config.tail != "replicated" and self.name != "des":
+            raise ModeError(f"--tail {self.config.tail} is an option of --mode des")
+        if self.config.tables == "fused" and self.name not in ("single", "des", "ps"):
             raise ModeError(f"--tables fused is built by --mode single, des and ps; --mode {self.name} keeps one "
                             f"table per field")
 
@@ -101,7 +105,7 @@ class Mode:
     def prepare(self, model):
         """The model this mode trains, built from the untouched reference ``model`` (one process:
         with its tables of one width in one TFRA table, unless --tables per-field)."""
-        if self.a.tables == "per-field":
+        if self.config.tables == "per-field":
             return model
         from des_ops.fused import fuse_model
         model, lines = fuse_model(model)

@@ -23,21 +23,21 @@ class Cache(PS):
     def check(self) -> None:
         from des import cache
         try:
-            self.staleness = cache.parse_staleness(self.a.staleness)
-            self.capacity = cache.parse_cache_size(self.a.cache_size)
+            self.staleness = cache.parse_staleness(self.config.cache.staleness)
+            self.capacity = cache.parse_cache_size(self.config.cache.size)
         except ValueError as e:
             raise ModeError(str(e)) from None
         self._check_top_k()
-        a = self.a
-        if a.plan_pushes and not (a.on_demand and a.optimizer == "sgd" and a.linear_optimizer in (None, "sgd")):
+        a = self.config
+        if a.cache.plan_pushes and not (a.cache.on_demand and a.sgd_everywhere):
             raise ModeError("--plan-pushes keeps updates in the workers' cache lines until another process reads "
                             "them: it needs --on-demand (--staleness 0) and plain SGD (--optimizer sgd)")
-        if self.a.allocate == "laia" and self.a.eviction != "lru":
+        if self.config.allocation.strategy == "laia" and self.config.cache.eviction != "lru":
             raise ModeError(f"--allocate laia simulates LRU caches and decides their evictions: "
-                            f"--eviction {self.a.eviction} does not apply")
+                            f"--eviction {self.config.cache.eviction} does not apply")
 
     def _planned(self) -> bool:
-        return self.a.allocate == "laia"
+        return self.config.allocation.strategy == "laia"
 
     SEEN_LINES = 100_000
 
@@ -56,23 +56,23 @@ class Cache(PS):
                 for f in unknown for v in [np.asarray(ids[f]).reshape(-1)]}
         lines = int(np.asarray(next(iter(ids.values()))).shape[0])
         self.run.log(f"cache: {len(unknown)} field(s) of no known cardinality ({', '.join(unknown[:3])}"
-                     f"{', ...' if len(unknown) > 3 else ''}): --cache-size {self.a.cache_size} of the distinct "
+                     f"{', ...' if len(unknown) > 3 else ''}): --cache-size {self.config.cache.size} of the distinct "
                      f"ids in the first {lines:,} training lines ({min(seen.values()):,}..{max(seen.values()):,})")
         return spec.with_cardinalities(seen)
 
     def _shard(self, model):
         from des import cache
-        a = self.a
+        a = self.config
         try:
-            model = cache.cache(model, self.exchange, self.staleness, self.capacity, a.eviction,
-                                spec=self._spec_with_cardinalities(), on_demand=a.on_demand,
-                                plan_pushes=a.plan_pushes)
+            model = cache.cache(model, self.exchange, self.staleness, self.capacity, a.cache.eviction,
+                                spec=self._spec_with_cardinalities(), on_demand=a.cache.on_demand,
+                                plan_pushes=a.cache.plan_pushes)
         except ValueError as e:
             raise ModeError(str(e)) from None
         self._tables = model.cached_tables()
         sizes = sorted({layer.config.capacity for layer, _ in self._tables})
         self.run.log(f"cache: {len(self._tables)} tables sharded by key over {self.world_size} "
-                     f"process(es), each cached on every process (staleness {a.staleness}, {a.eviction}, "
+                     f"process(es), each cached on every process (staleness {a.cache.staleness}, {a.cache.eviction}, "
                      f"{sizes[0]}..{sizes[-1]} rows per table); global batch {self.global_batch}")
         return model
 
@@ -94,9 +94,9 @@ class Cache(PS):
     def summarise(self, model, summary: dict) -> None:
         from des import cache
         self._summarise_allocation(summary)
-        a = self.a
+        a = self.config
         summary.update(cache.traffic_summary(self.traffic.steps, self.rank, self.world_size),
-                       staleness=a.staleness, cache_size=a.cache_size, eviction=a.eviction)
+                       staleness=a.cache.staleness, cache_size=a.cache.size, eviction=a.cache.eviction)
         self.run.log(f"cache bytes/step sent per process: measured {summary['sent_bytes_per_step']:.0f} (all-to-all "
                      f"{summary['alltoall_bytes_per_step']:.0f}, analytic "
                      f"{summary['analytic_alltoall_bytes_per_step']:.0f}; equal in {summary['bytes_exact_steps']} "

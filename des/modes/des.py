@@ -19,18 +19,18 @@ class DES(Mode):
 
     def _communicator(self):
         from des_ops.comm import default_communicator
-        return default_communicator(self.a.comm)
+        return default_communicator(self.config.network.comm)
 
     def prepare(self, model):
         import des
         from des import checkpoint
         from des.cost import AutoTail, unique_ids_per_slice
-        from des.timemodel import parse_rate
-        a = self.a
+        a = self.config
         plan = (a.restore and checkpoint.load_plan(a.restore, self.world_size)) or a.plan
         model, self.report = des.transform(model, comm=self.comm, plan=plan, spec=self.run.spec,
                                            fuse_tables=a.tables != "per-field",
-                                           tail=AutoTail(batch_size=a.batch, bandwidth=parse_rate(a.link))
+                                           tail=AutoTail(batch_size=a.batch,
+                                                         bandwidth=a.network.link_bytes_per_second)
                                            if a.tail == "auto" else a.tail)
         first = {k: v.numpy() for k, v in self.run.first_batch().items()}
         self.report.estimate_costs(a.batch, unique_ids_per_slice(first, self.run.spec, self.world_size))
@@ -47,7 +47,8 @@ class DES(Mode):
     def callbacks(self, model) -> list:
         from des.callbacks import BytesPerStep, ReplicaCheck
         self.traffic = BytesPerStep(self.comm)
-        return [self.traffic] + ([ReplicaCheck(self.comm, self.a.replica_check)] if self.a.replica_check else [])
+        every = self.config.replica_check
+        return [self.traffic] + ([ReplicaCheck(self.comm, every)] if every else [])
 
     def barrier(self):
         import tensorflow as tf
@@ -56,7 +57,7 @@ class DES(Mode):
         return lambda: self.comm.allreduce_counted(tf.zeros([1]), "barrier")
 
     def summarise(self, model, summary: dict) -> None:
-        report, comm, batch, traffic = self.report, self.comm, self.a.batch, self.traffic
+        report, comm, batch, traffic = self.report, self.comm, self.config.batch, self.traffic
         counted = comm.counted()
         summary.update(floats_per_sample=report.floats_per_sample, tail=report.tail, tail_reason=report.tail_reason,
                        bytes_per_step_measured=traffic.median(),

@@ -20,8 +20,9 @@ class PS(Mode):
     def _communicator(self):
         from des_ops.comm import default_communicator, under_launcher
         from des_ops.sharded import KeyExchange
-        self.exchange = (KeyExchange.noop(sync=self.a.comm == "sync", meet=self.a.comm == "meet")
-                         if self.a.comm in ("noop", "sync", "meet") else
+        kind = self.config.network.comm
+        self.exchange = (KeyExchange.noop(sync=kind == "sync", meet=kind == "meet")
+                         if kind in ("noop", "sync", "meet") else
                          KeyExchange.horovod() if under_launcher() else KeyExchange.local())
         comm = default_communicator("local")
         comm.rank, comm.world_size = self.exchange.rank, self.exchange.world_size
@@ -30,23 +31,24 @@ class PS(Mode):
 
     @property
     def global_batch(self) -> int:
-        return self.a.batch * (self.world_size if self.a.ps_batch == "per-process" else 1)
+        return self.config.batch * (self.world_size if self.config.allocation.ps_batch == "per-process" else 1)
 
     def check(self) -> None:
-        if self.a.on_demand or self.a.plan_pushes:
-            raise ModeError(f"--{'on-demand' if self.a.on_demand else 'plan-pushes'} is a plan of --mode cache "
+        cache = self.config.cache
+        if cache.on_demand or cache.plan_pushes:
+            raise ModeError(f"--{'on-demand' if cache.on_demand else 'plan-pushes'} is a plan of --mode cache "
                             f"--staleness 0")
         self._check_top_k()
 
     def _check_top_k(self) -> None:
-        k = self.a.allocate_top_k
-        if k is not None and (self.a.allocate != "laia" or k < 1):
+        k = self.config.allocation.top_k
+        if k is not None and (self.config.allocation.strategy != "laia" or k < 1):
             raise ModeError(f"--allocate-top-k {k}: a count >= 1 of inputs laia scores (with --allocate laia)")
 
     def train_shard(self, epoch: int):
         """Contiguous slices, or a des.allocate.Share of a new allocator per epoch (batches the
         input pipeline prefetched but fit never trained cannot make the processes differ)."""
-        if self.a.allocate == "contiguous" and not self.a.on_demand:
+        if self.config.allocation.strategy == "contiguous" and not self.config.cache.on_demand:
             return self.eval_shard()
         from des import allocate
         # The allocator runs in the input pipeline's thread and holds the GIL for most of its
@@ -54,12 +56,12 @@ class PS(Mode):
         # GIL hundreds of times per step (callbacks, counters), waits up to 5 ms each time and the
         # step slowed several-fold (measured: PS laia 831 vs 3,700 samples/s on 2 processes).
         sys.setswitchinterval(2e-4)
-        a = self.a
-        sgd = a.optimizer == "sgd" and a.linear_optimizer in (None, "sgd")    # the cache's local update
-        self.allocators.append(allocate.make(a.allocate, self.world_size, self._keys, self._capacity(),
+        a = self.config
+        sgd = a.sgd_everywhere                # the cache's local update
+        self.allocators.append(allocate.make(a.allocation.strategy, self.world_size, self._keys, self._capacity(),
                                              seed=epoch_seed(a.seed, epoch), keeps_own_updates=sgd,
-                                             top_k=a.allocate_top_k))
-        return allocate.Share(self.allocators[-1], self.rank, others=a.on_demand, evictions=self._planned())
+                                             top_k=a.allocation.top_k))
+        return allocate.Share(self.allocators[-1], self.rank, others=a.cache.on_demand, evictions=self._planned())
 
     def eval_shard(self):
         return (self.rank, self.world_size)
@@ -81,8 +83,8 @@ class PS(Mode):
     def _shard(self, model):
         """The reference model with its tables sharded by key (the cache mode: and cached)."""
         from des import ps
-        model = ps.shard(model, self.exchange, fuse=self.a.tables != "per-field")
-        model.record_ids = self.a.check_bytes
+        model = ps.shard(model, self.exchange, fuse=self.config.tables != "per-field")
+        model.record_ids = self.config.check_bytes
         for line in getattr(model, "fused_lines", []):
             self.run.log(line)
         self.run.log(f"PS: {len(ps.table_inputs(model))} tables sharded by key over {self.world_size} process(es), "
@@ -90,15 +92,15 @@ class PS(Mode):
         return model
 
     def _log_allocation(self) -> None:
-        a = self.a
-        if a.allocate == "contiguous" and not a.on_demand:
+        a = self.config
+        if a.allocation.strategy == "contiguous" and not a.cache.on_demand:
             return
-        if a.on_demand:
+        if a.cache.on_demand:
             self.run.log("cache: on-demand plan (each process reads the keys the others use this step; no queries)")
         how = {"laia": "samples go to the process that owns or caches their keys", "random": "a seeded random split",
-               "contiguous": "contiguous slices"}[a.allocate]
+               "contiguous": "contiguous slices"}[a.allocation.strategy]
         b, n = self.global_batch, self.world_size
-        self.run.log(f"allocation: {a.allocate} ({how}, {b // n}-{-(-b // n)} per process; "
+        self.run.log(f"allocation: {a.allocation.strategy} ({how}, {b // n}-{-(-b // n)} per process; "
                      f"evaluation: contiguous slices)")
 
     def _counters(self, model) -> dict:
@@ -136,8 +138,8 @@ class PS(Mode):
                      f"ids per step; measured == analytic in {summary['bytes_exact_steps']} steps")
 
     def _summarise_allocation(self, summary: dict) -> None:
-        a, allocators = self.a, self.allocators
-        summary["allocate"] = a.allocate
+        a, allocators = self.config, self.allocators
+        summary["allocate"] = a.allocation.strategy
         if allocators:
             trained = [x.hashes[:a.steps] for x in allocators]   # not the batches prefetched past --steps
             samples = sum(x.samples for x in allocators)
@@ -149,7 +151,7 @@ class PS(Mode):
                                      "samples_per_second": speed, "samples_per_cpu_second": cpu_speed}
             if wall and cpu:
                 trains = summary["samples_per_second"]
-                self.run.log(f"allocation ({a.allocate}): {speed:.0f} samples/s of allocator wall time "
+                self.run.log(f"allocation ({a.allocation.strategy}): {speed:.0f} samples/s of allocator wall time "
                              f"({speed / trains:.1f}x the training's {trains:.0f}), {cpu_speed:.0f} per second of "
                              f"its CPU time ({cpu_speed / trains:.1f}x)")
         summary["collectives"] = {k: v for k, v in self.exchange.snapshot().items()
