@@ -3,6 +3,7 @@
     python -m des.compare --models lr,wdl,deepfm --np 4 --preset criteo-like --batch 4096 --steps 40
     python -m des.compare --models deepfm --modes single,des,ps,cache --staleness 0,10,100,inf
     python -m des.compare --models lr,deepfm --np 4 --data train.txt --format criteo --eval-data test.txt
+    python -m des.compare --models deepfm --modes des,ps --tables per-field   # any des.train option: every run
 
 For each model it runs ``des.train`` once per mode - one process (the reference), ``--mode des``,
 ``--mode ps`` and (``--modes ...,cache``) ``--mode cache`` once per staleness, under
@@ -22,7 +23,9 @@ your own files (``--data FILE... --format F [--eval-data FILE...]``), then write
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import io
 import dataclasses
 import json
 import os
@@ -383,7 +386,13 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     ap = parser()
-    a = ap.parse_args(argv)
+    a, train_options = ap.parse_known_args(argv)
+    if train_options:      # any other des.train option goes to every run (checked now, once)
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                RunConfig.parse(["--data", "-", *train_options])
+        except SystemExit:
+            ap.error(f"not an option of des.compare or des.train: {' '.join(train_options)}")
     if a.eval_data and not a.data:
         ap.error("--eval-data needs --data (a preset holds out its last lines)")
     if a.format and not a.data:
@@ -445,8 +454,8 @@ def main(argv=None) -> int:
         run_a.format, run_a.eval_data = "columnar", [evals] if evals else None
     try:
         for model in [m for m in a.models.split(",") if m]:
-            results[model] = {key: run(key, model, run_data, run_a, out, bed.mpirun(a.np) if bed else None)
-                              for key in keys}
+            results[model] = {key: run(key, model, run_data, run_a, out, bed.mpirun(a.np) if bed else None,
+                                       options=tuple(train_options)) for key in keys}
             curves[model] = bytes_curve(model, data, fmt, a, batches, meta)
     finally:
         if bed is not None:

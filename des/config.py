@@ -171,7 +171,7 @@ def _o(flag: str, path: str | None = None, **kwargs) -> Option:
 
 
 OPTIONS: list[Option] = [
-    _o("--mode", choices=[*MODES, "auto"], default="single",
+    _o("--mode", choices=lambda: [*MODES, "auto"], default="single",      # the modes registered when parsed
        help="des: field-partitioned first layers; ps: tables sharded by key (baseline); "
             "cache: ps plus HET's bounded-staleness embedding cache on every worker; "
             "auto: des or ps, whichever moves fewer bytes on the first batch (des.auto)"),
@@ -267,5 +267,8 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
     """des.train's argument parser, built from OPTIONS (``description``: the --help text's head)."""
     ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     for opt in OPTIONS:
-        ap.add_argument(opt.flag, **opt.kwargs)
+        kwargs = dict(opt.kwargs)
+        if callable(kwargs.get("choices")):
+            kwargs["choices"] = kwargs["choices"]()
+        ap.add_argument(opt.flag, **kwargs)
     return ap

@@ -270,7 +270,8 @@ class _Job:
                    "bayes_auc": _bayes_auc(a, self.meta), "bad_lines_skipped": self.skips.total,
                    "global_batch": self.global_batch, "train_auc_by_step": self.curve.points,
                    "peak_rss_mib": _peak_rss_mib(),
-                   "inputs_read": len(read) if read is not None else len(self.spec.input_names())}
+                   "inputs_read": len(read) if read is not None else len(self.spec.input_names()),
+                   "options": a.to_argv()}       # what ran: every option off its default
         if mode.auto is not None:
             summary["auto"] = {"chosen": mode.auto.mode, "des_bytes_estimate": mode.auto.des_bytes,
                                "ps_bytes_estimate": mode.auto.ps_bytes}

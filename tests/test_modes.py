@@ -5,6 +5,8 @@ apply to a mode are refused with a clear message, the PS/cache modes hand the re
 allocator's share per epoch, and each mode's hooks run in des.train's order on a tiny batch
 (prepare -> compile -> callbacks -> fit -> evaluate -> summarise) with the summary a mode owes.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -160,3 +162,65 @@ def test_cpu_time_counts_the_process_cpu_of_a_step_not_its_wall_time():
     wall = (time.perf_counter() - t0) / 4
     assert len(cpu.times) == 4 and wall > 0.3
     assert 0.055 <= cpu.median() <= 0.2, cpu.times
+
+
+def test_a_mode_registered_in_one_place_reaches_the_cli_and_compare(monkeypatch):
+    """A new mode is one class (a file in des/modes/) registered in des.modes.MODES: des.train's
+    --mode, des.compare's --modes and modes.make take it with nothing else changed."""
+    from des.compare import Cell
+
+    class Echo(modes.Mode):
+        name = "echo"
+    monkeypatch.setitem(modes.MODES, "echo", Echo)
+    assert RunConfig.parse(["--data", "x", "--mode", "echo"]).mode == "echo"
+    mode = modes.make("echo", make_run(small_spec(), random_batches(small_spec(), 1, 8)[0], mode="echo"))
+    assert type(mode) is Echo and (mode.rank, mode.world_size) == (0, 1)
+    assert Cell.parse("echo") == Cell("echo") and Cell.parse("echo").key == "echo"
+    monkeypatch.delitem(modes.MODES, "echo")
+    with pytest.raises(SystemExit):
+        RunConfig.parse(["--data", "x", "--mode", "echo"])
+
+
+def test_the_run_configuration_round_trips_through_its_command_line():
+    """to_argv (what des.compare hands to des.train) parses back to the same record, for every
+    option set off its default; parts hold their options."""
+    from des.config import OPTIONS
+    argv = ["--data", "a.txt", "b.txt", "--mode", "cache", "--staleness", "inf", "--cache-size", "5000",
+            "--eviction", "lfu", "--on-demand", "--plan-pushes", "--allocate", "laia", "--allocate-top-k", "3",
+            "--ps-batch", "per-process", "--comm", "sync", "--link", "100mbit", "--eval-data", "e.txt",
+            "--batch", "64", "--hidden", "8,4", "--tail", "auto", "--skip-bad-lines", "--lr", "0.5"]
+    config = RunConfig.parse(argv)
+    assert (config.cache.staleness, config.cache.size, config.cache.eviction, config.cache.on_demand,
+            config.cache.plan_pushes) == ("inf", "5000", "lfu", True, True)
+    assert (config.allocation.strategy, config.allocation.top_k, config.allocation.ps_batch) == ("laia", 3, "per-process")
+    assert (config.network.comm, config.network.link_bytes_per_second) == ("sync", 12_500_000.0)
+    assert config.hidden_units == (8, 4) and config.eval_data == ["e.txt"] and config.lr == 0.5
+    assert RunConfig.parse(config.to_argv()) == config
+    assert sorted(config.to_argv()) == sorted(argv)            # exactly the options given, nothing else
+    assert len({o.flag for o in OPTIONS}) == len(OPTIONS)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.batch = 1                                         # a record is replaced, never changed
+
+
+def test_compare_builds_each_run_from_one_cell_and_passes_other_train_options(tmp_path):
+    from des.compare import Cell, cells, parser, train_config
+    assert [c.key for c in cells("single,ps+laia,cache+laia+on-demand", "0,inf")] == [
+        "single", "ps+laia", "cache+laia+on-demand s=0", "cache+laia+on-demand s=inf"]
+    with pytest.raises(ValueError, match="unknown mode 'des\\+laia'"):
+        Cell.parse("des+laia")
+    a = parser().parse_args(["--batch", "256", "--steps", "5"])
+    a.holdout = 100
+    config = train_config(Cell.parse("cache+laia+on-demand s=0"), "lr", "d.txt", a, str(tmp_path / "s.json"))
+    assert (config.mode, config.model, config.batch, config.steps, config.holdout) == ("cache", "lr", 256, 5, 100)
+    assert (config.cache.staleness, config.cache.on_demand, config.allocation.strategy) == ("0", True, "laia")
+    assert RunConfig.parse(config.to_argv()) == config
+
+
+def test_compare_refuses_an_option_neither_it_nor_des_train_has(capsys):
+    from des import compare
+    with pytest.raises(SystemExit) as e:
+        compare.main(["--models", "lr", "--tables", "per-field", "--no-such-option", "1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("error: not an option of des.compare or des.train: --tables per-field --no-such-option 1")
+    assert not any("des.train" in line and "usage" in line for line in err)
