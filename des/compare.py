@@ -385,63 +385,17 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    ap = parser()
-    a, train_options = ap.parse_known_args(argv)
-    if train_options:      # any other des.train option goes to every run (checked now, once)
-        try:
-            with contextlib.redirect_stderr(io.StringIO()):
-                RunConfig.parse(["--data", "-", *train_options])
-        except SystemExit:
-            ap.error(f"not an option of des.compare or des.train: {' '.join(train_options)}")
-    if a.eval_data and not a.data:
-        ap.error("--eval-data needs --data (a preset holds out its last lines)")
-    if a.format and not a.data:
-        ap.error("--format needs --data (a preset's format is known)")
-    if a.cpus and a.net != "netbed":
-        ap.error("--cpus needs --net netbed (a CPU budget per emulated host)")
-    nps = [int(x) for x in a.np.split(",") if x]
-    if len(nps) != 1 and not a.bandwidth:
-        ap.error("--np: one number (a list only with --bandwidth, to project)")
-    if a.data:   # the user's files: nothing generated; --preset and --rows unused
-        from des.data.resolve import metadata
-        meta = metadata(a.data[0])
-        a.format = a.format or meta.get("format")
-        if not a.format:
-            ap.error(f"--format criteo|avazu|libsvm|libffm is required with --data "
-                     f"({a.data[0]}.meta.json, which would name it, does not exist or has no format)")
-        a.holdout = a.holdout or 0.1
-        data, fmt = list(a.data), a.format
-        out = os.path.join(a.out, os.path.basename(a.data[0]))
-    else:
-        a.holdout = a.holdout or max(1, a.rows // 10)
-        data = ensure_data(a.preset, a.rows, a.seed, os.path.join(a.out, "data"))
-        meta = json.load(open(data + ".meta.json"))
-        fmt = meta["format"]
-        out = os.path.join(a.out, a.preset)
-    if a.holdout >= 1:
-        a.holdout = int(a.holdout)   # a count of lines
-    os.makedirs(out, exist_ok=True)
+    a, train_options, nps = _options(argv)
+    data, fmt, meta, out = _source(a)
     if a.bandwidth:
-        from des import projection
-        timed = None
-        if a.columnar:      # the computation is timed reading the columnar copy, as the runs would
-            timed_data, _ = ensure_columnar(data_files(data), fmt, None, meta)
-            timed = ([timed_data], "columnar")
-        rows = projection.project([m for m in a.models.split(",") if m], data_files(data), fmt, a, nps, out, timed)
-        md = projection.markdown(rows, a)
-        with open(os.path.join(out, "projection.md"), "w") as fh:
-            fh.write(md)
-        with open(os.path.join(out, "projection.json"), "w") as fh:
-            json.dump(rows, fh, indent=1)
-        print(md)
-        return 0
+        return _project(a, data, fmt, meta, nps, out)
     a.np = nps[0]
     batches = sorted({int(b) for b in a.batches.split(",")} | {a.batch})
-    results, curves = {}, {}
     try:
         keys = [c.key for c in cells(a.modes, a.staleness)]
     except ValueError as e:
         raise SystemExit(f"--modes: {e}") from None
+    results, curves = {}, {}
     bed = None
     if a.net == "netbed":
         from des.netbed import Netbed
@@ -461,8 +415,80 @@ def main(argv=None) -> int:
         if bed is not None:
             from des.netbed import down
             down()
-    rows = table_rows(results)
+    _write_reports(a, results, curves, batches, meta, out)
+    return 0
+
+
+def _options(argv) -> tuple[argparse.Namespace, list[str], list[int]]:
+    """des.compare's options, checked; the des.train options it passes on; the process counts."""
+    ap = parser()
+    a, train_options = ap.parse_known_args(argv)
+    if train_options:      # any other des.train option goes to every run (checked now, once)
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                RunConfig.parse(["--data", "-", *train_options])
+        except SystemExit:
+            ap.error(f"not an option of des.compare or des.train: {' '.join(train_options)}")
+    if a.eval_data and not a.data:
+        ap.error("--eval-data needs --data (a preset holds out its last lines)")
+    if a.format and not a.data:
+        ap.error("--format needs --data (a preset's format is known)")
+    if a.cpus and a.net != "netbed":
+        ap.error("--cpus needs --net netbed (a CPU budget per emulated host)")
+    nps = [int(x) for x in a.np.split(",") if x]
+    if len(nps) != 1 and not a.bandwidth:
+        ap.error("--np: one number (a list only with --bandwidth, to project)")
+    if a.data:
+        from des.data.resolve import metadata
+        a.format = a.format or metadata(a.data[0]).get("format")
+        if not a.format:
+            ap.error(f"--format criteo|avazu|libsvm|libffm is required with --data "
+                     f"({a.data[0]}.meta.json, which would name it, does not exist or has no format)")
+    return a, train_options, nps
+
+
+def _source(a) -> tuple[list[str] | str, str, dict, str]:
+    """The data the runs read (the user's files, or a generated preset written once), its format,
+    metadata and the report folder; sets ``a.holdout`` (default: 0.1 of --data, rows/10 of a preset)."""
+    if a.data:   # the user's files: nothing generated; --preset and --rows unused
+        from des.data.resolve import metadata
+        meta = metadata(a.data[0])
+        a.holdout = a.holdout or 0.1
+        data, fmt = list(a.data), a.format
+        out = os.path.join(a.out, os.path.basename(a.data[0]))
+    else:
+        a.holdout = a.holdout or max(1, a.rows // 10)
+        data = ensure_data(a.preset, a.rows, a.seed, os.path.join(a.out, "data"))
+        meta = json.load(open(data + ".meta.json"))
+        fmt = meta["format"]
+        out = os.path.join(a.out, a.preset)
+    if a.holdout >= 1:
+        a.holdout = int(a.holdout)   # a count of lines
+    os.makedirs(out, exist_ok=True)
+    return data, fmt, meta, out
+
+
+def _project(a, data, fmt: str, meta: dict, nps: list[int], out: str) -> int:
+    """--bandwidth: projected samples/s at each N (des.projection) instead of runs."""
+    from des import projection
+    timed = None
+    if a.columnar:      # the computation is timed reading the columnar copy, as the runs would
+        timed_data, _ = ensure_columnar(data_files(data), fmt, None, meta)
+        timed = ([timed_data], "columnar")
+    rows = projection.project([m for m in a.models.split(",") if m], data_files(data), fmt, a, nps, out, timed)
+    md = projection.markdown(rows, a)
+    with open(os.path.join(out, "projection.md"), "w") as fh:
+        fh.write(md)
+    with open(os.path.join(out, "projection.json"), "w") as fh:
+        json.dump(rows, fh, indent=1)
+    print(md)
+    return 0
+
+
+def _write_reports(a, results: dict, curves: dict, batches: list[int], meta: dict, out: str) -> None:
+    """comparison.md / .csv, bytes_vs_batch.json and the plots; the table and curves on stdout."""
     from des.train import _bayes_auc   # of the evaluated data: --eval-data's own metadata if given
+    rows = table_rows(results)
     md = markdown(rows, results, a, dict(meta, bayes_auc=_bayes_auc(a, meta)))
     with open(os.path.join(out, "comparison.md"), "w") as fh:
         fh.write(md)
@@ -479,7 +505,6 @@ def main(argv=None) -> int:
         for mode in ("des", "ps"):
             print(f"  {model:<7} {mode:<3} " + "  ".join(f"B={b}: {v:,.0f}" for b, v in zip(batches, c[mode])))
     print(f"\nreport: {os.path.join(out, 'comparison.md')} (and .csv); plots: {', '.join(files)}")
-    return 0
 
 
 if __name__ == "__main__":
