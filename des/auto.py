@@ -4,7 +4,7 @@ DES moves the partials of every substituted operator in one ring allreduce, 2(N-
 bytes per process and step, whatever the ids. A PS moves, per table, the distinct ids of a
 process's slice that live elsewhere (8-byte keys, rows back, gradient rows out) plus the ring
 allreduce of the dense gradients. Both are computed here on the real first global batch (the
-PS figure with des.ps.analytic_bytes, the formula its measured bytes equal), and the mode that
+PS figure with des.baselines.ps.rewrite.analytic_bytes, the formula its measured bytes equal), and the mode that
 moves fewer bytes per step wins. The choice is per model: every process computes it from the
 same batch, so all choose alike without a collective.
 
@@ -70,8 +70,8 @@ def traffic(model: tf.keras.Model, first_batch: dict, world_size: int, allocator
     ``ps_alltoall`` (ids, rows, gradient rows of remote distinct ids; mean over the N slices),
     ``ps_dense_payload`` (dense gradients), ``ps_bytes`` (all-to-all + dense ring + the loss
     weight), ``tables``; and ``matches`` and ``widths``, the substitutions DES would make.
-    ``allocator`` (des.allocate): which process's slice holds which rows (default: contiguous)."""
-    from des import ps
+    ``allocator`` (des.baselines.allocate): which process's slice holds which rows (default: contiguous)."""
+    from des.baselines.ps import rewrite as ps
     feats = {k: np.asarray(v) for k, v in first_batch.items()}
     b, n = len(next(iter(feats.values()))), world_size
     ring = ring_share(n)
@@ -90,15 +90,16 @@ def traffic(model: tf.keras.Model, first_batch: dict, world_size: int, allocator
 
 
 def _parts(feats: dict, batch: int, world_size: int, allocator) -> list:
-    from des import allocate
+    from des.baselines import allocate
     allocator = allocator or allocate.make("contiguous", world_size)
     return allocator({k: feats[k] for k in allocator.inputs}, batch)
 
 
 def choose(model: tf.keras.Model, first_batch: dict, world_size: int, allocate_kind: str = "contiguous") -> Choice:
     """DES or PS for ``model`` (unchanged, single-process) on N = ``world_size`` processes, the
-    PS's slices given by ``allocate_kind`` (des.allocate)."""
-    from des import allocate, ps
+    PS's slices given by ``allocate_kind`` (des.baselines.allocate)."""
+    from des.baselines import allocate
+    from des.baselines.ps import rewrite as ps
     keys = [ids for ids, _, _ in ps.table_inputs(model)]
     new = lambda: allocate.make(allocate_kind, world_size, keys)  # noqa: E731 - a fresh one per use
     t = traffic(model, first_batch, world_size, new())

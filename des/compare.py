@@ -355,7 +355,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--shuffle-buffer", type=int, default=20_000)
     ap.add_argument("--modes", default="single,des,ps",
                     help="of single, des, ps, cache, auto (des or ps by des.auto); ps and cache also with an "
-                         "allocation (des.allocate): ps+laia, ps+random, cache+laia, and the cache's on-demand "
+                         "allocation (des.baselines.allocate): ps+laia, ps+random, cache+laia, and the cache's on-demand "
                          "plan at staleness 0: cache+on-demand, cache+laia+on-demand, with SGD also +plan-pushes")
     ap.add_argument("--staleness", default="0,10,100,inf", help="cache: one run per staleness")
     ap.add_argument("--cache-size", default="10%", help="cache: rows per table, or a fraction of each field")

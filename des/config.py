@@ -31,9 +31,9 @@ MODEL_NAMES = ["lr", "fm", "dnn", "wdl", "deepfm"]
 
 @dataclass(frozen=True)
 class CacheOptions:
-    """--mode cache: HET's bounded-staleness embedding cache (des.cache)."""
-    staleness: str = "100"        # a whole number or "inf", parsed by des.cache.parse_staleness
-    size: str = "10%"             # rows, or a fraction of each field's cardinality (des.cache.parse_cache_size)
+    """--mode cache: HET's bounded-staleness embedding cache (des.baselines.cache.rewrite)."""
+    staleness: str = "100"        # a whole number or "inf", parsed by des.baselines.cache.rewrite.parse_staleness
+    size: str = "10%"             # rows, or a fraction of each field's cardinality (des.baselines.cache.rewrite.parse_cache_size)
     eviction: str = "lru"
     on_demand: bool = False
     plan_pushes: bool = False
@@ -41,7 +41,7 @@ class CacheOptions:
 
 @dataclass(frozen=True)
 class AllocationOptions:
-    """--mode ps and cache: which process trains which sample of a global batch (des.allocate)."""
+    """--mode ps and cache: which process trains which sample of a global batch (des.baselines.allocate)."""
     strategy: str = "contiguous"  # contiguous | random | laia
     top_k: Optional[int] = None
     ps_batch: str = "global"      # global | per-process
@@ -188,7 +188,7 @@ OPTIONS: list[Option] = [
        help="ps, cache: each process reads batch/N rows of every global batch (global), "
             "or batch rows of a global batch of N*batch (per-process)"),
     _o("--allocate", "allocation.strategy", choices=["contiguous", "random", "laia"], default="contiguous",
-       help="ps, cache: which process trains which sample of a global batch (des.allocate): "
+       help="ps, cache: which process trains which sample of a global batch (des.baselines.allocate): "
             "contiguous slices, a seeded random split, or laia (Herald's locality-aware "
             "allocation: samples go where their keys are owned or cached); exact in every case"),
     _o("--allocate-top-k", "allocation.top_k", type=int, default=None, metavar="K",

@@ -54,7 +54,7 @@ class OperatorCost:
 
 def unique_ids_per_slice(feats: dict, spec, world_size: int, parts: list | None = None) -> dict[str, float]:
     """Mean over processes of the distinct non-padding ids per field in a process's share of
-    a global batch: ``parts[r]``, the row indices an allocator (des.allocate) gives process r;
+    a global batch: ``parts[r]``, the row indices an allocator (des.baselines.allocate) gives process r;
     default the rows ``[b*r//N, b*(r+1)//N)``, as the readers' ``shard=`` gives.
     ``spec``: a FeatureSpec (its sparse fields) or the id input names."""
     names = [f.name for f in spec.sparse()] if hasattr(spec, "sparse") else list(spec)

@@ -187,14 +187,14 @@ def _on_every_rank(world: InProcessWorld, work: Callable[[int], object]) -> list
 
 def run_sharded_world(world_size: int, work: Callable[[object], object]) -> list:
     """The PS / cache modes in the simulated world: ``work(exchange)`` on every rank in its own
-    thread, ``exchange`` a des_ops.sharded.KeyExchange of an InProcessWorld; returns each rank's
+    thread, ``exchange`` a des.baselines.ps.tables.KeyExchange of an InProcessWorld; returns each rank's
     result. Collectives meet by name (the table and the kind), so ranks may run them in any order.
 
         >>> outs = run_sharded_world(3, lambda ex: train(ps.shard(build(), ex), slices_of(ex.rank)))  # doctest: +SKIP
         >>> run_sharded_world(3, lambda ex: (ex.rank, ex.world_size))
         [(0, 3), (1, 3), (2, 3)]
     """
-    from des_ops.sharded import KeyExchange
+    from des.baselines.ps.tables import KeyExchange
     world = InProcessWorld(world_size)
     return _on_every_rank(world, lambda r: work(KeyExchange.in_process(world, r)))
 

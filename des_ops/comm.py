@@ -334,7 +334,7 @@ class InProcessWorld:
 
 class InProcessCollectives:
     """Horovod's ``alltoall`` / ``allreduce`` signatures over an InProcessWorld, for
-    des_ops.sharded.KeyExchange (the PS and cache modes in the simulated world). ``name`` must
+    des.baselines.ps.tables.KeyExchange (the PS and cache modes in the simulated world). ``name`` must
     say which collective this is (the same on every rank): ranks meet by name, not by order."""
     Sum = "sum"
 

@@ -156,7 +156,7 @@ class FusedTable(FieldEmbedding):
         raise NotImplementedError("a FusedTable is built by des.transform, not from a config")
 
 
-# table class -> the class of the fused table that holds its rows (des_ops.sharded adds the PS's)
+# table class -> the class of the fused table that holds its rows (des.baselines.ps.tables adds the PS's)
 FUSED_CLASS: dict[type, type] = {FieldEmbedding: FusedTable}
 
 
@@ -202,8 +202,8 @@ def fuse_model(model: tf.keras.Model) -> tuple[tf.keras.Model, list[str]]:
         >>> from des.data import FeatureSpec, Field
         >>> spec = FeatureSpec((Field("C1", dim=4), Field("C2", dim=4)))
         >>> fused, lines = fuse_model(models.deepfm(spec, hidden=(8,)))
-        >>> [line.split(":")[0] for line in lines]
-        ['fused table des_fused4_model', 'fused table des_fused1_linear_model']
+        >>> [line.split(":")[0].split("_model")[0] for line in lines]   # then the model's name, as Keras numbers it
+        ['fused table des_fused4', 'fused table des_fused1_linear']
 
     Returns (the new model, one report line per fused table); the model itself if nothing fuses.
     Its tables' inputs must be the model's inputs."""

@@ -1,14 +1,14 @@
-"""The allocators alone (des.allocate): their samples/s as N and the global batch grow, and the
+"""The allocators alone (des.baselines.allocate): their samples/s as N and the global batch grow, and the
 remote ids a PS step fetches under each (distinct ids of a process's samples owned by another
 process, summed over processes: the rows the all-to-all moves, by the formula the PS mode's
 measured bytes equal).
 
     .venv/bin/python scripts/bench_allocate.py --preset criteo-like --np 2,4,8,16 --batch 1024,4096,16384
     .venv/bin/python scripts/bench_allocate.py --preset wide --rows 20000 --np 4 --batch 2048 --top-k all,10,5 \
-        --baseline /tmp/allocate_before.py      # git show HEAD~1:des/allocate.py > /tmp/allocate_before.py
+        --baseline /tmp/allocate_before.py      # git show HEAD~1:des/baselines/allocate.py > /tmp/allocate_before.py
 
 ``--top-k``: one laia row per k (laia's ``top_k``: the score reads only the k inputs with the most
-distinct ids of the first batch; ``all``: every input). ``--baseline``: another des/allocate.py
+distinct ids of the first batch; ``all``: every input). ``--baseline``: another des/baselines/allocate.py
 (e.g. an older commit's), whose laia is timed on the same batches in the same run (``before``
 columns). One process, this machine; the allocator runs in the input pipeline of every process, so its
 samples/s is to be set against the training's samples/s (``des.train --allocate laia`` reports
@@ -34,8 +34,8 @@ sys.path.insert(0, ROOT)
 
 
 def remote_ids(feats: dict, keys: list[str], parts: list, n: int) -> int:
-    """Summed over processes: the PS's remote distinct ids of each one's share (des.ps.analytic_bytes)."""
-    from des.ps import analytic_bytes
+    """Summed over processes: the PS's remote distinct ids of each one's share (des.baselines.ps.rewrite.analytic_bytes)."""
+    from des.baselines.ps.rewrite import analytic_bytes
     tables = [(k, None, 1) for k in keys]
     return sum(analytic_bytes({k: np.asarray(feats[k])[idx] for k in keys}, tables, w, n, 0)["remote_ids"]
                for w, idx in enumerate(parts))
@@ -51,11 +51,11 @@ def main() -> None:
     ap.add_argument("--sgd", action="store_true", help="plain SGD: keeps_own_updates")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--top-k", default="all", help="comma-separated laia top_k values; all: every input")
-    ap.add_argument("--baseline", default=None, help="path of another des/allocate.py to time alongside")
+    ap.add_argument("--baseline", default=None, help="path of another des/baselines/allocate.py to time alongside")
     ap.add_argument("--out", default="reports/allocate")
     a = ap.parse_args()
     import des  # noqa: F401
-    from des import allocate
+    from des.baselines import allocate
     from des.compare import ensure_data
     from des.data.readers import make_dataset
     from des.data.resolve import metadata, spec_for

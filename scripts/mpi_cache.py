@@ -22,10 +22,10 @@ if __name__ == "__main__":   # (tests import CONFIGS from this file)
     tf.config.threading.set_inter_op_parallelism_threads(1)
 
 import models  # noqa: E402
-from des.cache import cache  # noqa: E402
+from des.baselines.cache.rewrite import cache  # noqa: E402
 from des.data.readers import _slice_batch  # noqa: E402
 from des.verify import PS_SPEC, optimizer_factory, ps_batches, random_batches  # noqa: E402
-from des_ops.sharded import KeyExchange  # noqa: E402
+from des.baselines.ps.tables import KeyExchange  # noqa: E402
 from models.layers import key_init  # noqa: E402
 
 LR = {"sgd": 0.2, "adagrad": 0.05, "adam": 0.01, "ftrl": 0.05}

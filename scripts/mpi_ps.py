@@ -21,9 +21,9 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 
 import models  # noqa: E402
 from des.data.readers import _slice_batch  # noqa: E402
-from des.ps import analytic_bytes, dense_parameters, shard, table_inputs  # noqa: E402
+from des.baselines.ps.rewrite import analytic_bytes, dense_parameters, shard, table_inputs  # noqa: E402
 from des.verify import optimizer_factory, ps_batches, PS_SPEC, snapshot  # noqa: E402
-from des_ops.sharded import KeyExchange  # noqa: E402
+from des.baselines.ps.tables import KeyExchange  # noqa: E402
 
 LR = {"sgd": 0.2, "adagrad": 0.05, "adam": 0.01, "ftrl": 0.05}
 

@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from des_ops.comm import NoopCommunicator, SyncCommunicator, launcher_rank  # noqa: E402
-from des_ops.sharded import KeyExchange  # noqa: E402
+from des.baselines.ps.tables import KeyExchange  # noqa: E402
 
 
 def steps(reduce) -> float:

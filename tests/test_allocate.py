@@ -1,4 +1,4 @@
-"""--allocate: which process trains which sample of a global batch (des.allocate).
+"""--allocate: which process trains which sample of a global batch (des.baselines.allocate).
 
 Any allocation is exact under the synchronous PS (the update sums the whole batch's gradients);
 laia moves fewer rows. Exactness runs in the simulated world (N = 2..4, the PS and the cache at
@@ -9,9 +9,9 @@ import pytest
 import tensorflow as tf
 
 import models
-from des import allocate
-from des.cache import cache
-from des.ps import shard
+from des.baselines import allocate
+from des.baselines.cache.rewrite import cache
+from des.baselines.ps.rewrite import shard
 from des.verify import PS_SPEC, optimizer_factory, ps_batches, run_sharded_world
 from helpers import single_process_predictions
 
@@ -114,7 +114,7 @@ def test_laia_fetches_fewer_remote_ids_than_contiguous_slices():
 
 def _train_allocated(model, exchange, kind, batches, probe, optimizer, capacity=None, others=False,
                      evictions=False, alloc=None, probe_each_step=True):
-    """fit on this process's share (des.allocate.Share.mine: its rows and, with ``others``, the
+    """fit on this process's share (des.baselines.allocate.Share.mine: its rows and, with ``others``, the
     keys the other processes use; with ``evictions``, the keys laia's simulation evicts from its
     cache); predictions on ``probe`` after every step, and the allocation's digest."""
     model.compile(optimizer_factory(optimizer, LR)(), "binary_crossentropy")
@@ -302,7 +302,7 @@ def _plain_assign(score: list, pref: list, room: list) -> list:
 
 
 def _reference_laia(batches: list, n: int, inputs: list, chunk: int) -> list:
-    """laia written plainly (PS, no cache), with nothing of des.allocate: per sample its (input, key)
+    """laia written plainly (PS, no cache), with nothing of des.baselines.allocate: per sample its (input, key)
     ids; sample i scores for w the ids w owns (key mod n) or took with a sample given to it earlier
     in the batch, one per occurrence; equal scores go by a preference rotating with the batch
     (batch b prefers process b mod n, then the next); a chunk first gives each process at most its

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 import models
-from des.cache import cache, capacity_rows, parse_cache_size, parse_staleness
+from des.baselines.cache.rewrite import cache, capacity_rows, parse_cache_size, parse_staleness
 from des.data.readers import _slice_batch
 from des.verify import PS_SPEC, optimizer_factory, ps_batches
-from des_ops.cached import CacheConfig
-from des_ops.sharded import KeyExchange
+from des.baselines.cache.tables import CacheConfig
+from des.baselines.ps.tables import KeyExchange
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",

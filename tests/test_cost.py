@@ -5,7 +5,7 @@ import pytest
 import des
 import models
 from des.cost import estimate, unique_ids_per_slice
-from des.ps import analytic_bytes, dense_parameters, table_inputs
+from des.baselines.ps.rewrite import analytic_bytes, dense_parameters, table_inputs
 from des.data.spec import FeatureSpec, Field
 from des.verify import random_batches, small_spec
 from des_ops.comm import InProcessWorld

@@ -226,12 +226,12 @@ def test_a_fused_single_process_model_trains_as_the_per_field_one():
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_fused_ps_equals_the_single_process_and_moves_the_per_field_bytes(n):
-    """des.ps.shard(..., fuse=True): one all-to-all set per width; predictions after every step and
+    """des.baselines.ps.rewrite.shard(..., fuse=True): one all-to-all set per width; predictions after every step and
     every row equal the untouched single process's; the bytes measured at the all-to-alls equal
-    the per-table formula (des.ps.analytic_bytes) step by step. N = 3: the batch of 2 rows leaves
+    the per-table formula (des.baselines.ps.rewrite.analytic_bytes) step by step. N = 3: the batch of 2 rows leaves
     one process an empty slice."""
     from des.data.readers import _slice_batch
-    from des.ps import analytic_bytes, dense_parameters, shard, table_inputs
+    from des.baselines.ps.rewrite import analytic_bytes, dense_parameters, shard, table_inputs
     from des.verify import PS_SPEC, optimizer_factory, ps_batches, run_sharded_world, snapshot
     from helpers import single_process_predictions
     lr = {"adam": 0.01}

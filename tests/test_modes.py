@@ -72,7 +72,7 @@ def test_options_that_apply_are_accepted():
 
 
 def test_ps_hands_the_reader_a_new_allocator_per_epoch():
-    from des.allocate import Share
+    from des.baselines.allocate import Share
     spec = small_spec()
     batch = random_batches(spec, 1, 16)[0]
     mode = modes.make("ps", make_run(spec, batch, mode="ps", allocate="laia"))

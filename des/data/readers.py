@@ -13,7 +13,7 @@
 Every process that calls this with the same arguments gets the same batches in the
 same order (DES needs that). ``shard=(rank, world_size)`` gives each process its own
 contiguous slice of every global batch instead (the parameter-server mode), and
-``shard=des.allocate.Share(allocator, rank)`` the samples any allocator gives it.
+``shard=des.baselines.allocate.Share(allocator, rank)`` the samples any allocator gives it.
 
 Bad lines stop the run with a ``DataError`` naming file, line and problem; with
 ``skip_bad_lines=True`` they are dropped and counted in ``skip_report``.
@@ -130,7 +130,7 @@ def _convention_problem(conventions: dict, parser, path: str, line: bytes) -> st
 
 def share(shard):
     """The map from a global batch to this process's samples: ``(rank, world_size)``, the
-    contiguous slice; or an object with ``take(feats, label)`` (des.allocate.Share: any
+    contiguous slice; or an object with ``take(feats, label)`` (des.baselines.allocate.Share: any
     allocation, e.g. laia), applied in order (a map without parallel calls)."""
     if hasattr(shard, "take"):
         return shard.take

@@ -14,9 +14,9 @@ batch, and returns that mode with the choice in ``mode.auto``.
 from __future__ import annotations
 
 from des.modes.base import Mode, ModeError, Run, epoch_seed
-from des.modes.cache import Cache
+from des.baselines.cache.mode import Cache
 from des.modes.des import DES
-from des.modes.ps import PS
+from des.baselines.ps.mode import PS
 from des.modes.single import Single
 
 __all__ = ["MODES", "Mode", "ModeError", "Run", "epoch_seed", "make"]

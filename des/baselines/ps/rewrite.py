@@ -15,7 +15,7 @@
 
 Data parallel: each process trains on its own slice of every global batch (readers'
 ``shard=``). Per step the sharded tables move ids, rows and gradient rows by all-to-all
-(des_ops.sharded) and ONE allreduce sums the dense gradients. Each process's loss is its
+(des.baselines.ps.tables) and ONE allreduce sums the dense gradients. Each process's loss is its
 slice's mean loss times n_local / n_global (one scalar allreduce of the slice sizes), so the
 summed gradients are those of the global batch's mean loss - the update the single-process
 model makes on the whole batch, also when slices are uneven or empty.
@@ -27,7 +27,7 @@ import tensorflow as tf
 from tensorflow_recommenders_addons import dynamic_embedding as de
 
 from des.ir import Graph, replay
-from des_ops.sharded import KeyExchange, ShardedFieldEmbedding
+from des.baselines.ps.tables import KeyExchange, ShardedFieldEmbedding
 from des_ops.wire import ring_share
 
 
@@ -76,7 +76,7 @@ def shard(model: tf.keras.Model, exchange: KeyExchange, make_table=None, cls=PSM
           mode: str = "ps", fuse: bool = False) -> PSModel:
     """The same model with every FieldEmbedding replaced by a ShardedFieldEmbedding
     (or by ``make_table(old_layer)``, e.g. a cached one), as a ``cls`` model. ``fuse``: the
-    sharded tables of one width share one TFRA table per process (des_ops.sharded.ShardedFusedTable):
+    sharded tables of one width share one TFRA table per process (des.baselines.ps.tables.ShardedFusedTable):
     one set of all-to-alls per width and step instead of one per table."""
     graph = Graph(model)
     embeds = [n for n in graph.nodes if n.kind == "table"]

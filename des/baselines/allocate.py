@@ -46,7 +46,7 @@ keeps this process's samples of each global batch.
 
 The simulated caches ARE the cache's line sets: ``Share(..., evictions=True)`` hands the train
 step, per input, the keys the simulation evicts from this process's cache after this batch
-(feature ``<input>@evict``), and the cache (des_ops.cached) evicts exactly those instead of
+(feature ``<input>@evict``), and the cache (des.baselines.cache.tables) evicts exactly those instead of
 choosing by its own LRU. Both insert the same keys (the remote keys a process looks up), so the
 real lines are the simulated ones, key for key (a cache that starts empty while the simulation
 is warm - a resumed epoch - holds a subset). Validity follows the same rule on both sides
@@ -431,7 +431,7 @@ class Share:
     keys the other processes' samples of this batch use (feature ``<input>@others``): what the
     cache's on-demand plan needs to know which of its lines another process updates this step.
     ``evictions=True`` (laia over a cache) also hands it the keys the simulation evicts from this
-    process's cache (feature ``<input>@evict``), which the cache then evicts (des.cache)."""
+    process's cache (feature ``<input>@evict``), which the cache then evicts (des.baselines.cache.rewrite)."""
 
     def __init__(self, allocator: Allocator, rank: int, others: bool = False, evictions: bool = False):
         if evictions and not isinstance(allocator, LaiaAllocation):

@@ -26,7 +26,7 @@ process, the size of the segment of the tensor handed to all-to-all (``sent[kind
 segment that came back from each source (``received[kind]``), self-sends kept apart (they stay
 in the process). The lookup counters (``ids_bytes``, ``rows_bytes``, ``grad_bytes``) are the
 remote parts of those for THIS process's lookups: ids out (8 B each), rows in (4*dim B) and, in
-backward, gradient rows out (4*dim B) - what ``des.ps.analytic_bytes`` computes from the ids.
+backward, gradient rows out (4*dim B) - what ``des.baselines.ps.rewrite.analytic_bytes`` computes from the ids.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""``--mode ps``: the parameter-server baseline, tables sharded by key (des.ps), data parallel.
+"""``--mode ps``: the parameter-server baseline, tables sharded by key (des.baselines.ps.rewrite), data parallel.
 
     mpirun -np 4 python -m des.train --mode ps --allocate laia --data train.txt
 
 Each process trains its share of every global batch: a contiguous slice, or the share an
-allocator gives it (``--allocate``, des.allocate). Measured per step: the bytes each process
+allocator gives it (``--allocate``, des.baselines.allocate). Measured per step: the bytes each process
 sends and receives by all-to-all, per counter, checked against the analytic formula.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ class PS(Mode):
 
     def _communicator(self):
         from des_ops.comm import default_communicator, under_launcher
-        from des_ops.sharded import KeyExchange
+        from des.baselines.ps.tables import KeyExchange
         kind = self.config.network.comm
         self.exchange = (KeyExchange.noop(sync=kind == "sync", meet=kind == "meet")
                          if kind in ("noop", "sync", "meet") else
@@ -46,11 +46,11 @@ class PS(Mode):
             raise ModeError(f"--allocate-top-k {k}: a count >= 1 of inputs laia scores (with --allocate laia)")
 
     def train_shard(self, epoch: int):
-        """Contiguous slices, or a des.allocate.Share of a new allocator per epoch (batches the
+        """Contiguous slices, or a des.baselines.allocate.Share of a new allocator per epoch (batches the
         input pipeline prefetched but fit never trained cannot make the processes differ)."""
         if self.config.allocation.strategy == "contiguous" and not self.config.cache.on_demand:
             return self.eval_shard()
-        from des import allocate
+        from des.baselines import allocate
         # The allocator runs in the input pipeline's thread and holds the GIL for most of its
         # numpy work; with Python's default 5 ms switch interval Keras's step loop, which takes the
         # GIL hundreds of times per step (callbacks, counters), waits up to 5 ms each time and the
@@ -74,7 +74,7 @@ class PS(Mode):
         return False
 
     def prepare(self, model):
-        from des import ps
+        from des.baselines.ps import rewrite as ps
         model = self._shard(model)
         self._keys = [ids for ids, _, _ in ps.table_inputs(model)]
         self._log_allocation()
@@ -82,7 +82,7 @@ class PS(Mode):
 
     def _shard(self, model):
         """The reference model with its tables sharded by key (the cache mode: and cached)."""
-        from des import ps
+        from des.baselines.ps import rewrite as ps
         model = ps.shard(model, self.exchange, fuse=self.config.tables != "per-field")
         model.record_ids = self.config.check_bytes
         for line in getattr(model, "fused_lines", []):
@@ -122,12 +122,12 @@ class PS(Mode):
         return lambda: self.exchange.sum_across(tf.zeros([1]), counter="barrier_bytes")
 
     def evaluate(self, model, data) -> dict:
-        from des import ps
+        from des.baselines.ps import rewrite as ps
         model.evaluate(data, verbose=0, return_dict=True)
         return ps.aggregate_metrics(model, self.exchange)      # the metrics of every slice together
 
     def summarise(self, model, summary: dict) -> None:
-        from des import ps
+        from des.baselines.ps import rewrite as ps
         self._summarise_allocation(summary)
         summary.update(ps.traffic_summary(model, self.traffic.steps, self.rank, self.world_size),
                        tables=len(ps.table_inputs(model)))

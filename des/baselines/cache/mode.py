@@ -1,4 +1,4 @@
-"""``--mode cache``: the PS plus HET's bounded-staleness embedding cache on every process (des.cache).
+"""``--mode cache``: the PS plus HET's bounded-staleness embedding cache on every process (des.baselines.cache.rewrite).
 
     mpirun -np 4 python -m des.train --mode cache --staleness 100 --cache-size 10% --data train.txt
     mpirun -np 2 python -m des.train --mode cache --staleness 0 --on-demand --allocate laia --data train.txt
@@ -8,20 +8,20 @@ Everything the PS mode does (slices, allocation, all-to-all accounting), with ca
 a flush at every epoch's end (before checkpoints and evaluation), the laia allocator simulating
 the caches at their capacity, and the cache's counters (queries, clocks, fetches, pushes, hits)
 in the summary. With ``--allocate laia`` the simulation decides the evictions (one set of lines:
-des.allocate), and each epoch's flush also empties the caches, as the new epoch's allocator
+des.baselines.allocate), and each epoch's flush also empties the caches, as the new epoch's allocator
 starts with empty ones.
 """
 from __future__ import annotations
 
 from des.modes.base import ModeError
-from des.modes.ps import PS
+from des.baselines.ps.mode import PS
 
 
 class Cache(PS):
     name = "cache"
 
     def check(self) -> None:
-        from des import cache
+        from des.baselines.cache import rewrite as cache
         try:
             self.staleness = cache.parse_staleness(self.config.cache.staleness)
             self.capacity = cache.parse_cache_size(self.config.cache.size)
@@ -61,7 +61,7 @@ class Cache(PS):
         return spec.with_cardinalities(seen)
 
     def _shard(self, model):
-        from des import cache
+        from des.baselines.cache import rewrite as cache
         a = self.config
         try:
             model = cache.cache(model, self.exchange, self.staleness, self.capacity, a.cache.eviction,
@@ -92,7 +92,7 @@ class Cache(PS):
         model.flush()
 
     def summarise(self, model, summary: dict) -> None:
-        from des import cache
+        from des.baselines.cache import rewrite as cache
         self._summarise_allocation(summary)
         a = self.config
         summary.update(cache.traffic_summary(self.traffic.steps, self.rank, self.world_size),

@@ -15,7 +15,7 @@ training step, per table, with a fixed number of all-to-alls (never one per id):
   3. push: the gradient of a cached row is added to its line; a line is pushed (id, count, sum:
      12 + 4*dim B) when it has max(s, 1) updates, when it is evicted (cache over capacity after
      the step: least recently / least frequently used lines first, or the lines an allocation
-     that simulates the caches names - des.allocate's laia) and at flushes (epoch end,
+     that simulates the caches names - des.baselines.allocate's laia) and at flushes (epoch end,
      evaluation, checkpoint). The owner adds the counts to Ko and applies the optimizer to the
      pushed sums (the slots stay with the owner).
 
@@ -41,7 +41,7 @@ import tensorflow as tf
 from tensorflow_recommenders_addons import dynamic_embedding as de
 
 from des.data.spec import PAD_ID
-from des_ops.sharded import KeyExchange, ShardedFieldEmbedding
+from des.baselines.ps.tables import KeyExchange, ShardedFieldEmbedding
 from models.layers import key_init
 
 

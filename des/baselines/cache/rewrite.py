@@ -1,5 +1,5 @@
 """The HET embedding-cache mode (``--mode cache``): the PS mode's key-sharded tables, read through a
-bounded cache with bounded staleness on every worker (protocol: des_ops.cached).
+bounded cache with bounded staleness on every worker (protocol: des.baselines.cache.tables).
 
     >>> import models
     >>> from models.optim import make_optimizer
@@ -26,11 +26,11 @@ import numpy as np
 import tensorflow as tf
 from tensorflow_recommenders_addons import dynamic_embedding as de
 
-from des.allocate import EVICT, OTHERS
+from des.baselines.allocate import EVICT, OTHERS
 from des.ir import Graph
-from des.ps import PSModel, per_destination, shard
-from des_ops.cached import CacheConfig, CachedFieldEmbedding, new_counters
-from des_ops.sharded import KeyExchange
+from des.baselines.ps.rewrite import PSModel, per_destination, shard
+from des.baselines.cache.tables import CacheConfig, CachedFieldEmbedding, new_counters
+from des.baselines.ps.tables import KeyExchange
 from des_ops.wire import ring_share
 
 
@@ -91,7 +91,7 @@ class CacheModel(PSModel):
             if layer.config.on_demand:      # lines of keys the other processes update this step
                 if ids not in others:
                     raise ValueError(f"the on-demand plan needs the keys other processes use ({ids}{OTHERS}): "
-                                     f"read the data through des.allocate.Share(..., others=True)")
+                                     f"read the data through des.baselines.allocate.Share(..., others=True)")
                 with tf.control_dependencies([keys]):
                     marks.append(layer.mark_updated(others[ids]))
         with tf.control_dependencies(marks):
@@ -154,7 +154,7 @@ def cache(model: tf.keras.Model, exchange: KeyExchange, staleness: float = 100.0
           plan_pushes: bool = False) -> CacheModel:
     """The same model with every FieldEmbedding sharded by key and cached on every worker.
     ``on_demand`` (staleness 0): no queries; the data must come through
-    ``des.allocate.Share(allocator, rank, others=True)``. ``plan_pushes`` (with ``on_demand``,
+    ``des.baselines.allocate.Share(allocator, rank, others=True)``. ``plan_pushes`` (with ``on_demand``,
     plain SGD): an update is pushed only when another process reads its key (Herald's plan)."""
     counters = new_counters()
 
