@@ -37,9 +37,16 @@ from des_ops.wire import ring_share
 class CacheModel(PSModel):
     """A PS model whose training lookups go through the cached tables' fetch/accumulate/push."""
 
+    def find_cached_tables(self) -> None:
+        """Note which input feeds which cached table (called once by ``cache``; a tuple of names,
+        which Keras does not track)."""
+        graph = Graph(self)
+        self._cached = tuple((n.layer.name, graph.input_name(n.tensor_operands()[0]))
+                             for n in graph.nodes if n.kind == "table")
+
     def cached_tables(self) -> list[tuple[CachedFieldEmbedding, str]]:
         """(layer, ids input name) of every cached table, in graph order."""
-        return [(self.get_layer(name), ids) for name, ids in self.cache_plan.tables]
+        return [(self.get_layer(name), ids) for name, ids in self._cached]
 
     def _set_local_lr(self) -> None:
         """HET applies plain SGD on the worker too: give SGD's learning rate to the tables it trains."""
@@ -166,17 +173,8 @@ def cache(model: tf.keras.Model, exchange: KeyExchange, staleness: float = 100.0
                                     linear=old.linear, counters=counters)
 
     out = shard(model, exchange, make_table=make, cls=CacheModel, mode="cache")
-    graph = Graph(out)
-    out.cache_plan = _Plan([(n.layer.name, graph.input_name(n.tensor_operands()[0]))
-                            for n in graph.nodes if n.kind == "table"])
+    out.find_cached_tables()
     return out
-
-
-class _Plan:
-    """Which input feeds which cached table (a plain object: Keras does not track it)."""
-
-    def __init__(self, tables: list[tuple[str, str]]):
-        self.tables = tables
 
 
 def parse_staleness(text: str) -> float:

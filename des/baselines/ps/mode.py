@@ -84,8 +84,8 @@ class PS(Mode):
         """The reference model with its tables sharded by key (the cache mode: and cached)."""
         from des.baselines.ps import rewrite as ps
         model = ps.shard(model, self.exchange, fuse=self.config.tables != "per-field")
-        model.record_ids = self.config.check_bytes
-        for line in getattr(model, "fused_lines", []):
+        model.record_first_steps(self.config.check_bytes)
+        for line in model.fused_lines:
             self.run.log(line)
         self.run.log(f"PS: {len(ps.table_inputs(model))} tables sharded by key over {self.world_size} process(es), "
                      f"{ps.dense_parameters(model)} dense parameters allreduced; global batch {self.global_batch}")

@@ -36,6 +36,19 @@ class PSModel(tf.keras.Model):
 
     exchange: KeyExchange
     record_ids: int = 0   # hand the ids of the first K training steps to ``recorded`` (byte checks)
+    ps_tables: list | None = None     # a fused model: (ids, weights, dim) of the tables it fuses
+    fused_lines: tuple = ()           # a fused model: one report line per fused table
+
+    def use(self, exchange: KeyExchange, ps_tables: list | None = None, fused_lines=()) -> "PSModel":
+        """Set by ``shard``: the exchange its steps sum over, and what fusing its tables said."""
+        self.exchange, self.ps_tables, self.fused_lines = exchange, ps_tables, tuple(fused_lines)
+        self.recorded: list[dict] = []
+        return self
+
+    def record_first_steps(self, k: int) -> None:
+        """Keep the ids of the first ``k`` training steps in ``recorded`` (traffic_summary checks
+        the measured bytes against the formula on them)."""
+        self.record_ids = k
 
     def train_step(self, data):
         x, y = data[0], data[1]
@@ -67,7 +80,6 @@ class PSModel(tf.keras.Model):
 
 
     def _record(self, names, ids) -> None:
-        self.recorded = getattr(self, "recorded", [])
         if len(self.recorded) < self.record_ids:
             self.recorded.append({n: t.numpy() for n, t in zip(names, ids)})
 
@@ -94,13 +106,12 @@ def shard(model: tf.keras.Model, exchange: KeyExchange, make_table=None, cls=PSM
         args = tf.nest.map_structure(lambda t: env.get(id(t), t), n.call_args)
         out = new(*args, **n.call_kwargs)
         given[n.output] = lambda look, out=out: out
-    ps = replay(graph, {n.index for n in embeds}, given, cls=cls, suffix=mode)
-    ps.exchange = exchange
+    ps = replay(graph, {n.index for n in embeds}, given, cls=cls, suffix=mode).use(exchange)
     if fuse:
         from des_ops.fused import fuse_model
         tables = table_inputs(ps)
-        ps, ps.fused_lines = fuse_model(ps)
-        ps.exchange, ps.ps_tables = exchange, tables
+        fused, lines = fuse_model(ps)
+        ps = fused.use(exchange, tables, lines)
     return ps
 
 
@@ -138,7 +149,7 @@ def analytic_bytes(feats: dict, tables: list[tuple[str, str | None, int]], rank:
 def table_inputs(model: tf.keras.Model) -> list[tuple[str, str | None, int]]:
     """(ids input, weights input or None, dim) of every sharded table of a PS model (of a fused one:
     of the tables it fuses)."""
-    if getattr(model, "ps_tables", None) is not None:
+    if isinstance(model, PSModel) and model.ps_tables is not None:
         return model.ps_tables
     graph = Graph(model)
     out = []
@@ -162,7 +173,7 @@ def traffic_summary(model: PSModel, steps: list[dict], rank: int, n: int) -> dic
             for s in steps]
     tables, dense = table_inputs(model), dense_parameters(model)
     exact, analytic = 0, []
-    for ids, s in zip(getattr(model, "recorded", []), steps):
+    for ids, s in zip(model.recorded, steps):
         an = analytic_bytes(ids, tables, rank, n, dense)
         an_sent = an["alltoall_bytes"] + an["dense_ring_bytes"] + (ring * 4 if n > 1 else 0)
         analytic.append(an_sent)
