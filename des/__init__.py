@@ -33,6 +33,13 @@ def transform(model, **kwargs):
     return _transform(model, **kwargs)
 
 
+def distributed(model):
+    """The handle (plan, DES layer, state keys, tail) of a model des.transform returned, else None;
+    see des.handle."""
+    from des.handle import distributed as _distributed
+    return _distributed(model)
+
+
 def __getattr__(name):
     """Lazily: des.TransformError, des.make_keyed (TFRA tables with key-deterministic new rows),
     des.register_adapter (map a third-party layer to canonical math), des.AutoTail (what

@@ -111,14 +111,19 @@ class ReplicaCheck(tf.keras.callbacks.Callback):
         super().__init__()
         self.comm, self.every, self.step, self.checks = comm, every, 0, 0
 
+    def _des_layer(self):
+        from des.handle import distributed
+        handle = distributed(self.model)
+        return handle.layer if handle is not None else None
+
     def replicated_layers(self):
-        des_layer = getattr(self.model, "des_layer", None)
+        des_layer = self._des_layer()
         return [l for l in self.model.layers if l.weights and l is not des_layer
                 and not getattr(l, "des_embedding", False)]
 
     def check(self) -> None:
         layers = self.replicated_layers()
-        des_layer = getattr(self.model, "des_layer", None)
+        des_layer = self._des_layer()
         own = np.array([_checksum(l) for l in layers] +
                        [float(des_layer.batch_fingerprint.numpy()) if des_layer is not None else 0.0], np.float64)
         table = np.zeros((self.comm.world_size, len(layers) + 1), np.float64)

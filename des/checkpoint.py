@@ -45,6 +45,7 @@ from typing import Callable
 
 import numpy as np
 
+from des.handle import distributed
 from des.plan import FieldPlan
 
 FORMAT = 3          # 3: ids of 55 bits (des.data.hashing); 2 (63-bit ids) is read by keeping the low 55 bits
@@ -86,7 +87,7 @@ def save(directory: str, model, optimizer, plan: FieldPlan | None = None, rank: 
     barrier()
     # DES: each process its tables and kernel rows; PS: each its key shard of every table;
     # replicated weights (and everything of a replicated model): rank 0.
-    des_model = hasattr(model, "des_layer")
+    des_model = distributed(model) is not None
     kinds = {"table", "owned", "weight"} if rank == 0 else set()
     if rank != 0 and (des_model or _sharded(model)):
         kinds |= {"table", "owned"} if des_model else {"table"}

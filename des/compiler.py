@@ -8,7 +8,7 @@
     >>> print(report)
     des.transform: 3 substitution(s), rank 0 of 1:
     ...
-    >>> model.des_layer.floats_per_sample()          # the partials' width: 1 (LR) + 4+1 (FM) + 8 (Dense)
+    >>> des.distributed(model).layer.floats_per_sample()          # the partials' width: 1 (LR) + 4+1 (FM) + 8 (Dense)
     14
 
 Steps: IR of the functional graph (des.ir: one canonical graph whatever the spelling) ->
@@ -29,6 +29,7 @@ import tensorflow as tf
 from des.cost import AutoTail, choose_tail
 from des.fields import GLUE, FieldAnalysis, FieldVector
 from des.ir import Graph, Node, call_node, is_keras_tensor, replay, trace
+from des.handle import Distributed, attach, distributed
 from des.keras_internals import compile_args, has_weight_penalties, take_weight_penalties
 from des.plan import FieldCost, FieldPlan, check_agreement, make_plan
 from des_ops.comm import Communicator, agree, default_communicator
@@ -410,19 +411,15 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
         count_tail_penalties_once([l for l in new_model.submodules
                                    if isinstance(l, tf.keras.layers.Layer) and l is not first], comm.rank)
         owned = {v.ref() for v in first.trainable_weights}
-        new_model.des_tail_variables = [v for v in new_model.trainable_variables if v.ref() not in owned]
+        tail_variables = [v for v in new_model.trainable_variables if v.ref() not in owned]
         if comm.world_size > 1:
             agree(comm, "the data-parallel tail's gradients (variables: floats)",
-                  f"{len(new_model.des_tail_variables)}: "
-                  f"{sum(int(v.shape.num_elements()) for v in new_model.des_tail_variables)}")
-        sum_tail_gradients(new_model, comm, new_model.des_tail_variables)
+                  f"{len(tail_variables)}: {sum(int(v.shape.num_elements()) for v in tail_variables)}")
+        sum_tail_gradients(new_model, comm, tail_variables)
     else:
-        new_model = replay(graph, skip, given, cls=_model_class(model))
-    new_model.des_tail = tail
-    new_model.des_layer = first
-    new_model.des_plan = field_plan
-    new_model.des_state = state.StateKeys.of_transform(graph, matches, first,
-                                                       [m.layer for _, members in fused for m in members])
+        new_model, tail_variables = replay(graph, skip, given, cls=_model_class(model)), []
+    attach(new_model, Distributed(first, field_plan, state.StateKeys.of_transform(
+        graph, matches, first, [m.layer for _, members in fused for m in members]), tail, tail_variables))
     report.tables += fused_lines
     report.plan, report.floats_per_sample, report.widths = field_plan, first.floats_per_sample(), widths
     report.penalty_column = penalty_column
@@ -486,10 +483,10 @@ def _transform_subclassed(model: tf.keras.Model, sample, comm: Communicator, str
     def call(inputs, training=None, **_):
         return rewritten(inputs, training=training)
     model.call = call
-    model.des_layer, model.des_plan, model.des_state = rewritten.des_layer, rewritten.des_plan, rewritten.des_state
-    model.des_tail = rewritten.des_tail
-    if rewritten.des_tail == "data_parallel":
-        sum_tail_gradients(model, comm, rewritten.des_tail_variables)     # the user compiles this model
+    handle = distributed(rewritten)
+    attach(model, handle)                           # the same handle: plan, DES layer, state keys, tail
+    if handle.tail == "data_parallel":
+        sum_tail_gradients(model, comm, handle.tail_variables)     # the user compiles this model
     return model, report
 
 

@@ -72,7 +72,7 @@ def tail_floats(build) -> int | None:
         new, _ = des.transform(build(), comm=LocalCommunicator(), tail="data_parallel")
     except ValueError:
         return None
-    return sum(int(v.shape.num_elements()) for v in new.des_tail_variables)
+    return sum(int(v.shape.num_elements()) for v in des.distributed(new).tail_variables)
 
 
 def project(models_: list[str], data: list[str], fmt: str, a, nps: list[int], out: str,

@@ -16,6 +16,8 @@ on every process.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import tensorflow as tf
 
@@ -122,7 +124,8 @@ class StateKeys:
 
     def bind_tail(self, model: tf.keras.Model) -> None:
         """Key the replicated weights of the DES model (after it is built)."""
-        skip = {id(w) for w in model.des_layer.weights} | getattr(self, "_replaced", set())
+        from des.handle import distributed
+        skip = {id(w) for w in distributed(model).layer.weights} | getattr(self, "_replaced", set())
         for w in model.weights:          # a subclassed model still holds the split kernel: skipped
             if id(w) in skip:
                 continue
@@ -140,8 +143,19 @@ def _find_var(graph: Graph, wid: int):
     raise KeyError(wid)
 
 
+_KEYS: "weakref.WeakKeyDictionary[tf.keras.Model, StateKeys]" = weakref.WeakKeyDictionary()
+
+
+def keep_state_keys(model: tf.keras.Model, keys: StateKeys) -> None:
+    """Key ``model``'s state as ``keys`` say (a rewritten model keyed as the model it came from:
+    des_ops.fused). A DES model's keys are its handle's (des.handle)."""
+    _KEYS[model] = keys
+
+
 def state_keys(model: tf.keras.Model) -> StateKeys:
-    sk = getattr(model, "des_state", None)
+    from des.handle import distributed
+    handle = distributed(model)
+    sk = handle.state if handle is not None else _KEYS.get(model)
     if sk is None:
         return StateKeys.of_model(model)
     if not sk.weights:

@@ -206,6 +206,7 @@ class _Job:
     def _callbacks(self) -> list:
         from des import checkpoint
         from des.callbacks import CPUTime, Throughput
+        from des.handle import distributed
         a, mode, model = self.config, self.mode, self.model
         self.speed, self.cpu, self.curve = Throughput(self.global_batch, self.started), CPUTime(), _AucCurve()
         callbacks = [self.speed, self.cpu, self.curve] + mode.callbacks(model)
@@ -217,7 +218,8 @@ class _Job:
         if a.checkpoint:
             from des.callbacks import PeriodicCheckpoint
             barrier = mode.barrier()
-            plan = getattr(model, "des_plan", None)
+            handle = distributed(model)
+            plan = handle.plan if handle is not None else None
             self.saver = PeriodicCheckpoint(
                 lambda pos: mode.flush(model) or checkpoint.save(
                     a.checkpoint, model, self.optimizer, plan, mode.rank, mode.world_size,

@@ -223,6 +223,10 @@ def fuse_model(model: tf.keras.Model) -> tuple[tf.keras.Model, list[str]]:
         given.update({m.output: (lambda look, o=o: o) for m, o in zip(members, outs)})
     cls = type(model) if type(model).__name__ not in ("Functional", "Sequential") else tf.keras.Model
     new = replay(graph, {m.index for _, members in fused for m in members}, given, cls=cls, suffix="fused")
-    new.des_state = keys
-    new.fused_tables = [table for table, _ in fused]
+    state.keep_state_keys(new, keys)
     return new, lines
+
+
+def fused_tables(model: tf.keras.Model) -> list[FusedTable]:
+    """The fused tables among ``model``'s layers (of a model fuse_model made: one per width)."""
+    return [layer for layer in model.layers if isinstance(layer, FusedTable)]

@@ -3,7 +3,7 @@
     >>> import des, models
     >>> from des.data import FeatureSpec, Field
     >>> model, _ = des.transform(models.fm(FeatureSpec((Field("C1", dim=4), Field("C2", dim=4)))))
-    >>> layer = model.des_layer   # DESFirstLayer(owned_layers, field_vectors, ops, op_inputs, comm), built by des.transform
+    >>> layer = des.distributed(model).layer   # DESFirstLayer(owned_layers, field_vectors, ops, op_inputs, comm)
     >>> combined = layer({"C1": tf.constant([1, 2], tf.int64), "C2": tf.constant([3, 4], tf.int64)})     # one tensor per substituted operator
     >>> [type(op).__name__ for op in layer.ops], [c.shape for c in combined]
     (['LinearSumSubOp', 'FMSubOp'], [TensorShape([2, 1]), TensorShape([2, 1])])

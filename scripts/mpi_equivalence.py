@@ -48,7 +48,7 @@ def main(name: str, optimizer: str, out: str, comm_kind: str = "horovod", tables
     snap["allreduce_calls"] = int(comm.calls.numpy())
     snap["floats_per_sample"] = report.floats_per_sample
     snap["fused_tables"] = sum(line.startswith("fused table") for line in report.tables)
-    snap["owns_fields"] = bool(model.des_plan.fields_of(comm.rank))
+    snap["owns_fields"] = bool(des.distributed(model).plan.fields_of(comm.rank))
     with open(os.path.join(out, f"rank{comm.rank}.pkl"), "wb") as fh:
         pickle.dump(snap, fh)
 

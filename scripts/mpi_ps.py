@@ -24,6 +24,7 @@ from des.data.readers import _slice_batch  # noqa: E402
 from des.baselines.ps.rewrite import analytic_bytes, dense_parameters, shard, table_inputs  # noqa: E402
 from des.verify import optimizer_factory, ps_batches, PS_SPEC, snapshot  # noqa: E402
 from des.baselines.ps.tables import KeyExchange  # noqa: E402
+from des_ops.fused import fused_tables  # noqa: E402
 
 LR = {"sgd": 0.2, "adagrad": 0.05, "adam": 0.01, "ftrl": 0.05}
 
@@ -51,7 +52,7 @@ def main(name: str, optimizer: str, out: str, tables: str = "per-field") -> None
     with open(os.path.join(out, f"rank{rank}.pkl"), "wb") as fh:
         pickle.dump({"predictions": preds, "measured": measured, "analytic": analytic, "rows": rows,
                      "snapshot": snapshot(model), "rank": rank,
-                     "fused_tables": len(getattr(model, "fused_tables", []))}, fh)
+                     "fused_tables": len(fused_tables(model))}, fh)
 
 
 if __name__ == "__main__":

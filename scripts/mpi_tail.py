@@ -48,8 +48,8 @@ def main(out: str, names: list[str]) -> None:
         after = comm.counted()
         snap["counted"] = {p: {k: after[p][k] - before[p][k] for k in after[p]} for p in after}
         snap["floats_per_sample"] = report.floats_per_sample
-        snap["tail_floats"] = sum(int(v.shape.num_elements()) for v in model.des_tail_variables)
-        snap["owns_fields"] = bool(model.des_plan.fields_of(comm.rank))
+        snap["tail_floats"] = sum(int(v.shape.num_elements()) for v in des.distributed(model).tail_variables)
+        snap["owns_fields"] = bool(des.distributed(model).plan.fields_of(comm.rank))
         if comm.rank == 0:
             snap["initial"], snap["report"] = initial, str(report)
         with open(os.path.join(out, f"{name}.rank{comm.rank}.pkl"), "wb") as fh:

@@ -5,6 +5,7 @@ Horovod's all-to-all and runs under mpirun: tests/test_mpi.py (PS) and tests/tes
 import numpy as np
 import tensorflow as tf
 
+import des
 import models
 from des.callbacks import ReplicaCheck
 from des.verify import run_in_process_world
@@ -23,7 +24,7 @@ def test_every_collective_is_counted_by_purpose_with_the_bytes_handed_over():
     n = 2
 
     def work(m):
-        comm = m.des_layer.comm
+        comm = des.distributed(m).layer.comm
         before = comm.counted()
         m.compile(models.make_optimizer("adagrad", 0.05), "binary_crossentropy")
         check = ReplicaCheck(comm, every=2)
@@ -32,7 +33,7 @@ def test_every_collective_is_counted_by_purpose_with_the_bytes_handed_over():
         m.fit(tf.data.Dataset.from_tensor_slices((xs, ys)).batch(32), epochs=1, verbose=0, shuffle=False,
               callbacks=[check])
         m.predict_on_batch(BATCHES[0][0])
-        return before, comm.counted(), len(check.replicated_layers()), m.des_layer.floats_per_sample()
+        return before, comm.counted(), len(check.replicated_layers()), des.distributed(m).layer.floats_per_sample()
 
     for before, after, layers, floats in run_in_process_world(n, lambda: models.build("deepfm", SPEC, seed=3,
                                                                                         hidden=(8, 4)), work):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import des
 import models
 from des import checkpoint, export
 from des.callbacks import PeriodicCheckpoint
@@ -87,10 +88,10 @@ def test_restore_matrix_single_des3_single_des2_with_slots_row_by_row(tmp_path, 
     def from_single(m):
         o = optimizer()
         m.compile(o, "binary_crossentropy")
-        checkpoint.restore(ck1, m, o, m.des_layer.comm.rank, 3)
+        checkpoint.restore(ck1, m, o, des.distributed(m).layer.comm.rank, 3)
         p = np.asarray(m.predict_on_batch(PROBE))
-        checkpoint.save(ck3, m, o, m.des_plan, m.des_layer.comm.rank, 3, config=config(name),
-                        barrier=barrier(m.des_layer.comm))
+        checkpoint.save(ck3, m, o, des.distributed(m).plan, des.distributed(m).layer.comm.rank, 3, config=config(name),
+                        barrier=barrier(des.distributed(m).layer.comm))
         rows = export_rows(m, o)
         for x, y in BATCHES[3:5]:
             m.train_on_batch(x, y)
@@ -113,7 +114,7 @@ def test_restore_matrix_single_des3_single_des2_with_slots_row_by_row(tmp_path, 
     def from_des3(m):
         o = optimizer()
         m.compile(o, "binary_crossentropy")
-        checkpoint.restore(ck3, m, o, m.des_layer.comm.rank, 2)
+        checkpoint.restore(ck3, m, o, des.distributed(m).layer.comm.rank, 2)
         return np.asarray(m.predict_on_batch(PROBE)), export_rows(m, o)
     des2 = run_in_process_world(2, build(name), from_des3)
     assert max(np.abs(p - at3).max() for p, _ in des2) <= 1e-6

@@ -114,7 +114,7 @@ def test_replica_check_names_the_step_and_the_diverged_layer():
     from des.callbacks import ReplicaCheck
 
     def work(m):
-        comm = m.des_layer.comm
+        comm = des.distributed(m).layer.comm
         check = ReplicaCheck(comm, every=2)
         check.set_model(m)
         check.on_train_batch_end(0)
@@ -137,7 +137,7 @@ def test_processes_reading_different_batches_are_named_by_the_replica_check():
     from des.callbacks import ReplicaCheck
 
     def work(m, same):
-        comm = m.des_layer.comm
+        comm = des.distributed(m).layer.comm
         m.compile(models.make_optimizer("sgd", 0.1), "binary_crossentropy")
         m.train_on_batch(*BATCHES[0 if same else comm.rank])
         check = ReplicaCheck(comm, every=1)
@@ -224,11 +224,11 @@ def test_mod_plan_is_exact():
     """plan="mod" (field i -> rank i mod N, the DES paper's layout) is exact at N = 3, also where
     the balanced plan for the same spec would place the fields differently."""
     mod = {f: i % 3 for i, f in enumerate(SPEC.names())}
-    balanced = run_in_process_world(3, build("deepfm"), lambda m: m.des_plan.owner, spec=SPEC)[0]
+    balanced = run_in_process_world(3, build("deepfm"), lambda m: des.distributed(m).plan.owner, spec=SPEC)[0]
     assert balanced != mod, balanced                       # the sweep's default plan is not this one
     work = lambda m: train_and_snapshot(m, "adagrad", LR["adagrad"], BATCHES, PROBE)  # noqa: E731
     ref = work(build("deepfm")())
-    ranks = run_in_process_world(3, build("deepfm"), lambda m: {**work(m), "plan": m.des_plan},
+    ranks = run_in_process_world(3, build("deepfm"), lambda m: {**work(m), "plan": des.distributed(m).plan},
                                  plan="mod", spec=SPEC)
     for r in ranks:
         assert (r["plan"].strategy, r["plan"].owner) == ("mod", mod), r["plan"]

@@ -15,6 +15,7 @@ from des.data.spec import FeatureSpec, Field
 from des.verify import compare, run_in_process_world, train_and_snapshot
 from des_ops.comm import LocalCommunicator
 from des_ops.fused import ID_BITS, FusedTable
+from des_ops.fused import fused_tables as layers_fused
 from helpers import random_batches, small_spec
 from models.layers import table_name
 
@@ -33,7 +34,7 @@ def build(name, spec=SPEC):
 
 
 def fused_tables(model) -> list[FusedTable]:
-    return [l for l in model.des_layer.owned if isinstance(l, FusedTable)]
+    return [l for l in des.distributed(model).layer.owned if isinstance(l, FusedTable)]
 
 
 @pytest.mark.parametrize("name,optimizer,sizes", [("deepfm", "adam", (1, 5)), ("wdl", "ftrl+adam", (3,)),
@@ -60,7 +61,7 @@ def test_fused_des_equals_the_per_field_single_process(name, optimizer, sizes):
 
 
 def owns_and_fused(model) -> tuple[bool, int]:
-    return bool(model.des_plan.fields_of(model.des_layer.comm.rank)), len(fused_tables(model))
+    return bool(des.distributed(model).plan.fields_of(des.distributed(model).layer.comm.rank)), len(fused_tables(model))
 
 
 def test_multi_valued_weighted_fields_fused():
@@ -122,7 +123,7 @@ def test_checkpoint_rows_and_slots_cross_between_fused_and_per_field(direction, 
     from des import checkpoint
     src_fused = direction == "fused into per-field"
     src, src_opt = _trained(src_fused)
-    checkpoint.save(str(tmp_path / "ck"), src, src_opt, src.des_plan, 0, 1)
+    checkpoint.save(str(tmp_path / "ck"), src, src_opt, des.distributed(src).plan, 0, 1)
     dst, dst_opt = _trained(not src_fused, steps=1)         # other rows and slots before the restore
     checkpoint.restore(str(tmp_path / "ck"), dst, dst_opt, 0, 1)
     a, b = state.export_rows(src, src_opt), state.export_rows(dst, dst_opt)
@@ -181,7 +182,7 @@ def test_a_format_2_checkpoint_restores_with_the_low_55_bits_of_its_ids(tmp_path
     from des import checkpoint
     src, opt = _trained(False)
     path = str(tmp_path / "ck")
-    checkpoint.save(path, src, opt, src.des_plan, 0, 1)
+    checkpoint.save(path, src, opt, des.distributed(src).plan, 0, 1)
     _as_format_2(path, high_bits=0b1011)
     dst, dst_opt = _trained(True, steps=1)
     checkpoint.restore(path, dst, dst_opt, 0, 1)
@@ -198,7 +199,7 @@ def test_format_2_ids_that_meet_in_55_bits_stop_the_restore(tmp_path):
     from des import checkpoint
     src, opt = _trained(False)
     path = str(tmp_path / "ck")
-    checkpoint.save(path, src, opt, src.des_plan, 0, 1)
+    checkpoint.save(path, src, opt, des.distributed(src).plan, 0, 1)
     shard = glob.glob(f"{path}/state/*.npz")[0]
     npz = dict(np.load(shard, allow_pickle=False))
     index = json.loads(str(npz["index"]))
@@ -252,7 +253,7 @@ def test_fused_ps_equals_the_single_process_and_moves_the_per_field_bytes(n):
             exact.append({k: (after[k] - before[k], an[k]) for k in ("ids_bytes", "rows_bytes", "grad_bytes",
                                                                        "unique_ids", "remote_ids")})
             preds.append(model.predict_on_batch(probe))
-        return preds, exact, len(model.fused_tables), snapshot(model)
+        return preds, exact, len(layers_fused(model)), snapshot(model)
 
     runs = run_sharded_world(n, work)
     rows: dict = {}

@@ -131,7 +131,7 @@ def test_a_per_field_layer_is_part_of_the_field_and_a_user_fm_layer_opts_in():
     model = tf.keras.Model(x, tf.sigmoid(MyFM(name="my_fm")(e)))
     assert rules_and_reasons(model) == (["fm_interaction"], [])   # f1's Dense moves with f1's table
     new, _ = des.transform(model, comm=LocalCommunicator())
-    assert any(l.name == "f1_proj" for l in new.des_layer.owned)
+    assert any(l.name == "f1_proj" for l in des.distributed(new).layer.owned)
     xb = {f: tf.constant(np.arange(1, 9) % V, tf.int64) for f in FIELDS}
     np.testing.assert_allclose(new.predict_on_batch(xb), model.predict_on_batch(xb), atol=1e-6)
 
@@ -180,7 +180,7 @@ def test_regularizers_frozen_dense_and_constraints():
                                                                                       for f in FIELDS]))))
     before = dense.kernel.numpy()
     new, _ = des.transform(frozen, comm=LocalCommunicator())
-    block = new.des_layer.ops[0].kernel_block
+    block = des.distributed(new).layer.ops[0].kernel_block
     assert not block.trainable and all(v is not block for v in new.trainable_variables)
     batches = batches_for(frozen, 3, 16)
     fit_and_snapshot(new, batches, batches[0][0])
@@ -198,7 +198,7 @@ def test_a_shared_table_makes_its_fields_one_group_owned_by_one_process():
     'f0+f1', so one process owns both fields and every row of the shared tables, and each
     read of the table has its own kernel rows in the first Dense."""
     model = BUILDERS["shared_table_deepfm"]()
-    ranks = run_in_process_world(3, BUILDERS["shared_table_deepfm"], lambda m: m.des_plan, init_from=model)
+    ranks = run_in_process_world(3, BUILDERS["shared_table_deepfm"], lambda m: des.distributed(m).plan, init_from=model)
     plan = ranks[0]
     assert sorted(plan.owner) == ["f0+f1", "f2", "f3"] and sorted(plan.owner.values()) == [0, 1, 2]
     _, report = des.transform(BUILDERS["shared_table_deepfm"](), comm=LocalCommunicator(), strict=True)

@@ -8,7 +8,7 @@ import models
 from des.compiler import find_substitutions
 from des.ir import Graph
 from des.plan import FieldCost, make_plan
-from des_ops.comm import LocalCommunicator
+from des_ops.comm import InProcessWorld, LocalCommunicator
 from helpers import random_batches, small_spec
 from models.layers import Bias, FieldEmbedding
 from models.zoo import inputs_for
@@ -104,7 +104,7 @@ def test_a_per_field_layer_before_the_sum_moves_to_the_field_owner():
     model = tf.keras.Model(x, L.Add()(w))
     assert rules_of(model) == (["lr_sum"], [])
     new, _ = des.transform(model, comm=LocalCommunicator())
-    assert any(l.name == "per_field" for l in new.des_layer.owned)
+    assert any(l.name == "per_field" for l in des.distributed(new).layer.owned)
     xb, _ = random_batches(SPEC, 1, 8)[0]
     np.testing.assert_allclose(new.predict_on_batch(xb), model.predict_on_batch(xb), atol=1e-6)
 
@@ -123,7 +123,7 @@ def test_deepfm_keeps_one_table_per_field_shared_by_fm_and_dnn():
     model = models.build("deepfm", SPEC, seed=0, hidden=(8,))
     new, report = des.transform(model, comm=LocalCommunicator())
     assert sorted(m.rule for m in report.substitutions) == ["embed_concat_dense", "fm_interaction", "lr_sum"]
-    tables = [l for l in new.des_layer.owned if getattr(l, "des_embedding", False)]
+    tables = [l for l in des.distributed(new).layer.owned if getattr(l, "des_embedding", False)]
     assert len(tables) == 2 * len(SPEC)               # one 1-wide and one 3-wide table per field
     assert len({id(t) for t in tables}) == len(tables)
     assert report.floats_per_sample == 1 + (3 + 1) + 8
@@ -156,3 +156,18 @@ def test_unsupported_dtype_is_rejected():
     model = tf.keras.Model(x, L.Dense(1)(L.Concatenate()(e)))
     rules, why = rules_of(model)
     assert rules == [] and any("dtype float16" in w for w in why)
+
+
+def test_the_transformed_model_carries_no_attributes_stuck_onto_it():
+    """What des.transform made (plan, DES layer, state keys, tail) is the handle des.distributed
+    returns, kept beside the model; the Keras object gets no des_* attributes from outside."""
+    from des.data import FeatureSpec, Field
+    spec = FeatureSpec((Field("a", dim=2), Field("b", dim=2), Field("c", dim=2)))
+    plain = models.deepfm(spec, hidden=(4,))
+    before = set(vars(plain))
+    new, _ = des.transform(models.deepfm(spec, hidden=(4,)), comm=InProcessWorld(1).communicator(0))
+    handle = des.distributed(new)
+    assert handle.plan.owner == {"a": 0, "b": 0, "c": 0} and handle.tail == "replicated"
+    assert handle.layer in new.layers and handle.comm is handle.layer.comm
+    assert {k for k in vars(new) if k.startswith("des")} == set() == {k for k in before if k.startswith("des")}
+    assert des.distributed(plain) is None

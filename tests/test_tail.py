@@ -56,7 +56,7 @@ def test_data_parallel_tail_equals_one_process(name, worlds):
     and replicated rows (tail side); two_tower: two first Dense layers."""
     build, base, fit, ref = _reference_and_base(name, "sgd", 0.5)
     for n in worlds:
-        ranks = run_in_process_world(n, build, lambda m: {**fit(m), "tail": m.des_tail}, init_from=base,
+        ranks = run_in_process_world(n, build, lambda m: {**fit(m), "tail": des.distributed(m).tail}, init_from=base,
                                      tail="data_parallel")
         assert all(r["tail"] == "data_parallel" for r in ranks)
         print(name, n, _check(ref, ranks, "sgd"))
@@ -91,11 +91,11 @@ def test_bytes_counted_equal_analytic():
     n = 3
 
     def work(m):
-        before = m.des_layer.comm.counted()
+        before = des.distributed(m).layer.comm.counted()
         fit(m)
-        after = m.des_layer.comm.counted()
-        return {p: after[p]["bytes"] - before[p]["bytes"] for p in ("step", "tail")}, m.des_layer.floats_per_sample(), \
-            sum(int(v.shape.num_elements()) for v in m.des_tail_variables)
+        after = des.distributed(m).layer.comm.counted()
+        return {p: after[p]["bytes"] - before[p]["bytes"] for p in ("step", "tail")}, des.distributed(m).layer.floats_per_sample(), \
+            sum(int(v.shape.num_elements()) for v in des.distributed(m).tail_variables)
     out = run_in_process_world(n, build, work, init_from=base, tail="data_parallel")
     sizes = [BATCH] * (ROWS // BATCH) + [ROWS % BATCH]
     for r, (counted, w, t) in enumerate(out):
@@ -155,7 +155,7 @@ def test_auto_tail_follows_the_cost_model():
     cases = [((256, 256), False, 4096, "data_parallel"), ((256, 256), False, 64, "replicated"),
              ((8,), False, 4096, "replicated"), ((256, 256), True, 4096, "replicated")]
     for hidden, batch_norm, batch, expected in cases:
-        tails = run_in_process_world(4, lambda: _tower(hidden, batch_norm), lambda m: m.des_tail,
+        tails = run_in_process_world(4, lambda: _tower(hidden, batch_norm), lambda m: des.distributed(m).tail,
                                      tail=AutoTail(batch_size=batch))
         assert tails == [expected] * 4, (hidden, batch_norm, batch, tails)
     dense = 16 * 256 + 256 * 256 + 256                     # the tail's kernels: 16x256, 256x256, 256x1
@@ -204,14 +204,14 @@ def test_checkpoints_move_between_one_process_and_the_data_parallel_tail(tmp_pat
     at5 = np.asarray(ref.predict_on_batch(probe))
 
     def resume(m):
-        comm = m.des_layer.comm
+        comm = des.distributed(m).layer.comm
         o = optimizer()
         m.compile(o, "binary_crossentropy")
         checkpoint.restore(single, m, o, comm.rank, 3)
         p3 = np.asarray(m.predict_on_batch(probe))
         for x, y in batches[3:]:
             m.train_on_batch(x, y)
-        checkpoint.save(dp, m, o, m.des_plan, comm.rank, 3, config=config,
+        checkpoint.save(dp, m, o, des.distributed(m).plan, comm.rank, 3, config=config,
                         barrier=lambda: comm.allreduce(tf.zeros([1])))
         return p3, np.asarray(m.predict_on_batch(probe))
     for p3, p5 in run_in_process_world(3, build, resume, tail="data_parallel"):

@@ -83,11 +83,13 @@ class DES(Mode):
 def own_inputs(model, spec, rank: int) -> list[str]:
     """The inputs a DES process needs: its own fields' ids (and weights), plus the first field's,
     which every process reads so the replica check's batch fingerprint stays comparable."""
-    plan = model.des_plan
+    from des.handle import distributed
+    handle = distributed(model)
+    plan = handle.plan
     first = spec.sparse()[0].name
     fields = [f for f in spec if f.kind == "numeric" or plan.owner.get(f.name) == rank or f.name == first]
     unknown = [f.name for f in spec.sparse() if f.name not in plan.owner]
     if unknown:            # the plan's fields are not the spec's: read everything
         return spec.input_names()
-    model.des_layer.fingerprint_inputs = (first,)
+    handle.layer.fingerprint_inputs = (first,)
     return [n for f in fields for n in ([f.name, f.weight_name] if f.weighted else [f.name])]
