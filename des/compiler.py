@@ -293,7 +293,6 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     transformed on its own (``scope``: the tower's attribute, in its collective's name) and put
     back in its place.
     """
-    from des import state
     comm = comm or default_communicator()
     if not getattr(model, "_is_graph_network", False):
         return _transform_subclassed(model, sample, comm=comm, plan=plan, spec=spec, release_unowned=release_unowned,
@@ -314,11 +313,62 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
         raise TransformError(report)
     if not matches:
         return model, report
+    return _substitute(model, graph, fields, matches, report, comm, plan=plan, spec=spec, seed=seed,
+                       release_unowned=release_unowned, sync_weights=sync_weights, fuse_tables=fuse_tables,
+                       tail=tail, scope=scope)
+
+
+def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matches: list[Match], report: Report,
+                comm: Communicator, *, plan, spec, seed: int, release_unowned: bool, sync_weights: bool,
+                fuse_tables: bool, tail, scope: str) -> tuple[tf.keras.Model, Report]:
+    """transform's second half: the same rows everywhere, the field plan, this process's DES
+    layer in place of the matches, the model replayed around it (see transform)."""
+    from des import state
     for n in graph.nodes:
         if n.kind == "table":
             n.attrs["source"].keyed(n.layer, seed, graph.layer_key(n.layer))
     if sync_weights and comm.world_size > 1:
         state.sync_from_root(graph, comm)
+    forced = _forced_disagreement(comm)
+    field_plan = _field_plan(graph, matches, spec, plan, comm, forced)
+    mine = set(field_plan.fields_of(comm.rank))
+    own = _OwnedPart.of(graph, matches, mine)
+    released = release_unowned and _release_unowned(matches, mine)
+
+    # the vectors in graph order, never in tensor-id (memory address) order: the order in which the
+    # lookups are built decides the order in which TensorFlow adds their gradients, so an address
+    # order made the same job give other bits run after run
+    position = {t: k for k, t in enumerate(graph.tensors)}
+    fused, fused_lines = fuse_nodes(graph, list(own.nodes.values()), f"rank{comm.rank}") if fuse_tables else ([], [])
+    chains = FieldChains(graph, list(own.nodes.values()),
+                         sorted({t for ids in own.op_inputs for t in ids}, key=position.__getitem__), fused)
+    skip = set()
+    for m in matches:
+        skip |= m.internal
+        for v in m.vectors:
+            skip |= v.chain
+    tail, tail_reason = _tail_choice(graph, model, skip, tail, comm)
+    first = _first_layer(chains, fused, own, comm, tail, scope, forced)
+    names_in = sorted({graph.nodes[i].layer.name for m in matches for v in m.vectors for i in v.chain | fields.cone(v.tensor)
+                       if graph.nodes[i].kind == "input"})
+    outs = first({n: graph.tensors[_input_id(graph, n)] for n in names_in})
+    given = {m.root.output: _finisher(graph, m, o) for m, o in zip(matches, outs)}
+    new_model, tail_variables = _replay(graph, skip, given, model, comm, first, tail == "data_parallel")
+    attach(new_model, Distributed(first, field_plan, state.StateKeys.of_transform(
+        graph, matches, first, [m.layer for _, members in fused for m in members]), tail, tail_variables))
+    report.tables += fused_lines
+    report.plan, report.floats_per_sample, report.widths = field_plan, first.floats_per_sample(), own.widths
+    report.penalty_column = own.penalty_column
+    report.tail, report.tail_reason = tail, tail_reason
+    report.compiled = _compile_like(model, new_model)
+    if released:
+        _mark_consumed(model)
+    return new_model, report
+
+
+def _field_plan(graph: Graph, matches: list[Match], spec, plan: str | FieldPlan, comm: Communicator,
+                forced: str | None) -> FieldPlan:
+    """The field plan (given, or made from the fields' costs), checked to be the same on every process."""
     costs = _field_costs(graph, matches, spec)
     if isinstance(plan, FieldPlan):
         missing = {c.name for c in costs} - set(plan.owner)
@@ -328,106 +378,114 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
         field_plan = plan
     else:
         field_plan = make_plan(costs, comm.world_size, plan)
-    forced = _forced_disagreement(comm)
     if forced == "plan":
         moved = next(iter(field_plan.owner))
         field_plan = dataclasses.replace(field_plan, owner={**field_plan.owner,
                                                            moved: (field_plan.owner[moved] + 1) % comm.world_size})
     if comm.world_size > 1:
         check_agreement(field_plan, comm)
-    mine = set(field_plan.fields_of(comm.rank))
+    return field_plan
 
-    owned_nodes: dict[int, Node] = {}
-    ops, op_inputs, widths = [], [], {}
-    for m in matches:
-        owned = [v for v in m.vectors if v.field in mine]
-        for v in owned:
-            owned_nodes.update({i: graph.nodes[i] for i in v.chain})
-        rule = rule_named(m.rule)
-        ops.append(rule.sub_operator(m, owned, name=f"des_{m.rule}_{m.root.layer.name}"))
-        op_inputs.append([v.tensor for v in owned])
-        widths[m.root.layer.name] = ops[-1].width
-    chain_layers = {id(graph.nodes[i].layer): graph.nodes[i].layer for m in matches for v in m.vectors
-                    for i in v.chain}
-    penalty_column = any(has_weight_penalties(l) for l in chain_layers.values()) or \
-        any(m.data.get("kernel_regularizer") is not None for m in matches)
-    owned_penalties = []
-    for i in sorted(owned_nodes):
-        owned_penalties += take_weight_penalties(owned_nodes[i].layer)
-    released = False
-    if release_unowned:
+
+@dataclasses.dataclass
+class _OwnedPart:
+    """This process's share of the substitutions: a sub-operator per match over its own field
+    vectors, the nodes of their chains, and its share of the weight penalties."""
+    ops: list
+    op_inputs: list
+    widths: dict
+    nodes: dict
+    penalty_column: bool
+    penalties: list
+
+    @classmethod
+    def of(cls, graph: Graph, matches: list[Match], mine: set[str]) -> "_OwnedPart":
+        nodes: dict[int, Node] = {}
+        ops, op_inputs, widths = [], [], {}
         for m in matches:
-            for v in m.vectors:
-                if v.field not in mine:
-                    v.table.attrs["source"].release(v.table.layer)
-                    released = True
+            owned = [v for v in m.vectors if v.field in mine]
+            for v in owned:
+                nodes.update({i: graph.nodes[i] for i in v.chain})
+            ops.append(rule_named(m.rule).sub_operator(m, owned, name=f"des_{m.rule}_{m.root.layer.name}"))
+            op_inputs.append([v.tensor for v in owned])
+            widths[m.root.layer.name] = ops[-1].width
+        chain_layers = {id(graph.nodes[i].layer): graph.nodes[i].layer for m in matches for v in m.vectors
+                        for i in v.chain}
+        penalty_column = any(has_weight_penalties(l) for l in chain_layers.values()) or \
+            any(m.data.get("kernel_regularizer") is not None for m in matches)
+        penalties = []
+        for i in sorted(nodes):
+            penalties += take_weight_penalties(nodes[i].layer)
+        return cls(ops, op_inputs, widths, nodes, penalty_column, penalties)
 
-    # the vectors in graph order, never in tensor-id (memory address) order: the order in which the
-    # lookups are built decides the order in which TensorFlow adds their gradients, so an address
-    # order made the same job give other bits run after run
-    position = {t: k for k, t in enumerate(graph.tensors)}
-    fused, fused_lines = fuse_nodes(graph, list(owned_nodes.values()), f"rank{comm.rank}") if fuse_tables else ([], [])
-    chains = FieldChains(graph, list(owned_nodes.values()),
-                         sorted({t for ids in op_inputs for t in ids}, key=position.__getitem__), fused)
-    skip = set()
+
+def _release_unowned(matches: list[Match], mine: set[str]) -> bool:
+    """Drop the rows of the tables this process does not own; True if any was dropped."""
+    released = False
     for m in matches:
-        skip |= m.internal
         for v in m.vectors:
-            skip |= v.chain
-    tail_reason = ""
-    if tail != "replicated":
-        tail_nodes = [n for n in graph.nodes if n.index not in skip and n.kind != "input"]
-        tail_layers = list(dict.fromkeys(n.layer for n in tail_nodes))
-        obstacles = tail_obstacles(tail_layers, sorted({n.layer.name for n in tail_nodes if n.kind == "table"}), comm)
-        if tail != "data_parallel":
-            tail, tail_reason = choose_tail(
-                sum(int(l.kernel.shape.num_elements()) for l in tail_layers if isinstance(l, tf.keras.layers.Dense)),
-                sum(int(w.shape.num_elements()) for l in tail_layers for w in l.trainable_weights),
-                sum(int(t.shape[-1] or 1) for t in model.outputs), comm.world_size,
-                tail if isinstance(tail, AutoTail) else AutoTail(), obstacles)
-        elif obstacles:
-            raise ValueError("des.transform(tail='data_parallel'): the tail cannot run data-parallel: "
-                             + "; ".join(obstacles))
-    data_parallel = tail == "data_parallel"
+            if v.field not in mine:
+                v.table.attrs["source"].release(v.table.layer)
+                released = True
+    return released
+
+
+def _tail_choice(graph: Graph, model: tf.keras.Model, skip: set[int], tail: str | AutoTail,
+                 comm: Communicator) -> tuple[str, str]:
+    """("replicated" or "data_parallel", why): the asked tail, or the cost model's choice for "auto"."""
+    if tail == "replicated":
+        return tail, ""
+    tail_nodes = [n for n in graph.nodes if n.index not in skip and n.kind != "input"]
+    tail_layers = list(dict.fromkeys(n.layer for n in tail_nodes))
+    obstacles = tail_obstacles(tail_layers, sorted({n.layer.name for n in tail_nodes if n.kind == "table"}), comm)
+    if tail != "data_parallel":
+        return choose_tail(
+            sum(int(l.kernel.shape.num_elements()) for l in tail_layers if isinstance(l, tf.keras.layers.Dense)),
+            sum(int(w.shape.num_elements()) for l in tail_layers for w in l.trainable_weights),
+            sum(int(t.shape[-1] or 1) for t in model.outputs), comm.world_size,
+            tail if isinstance(tail, AutoTail) else AutoTail(), obstacles)
+    if obstacles:
+        raise ValueError("des.transform(tail='data_parallel'): the tail cannot run data-parallel: "
+                         + "; ".join(obstacles))
+    return tail, ""
+
+
+def _first_layer(chains, fused: list, own: _OwnedPart, comm: Communicator, tail: str, scope: str,
+                 forced: str | None) -> DESFirstLayer:
+    """The DES layer of this process, its collective's schedule agreed with every process."""
     in_fused = {id(m.layer) for _, members in fused for m in members}
     layers = [l for l in dict.fromkeys(n.layer for n in chains.nodes) if id(l) not in in_fused]
     layers += [table for table, _ in fused]
-    first = DESFirstLayer(layers, chains, ops, op_inputs, comm, owned_penalties, penalty_column,
-                          shard_rows=data_parallel, scope=scope, name="des_first_layer")
+    first = DESFirstLayer(layers, chains, own.ops, own.op_inputs, comm, own.penalties, own.penalty_column,
+                          shard_rows=tail == "data_parallel", scope=scope, name="des_first_layer")
     if forced == "collective":
         first.collective += "_forced_by_DES_TEST_DISAGREE"        # and no check: Horovod's stall shutdown must end it
     elif comm.world_size > 1:
         agree(comm, "collective schedule (one fused allreduce: its name and floats per sample)",
               f"{first.collective}: {first.floats_per_sample()}, {tail} tail")
-    names_in = sorted({graph.nodes[i].layer.name for m in matches for v in m.vectors for i in v.chain | fields.cone(v.tensor)
-                       if graph.nodes[i].kind == "input"})
-    outs = first({n: graph.tensors[_input_id(graph, n)] for n in names_in})
-    given = {m.root.output: _finisher(graph, m, o) for m, o in zip(matches, outs)}
-    if data_parallel:
-        new_model = replay(graph, skip, given, cls=_model_class(model),
-                           input_map=lambda t: ShardRows(comm, name=f"des_rows_{t.name.split(':')[0]}")(t),
-                           output_map=lambda t, i: GatherRows(comm, f"des_tail_output{i}",
-                                                              name=f"des_gather_output{i}")(t))
-        count_tail_penalties_once([l for l in new_model.submodules
-                                   if isinstance(l, tf.keras.layers.Layer) and l is not first], comm.rank)
-        owned = {v.ref() for v in first.trainable_weights}
-        tail_variables = [v for v in new_model.trainable_variables if v.ref() not in owned]
-        if comm.world_size > 1:
-            agree(comm, "the data-parallel tail's gradients (variables: floats)",
-                  f"{len(tail_variables)}: {sum(int(v.shape.num_elements()) for v in tail_variables)}")
-        sum_tail_gradients(new_model, comm, tail_variables)
-    else:
-        new_model, tail_variables = replay(graph, skip, given, cls=_model_class(model)), []
-    attach(new_model, Distributed(first, field_plan, state.StateKeys.of_transform(
-        graph, matches, first, [m.layer for _, members in fused for m in members]), tail, tail_variables))
-    report.tables += fused_lines
-    report.plan, report.floats_per_sample, report.widths = field_plan, first.floats_per_sample(), widths
-    report.penalty_column = penalty_column
-    report.tail, report.tail_reason = tail, tail_reason
-    report.compiled = _compile_like(model, new_model)
-    if released:
-        _mark_consumed(model)
-    return new_model, report
+    return first
+
+
+def _replay(graph: Graph, skip: set[int], given: dict, model: tf.keras.Model, comm: Communicator,
+            first: DESFirstLayer, data_parallel: bool) -> tuple[tf.keras.Model, list]:
+    """The DES model: the graph replayed with the substituted outputs ``given``; with the
+    data-parallel tail, each process's rows in and the outputs gathered (and the variables whose
+    gradients the tail sums)."""
+    if not data_parallel:
+        return replay(graph, skip, given, cls=_model_class(model)), []
+    new_model = replay(graph, skip, given, cls=_model_class(model),
+                       input_map=lambda t: ShardRows(comm, name=f"des_rows_{t.name.split(':')[0]}")(t),
+                       output_map=lambda t, i: GatherRows(comm, f"des_tail_output{i}",
+                                                          name=f"des_gather_output{i}")(t))
+    count_tail_penalties_once([l for l in new_model.submodules
+                               if isinstance(l, tf.keras.layers.Layer) and l is not first], comm.rank)
+    owned = {v.ref() for v in first.trainable_weights}
+    tail_variables = [v for v in new_model.trainable_variables if v.ref() not in owned]
+    if comm.world_size > 1:
+        agree(comm, "the data-parallel tail's gradients (variables: floats)",
+              f"{len(tail_variables)}: {sum(int(v.shape.num_elements()) for v in tail_variables)}")
+    sum_tail_gradients(new_model, comm, tail_variables)
+    return new_model, tail_variables
 
 
 def _compile_like(model: tf.keras.Model, new_model: tf.keras.Model) -> str:
