@@ -1,6 +1,6 @@
 """The few Keras-private attributes DES touches outside the graph IR (des.ir): a layer's weight
-lists, its registered weight penalties and its cached call signature. Kept in one place so a
-Keras upgrade has one file to check.
+lists, its registered weight penalties and its cached call signature, an optimizer's slot
+creation and hyperparameters. Kept in one place so a Keras upgrade has one file to check.
 
     >>> import tensorflow as tf
     >>> layer = tf.keras.layers.Dense(2, kernel_regularizer="l2"); layer.build([None, 3])
@@ -71,3 +71,16 @@ def refresh_call_signature(layer) -> None:
     """After ``layer.__class__`` was swapped, let Keras read the new ``call``'s arguments
     (so that it passes ``training``)."""
     layer._init_call_fn_args()
+
+
+def create_optimizer_weights(optimizer, variables: list) -> None:
+    """Create a (legacy) Keras optimizer's slots and hyperparameters for ``variables`` now,
+    as its first apply_gradients would."""
+    optimizer._create_all_weights(variables)
+
+
+def plain_sgd_learning_rate(optimizer):
+    """The learning-rate tensor of a legacy Keras SGD without momentum or Nesterov, else None."""
+    plain = isinstance(optimizer, tf.keras.optimizers.legacy.SGD) and not optimizer._momentum \
+        and not optimizer.nesterov
+    return optimizer._get_hyper("learning_rate", tf.float32) if plain else None

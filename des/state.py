@@ -22,6 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from des.ir import Graph
+from des.keras_internals import create_optimizer_weights
 
 
 def _layer_keys(graph: Graph) -> dict[int, str]:
@@ -233,7 +234,7 @@ def create_slots(model: tf.keras.Model, optimizer) -> None:
     optimizer.iterations  # noqa: B018 - creates the step counter
     for part in optimizer_parts(optimizer):
         mine = [v for v in model.trainable_variables if _part_of(optimizer, v) is part]
-        part._create_all_weights(mine)
+        create_optimizer_weights(part, mine)
 
 
 def _trainable_of(layer, source):

@@ -28,6 +28,7 @@ from tensorflow_recommenders_addons import dynamic_embedding as de
 
 from des.baselines.allocate import EVICT, OTHERS
 from des.ir import Graph
+from des.keras_internals import plain_sgd_learning_rate
 from des.baselines.ps.rewrite import PSModel, per_destination, shard
 from des.baselines.cache.tables import CacheConfig, CachedFieldEmbedding, new_counters
 from des.baselines.ps.tables import KeyExchange
@@ -55,8 +56,7 @@ class CacheModel(PSModel):
             opt = self.optimizer
             if isinstance(opt, LinearAndRestOptimizer):
                 opt = opt.linear if is_linear(layer.shadow) else opt.rest
-            plain_sgd = isinstance(opt, tf.keras.optimizers.legacy.SGD) and not opt._momentum and not opt.nesterov
-            layer.local_lr = opt._get_hyper("learning_rate", tf.float32) if plain_sgd else None
+            layer.local_lr = plain_sgd_learning_rate(opt)
 
     def train_step(self, data):
         x, y = dict(data[0]), data[1]
