@@ -34,7 +34,7 @@ from des.keras_internals import compile_args, has_weight_penalties, take_weight_
 from des.plan import FieldCost, FieldPlan, check_agreement, make_plan
 from des_ops.comm import Communicator, agree, default_communicator
 from des_ops.fused import fuse_nodes
-from des_ops.suboperators import DESFirstLayer
+from des_ops.suboperators import WIRE_DTYPES, DESFirstLayer
 from des_ops.tail import GatherRows, ShardRows, count_tail_penalties_once, sum_tail_gradients, tail_obstacles
 from des_ops.wire import ring_share
 from rewrite_rules import RULES, Match, Rejection, find_substitutions, rule_named
@@ -68,6 +68,13 @@ class Report:
     tail: str = "replicated"          # how the layers after the first one run (des_ops.tail)
     tail_reason: str = ""             # tail="auto": what des.cost.choose_tail weighed
     collectives: int = 1              # fused allreduces per step (one per tower when towers were transformed)
+    micro_batches: int = 1            # slices of the batch, each with its own allreduce (DESFirstLayer)
+    wire_dtype: str = "float32"       # the partials' type on the wire ("float16": half the bytes, not exact)
+
+    @property
+    def bytes_per_float(self) -> int:
+        """Bytes of one partial on the wire: 4 (float32), 2 (float16)."""
+        return 2 if self.wire_dtype == "float16" else 4
 
     def estimate_costs(self, batch_size: int, unique_per_slice: dict[str, float]) -> list:
         """DES vs PS bytes per operator (des.cost); kept for printing with the report."""
@@ -80,8 +87,8 @@ class Report:
         return bool(self.substitutions)
 
     def payload_bytes(self, batch_size: int) -> int:
-        """Bytes handed to the fused allreduce per step (float32 partials)."""
-        return 4 * batch_size * self.floats_per_sample
+        """Bytes handed to the fused allreduce(s) per step (float32 partials, or 16-bit ones)."""
+        return self.bytes_per_float * batch_size * self.floats_per_sample
 
     def ring_bytes(self, batch_size: int) -> float:
         """Analytic bytes sent per process per step by a ring allreduce: 2(N-1)/N * payload."""
@@ -107,6 +114,12 @@ class Report:
                          + f"= {self.payload_bytes(1)} bytes/sample; at B=4096: "
                          f"{self.payload_bytes(4096):,} bytes handed over, "
                          f"{self.ring_bytes(4096):,.0f} sent per process (ring)")
+            if self.micro_batches > 1:
+                lines.append(f"  in {self.micro_batches} slices of the batch, one allreduce each (a slice's sum "
+                             f"travels while the next slice's partials are computed; the same results)")
+            if self.wire_dtype != "float32":
+                lines.append(f"  partials on the wire in {self.wire_dtype} and summed in {self.wire_dtype} by the "
+                             f"collective: half the bytes, NOT exact (float32 is)")
             if self.tail == "data_parallel":
                 lines.append("  data-parallel tail: the partials are reduce-scattered, each process runs the layers "
                              "after the first one on its B/N rows, the outputs are all-gathered and the tail's "
@@ -265,7 +278,8 @@ class FieldChains:
 def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str | FieldPlan = "balanced",
               spec=None, release_unowned: bool = True, strict: bool = False, sync_weights: bool = True,
               seed: int = 0, sample=None, fuse_tables: bool = False,
-              tail: str | AutoTail = "replicated", scope: str = "") -> tuple[tf.keras.Model, Report]:
+              tail: str | AutoTail = "replicated", scope: str = "", micro_batches: int = 1,
+              wire_dtype: str = "float32") -> tuple[tf.keras.Model, Report]:
     """Return (DES model for this process, report). ``plan``: 'balanced', 'mod' or a FieldPlan.
 
     ``spec`` (a FeatureSpec) gives expected cardinalities to the balanced plan. Every process
@@ -281,7 +295,10 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     partials are reduce-scattered, the outputs all-gathered and the tail's gradients summed by
     the optimizer the model is compiled with; des_ops.tail). Both compute what one process does.
     ``"auto"`` (or a ``des.AutoTail`` giving the batch size, the FLOP rate and the bandwidth):
-    the cost model picks one (des.cost.choose_tail) and the report says why.
+    the cost model picks one (des.cost.choose_tail) and the report says why. ``micro_batches``
+    K > 1: the partials of K slices of the batch are allreduced one by one, each while the next
+    is computed (exact); ``wire_dtype="float16"``: the partials travel (and are summed) in 16 bits,
+    half the bytes, not exact (des_ops.suboperators.DESFirstLayer).
 
     A subclassed model (a ``tf.keras.Model`` or ``tfrs.models.Model`` with its own ``call``) is
     traced: its ``call`` runs on symbolic inputs shaped like ``sample`` (a batch of its inputs;
@@ -297,9 +314,13 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     if not getattr(model, "_is_graph_network", False):
         return _transform_subclassed(model, sample, comm=comm, plan=plan, spec=spec, release_unowned=release_unowned,
                                      strict=strict, sync_weights=sync_weights, seed=seed, fuse_tables=fuse_tables,
-                                     tail=tail, scope=scope)
+                                     tail=tail, scope=scope, micro_batches=micro_batches, wire_dtype=wire_dtype)
     if not isinstance(tail, AutoTail) and tail not in TAILS:
         raise ValueError(f"des.transform: tail={tail!r}; choose from {', '.join(TAILS)}")
+    if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
+        raise ValueError(f"des.transform: micro_batches={micro_batches!r}; a whole number >= 1")
+    if wire_dtype not in WIRE_DTYPES:
+        raise ValueError(f"des.transform: wire_dtype={wire_dtype!r}; choose from {', '.join(WIRE_DTYPES)}")
     graph = Graph(model)
     fields = FieldAnalysis(graph)
     matches, rejections = find_substitutions(graph, fields)
@@ -315,12 +336,13 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
         return model, report
     return _substitute(model, graph, fields, matches, report, comm, plan=plan, spec=spec, seed=seed,
                        release_unowned=release_unowned, sync_weights=sync_weights, fuse_tables=fuse_tables,
-                       tail=tail, scope=scope)
+                       tail=tail, scope=scope, micro_batches=micro_batches, wire_dtype=wire_dtype)
 
 
 def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matches: list[Match], report: Report,
                 comm: Communicator, *, plan, spec, seed: int, release_unowned: bool, sync_weights: bool,
-                fuse_tables: bool, tail, scope: str) -> tuple[tf.keras.Model, Report]:
+                fuse_tables: bool, tail, scope: str, micro_batches: int,
+                wire_dtype: str) -> tuple[tf.keras.Model, Report]:
     """transform's second half: the same rows everywhere, the field plan, this process's DES
     layer in place of the matches, the model replayed around it (see transform)."""
     from des import state
@@ -348,7 +370,10 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
         for v in m.vectors:
             skip |= v.chain
     tail, tail_reason = _tail_choice(graph, model, skip, tail, comm)
-    first = _first_layer(chains, fused, own, comm, tail, scope, forced)
+    if tail == "data_parallel" and (micro_batches > 1 or wire_dtype != "float32"):
+        raise ValueError("des.transform: micro_batches and a 16-bit wire_dtype are for the replicated tail; the "
+                         "data-parallel tail reduce-scatters the whole batch in float32")
+    first = _first_layer(chains, fused, own, comm, tail, scope, forced, micro_batches, wire_dtype)
     names_in = sorted({graph.nodes[i].layer.name for m in matches for v in m.vectors for i in v.chain | fields.cone(v.tensor)
                        if graph.nodes[i].kind == "input"})
     outs = first({n: graph.tensors[_input_id(graph, n)] for n in names_in})
@@ -360,6 +385,7 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     report.plan, report.floats_per_sample, report.widths = field_plan, first.floats_per_sample(), own.widths
     report.penalty_column = own.penalty_column
     report.tail, report.tail_reason = tail, tail_reason
+    report.micro_batches, report.wire_dtype = micro_batches, wire_dtype
     report.compiled = _compile_like(model, new_model)
     if released:
         _mark_consumed(model)
@@ -451,18 +477,20 @@ def _tail_choice(graph: Graph, model: tf.keras.Model, skip: set[int], tail: str 
 
 
 def _first_layer(chains, fused: list, own: _OwnedPart, comm: Communicator, tail: str, scope: str,
-                 forced: str | None) -> DESFirstLayer:
+                 forced: str | None, micro_batches: int = 1, wire_dtype: str = "float32") -> DESFirstLayer:
     """The DES layer of this process, its collective's schedule agreed with every process."""
     in_fused = {id(m.layer) for _, members in fused for m in members}
     layers = [l for l in dict.fromkeys(n.layer for n in chains.nodes) if id(l) not in in_fused]
     layers += [table for table, _ in fused]
     first = DESFirstLayer(layers, chains, own.ops, own.op_inputs, comm, own.penalties, own.penalty_column,
-                          shard_rows=tail == "data_parallel", scope=scope, name="des_first_layer")
+                          shard_rows=tail == "data_parallel", scope=scope, micro_batches=micro_batches,
+                          wire_dtype=wire_dtype, name="des_first_layer")
     if forced == "collective":
         first.collective += "_forced_by_DES_TEST_DISAGREE"        # and no check: Horovod's stall shutdown must end it
     elif comm.world_size > 1:
         agree(comm, "collective schedule (one fused allreduce: its name and floats per sample)",
-              f"{first.collective}: {first.floats_per_sample()}, {tail} tail")
+              f"{first.collective}: {first.floats_per_sample()}, {tail} tail"
+              + (f", {micro_batches} micro-batches" if micro_batches > 1 else ""))
     return first
 
 

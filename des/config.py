@@ -83,6 +83,8 @@ class RunConfig:
     plan: str = "balanced"
     tables: Optional[str] = None
     tail: str = "replicated"
+    micro_batches: int = 1
+    wire_dtype: str = "float32"
     replica_check: int = 100
     checkpoint: Optional[str] = None
     checkpoint_every: int = 0
@@ -118,6 +120,8 @@ class RunConfig:
             parse_rate(ns.link)
         except ValueError as e:
             ap.error(f"--link: {e}")
+        if ns.micro_batches < 1:
+            ap.error(f"--micro-batches {ns.micro_batches}: a whole number >= 1")
         flat, parts = {}, {"cache": {}, "allocation": {}, "network": {}}
         for opt in OPTIONS:
             value = getattr(ns, opt.dest)
@@ -236,6 +240,12 @@ OPTIONS: list[Option] = [
             "or on its own rows of it (data_parallel: less computation per process, two all-gathers "
             "and one gradient allreduce more; the same results); auto: the cost model picks one for "
             "--batch and the report says why"),
+    _o("--micro-batches", type=int, default=1, metavar="K",
+       help="des: cut each batch into K slices after the lookups and allreduce each slice's partials while the "
+            "next slice's are computed (the same results; K collectives per step instead of one)"),
+    _o("--wire-dtype", default="float32", choices=["float32", "float16"],
+       help="des: the partials' type on the wire; float16 halves the bytes and is summed in 16 bits by the "
+            "collective (NOT exact; float32 is)"),
     _o("--link", "network.link", default="10gbit",
        help="--tail auto: each process's network rate (tc units, e.g. 100mbit) the cost model assumes"),
     _o("--comm", "network.comm", default="auto",

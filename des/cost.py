@@ -79,7 +79,7 @@ def estimate(report, batch_size: int, unique_per_slice: dict[str, float]) -> lis
     out = []
     for m in report.substitutions:
         width = report.widths.get(m.root.layer.name, 0)
-        des_bytes = ring * 4 * batch_size * width
+        des_bytes = ring * report.bytes_per_float * batch_size * width
         ps = 0.0
         for v in m.vectors:
             u = unique_per_slice.get(v.field, 0.0)

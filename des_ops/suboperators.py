@@ -25,6 +25,21 @@ from des_ops.comm import Communicator, allreduce_sum, variable_zero
 from des_ops.tail import reduce_scatter_sum
 
 
+WIRE_DTYPES = ("float32", "float16")
+
+
+def _wire_sum(comm: Communicator, x: tf.Tensor, name: str, wire_dtype: str) -> tf.Tensor:
+    """allreduce_sum of ``x`` handed over in ``wire_dtype``; float32 out, identity gradient in float32."""
+    if wire_dtype == "float32":
+        return allreduce_sum(comm, x, name)
+
+    @tf.custom_gradient
+    def _sum(v):
+        y = tf.cast(allreduce_sum(comm, tf.cast(v, wire_dtype), name), tf.float32)
+        return y, lambda dy: tf.identity(dy)
+    return _sum(x)
+
+
 class SubOperator(tf.keras.layers.Layer):
     """One substituted operator on one process: ``partial`` of the owned field vectors
     ([B, K_f] each, in the operator's order), ``combine`` of the sum over processes."""
@@ -128,12 +143,31 @@ class DESFirstLayer(tf.keras.layers.Layer):
     reports the whole model's loss, and the identity gradient gives each owner the gradient
     of its own share, as on one process. ``scope`` goes into the allreduce's name when one
     model holds several DES layers (towers transformed one by one), so that each is its own
-    collective."""
+    collective.
+
+    ``micro_batches`` K > 1: the batch's rows are cut into K consecutive slices (sizes differ by
+    at most one; a slice may be empty when B < K) after the lookups, and each slice's partials
+    are computed and allreduced on their own (collectives ``<name>_mb<k>of<K>``, the same on every
+    process), so that the allreduce of slice k runs while slice k+1's partials are computed; the
+    sums are concatenated in order: the same results as K = 1 up to float32 summation order
+    within a slice (none: the sums are row by row). ``wire_dtype`` "float16": the partials are
+    handed to the allreduce in 16 bits (half the bytes) and summed in 16 bits by the collective
+    (Horovod's MPI float16 sum; the simulated world's numpy float16 sum), back to float32 after;
+    the gradient stays the identity in float32. Opt-in and inexact; "float32" (the default) is exact."""
 
     def __init__(self, owned_layers: list, field_vectors: Callable[[dict], dict], ops: list[SubOperator],
                  op_inputs: list[list[int]], comm: Communicator, owned_penalties: list[Callable] = (),
-                 penalty_column: bool = False, shard_rows: bool = False, scope: str = "", **kwargs):
+                 penalty_column: bool = False, shard_rows: bool = False, scope: str = "", micro_batches: int = 1,
+                 wire_dtype: str = "float32", **kwargs):
         super().__init__(**kwargs)
+        if wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire_dtype={wire_dtype!r}: one of {', '.join(WIRE_DTYPES)}")
+        if not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"micro_batches={micro_batches!r}: a whole number >= 1")
+        if shard_rows and (micro_batches > 1 or wire_dtype != "float32"):
+            raise ValueError("the data-parallel tail reduce-scatters the whole batch in float32: micro_batches "
+                             "and a 16-bit wire_dtype are for the replicated tail")
+        self.micro_batches, self.wire_dtype = micro_batches, wire_dtype
         self.shard_rows = shard_rows      # data-parallel tail: reduce-scatter, each process its rows
         self.owned = list(owned_layers)
         self._field_vectors = field_vectors
@@ -147,7 +181,8 @@ class DESFirstLayer(tf.keras.layers.Layer):
         # graph), never from the fields a process owns or the op feeding it (see des_ops.comm)
         self.collective = (f"des_partials_{scope}" if scope else "des_partials") + "__" + "__".join(
             [f"{type(op).__name__.removesuffix('SubOp').lower()}{op.width}" for op in self.ops]
-            + (["penalty1"] if penalty_column else []) + (["rows"] if shard_rows else []))
+            + (["penalty1"] if penalty_column else []) + (["rows"] if shard_rows else [])
+            + ([f"wire{wire_dtype}"] if wire_dtype != "float32" else []))
         # of the last training batch: the replica check compares it across processes. Over the inputs
         # named in ``fingerprint_inputs`` (None: all), e.g. the ones every process reads
         self.fingerprint_inputs = None
@@ -165,6 +200,9 @@ class DESFirstLayer(tf.keras.layers.Layer):
             self.batch_fingerprint.assign(dm.fingerprint([inputs[k] for k in keys]))
         vectors = self._field_vectors(inputs)
         flat = {t: tf.reshape(v, tf.stack([batch, -1])) for t, v in vectors.items()}
+        if self.micro_batches > 1 or self.wire_dtype != "float32":
+            total = self._sum_in_slices(flat, batch)
+            return [op.combine(part) for op, part in zip(self.ops, tf.split(total, self.widths, axis=1))]
         parts = [op.partial([flat[t] for t in ids], batch) for op, ids in zip(self.ops, self._op_inputs)]
         if self.shard_rows:
             # each process gets its rows of the sum; the penalties (one number per process, not a
@@ -182,6 +220,26 @@ class DESFirstLayer(tf.keras.layers.Layer):
                 self.add_loss(tf.reduce_sum(total[:, -1]))
                 total = total[:, :-1]
         return [op.combine(part) for op, part in zip(self.ops, tf.split(total, self.widths, axis=1))]
+
+    def _sum_in_slices(self, flat: dict, batch: tf.Tensor) -> tf.Tensor:
+        """micro_batches / wire_dtype: each slice's partials (and, in the last slice's first row,
+        the penalty share) summed by their own collective; the slices' sums in order."""
+        k_total = self.micro_batches
+        bounds = [batch * k // k_total for k in range(k_total + 1)]
+        totals = []
+        for k in range(k_total):
+            rows = bounds[k + 1] - bounds[k]
+            part = {t: v[bounds[k]:bounds[k + 1]] for t, v in flat.items()}
+            parts = [op.partial([part[t] for t in ids], rows) for op, ids in zip(self.ops, self._op_inputs)]
+            if self.penalty_column:       # the last slice has >= 1 row whenever the batch has one
+                parts.append(dm.first_row(self._owned_penalty(), rows) if k == k_total - 1 else dm.zeros(rows, 1))
+            name = self.collective + (f"_mb{k}of{k_total}" if k_total > 1 else "")
+            totals.append(_wire_sum(self.comm, tf.concat(parts, axis=1), name, self.wire_dtype))
+        total = tf.concat(totals, axis=0) if k_total > 1 else totals[0]
+        if self.penalty_column:
+            self.add_loss(tf.reduce_sum(total[:, -1]))
+            total = total[:, :-1]
+        return total
 
     def _owned_penalty(self) -> tf.Tensor:
         terms = [fn() for fn in self._penalties] + [op.regularization() for op in self.ops]

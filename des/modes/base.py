@@ -85,6 +85,9 @@ class Mode:
             raise ModeError("--allocate-top-k is an option of --allocate laia (--mode ps and cache)")
         if self.config.tail != "replicated" and self.name != "des":
             raise ModeError(f"--tail {self.config.tail} is an option of --mode des")
+        if (self.config.micro_batches != 1 or self.config.wire_dtype != "float32") and self.name != "des":
+            raise ModeError(f"--{'micro-batches' if self.config.micro_batches != 1 else 'wire-dtype'} is an option "
+                            f"of --mode des")
         if self.config.tables == "fused" and self.name not in ("single", "des", "ps"):
             raise ModeError(f"--tables fused is built by --mode single, des and ps; --mode {self.name} keeps one "
                             f"table per field")

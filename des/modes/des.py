@@ -28,7 +28,8 @@ class DES(Mode):
         a = self.config
         plan = (a.restore and checkpoint.load_plan(a.restore, self.world_size)) or a.plan
         model, self.report = des.transform(model, comm=self.comm, plan=plan, spec=self.run.spec,
-                                           fuse_tables=a.tables != "per-field",
+                                           fuse_tables=a.tables != "per-field", micro_batches=a.micro_batches,
+                                           wire_dtype=a.wire_dtype,
                                            tail=AutoTail(batch_size=a.batch,
                                                          bandwidth=a.network.link_bytes_per_second)
                                            if a.tail == "auto" else a.tail)
@@ -60,6 +61,7 @@ class DES(Mode):
         report, comm, batch, traffic = self.report, self.comm, self.config.batch, self.traffic
         counted = comm.counted()
         summary.update(floats_per_sample=report.floats_per_sample, tail=report.tail, tail_reason=report.tail_reason,
+                       micro_batches=report.micro_batches, wire_dtype=report.wire_dtype,
                        bytes_per_step_measured=traffic.median(),
                        bytes_per_step_analytic=report.payload_bytes(batch),
                        ring_bytes_per_step=report.ring_bytes(batch), collectives=counted,
@@ -71,7 +73,7 @@ class DES(Mode):
                                    verdict=c.verdict) for c in report.costs])
         c = summary["collectives"]
         self.run.log(f"DES bytes/step handed to allreduce: measured {summary['bytes_per_step_measured']:.0f}, "
-                     f"analytic {summary['bytes_per_step_analytic']} (4*B*{self.report.floats_per_sample}); a ring "
+                     f"analytic {summary['bytes_per_step_analytic']} ({self.report.bytes_per_float}*B*{self.report.floats_per_sample}); a ring "
                      f"would send {summary['ring_bytes_per_step']:.0f} per process (model); replica checks "
                      f"{c['check']['bytes']} B in {c['check']['calls']} allreduce(s), broadcasts "
                      f"{c['broadcast']['bytes']} B"
