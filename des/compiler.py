@@ -321,6 +321,9 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
         raise ValueError(f"des.transform: micro_batches={micro_batches!r}; a whole number >= 1")
     if wire_dtype not in WIRE_DTYPES:
         raise ValueError(f"des.transform: wire_dtype={wire_dtype!r}; choose from {', '.join(WIRE_DTYPES)}")
+    if wire_dtype not in comm.wire_dtypes:
+        raise ValueError(f"des.transform: wire_dtype={wire_dtype!r}: the {comm.name} communicator sums "
+                         f"{', '.join(comm.wire_dtypes)} only (use Horovod)")
     graph = Graph(model)
     fields = FieldAnalysis(graph)
     matches, rejections = find_substitutions(graph, fields)

@@ -49,6 +49,12 @@ class Communicator:
     rank = 0
     world_size = 1
     PURPOSES = ("step", "tail", "check", "barrier", "broadcast")
+    wire_dtypes = ("float32", "float16")   # the types ``allreduce`` sums (des.transform's wire_dtype)
+    # True when ``allreduce`` blocks a TensorFlow thread until every rank has called it (mpi4py,
+    # the simulated world): a step's micro-batch allreduces are then issued one after another, in
+    # the same order on every rank (MPI requires it; concurrent blocking calls could take every
+    # thread of TensorFlow's pool). Horovod's allreduce is asynchronous and matched by name.
+    blocking = False
 
     def __init__(self) -> None:
         self.bytes = {p: tf.Variable(0, dtype=tf.int64, trainable=False, name=f"des_{p}_bytes")
@@ -218,6 +224,8 @@ class HorovodCommunicator(Communicator):
 class Mpi4pyCommunicator(Communicator):
     """mpi4py Allreduce through tf.numpy_function (for runs without Horovod)."""
     name = "mpi4py"
+    wire_dtypes = ("float32",)      # Open MPI 4.1 fails a numpy float16 Allreduce (MPI_ERR_TYPE)
+    blocking = True
 
     def __init__(self) -> None:
         from mpi4py import MPI
@@ -355,6 +363,7 @@ class InProcessCollectives:
 
 class InProcessCommunicator(Communicator):
     name = "in-process"
+    blocking = True
 
     def __init__(self, world: InProcessWorld, rank: int):
         self.world, self.rank, self.world_size = world, rank, world.world_size

@@ -234,7 +234,11 @@ class DESFirstLayer(tf.keras.layers.Layer):
             if self.penalty_column:       # the last slice has >= 1 row whenever the batch has one
                 parts.append(dm.first_row(self._owned_penalty(), rows) if k == k_total - 1 else dm.zeros(rows, 1))
             name = self.collective + (f"_mb{k}of{k_total}" if k_total > 1 else "")
-            totals.append(_wire_sum(self.comm, tf.concat(parts, axis=1), name, self.wire_dtype))
+            x = tf.concat(parts, axis=1)
+            if self.comm.blocking and totals:     # blocking collectives: one after another, in order
+                with tf.control_dependencies([totals[-1]]):
+                    x = tf.identity(x)
+            totals.append(_wire_sum(self.comm, x, name, self.wire_dtype))
         total = tf.concat(totals, axis=0) if k_total > 1 else totals[0]
         if self.penalty_column:
             self.add_loss(tf.reduce_sum(total[:, -1]))

@@ -103,3 +103,12 @@ def test_the_report_says_what_was_asked():
     assert "in 4 slices of the batch, one allreduce each" in text
     assert "partials on the wire in float16" in text and "NOT exact" in text
     assert report.payload_bytes(4096) == 2 * 4096 * 13                    # 2 bytes a float, 13 a sample
+
+
+def test_a_communicator_that_cannot_sum_float16_refuses_it():
+    """mpi4py's Allreduce has no float16 (Open MPI 4.1: MPI_ERR_TYPE): a communicator says which
+    types it sums, and transform refuses the others in one line."""
+    comm = InProcessWorld(1).communicator(0)
+    comm.wire_dtypes, comm.name = ("float32",), "mpi4py"
+    with pytest.raises(ValueError, match="wire_dtype='float16': the mpi4py communicator sums float32 only"):
+        des.transform(build("deepfm")(), comm=comm, wire_dtype="float16")
