@@ -32,9 +32,9 @@ from des.ir import Graph, Node, call_node, is_keras_tensor, replay, trace
 from des.handle import Distributed, attach, distributed
 from des.keras_internals import compile_args, has_weight_penalties, take_weight_penalties
 from des.plan import FieldCost, FieldPlan, check_agreement, make_plan
-from des_ops.comm import Communicator, agree, default_communicator
+from des_ops.comm import WIRE_DTYPES, Communicator, agree, default_communicator
 from des_ops.fused import fuse_nodes
-from des_ops.suboperators import WIRE_DTYPES, DESFirstLayer
+from des_ops.suboperators import DESFirstLayer
 from des_ops.tail import GatherRows, ShardRows, count_tail_penalties_once, sum_tail_gradients, tail_obstacles
 from des_ops.wire import ring_share
 from rewrite_rules import RULES, Match, Rejection, find_substitutions, rule_named

@@ -35,6 +35,10 @@ import tensorflow as tf
 from des_ops.wire import ring_share
 
 
+# the types DES's partials may travel in (des.transform's wire_dtype); float32 is exact
+WIRE_DTYPES = ("float32", "float16")
+
+
 class Communicator:
     """rank, world_size and a raw sum-allreduce of a float32 tensor (no gradient).
 
@@ -49,7 +53,7 @@ class Communicator:
     rank = 0
     world_size = 1
     PURPOSES = ("step", "tail", "check", "barrier", "broadcast")
-    wire_dtypes = ("float32", "float16")   # the types ``allreduce`` sums (des.transform's wire_dtype)
+    wire_dtypes = WIRE_DTYPES   # the types ``allreduce`` sums (des.transform's wire_dtype)
     # True when ``allreduce`` blocks a TensorFlow thread until every rank has called it (mpi4py,
     # the simulated world): a step's micro-batch allreduces are then issued one after another, in
     # the same order on every rank (MPI requires it; concurrent blocking calls could take every
@@ -419,15 +423,22 @@ def shard_rows(batch, rank: int, world_size: int):
     return lo, lo + base + int(rank < extra)
 
 
-def allreduce_sum(comm: Communicator, x: tf.Tensor, name: str = "des_partials") -> tf.Tensor:
+def allreduce_sum(comm: Communicator, x: tf.Tensor, name: str = "des_partials",
+                  wire_dtype: str | None = None) -> tf.Tensor:
     """Sum of x over all ranks, with an identity gradient; counts the bytes handed over ("step").
-    ``name`` is the collective's identity on every rank (see the module docstring)."""
-    count = comm.count("step", tf.cast(tf.size(x), tf.int64) * x.dtype.size)
+    ``name`` is the collective's identity on every rank (see the module docstring). ``wire_dtype``
+    (default: x's type, e.g. "float16"): x is handed over and summed in that type and cast back;
+    the gradient stays the identity in x's type, and the count is of what is handed over."""
+    wire = x.dtype if wire_dtype is None else tf.as_dtype(wire_dtype)
+    count = comm.count("step", tf.cast(tf.size(x), tf.int64) * wire.size)
 
     @tf.custom_gradient
     def _allreduce(v):
         with tf.control_dependencies([count]):
-            y = comm.allreduce(not_folded(comm, v), name)
+            if wire == v.dtype:
+                y = comm.allreduce(not_folded(comm, v), name)
+            else:
+                y = tf.cast(comm.allreduce(not_folded(comm, tf.cast(v, wire)), name), v.dtype)
 
         def grad(dy):
             return tf.identity(dy)

@@ -21,23 +21,8 @@ import numpy as np
 import tensorflow as tf
 
 from des_ops import partials as dm
-from des_ops.comm import Communicator, allreduce_sum, variable_zero
+from des_ops.comm import WIRE_DTYPES, Communicator, allreduce_sum, variable_zero
 from des_ops.tail import reduce_scatter_sum
-
-
-WIRE_DTYPES = ("float32", "float16")
-
-
-def _wire_sum(comm: Communicator, x: tf.Tensor, name: str, wire_dtype: str) -> tf.Tensor:
-    """allreduce_sum of ``x`` handed over in ``wire_dtype``; float32 out, identity gradient in float32."""
-    if wire_dtype == "float32":
-        return allreduce_sum(comm, x, name)
-
-    @tf.custom_gradient
-    def _sum(v):
-        y = tf.cast(allreduce_sum(comm, tf.cast(v, wire_dtype), name), tf.float32)
-        return y, lambda dy: tf.identity(dy)
-    return _sum(x)
 
 
 class SubOperator(tf.keras.layers.Layer):
@@ -238,7 +223,7 @@ class DESFirstLayer(tf.keras.layers.Layer):
             if self.comm.blocking and totals:     # blocking collectives: one after another, in order
                 with tf.control_dependencies([totals[-1]]):
                     x = tf.identity(x)
-            totals.append(_wire_sum(self.comm, x, name, self.wire_dtype))
+            totals.append(allreduce_sum(self.comm, x, name, wire_dtype=self.wire_dtype))
         total = tf.concat(totals, axis=0) if k_total > 1 else totals[0]
         if self.penalty_column:
             self.add_loss(tf.reduce_sum(total[:, -1]))
