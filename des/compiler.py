@@ -74,7 +74,7 @@ class Report:
     @property
     def bytes_per_float(self) -> int:
         """Bytes of one partial on the wire: 4 (float32), 2 (float16)."""
-        return 2 if self.wire_dtype == "float16" else 4
+        return tf.as_dtype(self.wire_dtype).size
 
     def estimate_costs(self, batch_size: int, unique_per_slice: dict[str, float]) -> list:
         """DES vs PS bytes per operator (des.cost); kept for printing with the report."""

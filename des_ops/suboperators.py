@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from des_ops import partials as dm
-from des_ops.comm import WIRE_DTYPES, Communicator, allreduce_sum, variable_zero
+from des_ops.comm import Communicator, allreduce_sum, variable_zero
 from des_ops.tail import reduce_scatter_sum
 
 
@@ -145,14 +145,7 @@ class DESFirstLayer(tf.keras.layers.Layer):
                  penalty_column: bool = False, shard_rows: bool = False, scope: str = "", micro_batches: int = 1,
                  wire_dtype: str = "float32", **kwargs):
         super().__init__(**kwargs)
-        if wire_dtype not in WIRE_DTYPES:
-            raise ValueError(f"wire_dtype={wire_dtype!r}: one of {', '.join(WIRE_DTYPES)}")
-        if not isinstance(micro_batches, int) or micro_batches < 1:
-            raise ValueError(f"micro_batches={micro_batches!r}: a whole number >= 1")
-        if shard_rows and (micro_batches > 1 or wire_dtype != "float32"):
-            raise ValueError("the data-parallel tail reduce-scatters the whole batch in float32: micro_batches "
-                             "and a 16-bit wire_dtype are for the replicated tail")
-        self.micro_batches, self.wire_dtype = micro_batches, wire_dtype
+        self.micro_batches, self.wire_dtype = micro_batches, wire_dtype    # checked by des.transform
         self.shard_rows = shard_rows      # data-parallel tail: reduce-scatter, each process its rows
         self.owned = list(owned_layers)
         self._field_vectors = field_vectors
@@ -185,11 +178,8 @@ class DESFirstLayer(tf.keras.layers.Layer):
             self.batch_fingerprint.assign(dm.fingerprint([inputs[k] for k in keys]))
         vectors = self._field_vectors(inputs)
         flat = {t: tf.reshape(v, tf.stack([batch, -1])) for t, v in vectors.items()}
-        if self.micro_batches > 1 or self.wire_dtype != "float32":
-            total = self._sum_in_slices(flat, batch)
-            return [op.combine(part) for op, part in zip(self.ops, tf.split(total, self.widths, axis=1))]
-        parts = [op.partial([flat[t] for t in ids], batch) for op, ids in zip(self.ops, self._op_inputs)]
         if self.shard_rows:
+            parts = [op.partial([flat[t] for t in ids], batch) for op, ids in zip(self.ops, self._op_inputs)]
             # each process gets its rows of the sum; the penalties (one number per process, not a
             # row) are summed by their own allreduce with an identity gradient
             if self.penalty_column:
@@ -198,23 +188,19 @@ class DESFirstLayer(tf.keras.layers.Layer):
             total = reduce_scatter_sum(self.comm, tf.concat(parts, axis=1)
                                        + self.rows_anchor * variable_zero(self.comm), self.collective)
         else:
-            if self.penalty_column:
-                parts.append(dm.first_row(self._owned_penalty(), batch))
-            total = allreduce_sum(self.comm, tf.concat(parts, axis=1), self.collective)
-            if self.penalty_column:
-                self.add_loss(tf.reduce_sum(total[:, -1]))
-                total = total[:, :-1]
+            total = self._sum_in_slices(flat, batch)
         return [op.combine(part) for op, part in zip(self.ops, tf.split(total, self.widths, axis=1))]
 
     def _sum_in_slices(self, flat: dict, batch: tf.Tensor) -> tf.Tensor:
-        """micro_batches / wire_dtype: each slice's partials (and, in the last slice's first row,
-        the penalty share) summed by their own collective; the slices' sums in order."""
+        """The replicated tail's sum: each slice's partials (and, in the last slice's first row, the
+        penalty share) summed by their own collective, the slices' sums in order (one slice: the
+        whole batch, one fused allreduce)."""
         k_total = self.micro_batches
-        bounds = [batch * k // k_total for k in range(k_total + 1)]
+        bounds = [batch * k // k_total for k in range(k_total + 1)] if k_total > 1 else None
         totals = []
         for k in range(k_total):
-            rows = bounds[k + 1] - bounds[k]
-            part = {t: v[bounds[k]:bounds[k + 1]] for t, v in flat.items()}
+            rows = batch if k_total == 1 else bounds[k + 1] - bounds[k]
+            part = flat if k_total == 1 else {t: v[bounds[k]:bounds[k + 1]] for t, v in flat.items()}
             parts = [op.partial([part[t] for t in ids], rows) for op, ids in zip(self.ops, self._op_inputs)]
             if self.penalty_column:       # the last slice has >= 1 row whenever the batch has one
                 parts.append(dm.first_row(self._owned_penalty(), rows) if k == k_total - 1 else dm.zeros(rows, 1))
