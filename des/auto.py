@@ -110,7 +110,8 @@ def choose(model: tf.keras.Model, first_batch: dict, world_size: int, allocate_k
         feats = {k: np.asarray(v) for k, v in first_batch.items()}
         uniq = unique_ids_per_slice(feats, [k for k, v in feats.items() if v.dtype.kind in "iu"], world_size,
                                     _parts(feats, t["batch"], world_size, new()))
-        report = types.SimpleNamespace(world_size=world_size, substitutions=t["matches"], widths=t["widths"])
+        report = types.SimpleNamespace(world_size=world_size, substitutions=t["matches"], widths=t["widths"],
+                                       bytes_per_float=4)     # float32 partials: what plan auto trains
         operators = estimate(report, t["batch"], uniq)
     mode = "des" if world_size == 1 or t["des_bytes"] <= t["ps_bytes"] else "ps"
     return Choice(mode, t["des_bytes"], t["ps_bytes"], world_size, t["batch"], operators)
