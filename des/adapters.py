@@ -131,7 +131,7 @@ class DNNRest(tf.keras.layers.Layer):
     def call(self, fc, training=None):
         for i in range(self.layers_count):
             if i > 0:
-                fc = tf.nn.bias_add(tf.tensordot(deep_input, self.kernels[i - 1], axes=(-1, 0)), self.biases[i - 1])
+                fc = tf.nn.bias_add(tf.tensordot(fc, self.kernels[i - 1], axes=(-1, 0)), self.biases[i - 1])
             if self.use_bn:
                 fc = self.bn_layers[i](fc, training=training)
             try:
@@ -139,7 +139,6 @@ class DNNRest(tf.keras.layers.Layer):
             except TypeError:
                 fc = self.activation_layers[i](fc)
             fc = self.dropout_layers[i](fc, training=training)
-            deep_input = fc
         if self.output_activation:
             fc = tf.keras.layers.Activation(self.output_activation)(fc)
         return fc

@@ -29,8 +29,12 @@ import types
 import numpy as np
 import tensorflow as tf
 
+from des.baselines import allocate
+from des.baselines.ps import rewrite as ps
 from des.cost import OperatorCost, estimate, unique_ids_per_slice
+from des.ir import Graph
 from des_ops.wire import ring_share
+from rewrite_rules import find_substitutions, rule_named
 
 
 @dataclasses.dataclass
@@ -57,8 +61,6 @@ class Choice:
 def des_widths(model: tf.keras.Model) -> tuple[dict[str, int], list]:
     """The partial's width (floats per sample) of each operator DES would substitute in ``model``,
     by its layer's name (nothing is built), and the matches."""
-    from rewrite_rules import find_substitutions, rule_named
-    from des.ir import Graph
     matches, _ = find_substitutions(Graph(model))
     return {m.root.layer.name: rule_named(m.rule).sub_operator(m, [], name=f"auto_{m.rule}").width
             for m in matches}, matches
@@ -71,7 +73,6 @@ def traffic(model: tf.keras.Model, first_batch: dict, world_size: int, allocator
     ``ps_dense_payload`` (dense gradients), ``ps_bytes`` (all-to-all + dense ring + the loss
     weight), ``tables``; and ``matches`` and ``widths``, the substitutions DES would make.
     ``allocator`` (des.baselines.allocate): which process's slice holds which rows (default: contiguous)."""
-    from des.baselines.ps import rewrite as ps
     feats = {k: np.asarray(v) for k, v in first_batch.items()}
     b, n = len(next(iter(feats.values()))), world_size
     ring = ring_share(n)
@@ -90,7 +91,6 @@ def traffic(model: tf.keras.Model, first_batch: dict, world_size: int, allocator
 
 
 def _parts(feats: dict, batch: int, world_size: int, allocator) -> list:
-    from des.baselines import allocate
     allocator = allocator or allocate.make("contiguous", world_size)
     return allocator({k: feats[k] for k in allocator.inputs}, batch)
 
@@ -98,8 +98,6 @@ def _parts(feats: dict, batch: int, world_size: int, allocator) -> list:
 def choose(model: tf.keras.Model, first_batch: dict, world_size: int, allocate_kind: str = "contiguous") -> Choice:
     """DES or PS for ``model`` (unchanged, single-process) on N = ``world_size`` processes, the
     PS's slices given by ``allocate_kind`` (des.baselines.allocate)."""
-    from des.baselines import allocate
-    from des.baselines.ps import rewrite as ps
     keys = [ids for ids, _, _ in ps.table_inputs(model)]
     new = lambda: allocate.make(allocate_kind, world_size, keys)  # noqa: E731 - a fresh one per use
     t = traffic(model, first_batch, world_size, new())

@@ -6,6 +6,8 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from des.handle import distributed
+
 
 class _StepClock(tf.keras.callbacks.Callback):
     """A clock read at each training step's begin and end; ``median`` over the steps after the
@@ -112,7 +114,6 @@ class ReplicaCheck(tf.keras.callbacks.Callback):
         self.comm, self.every, self.step, self.checks = comm, every, 0, 0
 
     def _des_layer(self):
-        from des.handle import distributed
         handle = distributed(self.model)
         return handle.layer if handle is not None else None
 

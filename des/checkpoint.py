@@ -45,8 +45,12 @@ from typing import Callable
 
 import numpy as np
 
+import models
+from des.data import FeatureSpec
+from des.data.hashing import ID_MASK
 from des.handle import distributed
 from des.plan import FieldPlan
+from des.state import create_slots, export_rows, load_rows, optimizer_parts, pieces
 
 FORMAT = 3          # 3: ids of 55 bits (des.data.hashing); 2 (63-bit ids) is read by keeping the low 55 bits
 
@@ -78,7 +82,6 @@ def save(directory: str, model, optimizer, plan: FieldPlan | None = None, rank: 
          barrier: Callable[[], None] | None = None) -> str:
     """Every process calls it at the same step (``barrier`` waits for all, as allreduce does).
     A crash before the swap leaves the previous checkpoint as it was."""
-    from des.state import export_rows, optimizer_parts
     barrier = barrier or (lambda: None)
     incoming, final = os.path.join(directory, ".incoming"), os.path.join(directory, "state")
     if rank == 0:
@@ -114,7 +117,6 @@ def save(directory: str, model, optimizer, plan: FieldPlan | None = None, rank: 
 
 
 def _sharded(model) -> bool:
-    from des.state import pieces
     return any(kind == "table" and getattr(var, "exchange", None) is not None
                for kind, _, var, _ in pieces(model))
 
@@ -202,7 +204,6 @@ class _Shards:
 def _with_55_bit_ids(shards: "_Shards", path: str):
     """Entries of a format-2 checkpoint with its table ids as this version's readers make them: the
     low 55 bits of the 63-bit ids (des.data.hashing). Two ids of one table that meet stop the restore."""
-    from des.data.hashing import ID_MASK
 
     def entries(kind: str, key: str):
         saved = list(shards(kind, key))
@@ -223,8 +224,6 @@ def _with_55_bit_ids(shards: "_Shards", path: str):
 def reference_model(config: dict):
     """(the single-process model a checkpoint's config describes, its FeatureSpec): built from
     this project's reference models, ready for ``restore``."""
-    import models
-    from des.data import FeatureSpec
     spec = FeatureSpec.from_json(json.dumps(config["spec"]))
     hidden = tuple(int(h) for h in config["hidden"].split(",") if h)
     return models.build(config["model"], spec, seed=config["seed"], hidden=hidden), spec
@@ -233,7 +232,6 @@ def reference_model(config: dict):
 def restore(directory: str, model, optimizer=None, rank: int = 0, world_size: int = 1) -> str:
     """Read the rows, weights and (given ``optimizer``) slots and step counts this process holds;
     the checkpoint may come from any mode and any number of processes. Returns the folder read."""
-    from des.state import create_slots, load_rows, optimizer_parts
     path = _require(directory)
     config = load_config(directory)
     fmt = config.get("checkpoint_format")

@@ -24,18 +24,28 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import csv
-import io
 import dataclasses
+import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 
+import models
+from des import projection
+from des.auto import traffic
 from des.config import AllocationOptions, CacheOptions, RunConfig
+from des.data import columnar
+from des.data.readers import make_dataset
+from des.data.resolve import metadata, spec_for
+from des.job import bayes_auc
 from des.modes import MODES as MODE_CHOICES
+from des.netbed import Netbed, down
 from des.runs import ROOT, data_files, describe_source, launch_env
 
 
@@ -52,8 +62,6 @@ def ensure_data(preset: str, rows: int, seed: int, folder: str) -> str:
 def ensure_columnar(files: list[str], fmt: str, eval_files: list[str] | None, meta: dict) -> tuple[str, str | None]:
     """Columnar copies (des.data.columnar) of the data and evaluation files, written once beside
     them (``<first file>.cols``) and reused while newer than the files."""
-    from des.data import columnar
-    from des.data.resolve import spec_for
     spec = spec_for(fmt, files, 8, meta, eval_files or [])
     made = []
     for group in (files, eval_files):
@@ -65,7 +73,6 @@ def ensure_columnar(files: list[str], fmt: str, eval_files: list[str] | None, me
             os.path.getmtime(os.path.join(folder, columnar.MANIFEST)) >= max(os.path.getmtime(f) for f in group)
         if not fresh:
             if os.path.exists(folder):
-                import shutil
                 shutil.rmtree(folder)
             print(f"[compare] converting {', '.join(group)} to {folder} (columnar)", flush=True)
             columnar.convert(group, fmt, spec, folder,
@@ -174,11 +181,6 @@ def bytes_curve(model: str, data, fmt: str, a, batches: list[int], meta: dict | 
     ``data``: a file or a list of files; the spec is des.train's (from ``meta``, default the first
     file's .meta.json if any, else scanned from the files and ``a.eval_data``). A batch larger
     than the data is computed on the rows there are (PS; DES's bytes do not depend on the ids)."""
-    import des  # noqa: F401
-    import models
-    from des.auto import traffic
-    from des.data.readers import make_dataset
-    from des.data.resolve import metadata, spec_for
     files = data_files(data)
     meta = metadata(files[0]) if meta is None else meta
     spec = spec_for(fmt, files, a.dim, meta, a.eval_data or [])
@@ -398,11 +400,9 @@ def main(argv=None) -> int:
     results, curves = {}, {}
     bed = None
     if a.net == "netbed":
-        from des.netbed import Netbed
         bed = Netbed(a.np, rate=a.rate, cpus=a.cpus, cpu_period_us=a.cpu_period_us).up()
     run_data, run_a = data, a
     if a.columnar:
-        import copy
         run_a = copy.copy(a)
         run_data, evals = ensure_columnar(data_files(data), fmt, a.eval_data, meta)
         run_a.format, run_a.eval_data = "columnar", [evals] if evals else None
@@ -413,7 +413,6 @@ def main(argv=None) -> int:
             curves[model] = bytes_curve(model, data, fmt, a, batches, meta)
     finally:
         if bed is not None:
-            from des.netbed import down
             down()
     _write_reports(a, results, curves, batches, meta, out)
     return 0
@@ -439,7 +438,6 @@ def _options(argv) -> tuple[argparse.Namespace, list[str], list[int]]:
     if len(nps) != 1 and not a.bandwidth:
         ap.error("--np: one number (a list only with --bandwidth, to project)")
     if a.data:
-        from des.data.resolve import metadata
         a.format = a.format or metadata(a.data[0]).get("format")
         if not a.format:
             ap.error(f"--format criteo|avazu|libsvm|libffm is required with --data "
@@ -451,7 +449,6 @@ def _source(a) -> tuple[list[str] | str, str, dict, str]:
     """The data the runs read (the user's files, or a generated preset written once), its format,
     metadata and the report folder; sets ``a.holdout`` (default: 0.1 of --data, rows/10 of a preset)."""
     if a.data:   # the user's files: nothing generated; --preset and --rows unused
-        from des.data.resolve import metadata
         meta = metadata(a.data[0])
         a.holdout = a.holdout or 0.1
         data, fmt = list(a.data), a.format
@@ -470,7 +467,6 @@ def _source(a) -> tuple[list[str] | str, str, dict, str]:
 
 def _project(a, data, fmt: str, meta: dict, nps: list[int], out: str) -> int:
     """--bandwidth: projected samples/s at each N (des.projection) instead of runs."""
-    from des import projection
     timed = None
     if a.columnar:      # the computation is timed reading the columnar copy, as the runs would
         timed_data, _ = ensure_columnar(data_files(data), fmt, None, meta)
@@ -487,9 +483,8 @@ def _project(a, data, fmt: str, meta: dict, nps: list[int], out: str) -> int:
 
 def _write_reports(a, results: dict, curves: dict, batches: list[int], meta: dict, out: str) -> None:
     """comparison.md / .csv, bytes_vs_batch.json and the plots; the table and curves on stdout."""
-    from des.train import _bayes_auc   # of the evaluated data: --eval-data's own metadata if given
     rows = table_rows(results)
-    md = markdown(rows, results, a, dict(meta, bayes_auc=_bayes_auc(a, meta)))
+    md = markdown(rows, results, a, dict(meta, bayes_auc=bayes_auc(a, meta)))
     with open(os.path.join(out, "comparison.md"), "w") as fh:
         fh.write(md)
     with open(os.path.join(out, "comparison.csv"), "w", newline="") as fh:

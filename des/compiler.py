@@ -26,19 +26,20 @@ import os
 
 import tensorflow as tf
 
-from des.cost import AutoTail, choose_tail
+from des import state
+from des.cost import AutoTail, choose_tail, estimate
 from des.fields import GLUE, FieldAnalysis, FieldVector
-from des.ir import Graph, Node, call_node, is_keras_tensor, replay, trace
 from des.handle import Distributed, attach, distributed
-from des.keras_internals import compile_args, has_weight_penalties, take_weight_penalties
+from des.ir import Graph, Node, call_node, is_keras_tensor, replay, trace
 from des.plan import FieldCost, FieldPlan, check_agreement, make_plan
+from des.sources import source_of
 from des_ops.comm import WIRE_DTYPES, Communicator, agree, default_communicator
 from des_ops.fused import fuse_nodes
+from des_ops.keras_internals import compile_args, has_weight_penalties, input_spec_of, take_weight_penalties
 from des_ops.suboperators import DESFirstLayer
 from des_ops.tail import GatherRows, ShardRows, count_tail_penalties_once, sum_tail_gradients, tail_obstacles
 from des_ops.wire import ring_share
 from rewrite_rules import RULES, Match, Rejection, find_substitutions, rule_named
-
 
 TAILS = ("replicated", "data_parallel", "auto")
 
@@ -78,7 +79,6 @@ class Report:
 
     def estimate_costs(self, batch_size: int, unique_per_slice: dict[str, float]) -> list:
         """DES vs PS bytes per operator (des.cost); kept for printing with the report."""
-        from des.cost import estimate
         self.costs = estimate(self, batch_size, unique_per_slice)
         return self.costs
 
@@ -348,7 +348,6 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
                 wire_dtype: str) -> tuple[tf.keras.Model, Report]:
     """transform's second half: the same rows everywhere, the field plan, this process's DES
     layer in place of the matches, the model replayed around it (see transform)."""
-    from des import state
     for n in graph.nodes:
         if n.kind == "table":
             n.attrs["source"].keyed(n.layer, seed, graph.layer_key(n.layer))
@@ -582,7 +581,6 @@ def _transform_subclassed(model: tf.keras.Model, sample, comm: Communicator, str
 def _towers(model: tf.keras.Model) -> dict[str, tf.keras.Model]:
     """The model's direct attributes that are Keras models holding tables, in tracking order
     (the same on every process)."""
-    from des.sources import source_of
     out = {}
     for attr, value in vars(model).items():
         if attr.startswith("_") or not isinstance(value, tf.keras.Model):
@@ -599,7 +597,6 @@ def _transform_towers(model: tf.keras.Model, towers: dict, sample, comm: Communi
     if tail == "data_parallel":          # "auto" picks replicated here
         raise ValueError(f"des.transform: {model.name!r} calls its towers in compute_loss; only tail='replicated' "
                          f"is supported there (each tower's outputs are already the whole batch's)")
-    from des.keras_internals import input_spec_of
     unbuilt = [a for a, t in towers.items() if input_spec_of(t) is None]
     if unbuilt and sample is not None and hasattr(model, "compute_loss"):
         model.compute_loss(dict(sample) if isinstance(sample, dict) else sample, training=False)  # builds the towers
@@ -643,7 +640,6 @@ def trace_call(model: tf.keras.Model, sample=None, input_prefix: str = "input") 
     """A functional model of ``model.call`` on symbolic inputs (those ``call`` reads), sharing
     ``model``'s layers, or (None, why not). Inputs that are not keys of a dict are named
     ``input_prefix`` (one) or ``input_prefix_<i>``: the same on every process."""
-    from des.keras_internals import input_spec_of
     name = f"{model.name!r} ({type(model).__name__}, subclassed)"
     spec = input_spec_of(model, sample)
     if spec is None:
@@ -667,7 +663,6 @@ def trace_call(model: tf.keras.Model, sample=None, input_prefix: str = "input") 
 
 def _opaque_models(graph: Graph) -> list[str]:
     """Subclassed models called as layers that hold tables and whose call() did not trace."""
-    from des.sources import source_of
     out = []
     for n in graph.nodes:
         layer = n.layer

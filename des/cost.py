@@ -29,8 +29,8 @@ import dataclasses
 
 import numpy as np
 
-from des.data.spec import PAD_ID
 from des_ops.wire import ring_share
+from models.spec import PAD_ID
 
 
 @dataclasses.dataclass

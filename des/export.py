@@ -48,6 +48,14 @@ import shutil
 import subprocess
 import sys
 
+import tensorflow as tf
+
+from des import checkpoint
+from des.checkpoint import CheckpointError
+from des.state import state_keys
+from models.layers import key_init, pool
+from models.spec import PAD_ID
+
 CONFIG = "des_export.json"
 
 
@@ -71,10 +79,7 @@ def serving_inputs(x: dict, signature) -> dict:
 
 
 def _static_embedding_class():
-    import tensorflow as tf
 
-    from des.data.spec import PAD_ID
-    from models.layers import key_init, pool
 
     class StaticFieldEmbedding(tf.keras.layers.Layer):
         """A FieldEmbedding's rows frozen into core TensorFlow (hash table of key -> row, matrix)."""
@@ -107,9 +112,7 @@ def _static_embedding_class():
 
 def serving_model(model):
     """A copy of a single-process reference model whose FieldEmbedding tables are static lookups."""
-    import tensorflow as tf
 
-    from des.state import state_keys
     static = _static_embedding_class()
     tables = {id(layer): src for layer, src in state_keys(model).tables.values()}
 
@@ -132,9 +135,7 @@ def serving_model(model):
 def export(checkpoint_dir: str, out: str) -> dict:
     """Write the SavedModel of ``checkpoint_dir`` to ``out`` (which must not exist yet, or be
     empty). Returns {"bytes", "rows"}."""
-    import tensorflow as tf
 
-    from des import checkpoint
     if os.path.exists(out) and os.listdir(out):
         raise ValueError(f"{out}: exists and is not empty; nothing was written (choose another --out)")
     config = checkpoint.load_config(checkpoint_dir)
@@ -187,8 +188,6 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint", required=True, help="folder written by des.train --checkpoint")
     ap.add_argument("--out", required=True, help="new folder for the SavedModel")
     a = ap.parse_args(argv)
-    import des  # noqa: F401  (quiets TF logs before TF loads)
-    from des.checkpoint import CheckpointError
     try:
         info = export(a.checkpoint, a.out)
     except (CheckpointError, ValueError, FileNotFoundError) as e:

@@ -29,7 +29,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from des.ir import Graph, Node, TensorId
+from des.ir import Graph, Node, TensorId, all_keras_tensors
 
 GLUE = {"stack", "concat", "reshape", "flatten", "squeeze", "expand_dims", "identity"}
 
@@ -106,7 +106,6 @@ class FieldAnalysis:
         return frozenset(out)
 
     def _inputs_of(self, n: Node) -> list[int]:
-        from des.ir import all_keras_tensors
         return list(dict.fromkeys([*n.tensor_operands(), *(TensorId(id(x)) for x in
                                                             all_keras_tensors((n.call_args, n.call_kwargs)))]))
 

@@ -32,6 +32,8 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
+from des import adapters, sources
+
 KerasTensor = Any
 
 _TF_KINDS = {  # TFOpLambda symbol -> (kind, operand parameter(s), attrs with defaults)
@@ -163,7 +165,6 @@ def _classify_tf_op(layer, args, kwargs, tid) -> tuple[str, list, dict]:
 
 def classify(layer, args, kwargs, tid) -> tuple[str, list, dict]:
     """The canonical (kind, operands, attrs) of one call of ``layer``."""
-    from des import adapters, sources
     first = args[0] if args else next(iter(kwargs.values()), None)
     src = sources.source_of(layer)
     if src is not None:

@@ -39,6 +39,8 @@ import subprocess
 import sys
 import time
 
+from des.timemodel import parse_rate
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFIX, BRIDGE, SUBNET = "desh", "desbr0", "10.77.0"
 AGENT = os.path.join(ROOT, "scripts", "netbed_rsh.sh")
@@ -139,7 +141,6 @@ class Netbed:
             raise PermissionError("netbed: network namespaces need root")
         self.n, self.rate, self.delay = n, rate, delay
         if burst is None and rate:
-            from des.timemodel import parse_rate
             burst = f"{max(BURST_MIN, int(parse_rate(rate) * BURST_TIME))}b"
         self.burst = burst
         self.cpus = parse_cpus(cpus, n)
@@ -212,7 +213,6 @@ class Netbed:
         if self.rate:
             _ip("tc", "qdisc", "add", "dev", "eth0", *parent, "handle", "2:", "tbf", "rate", self.rate,
                 "burst", self.burst, "latency", "1s", ns=ns)
-            from des.timemodel import parse_rate
             tsq = max(TSQ_MIN, int(parse_rate(self.rate) * TSQ_TIME))
             _ip("sh", "-c", f"echo {tsq} > /proc/sys/net/ipv4/tcp_limit_output_bytes", ns=ns)
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from des_ops.comm import agree
+
 
 @dataclasses.dataclass(frozen=True)
 class FieldCost:
@@ -78,5 +80,4 @@ def check_agreement(plan: FieldPlan, comm) -> None:
     sizes, or read per process on restore, could differ): a process whose plan differs from
     rank 0's raises des_ops.comm.DisagreementError naming both (under mpirun that ends the job).
     To pass: the same plan=/spec= (cardinalities) or the same checkpoint on every process."""
-    from des_ops.comm import agree
     agree(comm, "field plan", ", ".join(f"{f} -> {r}" for f, r in sorted(plan.owner.items())))

@@ -19,6 +19,17 @@ import json
 import os
 import sys
 
+import numpy as np
+import tensorflow as tf
+
+import des
+from des import checkpoint, export
+from des.data import DataError, FeatureSpec
+from des.data.errors import op_error_message
+from des.data.files import check_paths, open_text
+from des.data.readers import make_dataset
+from des_ops.comm import default_communicator
+
 
 def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -46,8 +57,6 @@ def detect_format(trained_format: str, path: str) -> str:
     'criteo-test'
     >>> shutil.rmtree(os.path.dirname(path))
     """
-    from des.data import DataError
-    from des.data.files import check_paths, open_text
     if trained_format not in ("criteo", "avazu"):
         return trained_format
     check_paths([path])
@@ -64,19 +73,10 @@ def detect_format(trained_format: str, path: str) -> str:
 
 def main(argv=None) -> int:
     a = _args(argv)
-    import des  # noqa: F401  (quiets TF logs before TF loads)
-    import numpy as np
-    import tensorflow as tf
     if a.threads:
         tf.config.threading.set_intra_op_parallelism_threads(a.threads)
         tf.config.threading.set_inter_op_parallelism_threads(a.threads)
-    from des import checkpoint
-    from des.data import DataError, FeatureSpec
-    from des.data.errors import op_error_message
-    from des.data.readers import make_dataset
-    from des_ops.comm import default_communicator
 
-    from des import export
     exported = export.is_export(a.checkpoint)
     try:
         config = export.load_config(a.checkpoint) if exported else checkpoint.load_config(a.checkpoint)

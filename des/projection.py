@@ -19,15 +19,20 @@ import os
 import subprocess
 import sys
 
-
+import des
+import models
 from des import timemodel
+from des.auto import traffic
+from des.data.readers import make_dataset
+from des.data.resolve import metadata, spec_for
+from des.runs import describe_source, launch_env
+from des_ops.comm import LocalCommunicator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def compute_seconds(mode: str, model: str, data: list[str], fmt: str, a, n: int, out: str) -> float:
     """Median seconds per step of rank 0 of ``n`` with no-op collectives, alone on this machine."""
-    from des.runs import launch_env
     summary = os.path.join(out, f"{model}-{mode}-compute-n{n}.json")
     env = dict(launch_env(), OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE=str(n))
     tail = ["--tail", "data_parallel"] if mode == "des-dp" else []
@@ -46,10 +51,6 @@ def compute_seconds(mode: str, model: str, data: list[str], fmt: str, a, n: int,
 def traffic_at(model: str, data: list[str], fmt: str, a, n: int) -> dict[str, dict]:
     """The model's per-process traffic of DES and the PS at ``n`` processes, from the data's first
     global batch (the same formulas plan="auto" decides by: des.auto.traffic)."""
-    import models
-    from des.auto import traffic
-    from des.data.readers import make_dataset
-    from des.data.resolve import metadata, spec_for
     spec = spec_for(fmt, data, a.dim, metadata(data[0]), a.eval_data or [])
     build = lambda: models.build(model, spec, hidden=tuple(int(h) for h in a.hidden.split(",") if h))  # noqa: E731
     plain = build()
@@ -66,8 +67,6 @@ def traffic_at(model: str, data: list[str], fmt: str, a, n: int) -> dict[str, di
 def tail_floats(build) -> int | None:
     """The floats of the tail's gradients when ``build()``'s model runs with the data-parallel
     tail (des_ops.tail), or None when its tail cannot run data-parallel."""
-    import des
-    from des_ops.comm import LocalCommunicator
     try:
         new, _ = des.transform(build(), comm=LocalCommunicator(), tail="data_parallel")
     except ValueError:
@@ -96,7 +95,6 @@ def project(models_: list[str], data: list[str], fmt: str, a, nps: list[int], ou
 
 
 def markdown(rows: list[dict], a) -> str:
-    from des.runs import describe_source
     lines = [f"# Projected samples/s - {describe_source(a)}, global batch {a.batch}, {a.bandwidth} per host, "
              f"{a.latency} per message, Horovod cycle {a.cycle} ms, "
              f"{a.call or '2(N-1) x latency'} per collective call, "

@@ -29,6 +29,9 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from des_ops.keras_internals import refresh_call_signature, release_variables
+from models.layers import key_init, table_salt
+
 SOURCES: list["TableSource"] = []
 
 
@@ -178,7 +181,6 @@ class _KerasEmbedding(TableSource):
         layer.embeddings.assign(full)
 
     def release(self, layer):
-        from des.keras_internals import release_variables
         release_variables(layer, ["embeddings"])
 
     def trainable(self, layer):
@@ -197,8 +199,6 @@ def _scale_of(init) -> float:
 
 
 def _key_layer(layer, seed: int, name: str) -> None:
-    from des.keras_internals import refresh_call_signature
-    from models.layers import key_init, table_salt
     if getattr(layer, "des_keyed_tfra", False):
         return
     scale = _scale_of(layer.params.initializer)
@@ -225,8 +225,9 @@ def _key_layer(layer, seed: int, name: str) -> None:
             rows = tf.where(exists[:, None], values, fresh)
             out = tf.reshape(tf.gather(rows, idx), tf.concat([tf.shape(ids), [dim]], 0))
             if squashed:
-                from tensorflow_recommenders_addons.dynamic_embedding.python.keras.layers.embedding import \
+                from tensorflow_recommenders_addons.dynamic_embedding.python.keras.layers.embedding import (
                     reduce_pooling
+                )
                 out = reduce_pooling(out, combiner=self.combiner)
             return out
 

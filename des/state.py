@@ -21,8 +21,12 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+from des.handle import distributed
 from des.ir import Graph
-from des.keras_internals import create_optimizer_weights
+from des_ops.fused import FusedTable
+from des_ops.keras_internals import create_optimizer_weights
+from models.optim import is_linear
+from rewrite_rules import find_substitutions
 
 
 def _layer_keys(graph: Graph) -> dict[int, str]:
@@ -62,7 +66,6 @@ class StateKeys:
     @staticmethod
     def of_model(model: tf.keras.Model) -> "StateKeys":
         """For a model that was not transformed."""
-        from rewrite_rules import find_substitutions
         graph = Graph(model)
         keys = _layer_keys(graph)
         sk = StateKeys()
@@ -103,7 +106,6 @@ class StateKeys:
         for n in graph.nodes:
             if n.kind == "table" and id(n.layer) in chain_layers:
                 sk.tables[keys[id(n.layer)]] = (n.layer, n.attrs["source"])
-        from des_ops.fused import FusedTable
         for l in des_layer.owned:                       # other weights of owned chains
             if not isinstance(l, FusedTable) and not any(n.layer is l and n.kind == "table" for n in graph.nodes):
                 for i, w in enumerate(l.weights):
@@ -125,7 +127,6 @@ class StateKeys:
 
     def bind_tail(self, model: tf.keras.Model) -> None:
         """Key the replicated weights of the DES model (after it is built)."""
-        from des.handle import distributed
         skip = {id(w) for w in distributed(model).layer.weights} | getattr(self, "_replaced", set())
         for w in model.weights:          # a subclassed model still holds the split kernel: skipped
             if id(w) in skip:
@@ -154,7 +155,6 @@ def keep_state_keys(model: tf.keras.Model, keys: StateKeys) -> None:
 
 
 def state_keys(model: tf.keras.Model) -> StateKeys:
-    from des.handle import distributed
     handle = distributed(model)
     sk = handle.state if handle is not None else _KEYS.get(model)
     if sk is None:
@@ -220,7 +220,6 @@ def optimizer_parts(optimizer) -> list:
 
 def _part_of(optimizer, var):
     """The part of ``optimizer`` that updates ``var`` (as LinearAndRestOptimizer splits them)."""
-    from models.optim import is_linear
     if optimizer is None:
         return None
     if hasattr(optimizer, "rest"):

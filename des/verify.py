@@ -23,26 +23,27 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
-from des.data.spec import PAD_ID, FeatureSpec, Field
-from des.state import create_slots
+from des.baselines.ps.tables import KeyExchange
+from des.compiler import transform
+from des.ir import Graph
+from des.state import create_slots, snapshot as state_snapshot, state_keys
 from des_ops.comm import InProcessWorld
+from models.optim import make_optimizer
+from models.spec import PAD_ID, FeatureSpec, Field
 
 
 def table_layers(model: tf.keras.Model) -> list:
     """The dynamic (TFRA) table layers of a model: for a DES model, those this process owns."""
-    from des.state import state_keys
     return [layer for layer, src in state_keys(model).tables.values() if src.dynamic]
 
 
 def snapshot(model: tf.keras.Model) -> dict:
     """What the model learned, keyed alike on every process and in every build (des.state)."""
-    from des.state import snapshot as state_snapshot
     return state_snapshot(model)
 
 
 def copy_state(src: tf.keras.Model, dst: tf.keras.Model) -> None:
     """Give ``dst`` (another build of the same model code) the weights and table rows of ``src``."""
-    from des.ir import Graph
     a, b = Graph(src), Graph(dst)
     done = set()
     for na, nb in zip(a.nodes, b.nodes):
@@ -58,7 +59,6 @@ def copy_state(src: tf.keras.Model, dst: tf.keras.Model) -> None:
 
 def optimizer_factory(name: str, learning_rates: dict[str, float]) -> Callable:
     """``"adam"``, or ``"ftrl+adam"``: FTRL on the linear part, Adam on the rest."""
-    from models.optim import make_optimizer
     if "+" in name:
         linear, rest = name.split("+")
         return lambda: make_optimizer(rest, learning_rates[rest], linear=linear,
@@ -70,7 +70,6 @@ def train_and_snapshot(model, optimizer, learning_rate: float | None, batches, p
     """train_on_batch over ``batches``; predictions on ``probe`` after every step; final snapshot.
 
     ``optimizer``: a name for make_optimizer, or a function that makes the optimizer."""
-    from models.optim import make_optimizer
     opt = optimizer() if callable(optimizer) else make_optimizer(optimizer, learning_rate)
     model.compile(opt, loss="binary_crossentropy")
     create_slots(model, opt)          # slots before the first step: one trace of the step, not two
@@ -88,7 +87,6 @@ def fit_and_snapshot(model, batches, probe, optimizer: str = "adam", learning_ra
     ``shuffle(shuffle_buffer or all rows, seed, reshuffle_each_iteration=True)`` (a new order
     every epoch, the same sequence of orders wherever the seeds are the same); then predictions on ``probe``,
     the fit's last AUC and loss, and the snapshot."""
-    from models.optim import make_optimizer
     model.compile(make_optimizer(optimizer, learning_rate), "binary_crossentropy",
                   metrics=[tf.keras.metrics.AUC(name="auc")])
     create_slots(model, model.optimizer)
@@ -150,7 +148,6 @@ def run_in_process_world(world_size: int, build: Callable[[], tf.keras.Model],
     rank 0 takes its weights and rows; the other ranks start from their own random ones and
     get rank 0's by the transform's broadcast, which never waits on a later rank), then run
     ``work`` on every rank in its own thread."""
-    from des.compiler import transform
     world = InProcessWorld(world_size)
     des_models = []
     for r in range(world_size):
@@ -194,7 +191,6 @@ def run_sharded_world(world_size: int, work: Callable[[object], object]) -> list
         >>> run_sharded_world(3, lambda ex: (ex.rank, ex.world_size))
         [(0, 3), (1, 3), (2, 3)]
     """
-    from des.baselines.ps.tables import KeyExchange
     world = InProcessWorld(world_size)
     return _on_every_rank(world, lambda r: work(KeyExchange.in_process(world, r)))
 

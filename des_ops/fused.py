@@ -22,9 +22,9 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from des.data.hashing import ID_BITS, ID_MASK
-from des.data.spec import PAD_ID
+from des_ops.keras_internals import has_weight_penalties
 from models.layers import FieldEmbedding, key_init_rows, pool
+from models.spec import ID_BITS, ID_MASK, PAD_ID
 
 MAX_FIELDS = 2 ** (63 - ID_BITS)
 _ID_MASK = ID_MASK
@@ -167,7 +167,6 @@ def fuse_nodes(graph, nodes: list, suffix: str) -> tuple[list[tuple], list[str]]
     into one FusedTable per group, named ``des_fused<width>[_linear]_<suffix>``. Every member layer
     then reads and writes its rows through the fused table (des.sources). Returns
     ([(table, its nodes in graph order)], one report line per table)."""
-    from des.keras_internals import has_weight_penalties
     groups: dict[tuple, list] = {}
     for n in sorted(nodes, key=lambda n: n.index):
         layer = n.layer
@@ -192,39 +191,6 @@ def fuse_nodes(graph, nodes: list, suffix: str) -> tuple[list[tuple], list[str]]
         lines.append(f"fused table {table.name}: the rows of {len(layers)} table(s) of width {dim} "
                      f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) in one TFRA table")
     return fused, lines
-
-
-def fuse_model(model: tf.keras.Model) -> tuple[tf.keras.Model, list[str]]:
-    """``model`` (functional, untouched) with its fusable tables in one TFRA table per width: the same
-    function, the same state keys and checkpoints (des.state), one lookup and update per width.
-
-        >>> import models
-        >>> from des.data import FeatureSpec, Field
-        >>> spec = FeatureSpec((Field("C1", dim=4), Field("C2", dim=4)))
-        >>> fused, lines = fuse_model(models.deepfm(spec, hidden=(8,)))
-        >>> [line.split(":")[0].split("_model")[0] for line in lines]   # then the model's name, as Keras numbers it
-        ['fused table des_fused4', 'fused table des_fused1_linear']
-
-    Returns (the new model, one report line per fused table); the model itself if nothing fuses.
-    Its tables' inputs must be the model's inputs."""
-    from des import state
-    from des.ir import Graph, replay
-    graph = Graph(model)
-    keys = state.StateKeys.of_model(model)            # per table, before the rows move
-    nodes = [n for n in graph.nodes if n.kind == "table" and
-             all(graph.input_name(t) is not None for t in n.tensor_operands())]
-    fused, lines = fuse_nodes(graph, nodes, "model")
-    if not fused:
-        return model, lines
-    inputs = {t: graph.tensors[t] for t in graph.input_ids}
-    given = {}
-    for table, members in fused:
-        outs = table([tf.nest.map_structure(lambda x: inputs.get(id(x), x), m.call_args[0]) for m in members])
-        given.update({m.output: (lambda look, o=o: o) for m, o in zip(members, outs)})
-    cls = type(model) if type(model).__name__ not in ("Functional", "Sequential") else tf.keras.Model
-    new = replay(graph, {m.index for _, members in fused for m in members}, given, cls=cls, suffix="fused")
-    state.keep_state_keys(new, keys)
-    return new, lines
 
 
 def fused_tables(model: tf.keras.Model) -> list[FusedTable]:

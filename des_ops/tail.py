@@ -27,6 +27,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from des_ops.comm import Communicator, not_folded, shard_rows
+from des_ops.keras_internals import stop_penalty_gradients
 
 
 def _nbytes(x: tf.Tensor) -> tf.Tensor:
@@ -136,7 +137,6 @@ def count_tail_penalties_once(layers: list, rank: int) -> None:
     """Weight penalties (regularizers) of tail layers: every process adds their value to its loss
     (the same loss everywhere), but only rank 0 their gradient, since the tail's gradients are
     summed over processes."""
-    from des.keras_internals import stop_penalty_gradients
     if rank > 0:
         for layer in layers:
             stop_penalty_gradients(layer)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import tensorflow as tf
 from tensorflow_recommenders_addons import dynamic_embedding as de
 
-from des.data.spec import PAD_ID
+from models.spec import PAD_ID
 
 _names_used: dict[str, int] = {}
 

@@ -17,8 +17,8 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from des.data.spec import FeatureSpec
 from models.layers import Bias, FieldEmbedding, FMInteraction
+from models.spec import FeatureSpec
 
 L = tf.keras.layers
 

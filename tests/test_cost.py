@@ -4,11 +4,11 @@ import pytest
 
 import des
 import models
-from des.cost import estimate, unique_ids_per_slice
 from des.baselines.ps.rewrite import analytic_bytes, dense_parameters, table_inputs
-from des.data.spec import FeatureSpec, Field
+from des.cost import estimate, unique_ids_per_slice
 from des.verify import random_batches, small_spec
 from des_ops.comm import InProcessWorld
+from models.spec import FeatureSpec, Field
 
 SMALL_VOCAB = small_spec(6, dim=4)                                   # 10..60 values per field
 BIG_VOCAB = FeatureSpec(tuple(Field(f"f{i}", "categorical", 4, 10**6) for i in range(26)))

@@ -10,8 +10,8 @@ import tensorflow as tf
 
 from des.data import DataError, SkipReport, avazu_spec, criteo_spec, feature_id
 from des.data.readers import make_dataset
-from des.data.spec import AVAZU_COLUMNS
 from des.data.synth import write_criteo
+from models.spec import AVAZU_COLUMNS
 
 GOOD = "1\t5\t-1\t\t0\t1\t2\t3\t4\t5\t6\t7\t8\t9\t" + "\t".join(f"{i:08x}" for i in range(26))
 
@@ -210,7 +210,7 @@ def test_generator_is_deterministic_and_reports_bayes_auc(tmp_path):
 
 def test_sample_seed_draws_other_rows_of_the_same_planted_model(tmp_path):
     """A test set of the same task: same planted model (seed), other rows (sample_seed)."""
-    from des.data.synth import CriteoGenerator, PRESETS
+    from des.data.synth import PRESETS, CriteoGenerator
     train, test = str(tmp_path / "train.txt"), str(tmp_path / "test.txt")
     m_train = write_criteo(train, 20_000, seed=5, quiet=True)
     m_test = write_criteo(test, 20_000, seed=5, sample_seed=8, with_label=False, quiet=True)

@@ -79,5 +79,5 @@ def test_examples_ran():
 
 
 def test_every_module_is_found():
-    assert {"des.data.spec", "des.train", "des.baselines.allocate", "des_ops.comm", "models.zoo",
+    assert {"models.spec", "des.train", "des.baselines.allocate", "des_ops.comm", "models.zoo",
             "rewrite_rules.base"} <= set(MODULES)

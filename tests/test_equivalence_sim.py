@@ -3,13 +3,13 @@ single-process model (predictions after every step, final table rows, dense weig
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import random_batches, small_spec
 
 import des
 import models
-from des.data.spec import PAD_ID, FeatureSpec, Field
 from des.verify import compare, run_in_process_world, train_and_snapshot
 from des_ops.comm import InProcessWorld, LocalCommunicator, allreduce_sum
-from helpers import random_batches, small_spec
+from models.spec import PAD_ID, FeatureSpec, Field
 
 TOL = 2e-6   # the README quotes <= 2.7e-7 measured; float32 summation order, not a loose bound
 SPEC = small_spec(4, dim=3)

@@ -7,17 +7,16 @@ import re
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import random_batches, small_spec
 
 import des
 import models
 from des import state
-from des.data.spec import FeatureSpec, Field
 from des.verify import compare, run_in_process_world, train_and_snapshot
 from des_ops.comm import LocalCommunicator
-from des_ops.fused import ID_BITS, FusedTable
-from des_ops.fused import fused_tables as layers_fused
-from helpers import random_batches, small_spec
+from des_ops.fused import ID_BITS, FusedTable, fused_tables as layers_fused
 from models.layers import table_name
+from models.spec import FeatureSpec, Field
 
 TOL = 2e-6        # as tests/test_equivalence_sim.py: float32 summation order
 SPEC = small_spec(4, dim=3)
@@ -196,6 +195,7 @@ def test_a_format_2_checkpoint_restores_with_the_low_55_bits_of_its_ids(tmp_path
 def test_format_2_ids_that_meet_in_55_bits_stop_the_restore(tmp_path):
     import glob
     import json
+
     from des import checkpoint
     src, opt = _trained(False)
     path = str(tmp_path / "ck")
@@ -215,8 +215,8 @@ def test_format_2_ids_that_meet_in_55_bits_stop_the_restore(tmp_path):
 
 
 def test_a_fused_single_process_model_trains_as_the_per_field_one():
-    """des_ops.fused.fuse_model (des.train --mode single's default): the same function and state keys."""
-    from des_ops.fused import fuse_model
+    """des.fusion.fuse_model (des.train --mode single's default): the same function and state keys."""
+    from des.fusion import fuse_model
     work = lambda m: train_and_snapshot(m, "adagrad", 0.05, MIXED_BATCHES, MIXED_BATCHES[0][0])  # noqa: E731
     ref = work(build("wdl", MIXED)())
     fused, lines = fuse_model(build("wdl", MIXED)())
@@ -231,10 +231,11 @@ def test_fused_ps_equals_the_single_process_and_moves_the_per_field_bytes(n):
     every row equal the untouched single process's; the bytes measured at the all-to-alls equal
     the per-table formula (des.baselines.ps.rewrite.analytic_bytes) step by step. N = 3: the batch of 2 rows leaves
     one process an empty slice."""
-    from des.data.readers import _slice_batch
-    from des.baselines.ps.rewrite import analytic_bytes, dense_parameters, shard, table_inputs
-    from des.verify import PS_SPEC, optimizer_factory, ps_batches, run_sharded_world, snapshot
     from helpers import single_process_predictions
+
+    from des.baselines.ps.rewrite import analytic_bytes, dense_parameters, shard, table_inputs
+    from des.data.readers import _slice_batch
+    from des.verify import PS_SPEC, optimizer_factory, ps_batches, run_sharded_world, snapshot
     lr = {"adam": 0.01}
     batches, probe = ps_batches()
     expected, ref = single_process_predictions("deepfm", "adam", lr, batches, probe, with_snapshot=True)

@@ -6,7 +6,7 @@ import tensorflow as tf
 from des.data import DataError, SkipReport, feature_id
 from des.data.libsvm import scan_spec, sparse_spec
 from des.data.readers import make_dataset
-from des.data.spec import PAD_ID
+from models.spec import PAD_ID
 
 
 def write(tmp_path, name, text):
@@ -123,6 +123,7 @@ def test_empty_file_is_an_error(tmp_path):
 
 def test_wide_preset_is_deterministic_libffm_with_950_features(tmp_path):
     import json
+
     from des.data import FeatureSpec
     from des.data.synth_wide import write_wide
     p1, p2 = str(tmp_path / "a.ffm"), str(tmp_path / "b.ffm")

@@ -61,8 +61,9 @@ import time
 from typing import Sequence
 
 import numpy as np
+import tensorflow as tf
 
-PAD_ID = -1  # des.data.spec.PAD_ID (kept local: this module imports nothing of the project)
+PAD_ID = -1  # models.spec.PAD_ID (kept local: this module imports nothing of the project)
 CHOICES = ("contiguous", "random", "laia")
 
 
@@ -470,7 +471,6 @@ class Share:
         return (idx, *(extra[k] for k in self.extras()))
 
     def take(self, feats: dict, label):
-        import tensorflow as tf
         b = tf.shape(label, out_type=tf.int64)[0]
         names, extras = self.allocator.inputs, self.extras()
         out = tf.numpy_function(self._mine, [b] + [feats[k] for k in names], [tf.int64] * (1 + len(extras)),

@@ -38,13 +38,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Sequence
 
 import numpy as np
 import tensorflow as tf
 
-from des.data.errors import DataError
-from des.data.spec import PAD_ID, FeatureSpec
+from des.data.errors import DataError, op_error_message
+from des.data.readers import make_dataset as text_dataset, order
+from models.spec import PAD_ID, FeatureSpec
 
 MANIFEST = "columns.json"
 LABEL = "label"
@@ -79,15 +81,13 @@ def convert(paths: Sequence[str], fmt: str, spec: FeatureSpec, out: str, *, chun
     one column file per model input plus the labels into the new folder ``out``. Returns the
     manifest (``extra`` is merged into it, e.g. the generator's Bayes-optimal AUC). Written to
     ``out + '.incoming'`` first and renamed when complete."""
-    from des.data.readers import make_dataset
     if os.path.exists(out):
         raise DataError(f"{out}: already exists; remove it or choose another --out")
     tmp = out + ".incoming"
     if os.path.exists(tmp):
-        import shutil
         shutil.rmtree(tmp)
     os.makedirs(tmp)
-    ds = make_dataset(list(paths), fmt, spec, chunk, skip_bad_lines=skip_bad_lines, skip_report=skip_report)
+    ds = text_dataset(list(paths), fmt, spec, chunk, skip_bad_lines=skip_bad_lines, skip_report=skip_report)
     files, columns, rows = {}, {}, 0
     try:
         for feats, label in _batches(ds):
@@ -103,7 +103,6 @@ def convert(paths: Sequence[str], fmt: str, spec: FeatureSpec, out: str, *, chun
                 files[name].write(arr.tobytes())
             rows += len(arrays[LABEL])
     except DataError:
-        import shutil
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
@@ -121,7 +120,6 @@ def convert(paths: Sequence[str], fmt: str, spec: FeatureSpec, out: str, *, chun
 
 def _batches(ds):
     """Iterate a reader; a bad line (an OpError carrying the reader's DataError) is a DataError."""
-    from des.data.errors import op_error_message
     it = iter(ds)
     while True:
         try:
@@ -182,7 +180,6 @@ def make_dataset(folder: str, spec: FeatureSpec, batch_size: int, *, shuffle_buf
             out[n] = tf.ensure_shape(t, [None, *col["shape"]])
         return out, tf.ensure_shape(got[-1], [None])
 
-    from des.data.readers import order
     ds = order(tf.data.Dataset.range(rows), skip_lines=skip_lines, take_lines=take_lines, epochs=epochs,
                shuffle_buffer=shuffle_buffer, seed=seed).batch(batch_size, drop_remainder=drop_remainder)
     allocated = shard is not None and hasattr(shard, "take")

@@ -13,6 +13,10 @@ import os
 import sys
 import time
 
+from des.data import DataError, SkipReport
+from des.data.columnar import convert
+from des.data.resolve import metadata, spec_for
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -23,10 +27,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="the new folder")
     ap.add_argument("--skip-bad-lines", action="store_true")
     a = ap.parse_args(argv)
-    import des  # noqa: F401  (quiets TF's logs)
-    from des.data import DataError, SkipReport
-    from des.data.columnar import convert
-    from des.data.resolve import metadata, spec_for
     meta = metadata(a.data[0])
     fmt = a.format or meta.get("format", "criteo")
     skips = SkipReport()

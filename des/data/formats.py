@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from des.data.hashing import feature_ids
 from des.data.text import utf8_ok
-from des.data.spec import AVAZU_COLUMNS, AVAZU_FIELDS, CRITEO_CAT, CRITEO_INT, FeatureSpec
+from models.spec import AVAZU_COLUMNS, AVAZU_FIELDS, CRITEO_CAT, CRITEO_INT, FeatureSpec
 
 INT_RE = r"-?[0-9]{1,18}"  # what fits int64 without overflow
 HOUR_RE = r"[0-9]{2}(0[1-9]|1[0-2])(0[1-9]|[12][0-9]|3[01])([01][0-9]|2[0-3])"  # YYMMDDHH

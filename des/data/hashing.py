@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from models.spec import ID_MASK
+
 _BUCKETS = 2**63 - 1
-ID_BITS = 55
-ID_MASK = (1 << ID_BITS) - 1
 SEP = "\x1f"
 
 

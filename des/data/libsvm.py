@@ -40,9 +40,10 @@ import numpy as np
 import tensorflow as tf
 
 from des.data.errors import DataError
+from des.data.files import check_paths
 from des.data.hashing import SEP, hash_ids
 from des.data.text import utf8_ok
-from des.data.spec import PAD_ID, FeatureSpec, Field
+from models.spec import PAD_ID, FeatureSpec, Field
 
 NUM_RE = r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]{1,3})?"
 LABEL_RE = r"0|1|-1|\+1"
@@ -242,7 +243,6 @@ def scan_spec(paths: Sequence[str], fmt: str, dim: int = 8, layout: str | None =
     common one, rather than guess (pass the layout). Malformed tokens are ignored here (the
     reader reports them).
     """
-    from des.data.files import check_paths
     paths = check_paths(paths)
     if layout not in (None, "auto", "positional", "bag"):
         raise ValueError(f"libsvm layout must be auto, positional or bag, got {layout!r}")

@@ -21,7 +21,6 @@ Bad lines stop the run with a ``DataError`` naming file, line and problem; with
 from __future__ import annotations
 
 import gzip
-
 from typing import Sequence
 
 import tensorflow as tf
@@ -29,7 +28,7 @@ import tensorflow as tf
 from des.data.errors import DataError, SkipReport
 from des.data.files import check_paths
 from des.data.formats import FORMATS
-from des.data.spec import FeatureSpec
+from models.spec import FeatureSpec
 
 PARSE_CHUNK = 2048  # lines validated and parsed per vectorised call in skip mode
 

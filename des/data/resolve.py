@@ -20,7 +20,8 @@ import os
 from typing import Sequence
 
 from des.data import columnar
-from des.data.spec import FeatureSpec, avazu_spec, criteo_spec
+from des.data.libsvm import scan_spec
+from models.spec import FeatureSpec, avazu_spec, criteo_spec
 
 
 def metadata(path: str) -> dict:
@@ -34,7 +35,7 @@ def metadata(path: str) -> dict:
 def describe(spec: FeatureSpec) -> str:
     """One line: how many fields, of which kinds and widths (printed when a spec was scanned).
 
-    >>> from des.data.spec import Field
+    >>> from models.spec import Field
     >>> describe(FeatureSpec((Field("F0", "multi", 8), Field("F1", "multi", 8, max_len=3))))
     '2 field(s): F0 (multi, 1 feature), F1 (multi, up to 3 features)'
     """
@@ -59,5 +60,4 @@ def spec_for(fmt: str, paths: Sequence[str], dim: int, meta: dict | None = None,
     if "spec" in meta and meta.get("format") == fmt:
         spec = FeatureSpec.from_json(json.dumps(meta["spec"])).with_dim(dim)
         return spec.with_cardinalities(meta.get("cardinalities") or {})   # e.g. --cache-size 10% on wide
-    from des.data.libsvm import scan_spec
     return scan_spec(list(paths) + list(eval_paths or []), fmt, dim, layout=layout)

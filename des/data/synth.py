@@ -18,7 +18,8 @@ import sys
 import numpy as np
 
 from des.data.bayes import BayesStats, zipf_cdf
-from des.data.spec import CRITEO_CAT, CRITEO_INT
+from des.data.synth_wide import write_wide
+from models.spec import CRITEO_CAT, CRITEO_INT
 
 
 @dataclasses.dataclass
@@ -135,7 +136,6 @@ def main(argv=None) -> None:
     ap.add_argument("--no-label", action="store_true", help="write test.txt layout (39 columns)")
     a = ap.parse_args(argv)
     if a.preset == "wide":
-        from des.data.synth_wide import write_wide
         if a.no_label:
             ap.error("--no-label applies to the Criteo layout only")
         write_wide(a.out, a.rows, a.seed, sample_seed=a.sample_seed)

@@ -18,6 +18,7 @@ import sys
 import numpy as np
 
 from des.data.bayes import BayesStats, zipf_cdf
+from des.data.libsvm import sparse_spec
 
 
 @dataclasses.dataclass
@@ -105,7 +106,6 @@ def _lines(label, fields) -> list[str]:
 def write_wide(path: str, rows: int, seed: int = 0, chunk: int = 2000, quiet: bool = False,
                sample_seed: int | None = None) -> dict:
     """Write ``rows`` libffm lines; return (and save as <path>.meta.json) the metadata with the spec."""
-    from des.data.libsvm import sparse_spec
     gen = WideGenerator(WIDE, seed)
     sample_seed = seed if sample_seed is None else sample_seed  # rows; seed: the planted model
     rng = np.random.default_rng([sample_seed, 12])

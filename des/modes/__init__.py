@@ -3,7 +3,7 @@
     >>> from des import modes
     >>> sorted(modes.MODES)
     ['cache', 'des', 'ps', 'single']
-    >>> modes.MODES["cache"].__mro__[1].name             # the cache mode is the PS mode plus caches
+    >>> modes.mode_class("cache").__mro__[1].name        # the cache mode is the PS mode plus caches
     'ps'
 
 ``des.train`` is a dispatcher: it reads the options and the data, asks ``make`` for the mode,
@@ -13,35 +13,50 @@ batch, and returns that mode with the choice in ``mode.auto``.
 """
 from __future__ import annotations
 
+import dataclasses
+import importlib
+
 from des.modes.base import Mode, ModeError, Run, epoch_seed
-from des.baselines.cache.mode import Cache
-from des.modes.des import DES
-from des.baselines.ps.mode import PS
-from des.modes.single import Single
 
-__all__ = ["MODES", "Mode", "ModeError", "Run", "epoch_seed", "make"]
+__all__ = ["MODES", "Mode", "ModeError", "Run", "epoch_seed", "make", "mode_class"]
 
-MODES: dict[str, type[Mode]] = {m.name: m for m in (Single, DES, PS, Cache)}   # the modules import
-# nothing heavy at the top: TensorFlow, Horovod and TFRA load inside the hooks
+# name -> the mode's class, or "module:Class" where it lives (loaded by mode_class, so that reading
+# the options, which lists these names, does not load TensorFlow). A test or a plugin adds one entry.
+MODES: dict[str, str | type[Mode]] = {
+    "single": "des.modes.single:Single",
+    "des": "des.modes.des:DES",
+    "ps": "des.baselines.ps.mode:PS",
+    "cache": "des.baselines.cache.mode:Cache",
+}
+
+
+def mode_class(name: str) -> type[Mode]:
+    """The class of mode ``name`` (des.modes.MODES), imported on first use."""
+    entry = MODES[name]
+    if isinstance(entry, str):
+        module, cls = entry.split(":")
+        entry = MODES[name] = getattr(importlib.import_module(module), cls)
+    return entry
 
 
 def make(name: str, run: Run) -> Mode:
     """The mode ``name`` (or the one ``auto`` chooses) for this run, its options checked."""
     auto = None
     if name == "auto":
-        import dataclasses
-        from des import auto as chooser
+        from des import auto as chooser                # TensorFlow: only when a run is made
         from des_ops.comm import launcher_rank
         first = {k: v.numpy() for k, v in run.first_batch().items()}
         allocation = run.config.allocation
-        auto = chooser.choose(run.reference_model(), first, launcher_rank()[1], allocation.strategy)
+        rank, size = launcher_rank()
+        auto = chooser.choose(run.reference_model(), first, size, allocation.strategy)
         name = auto.mode
         if allocation.strategy != "contiguous" and name == "des":
-            print(f"--mode auto chose des: --allocate {allocation.strategy} does not apply (every process "
-                  f"reads the whole batch)")
+            if rank == 0:      # the run's log prints once the mode is made; this is before
+                print(f"--mode auto chose des: --allocate {allocation.strategy} does not apply (every process "
+                      f"reads the whole batch)")
             allocation = dataclasses.replace(allocation, strategy="contiguous")
         run.config = run.config.replace(mode=name, allocation=allocation)   # the run's record says what runs
-    mode = MODES[name](run)
+    mode = mode_class(name)(run)
     mode.auto = auto
     mode.check()
     return mode

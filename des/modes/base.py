@@ -110,7 +110,7 @@ class Mode:
         with its tables of one width in one TFRA table, unless --tables per-field)."""
         if self.config.tables == "per-field":
             return model
-        from des_ops.fused import fuse_model
+        from des.fusion import fuse_model
         model, lines = fuse_model(model)
         for line in lines:
             self.run.log(line)

@@ -9,7 +9,15 @@ check (every K steps the replicated weights and the batch fingerprint agree).
 """
 from __future__ import annotations
 
+import tensorflow as tf
+
+import des
+from des import checkpoint
+from des.callbacks import BytesPerStep, ReplicaCheck
+from des.cost import AutoTail, unique_ids_per_slice
+from des.handle import distributed
 from des.modes.base import Mode
+from des_ops.comm import default_communicator
 
 
 class DES(Mode):
@@ -18,13 +26,9 @@ class DES(Mode):
     _inputs: list[str] | None = None      # columnar data: this process's own inputs (set by prepare)
 
     def _communicator(self):
-        from des_ops.comm import default_communicator
         return default_communicator(self.config.network.comm)
 
     def prepare(self, model):
-        import des
-        from des import checkpoint
-        from des.cost import AutoTail, unique_ids_per_slice
         a = self.config
         plan = (a.restore and checkpoint.load_plan(a.restore, self.world_size)) or a.plan
         model, self.report = des.transform(model, comm=self.comm, plan=plan, spec=self.run.spec,
@@ -46,13 +50,11 @@ class DES(Mode):
         return self._inputs
 
     def callbacks(self, model) -> list:
-        from des.callbacks import BytesPerStep, ReplicaCheck
         self.traffic = BytesPerStep(self.comm)
         every = self.config.replica_check
         return [self.traffic] + ([ReplicaCheck(self.comm, every)] if every else [])
 
     def barrier(self):
-        import tensorflow as tf
         if self.world_size == 1:
             return None
         return lambda: self.comm.allreduce_counted(tf.zeros([1]), "barrier")
@@ -85,7 +87,6 @@ class DES(Mode):
 def own_inputs(model, spec, rank: int) -> list[str]:
     """The inputs a DES process needs: its own fields' ids (and weights), plus the first field's,
     which every process reads so the replica check's batch fingerprint stays comparable."""
-    from des.handle import distributed
     handle = distributed(model)
     plan = handle.plan
     first = spec.sparse()[0].name

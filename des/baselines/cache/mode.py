@@ -13,15 +13,19 @@ starts with empty ones.
 """
 from __future__ import annotations
 
-from des.modes.base import ModeError
+import numpy as np
+import tensorflow as tf
+
+from des.baselines.cache import rewrite as cache
 from des.baselines.ps.mode import PS
+from des.modes.base import ModeError
+from models.spec import PAD_ID
 
 
 class Cache(PS):
     name = "cache"
 
     def check(self) -> None:
-        from des.baselines.cache import rewrite as cache
         try:
             self.staleness = cache.parse_staleness(self.config.cache.staleness)
             self.capacity = cache.parse_cache_size(self.config.cache.size)
@@ -49,8 +53,6 @@ class Cache(PS):
         unknown = [f.name for f in spec if not f.cardinality]
         if not isinstance(self.capacity, float) or not unknown or self.run.read_lines is None:
             return spec
-        import numpy as np
-        from des.data.spec import PAD_ID
         ids = self.run.read_lines(self.SEEN_LINES)
         seen = {f: int(np.unique(v[v != PAD_ID]).size) or 1
                 for f in unknown for v in [np.asarray(ids[f]).reshape(-1)]}
@@ -61,7 +63,6 @@ class Cache(PS):
         return spec.with_cardinalities(seen)
 
     def _shard(self, model):
-        from des.baselines.cache import rewrite as cache
         a = self.config
         try:
             model = cache.cache(model, self.exchange, self.staleness, self.capacity, a.cache.eviction,
@@ -92,7 +93,6 @@ class Cache(PS):
         model.flush()
 
     def summarise(self, model, summary: dict) -> None:
-        from des.baselines.cache import rewrite as cache
         self._summarise_allocation(summary)
         a = self.config
         summary.update(cache.traffic_summary(self.traffic.steps, self.rank, self.world_size),
@@ -108,7 +108,6 @@ class Cache(PS):
 def _FlushAtEpochEnd(clear: bool = False):
     """Every epoch ends with a flush (a sync point), before checkpoints and evaluation;
     ``clear``: the caches are emptied too."""
-    import tensorflow as tf
 
     class Flush(tf.keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):

@@ -27,12 +27,13 @@ import tensorflow as tf
 from tensorflow_recommenders_addons import dynamic_embedding as de
 
 from des.baselines.allocate import EVICT, OTHERS
-from des.ir import Graph
-from des.keras_internals import plain_sgd_learning_rate
-from des.baselines.ps.rewrite import PSModel, per_destination, shard
 from des.baselines.cache.tables import CacheConfig, CachedFieldEmbedding, new_counters
+from des.baselines.ps.rewrite import PSModel, per_destination, shard
 from des.baselines.ps.tables import KeyExchange
+from des.ir import Graph
+from des_ops.keras_internals import plain_sgd_learning_rate
 from des_ops.wire import ring_share
+from models.optim import LinearAndRestOptimizer, is_linear
 
 
 class CacheModel(PSModel):
@@ -51,7 +52,6 @@ class CacheModel(PSModel):
 
     def _set_local_lr(self) -> None:
         """HET applies plain SGD on the worker too: give SGD's learning rate to the tables it trains."""
-        from models.optim import LinearAndRestOptimizer, is_linear
         for layer, _ in self.cached_tables():
             opt = self.optimizer
             if isinstance(opt, LinearAndRestOptimizer):

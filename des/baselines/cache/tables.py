@@ -40,9 +40,9 @@ import math
 import tensorflow as tf
 from tensorflow_recommenders_addons import dynamic_embedding as de
 
-from des.data.spec import PAD_ID
 from des.baselines.ps.tables import KeyExchange, ShardedFieldEmbedding
 from models.layers import key_init
+from models.spec import PAD_ID
 
 
 @dataclasses.dataclass(frozen=True)

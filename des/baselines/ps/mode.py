@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import sys
 
+import tensorflow as tf
+
+from des.baselines import allocate
+from des.baselines.ps import rewrite as ps
+from des.baselines.ps.tables import KeyExchange
+from des.callbacks import CounterDeltas
 from des.modes.base import Mode, ModeError, epoch_seed
+from des_ops.comm import default_communicator, under_launcher
 
 
 class PS(Mode):
@@ -18,8 +25,6 @@ class PS(Mode):
     sharded = True
 
     def _communicator(self):
-        from des_ops.comm import default_communicator, under_launcher
-        from des.baselines.ps.tables import KeyExchange
         kind = self.config.network.comm
         self.exchange = (KeyExchange.noop(sync=kind == "sync", meet=kind == "meet")
                          if kind in ("noop", "sync", "meet") else
@@ -50,7 +55,6 @@ class PS(Mode):
         input pipeline prefetched but fit never trained cannot make the processes differ)."""
         if self.config.allocation.strategy == "contiguous" and not self.config.cache.on_demand:
             return self.eval_shard()
-        from des.baselines import allocate
         # The allocator runs in the input pipeline's thread and holds the GIL for most of its
         # numpy work; with Python's default 5 ms switch interval Keras's step loop, which takes the
         # GIL hundreds of times per step (callbacks, counters), waits up to 5 ms each time and the
@@ -74,7 +78,6 @@ class PS(Mode):
         return False
 
     def prepare(self, model):
-        from des.baselines.ps import rewrite as ps
         model = self._shard(model)
         self._keys = [ids for ids, _, _ in ps.table_inputs(model)]
         self._log_allocation()
@@ -82,7 +85,6 @@ class PS(Mode):
 
     def _shard(self, model):
         """The reference model with its tables sharded by key (the cache mode: and cached)."""
-        from des.baselines.ps import rewrite as ps
         model = ps.shard(model, self.exchange, fuse=self.config.tables != "per-field")
         model.record_first_steps(self.config.check_bytes)
         for line in model.fused_lines:
@@ -111,23 +113,19 @@ class PS(Mode):
         return counters
 
     def callbacks(self, model) -> list:
-        from des.callbacks import CounterDeltas
         self.traffic = CounterDeltas(self._counters(model))
         return [self.traffic]
 
     def barrier(self):
-        import tensorflow as tf
         if self.world_size == 1:
             return None
         return lambda: self.exchange.sum_across(tf.zeros([1]), counter="barrier_bytes")
 
     def evaluate(self, model, data) -> dict:
-        from des.baselines.ps import rewrite as ps
         model.evaluate(data, verbose=0, return_dict=True)
         return ps.aggregate_metrics(model, self.exchange)      # the metrics of every slice together
 
     def summarise(self, model, summary: dict) -> None:
-        from des.baselines.ps import rewrite as ps
         self._summarise_allocation(summary)
         summary.update(ps.traffic_summary(model, self.traffic.steps, self.rank, self.world_size),
                        tables=len(ps.table_inputs(model)))

@@ -26,8 +26,9 @@ import numpy as np
 import tensorflow as tf
 from tensorflow_recommenders_addons import dynamic_embedding as de
 
-from des.ir import Graph, replay
 from des.baselines.ps.tables import KeyExchange, ShardedFieldEmbedding
+from des.fusion import fuse_model
+from des.ir import Graph, replay
 from des_ops.wire import ring_share
 
 
@@ -108,7 +109,6 @@ def shard(model: tf.keras.Model, exchange: KeyExchange, make_table=None, cls=PSM
         given[n.output] = lambda look, out=out: out
     ps = replay(graph, {n.index for n in embeds}, given, cls=cls, suffix=mode).use(exchange)
     if fuse:
-        from des_ops.fused import fuse_model
         tables = table_inputs(ps)
         fused, lines = fuse_model(ps)
         ps = fused.use(exchange, tables, lines)

@@ -33,10 +33,12 @@ from __future__ import annotations
 import tensorflow as tf
 
 from des.data.hashing import ID_MASK
-from des.data.spec import PAD_ID
-from des_ops.comm import op_name
+from des_ops.comm import (
+    InProcessCollectives, init_horovod, launcher_rank, op_name, start_horovod_thread, sync_processes
+)
 from des_ops.fused import FUSED_CLASS, FusedTable
 from models.layers import FieldEmbedding
+from models.spec import PAD_ID
 
 
 class KeyExchange:
@@ -58,7 +60,6 @@ class KeyExchange:
 
     @classmethod
     def horovod(cls) -> "KeyExchange":
-        from des_ops.comm import init_horovod
         hvd = init_horovod()
         return cls(hvd.rank(), hvd.size(), hvd)
 
@@ -66,7 +67,6 @@ class KeyExchange:
     def in_process(cls, world, rank: int) -> "KeyExchange":
         """Rank ``rank`` of a des_ops.comm.InProcessWorld: the PS and cache modes in the simulated
         world (fast, wide tests; one thread per rank)."""
-        from des_ops.comm import InProcessCollectives
         return cls(rank, world.world_size, InProcessCollectives(world, rank))
 
     @classmethod
@@ -81,7 +81,6 @@ class KeyExchange:
         slice sizes) is real, so the processes stay in step as in training. ``meet``: every
         collective is a real Horovod call without its payload (all-to-alls of no rows, allreduces
         of one float): the step's computation with all its meetings and waits, but no bytes."""
-        from des_ops.comm import launcher_rank, start_horovod_thread
         start_horovod_thread()
         rank, size = launcher_rank()
         return cls(rank, size, _NoCollectives(sync and size > 1, meet and size > 1))
@@ -210,7 +209,6 @@ class _NoCollectives:
             import horovod.tensorflow as hvd
             return hvd.allreduce(x, op=hvd.Sum, name=name)
         if self.meet:
-            from des_ops.comm import sync_processes
             return x * (1.0 + tf.minimum(tf.abs(tf.reduce_sum(sync_processes(x, name or "ps_meet"))), 0.0))   # x, after a meeting
         return tf.identity(x)
 

@@ -59,7 +59,6 @@ def compile_args(model) -> dict | None:
 def input_spec_of(model, sample=None):
     """The nested tf.TensorSpec of ``model``'s inputs: from ``sample`` (a batch), else from the
     spec Keras kept when the model was first called, else None."""
-    import tensorflow as tf
     if sample is not None:
         return tf.nest.map_structure(lambda t: tf.TensorSpec([None, *tf.convert_to_tensor(t).shape[1:]],
                                                              tf.convert_to_tensor(t).dtype), sample)

@@ -11,6 +11,8 @@ import json
 from typing import Iterator
 
 KINDS = ("categorical", "multi", "numeric")
+ID_BITS = 55                       # feature ids lie in [0, 2**ID_BITS) (des.data.hashing makes them so)
+ID_MASK = (1 << ID_BITS) - 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,42 @@
+"""Fused tables for a whole model: ``fuse_model`` puts the fusable tables of an untouched model
+(des.train --mode single's default, the parameter server's slices) into one TFRA table per width
+(des_ops.fused.FusedTable), keeping the model's function, state keys and checkpoints.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from des import state
+from des.ir import Graph, replay
+from des_ops.fused import fuse_nodes
+
+
+def fuse_model(model: tf.keras.Model) -> tuple[tf.keras.Model, list[str]]:
+    """``model`` (functional, untouched) with its fusable tables in one TFRA table per width: the same
+    function, the same state keys and checkpoints (des.state), one lookup and update per width.
+
+        >>> import models
+        >>> from des.data import FeatureSpec, Field
+        >>> spec = FeatureSpec((Field("C1", dim=4), Field("C2", dim=4)))
+        >>> fused, lines = fuse_model(models.deepfm(spec, hidden=(8,)))
+        >>> [line.split(":")[0].split("_model")[0] for line in lines]   # then the model's name, as Keras numbers it
+        ['fused table des_fused4', 'fused table des_fused1_linear']
+
+    Returns (the new model, one report line per fused table); the model itself if nothing fuses.
+    Its tables' inputs must be the model's inputs."""
+    graph = Graph(model)
+    keys = state.StateKeys.of_model(model)            # per table, before the rows move
+    nodes = [n for n in graph.nodes if n.kind == "table" and
+             all(graph.input_name(t) is not None for t in n.tensor_operands())]
+    fused, lines = fuse_nodes(graph, nodes, "model")
+    if not fused:
+        return model, lines
+    inputs = {t: graph.tensors[t] for t in graph.input_ids}
+    given = {}
+    for table, members in fused:
+        outs = table([tf.nest.map_structure(lambda x: inputs.get(id(x), x), m.call_args[0]) for m in members])
+        given.update({m.output: (lambda look, o=o: o) for m, o in zip(members, outs)})
+    cls = type(model) if type(model).__name__ not in ("Functional", "Sequential") else tf.keras.Model
+    new = replay(graph, {m.index for _, members in fused for m in members}, given, cls=cls, suffix="fused")
+    state.keep_state_keys(new, keys)
+    return new, lines

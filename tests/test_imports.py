@@ -1,0 +1,109 @@
+"""The import graph of the project's packages, read from the source (no import is run):
+models/ imports no other package of the project and des_ops/ only models/; the modules' top-level
+imports form no cycle; imports of the project's own modules sit at the top of files, except the
+few kept lazy on purpose (des's public API, des_ops' communicator names, the mode registry and the
+hooks that pick a communicator or fuse tables, and des.train's option parsing, so that a wrong
+option stops before TensorFlow loads)."""
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ("des", "des_ops", "models", "rewrite_rules")
+LAZY = {"des": 6, "des.train": 2, "des.modes": 2, "des.modes.base": 2, "des_ops": 1}   # module -> at most
+
+
+def _modules() -> dict[str, ast.Module]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = ast.parse(path.read_text())
+    return out
+
+
+def _targets(node: ast.AST, module: str, is_package: bool) -> list[str]:
+    """The project modules an import statement names (``from a import b``: a.b if that is a module)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    base = node.module or ""
+    if node.level:
+        parts = module.split(".")[:len(module.split(".")) - node.level + (1 if is_package else 0)]
+        base = ".".join(parts + ([base] if base else []))
+    return [base] + [f"{base}.{a.name}" for a in node.names]
+
+
+def _imports(modules: dict[str, ast.Module]) -> tuple[dict[str, set[str]], dict[str, list[int]]]:
+    """(top-level edges module -> project modules, function-level import lines per module).
+    Imports under ``if TYPE_CHECKING:`` are not edges (they never run)."""
+    top, inner = {}, {}
+    for name, tree in modules.items():
+        is_package = (ROOT / name.replace(".", "/") / "__init__.py").exists()
+        top[name] = set()
+        nested = {id(s) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                  for s in ast.walk(f)}
+        typing_only = {id(s) for n in ast.walk(tree) if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.dump(n.test)
+                       for s in ast.walk(n)}
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)) or id(node) in typing_only:
+                continue
+            names = [t for t in _targets(node, name, is_package) if t.split(".")[0] in PACKAGES]
+            if names and id(node) in nested:
+                inner.setdefault(name, []).append(node.lineno)
+            elif names:
+                top[name] |= {t for t in names if t in modules and t != name}
+    return top, inner
+
+
+def _cycle(top: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the top-level import graph, or None. (A package's __init__ importing its own
+    modules is no edge back: Python runs the __init__ first, and it is no cycle unless a module reads
+    a name of the package, which is an edge here.)"""
+    edges = top
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> list[str] | None:
+        state[m] = 1
+        for t in sorted(edges.get(m, ())):
+            if state.get(t) == 1:
+                return path[path.index(t):] + [t]
+            if t not in state and (found := visit(t, path + [t])):
+                return found
+        state[m] = 2
+        return None
+
+    for m in sorted(edges):
+        if m not in state and (found := visit(m, [m])):
+            return found
+    return None
+
+
+def test_lower_packages_import_nothing_above_them():
+    top, _ = _imports(_modules())
+    allowed = {"models": {"models"}, "des_ops": {"des_ops", "models"}}
+    bad = {m: sorted(t for t in targets if t.split(".")[0] not in allowed[m.split(".")[0]])
+           for m, targets in top.items() if m.split(".")[0] in allowed}
+    assert not {m: t for m, t in bad.items() if t}
+
+
+def test_top_level_imports_form_no_cycle():
+    top, _ = _imports(_modules())
+    assert _cycle(top) is None, "import cycle: " + " -> ".join(_cycle(top))
+
+
+def test_imports_sit_at_the_top_of_files():
+    _, inner = _imports(_modules())
+    over = {m: lines for m, lines in inner.items() if len(lines) > LAZY.get(m, 0)}
+    assert not over, f"function-level imports of project modules (module: lines): {over}"
+
+
+def test_the_checks_catch_a_cycle_and_a_function_level_import():
+    """Made-up modules: a -> b -> a is a cycle; an import inside a function is counted, not an edge;
+    one under TYPE_CHECKING is neither."""
+    fake = {"des_ops.a": ast.parse("from des_ops import b\n"),
+            "des_ops.b": ast.parse("import des_ops.a\nif TYPE_CHECKING:\n    import des.ir\n"
+                                   "def f():\n    from models import spec\n")}
+    top, inner = _imports(fake)
+    assert top == {"des_ops.a": {"des_ops.b"}, "des_ops.b": {"des_ops.a"}}
+    assert inner == {"des_ops.b": [5]}
+    assert _cycle(top) == ["des_ops.a", "des_ops.b", "des_ops.a"]
+    assert _cycle({"des_ops.a": {"des_ops.b"}, "des_ops.b": set()}) is None
