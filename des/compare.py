@@ -33,6 +33,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -130,6 +131,35 @@ def train_config(cell: Cell, model: str, data, a, summary: str) -> RunConfig:
         cache=CacheOptions(staleness=cell.staleness or "100", size=a.cache_size, on_demand=cell.on_demand,
                            plan_pushes=cell.plan_pushes),
         allocation=AllocationOptions(strategy=cell.allocation))
+
+
+class Progress:
+    """One line per finished run: runs done of all, the run, elapsed and an estimate of what is left
+    (the mean run so far times the runs to go).
+
+        >>> p = Progress(4, clock=iter([0.0, 30.0, 50.0]).__next__)
+        >>> p.done("lr des"); p.done("lr ps")
+        [compare] 1/4 done: lr des (0:30); elapsed 0:30, about 1:30 left
+        [compare] 2/4 done: lr ps (0:20); elapsed 0:50, about 0:50 left
+    """
+
+    def __init__(self, total: int, clock=time.perf_counter):
+        self.total, self.count, self.clock = total, 0, clock
+        self.start = self.last = clock()
+
+    def done(self, name: str) -> None:
+        now = self.clock()
+        self.count += 1
+        elapsed = now - self.start
+        left = elapsed / self.count * (self.total - self.count)
+        print(f"[compare] {self.count}/{self.total} done: {name} ({_clock(now - self.last)}); elapsed "
+              f"{_clock(elapsed)}, about {_clock(left)} left", flush=True)
+        self.last = now
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m}:{s:02d}"
 
 
 def run(key: str, model: str, data: str, a, out: str, launcher: list[str] | None = None,
@@ -406,10 +436,15 @@ def main(argv=None) -> int:
         run_a = copy.copy(a)
         run_data, evals = ensure_columnar(data_files(data), fmt, a.eval_data, meta)
         run_a.format, run_a.eval_data = "columnar", [evals] if evals else None
+    names = [m for m in a.models.split(",") if m]
+    progress = Progress(len(names) * len(keys))
     try:
-        for model in [m for m in a.models.split(",") if m]:
-            results[model] = {key: run(key, model, run_data, run_a, out, bed.mpirun(a.np) if bed else None,
-                                       options=tuple(train_options)) for key in keys}
+        for model in names:
+            results[model] = {}
+            for key in keys:
+                results[model][key] = run(key, model, run_data, run_a, out, bed.mpirun(a.np) if bed else None,
+                                          options=tuple(train_options))
+                progress.done(f"{model} {key}")
             curves[model] = bytes_curve(model, data, fmt, a, batches, meta)
     finally:
         if bed is not None:

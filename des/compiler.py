@@ -632,7 +632,6 @@ def _transform_towers(model: tf.keras.Model, towers: dict, sample, comm: Communi
         report.collectives = len(changed)
         report.widths = {k: w for r in changed for k, w in r.widths.items()}
         report.compiled = f"towers transformed one by one: {', '.join(a for a, r in reports.items() if r.changed)}"
-        model.des_towers = {a: r.plan for a, r in reports.items() if r.changed}
     return model, report
 
 

@@ -107,3 +107,14 @@ def test_the_checks_catch_a_cycle_and_a_function_level_import():
     assert inner == {"des_ops.b": [5]}
     assert _cycle(top) == ["des_ops.a", "des_ops.b", "des_ops.a"]
     assert _cycle({"des_ops.a": {"des_ops.b"}, "des_ops.b": set()}) is None
+
+
+def test_importing_the_clis_leaves_tensorflow_unstarted():
+    """des.train sets TensorFlow's thread counts (--threads) after importing the job, which TensorFlow
+    refuses once a tensor exists: no module may make one at import time (a class attribute did)."""
+    import subprocess
+    import sys
+    code = ("import des.job, des.compare, des.predict, des.export, des.netbed; import tensorflow as tf; "
+            "tf.config.threading.set_intra_op_parallelism_threads(1)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -172,8 +172,11 @@ def _not_finite(text: str) -> bool:
 class Libffm(_SparseText):
     """``label field:idx:val ...``; ``field`` indexes the spec's fields."""
     token_re = f"{FIELD_RE}:{IDX_RE}:{NUM_RE}"
-    record_defaults = [[tf.constant(0, tf.int64)], [""], [0.0]]
     syntax = "field:idx:val"
+
+    @property
+    def record_defaults(self) -> list:      # a property: a tensor made at import would start TensorFlow
+        return [[tf.constant(0, tf.int64)], [""], [0.0]]
 
     def place(self, cols, row, row_starts):
         field = cols[0]
