@@ -51,7 +51,7 @@ def test_sweep_n_2_3_5(name, optimizer):
         assert max(diff.values()) < TOL, (n, diff)
 
 
-@pytest.mark.parametrize("name", ["lr", "fm", "wdl", "deepfm"])
+@pytest.mark.parametrize("name", ["wdl", "deepfm"])     # the models with a linear part and a rest
 def test_ftrl_on_the_linear_part_adam_on_the_rest(name):
     """Wide&Deep's usual optimizers (FTRL for the linear part, Adam for the rest) under DES."""
     make = lambda: models.make_optimizer("adam", LR["adam"], linear="ftrl", linear_learning_rate=LR["ftrl"])  # noqa: E731

@@ -13,7 +13,7 @@ from helpers import write_small_ffm
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
            OMPI_MCA_mpi_yield_when_idle="1", TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
-TRAIN = ["-m", "des.train", "--model", "wdl", "--batch", "512", "--hidden", "16", "--dim", "4", "--threads", "1",
+TRAIN = ["-m", "des.train", "--model", "wdl", "--batch", "512", "--hidden", "256", "--dim", "4", "--threads", "1",
          "--holdout", "2000", "--lr", "0.02", "--replica-check", "0"]
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"), reason="network namespaces need root")
@@ -49,14 +49,16 @@ def test_des_and_ps_jobs_across_two_emulated_hosts(tmp_path):
     assert des[0]["auc"] == des[1]["auc"] and ps[0]["auc"] == ps[1]["auc"]
     assert abs(des[0]["auc"] - ps[0]["auc"]) < 1e-3 and des[0]["auc"] > 0.55
     for r in range(2):
-        payload = des[r]["bytes_per_step_measured"]                  # 4 * 512 * 17: each host sends it all at N=2
+        payload = des[r]["bytes_per_step_measured"]          # 4 * 512 * (1 + 256): each host sends it all at N=2
         wire_des, wire_ps = des[r]["wire_bytes_per_step"], ps[r]["wire_bytes_per_step"]
         ps_out = ps[r]["wire_out_bytes_per_step"] + ps[r]["allreduce_payload_bytes_per_step"]
         print(f"host {r + 1}: DES wire {wire_des:,.0f} B/step for a payload of {payload:,} "
               f"({wire_des / payload:.2f}x); PS wire {wire_ps:,.0f} B/step for {ps_out:,.0f} handed over "
               f"({wire_ps / ps_out:.2f}x)")
-        assert payload <= wire_des <= 2 * payload + 65536
-        assert ps_out <= wire_ps <= 2 * ps_out + 65536
+        # docs/netbed.md: a DES step put 1.06x its payload on the wire (TCP/IP headers, Horovod's
+        # coordination); measured here 1.05x at 526,336 B. The PS's many small all-to-alls: <= 2x.
+        assert payload <= wire_des <= 1.10 * payload
+        assert ps_out <= wire_ps <= 2 * ps_out
 
 
 @needs_root
