@@ -192,7 +192,7 @@ def run_sharded_world(world_size: int, work: Callable[[object], object]) -> list
         [(0, 3), (1, 3), (2, 3)]
     """
     world = InProcessWorld(world_size)
-    return _on_every_rank(world, lambda r: work(KeyExchange.in_process(world, r)))
+    return _on_every_rank(world, lambda r: work(KeyExchange(world.communicator(r))))
 
 
 def small_spec(n_fields: int = 6, dim: int = 4) -> FeatureSpec:

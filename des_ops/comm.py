@@ -1,4 +1,10 @@
-"""Communicators: the one collective DES needs (a SUM allreduce), behind one protocol.
+"""Communicators: the one collectives interface of every mode, behind one protocol.
+
+DES needs one collective, a SUM allreduce (``allreduce_sum``: identity gradient); its
+data-parallel tail adds all-gather and reduce-scatter; the parameter server and the cache route
+keys with all-to-all (des.baselines.ps.tables.KeyExchange, on a communicator). Backends:
+Horovod, mpi4py (allreduce and broadcast), the in-process simulated world, a world of one, and
+the timing-only no-op ones (``NoopCommunicator``).
 
     >>> comm = default_communicator()            # Horovod under mpirun/horovodrun, else size 1
     >>> comm
@@ -68,9 +74,13 @@ class Communicator:
         self.payload_bytes, self.calls = self.bytes["step"], self.ncalls["step"]
 
     def count(self, purpose: str, nbytes) -> tf.Operation:
-        """Add one collective call of ``nbytes`` handed over to the counters of ``purpose``."""
-        return tf.group(self.bytes[purpose].assign_add(tf.cast(nbytes, tf.int64)),
-                        self.ncalls[purpose].assign_add(1))
+        """Add one collective call of ``nbytes`` handed over to the counters of ``purpose``.
+        The call is counted once ``nbytes`` (computed from the input) exists: at the end of a
+        dataset of unknown length Keras starts one more step whose input never comes, and a
+        count with no data dependency would run in it."""
+        nbytes = tf.cast(nbytes, tf.int64)
+        with tf.control_dependencies([nbytes]):
+            return tf.group(self.bytes[purpose].assign_add(nbytes), self.ncalls[purpose].assign_add(1))
 
     def allreduce_counted(self, x: tf.Tensor, purpose: str) -> tf.Tensor:
         """``allreduce`` of ``x`` (no gradient) named ``des_<purpose>``, counted under ``purpose``."""
@@ -100,6 +110,12 @@ class Communicator:
         """Rows ``shard_rows(B, rank, world_size)`` of the sum of ``x`` over ranks (no gradient)."""
         raise NotImplementedError(f"{type(self).__name__} has no reduce-scatter")
 
+    def alltoall(self, x: tf.Tensor, splits: tf.Tensor, name: str) -> tuple[tf.Tensor, tf.Tensor]:
+        """Rows ``splits[d]`` of ``x`` (grouped by destination) go to rank d: returns (the rows
+        from every source, in source order; rows per source). No gradient; the parameter server's
+        key exchange (des.baselines.ps.tables.KeyExchange) builds its own on it."""
+        raise NotImplementedError(f"{type(self).__name__} has no all-to-all")
+
     def ring_bytes(self, payload: float) -> float:
         """Bytes one process sends (and receives) for a ring allreduce of ``payload`` bytes."""
         n = self.world_size
@@ -122,34 +138,62 @@ class LocalCommunicator(Communicator):
     def reducescatter(self, x, name="des_reducescatter"):
         return tf.identity(x)
 
+    def alltoall(self, x, splits, name="des_alltoall"):
+        return tf.identity(x), splits
+
     def broadcast(self, a, root=0):
         return a
 
 
 class NoopCommunicator(Communicator):
-    """This process's rank and world size from the launcher, but no collective: allreduce and
-    broadcast return their input. For timing a step's computation alone (des.timemodel); the
-    results are not the DES model's (the partials are not summed).
+    """This process's rank and world size from the launcher, but no collective moves a payload:
+    allreduce, all-to-all and broadcast return their input. For timing a step's computation
+    alone (des.timemodel); the results are not the model's (nothing is summed or exchanged).
 
-    ``SyncCommunicator`` (``--comm sync``) is the same with the processes kept in step: each
-    allreduce also allreduces one float with Horovod, so a step waits for the slowest process
-    as in training, but moves no payload."""
+    ``meet`` says which calls still meet the other processes with a real Horovod call, so that a
+    step waits for the slowest process as in training:
+
+    - ``"never"`` (``--comm noop``);
+    - ``"scalars"``: one-element allreduces are real sums (the PS's 4-byte slice sizes:
+      ``--mode ps --comm sync``);
+    - ``"every"``: those, and every other call meets without its payload (an allreduce of one
+      float, an all-to-all of no rows): ``--comm meet``, and DES's ``--comm sync``
+      (``SyncCommunicator``).
+
+    >>> NoopCommunicator(meet="every").alltoall(tf.ones([3, 1]), tf.constant([3]), "ids")[1].numpy()  # alone
+    array([3], dtype=int32)
+    >>> NoopCommunicator(meet="sometimes")
+    Traceback (most recent call last):
+    ValueError: meet='sometimes': one of never, scalars, every
+    """
     name = "noop"
-    sync = False
+    MEETS = ("never", "scalars", "every")
+    meet = "never"
 
-    def __init__(self, rank: int | None = None, world_size: int | None = None) -> None:
+    def __init__(self, rank: int | None = None, world_size: int | None = None, meet: str | None = None) -> None:
         start_horovod_thread()
         env_rank, env_size = launcher_rank()
         self.rank = env_rank if rank is None else rank
         self.world_size = env_size if world_size is None else world_size
+        if meet is not None:
+            if meet not in self.MEETS:
+                raise ValueError(f"meet={meet!r}: one of {', '.join(self.MEETS)}")
+            self.meet = meet
         super().__init__()
 
+    def _meets(self, x: tf.Tensor) -> bool:
+        return self.world_size > 1 and (self.meet == "every" or
+                                        (self.meet == "scalars" and x.shape.num_elements() == 1))
+
     def allreduce(self, x, name="des_allreduce"):
-        if self.sync and self.world_size > 1:
-            # x times exactly 1 computed from the sync: a data dependency that grappler cannot fold
-            # (a control dependency on the allreduce, or x + 0 * it, were optimised away: no wait)
-            return x * (1.0 + tf.minimum(tf.abs(tf.reduce_sum(sync_processes(x, name))), 0.0))
-        return tf.identity(x)
+        if not self._meets(x):
+            return tf.identity(x)
+        if x.shape.num_elements() == 1:
+            import horovod.tensorflow as hvd
+            return hvd.allreduce(x, op=hvd.Sum, name=op_name(name))
+        # x times exactly 1 computed from the meeting: a data dependency that grappler cannot fold
+        # (a control dependency on the allreduce, or x + 0 * it, were optimised away: no wait)
+        return x * (1.0 + tf.minimum(tf.abs(tf.reduce_sum(sync_processes(x, name))), 0.0))
 
     def allgather(self, x, name="des_allgather"):
         # timing only: N copies of this process's rows, the size of the gathered batch
@@ -159,14 +203,22 @@ class NoopCommunicator(Communicator):
         lo, hi = shard_rows(tf.shape(x)[0], self.rank, self.world_size)
         return self.allreduce(x, name)[lo:hi]
 
+    def alltoall(self, x, splits, name="des_alltoall"):
+        x = tf.convert_to_tensor(x)                      # a gradient may come as IndexedSlices
+        if self.meet != "every" or self.world_size == 1:
+            return tf.identity(x), tf.identity(splits)
+        import horovod.tensorflow as hvd
+        _, came = hvd.alltoall(x[:0], splits=tf.zeros_like(splits), name=op_name(name))  # no rows; splits meet
+        return tf.identity(x), splits + came             # + zeros: a data dependency on the meeting
+
     def broadcast(self, a, root=0):
         return a
 
 
 class SyncCommunicator(NoopCommunicator):
-    """A no-op communicator whose allreduce waits for every process (one float, Horovod)."""
+    """A no-op communicator whose every call waits for every process (one float, Horovod)."""
     name = "sync"
-    sync = True
+    meet = "every"
 
 
 def sync_processes(x: tf.Tensor, name: str = "des_sync") -> tf.Tensor:
@@ -218,6 +270,9 @@ class HorovodCommunicator(Communicator):
         with tf.control_dependencies([tf.debugging.assert_equal(tf.shape(y)[0], hi - lo, message=(
                 f"rank {self.rank}: Horovod's reducescatter split the batch unlike des_ops.comm.shard_rows"))]):
             return tf.identity(y)
+
+    def alltoall(self, x, splits, name="des_alltoall"):
+        return self._hvd.alltoall(x, splits=splits, name=op_name(name))
 
     def broadcast(self, a, root=0):
         self._broadcasts = getattr(self, "_broadcasts", 0) + 1
@@ -344,27 +399,6 @@ class InProcessWorld:
             return self._published[n].copy()
 
 
-class InProcessCollectives:
-    """Horovod's ``alltoall`` / ``allreduce`` signatures over an InProcessWorld, for
-    des.baselines.ps.tables.KeyExchange (the PS and cache modes in the simulated world). ``name`` must
-    say which collective this is (the same on every rank): ranks meet by name, not by order."""
-    Sum = "sum"
-
-    def __init__(self, world: InProcessWorld, rank: int):
-        self.world, self.rank = world, rank
-
-    def alltoall(self, x, splits, name: str):
-        x = tf.convert_to_tensor(x)
-        got, came = tf.numpy_function(lambda a, s: self.world.alltoall(self.rank, name, a, s),
-                                      [x, splits], [x.dtype, splits.dtype], stateful=True)
-        return tf.ensure_shape(got, [None, *x.shape[1:]]), tf.ensure_shape(came, [self.world.world_size])
-
-    def allreduce(self, x, op=None, name: str = "allreduce"):
-        y = tf.numpy_function(lambda a: self.world.rendezvous(self.rank, name, a, lambda values, r: _sum(values)),
-                              [x], x.dtype, stateful=True)
-        return tf.ensure_shape(y, x.shape)
-
-
 class InProcessCommunicator(Communicator):
     name = "in-process"
     blocking = True
@@ -389,6 +423,14 @@ class InProcessCommunicator(Communicator):
         y = tf.numpy_function(lambda a: self.world.rendezvous(self.rank, name, a, rows_of_sum), [x], x.dtype,
                               stateful=True)
         return tf.ensure_shape(y, [None, *x.shape[1:]])
+
+    def alltoall(self, x, splits, name="des_alltoall"):
+        """Ranks meet by ``name`` (the n-th call of a name meets the others' n-th), not by order:
+        a step's all-to-alls of several tables may run in any order on each rank."""
+        x = tf.convert_to_tensor(x)
+        got, came = tf.numpy_function(lambda a, s: self.world.alltoall(self.rank, name, a, s),
+                                      [x, splits], [x.dtype, splits.dtype], stateful=True)
+        return tf.ensure_shape(got, [None, *x.shape[1:]]), tf.ensure_shape(came, [self.world_size])
 
     def broadcast(self, a, root=0):
         self.count("broadcast", np.asarray(a).nbytes)

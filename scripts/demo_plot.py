@@ -16,11 +16,17 @@ def main(single: str, des: str, ps: str, out: str, report: str | None = None, co
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     s, d, p = (json.load(open(f)) for f in (single, des, ps))
+    for path, r in ((des, d), (ps, p)):
+        if not r.get("sent_bytes_per_step"):
+            sys.exit(f"error: {path}: no bytes per step were counted (sent_bytes_per_step "
+                     f"{r.get('sent_bytes_per_step')!r}); is it the summary of a run on 2 processes?")
     rows = [("Keras DeepFM, 1 process", s, "-"),
             ("Keras DeepFM, DES on 2 (mpirun)", d, f"{d['sent_bytes_per_step']:,.0f}"),
             ("DeepFM, parameter server on 2", p, f"{p['sent_bytes_per_step']:,.0f}")]
-    table = [f"| run | held-out AUC | log loss | bytes sent / step / process |", "|---|---|---|---|"]
-    table += [f"| {name} | {r['auc']:.4f} | {r['logloss']:.4f} | {b} |" for name, r, b in rows]
+    first = lambda r: f"{r['seconds_to_first_step']:.1f}" if r.get("seconds_to_first_step") else "-"  # noqa: E731
+    table = ["| run | held-out AUC | log loss | bytes sent / step / process | first step done (s after start) |",
+             "|---|---|---|---|---|"]
+    table += [f"| {name} | {r['auc']:.4f} | {r['logloss']:.4f} | {b} | {first(r)} |" for name, r, b in rows]
     print("\n".join(table))
     ratio = p["sent_bytes_per_step"] / d["sent_bytes_per_step"]
     verdict = f"{ratio:.1f}x fewer" if ratio >= 1 else f"{1 / ratio:.1f}x more"

@@ -82,7 +82,7 @@ def run(name: str, out: str, exchange: KeyExchange) -> None:
 
 
 def main(out: str, names: list[str]) -> None:
-    exchange = KeyExchange.horovod()
+    exchange = KeyExchange()
     for name in names or list(CONFIGS):
         start = time.perf_counter()
         run(name, out, exchange)

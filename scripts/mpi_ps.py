@@ -30,7 +30,7 @@ LR = {"sgd": 0.2, "adagrad": 0.05, "adam": 0.01, "ftrl": 0.05}
 
 
 def main(name: str, optimizer: str, out: str, tables: str = "per-field") -> None:
-    exchange = KeyExchange.horovod()
+    exchange = KeyExchange()
     rank, n = exchange.rank, exchange.world_size
     batches, probe = ps_batches()
     model = shard(models.build(name, PS_SPEC, seed=3, hidden=(8, 4)), exchange, fuse=tables == "fused")

@@ -4,9 +4,9 @@
 
 The last rank sleeps 0.4 s before each of 3 steps. Rank 0 times the steps of each timing
 communicator: ``noop`` (DES's) and the PS's no-op exchange do not wait for it; ``sync`` (DES's)
-and the PS's ``KeyExchange.noop(sync=True)`` do, and so does an all-to-all of the PS's
-``KeyExchange.noop(meet=True)`` (no rows move: it returns its input). Prints one JSON line of
-median seconds per step.
+and the PS's exchange over ``NoopCommunicator(meet="scalars")`` (``--mode ps --comm sync``) do,
+and so does an all-to-all over ``NoopCommunicator(meet="every")`` (``--comm meet``: no rows
+move, it returns its input). Prints one JSON line of median seconds per step.
 """
 import json
 import sys
@@ -48,9 +48,10 @@ def meet_alltoall(x):
 
 def main() -> None:
     global MEET
-    MEET = KeyExchange.noop(meet=True)
+    MEET = KeyExchange(NoopCommunicator(meet="every"))
     out = {"des_noop": steps(NoopCommunicator().allreduce), "des_sync": steps(SyncCommunicator().allreduce),
-           "ps_noop": steps(KeyExchange.noop().sum_across), "ps_sync": steps(KeyExchange.noop(sync=True).sum_across),
+           "ps_noop": steps(KeyExchange(NoopCommunicator()).sum_across),
+           "ps_sync": steps(KeyExchange(NoopCommunicator(meet="scalars")).sum_across),
            "ps_meet_allreduce": steps(lambda x: MEET.sum_across(tf.concat([x, x], 0))),
            "ps_meet_alltoall": steps(meet_alltoall)}
     if launcher_rank()[0] == 0:

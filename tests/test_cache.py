@@ -19,6 +19,7 @@ from des.data.readers import _slice_batch
 from des.verify import PS_SPEC, optimizer_factory, ps_batches
 from des.baselines.cache.tables import CacheConfig
 from des.baselines.ps.tables import KeyExchange
+from des_ops.comm import LocalCommunicator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
@@ -134,7 +135,7 @@ def test_cache_cli_under_mpirun(tmp_path):
 def test_a_world_of_one_caches_nothing_and_is_the_model():
     """One process owns every key: nothing is cached or sent, and training is the plain model's."""
     batches, probe = ps_batches()
-    model = cache(models.build("deepfm", PS_SPEC, seed=3, hidden=(8, 4)), KeyExchange.local(), staleness=10,
+    model = cache(models.build("deepfm", PS_SPEC, seed=3, hidden=(8, 4)), KeyExchange(LocalCommunicator()), staleness=10,
                   capacity=5)
     model.compile(optimizer_factory("adam", LR)(), "binary_crossentropy")
     ref = models.build("deepfm", PS_SPEC, seed=3, hidden=(8, 4))

@@ -7,7 +7,7 @@ bounded cache with bounded staleness on every worker (protocol: des.baselines.ca
     >>> spec = small_spec(n_fields=3, dim=4)
     >>> x, y = random_batches(spec, steps=1, batch=64)[0]
     >>> my_slice = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)   # this process's rows
-    >>> exchange = KeyExchange.horovod()         # under mpirun: all processes; else a world of one
+    >>> exchange = KeyExchange()         # under mpirun: all processes; else a world of one
     >>> model = cache(models.deepfm(spec, hidden=(8,)), exchange, staleness=10, capacity=0.1, spec=spec)
     >>> model.compile(make_optimizer("sgd"), "binary_crossentropy")
     >>> history = model.fit(my_slice, verbose=0)

@@ -26,7 +26,7 @@ row that changed: the PS mode, hence the single-process model, exactly. s = inf 
 re-reads a cached row (pushes at eviction and flushes only): the asynchronous limit.
 
     >>> cfg = CacheConfig(staleness=10, capacity=1000, eviction="lru")
-    >>> emb = CachedFieldEmbedding("C1", 8, KeyExchange.horovod(), cfg, seed=0)
+    >>> emb = CachedFieldEmbedding("C1", 8, KeyExchange(), cfg, seed=0)
     >>> emb(tf.constant([12345, 7], tf.int64)).shape        # inference: the owners' rows, as the PS reads
     TensorShape([2, 8])
 

@@ -17,7 +17,7 @@ from des.baselines.ps import rewrite as ps
 from des.baselines.ps.tables import KeyExchange
 from des.callbacks import CounterDeltas
 from des.modes.base import Mode, ModeError, epoch_seed
-from des_ops.comm import default_communicator, under_launcher
+from des_ops.comm import NoopCommunicator, default_communicator
 
 
 class PS(Mode):
@@ -26,13 +26,10 @@ class PS(Mode):
 
     def _communicator(self):
         kind = self.config.network.comm
-        self.exchange = (KeyExchange.noop(sync=kind == "sync", meet=kind == "meet")
-                         if kind in ("noop", "sync", "meet") else
-                         KeyExchange.horovod() if under_launcher() else KeyExchange.local())
-        comm = default_communicator("local")
-        comm.rank, comm.world_size = self.exchange.rank, self.exchange.world_size
+        meet = {"noop": "never", "sync": "scalars", "meet": "every"}.get(kind)   # timing only (des.timemodel)
+        self.exchange = KeyExchange(NoopCommunicator(meet=meet) if meet else default_communicator())
         self.allocators: list = []
-        return comm
+        return self.exchange.comm
 
     @property
     def global_batch(self) -> int:

@@ -6,7 +6,7 @@
     >>> spec = small_spec(n_fields=3, dim=4)
     >>> x, y = random_batches(spec, steps=1, batch=64)[0]
     >>> my_slice = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)   # this process's rows
-    >>> exchange = KeyExchange.horovod()         # under mpirun: all processes; else a world of one
+    >>> exchange = KeyExchange()         # under mpirun: all processes; else a world of one
     >>> ps_model = shard(models.deepfm(spec, hidden=(8,)), exchange)     # every FieldEmbedding -> sharded
     >>> ps_model.compile(make_optimizer("adam"), "binary_crossentropy")
     >>> history = ps_model.fit(my_slice, verbose=0)

@@ -15,7 +15,7 @@ model starts from exactly the weights of the single-process model.
     >>> import numpy as np
     >>> from models.layers import FieldEmbedding
     >>> ids = tf.constant([12345, 7], tf.int64)
-    >>> exchange = KeyExchange.horovod()                  # under mpirun: all processes; else a world of one
+    >>> exchange = KeyExchange()                          # under mpirun: all processes; else a world of one
     >>> emb = ShardedFieldEmbedding("C1", 8, exchange, seed=0)
     >>> rows = emb(ids)                                   # [B, 8], this process's slice
     >>> rows.shape, bool(np.array_equal(rows, FieldEmbedding("C1", 8, seed=0)(ids)))   # the same initial rows
@@ -33,9 +33,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from des.data.hashing import ID_MASK
-from des_ops.comm import (
-    InProcessCollectives, init_horovod, launcher_rank, op_name, start_horovod_thread, sync_processes
-)
+from des_ops.comm import Communicator, default_communicator
 from des_ops.fused import FUSED_CLASS, FusedTable
 from models.layers import FieldEmbedding
 from models.spec import PAD_ID
@@ -50,40 +48,17 @@ class KeyExchange:
     # what travels by all-to-all: PS ids / rows / gradient rows; cache queries / clocks / rows / pushes
     KINDS = ("ids", "rows", "grads", "query", "clock", "fetch", "push")
 
-    def __init__(self, rank: int, world_size: int, hvd=None):
-        self.rank, self.world_size, self._hvd = rank, world_size, hvd
+    def __init__(self, comm: Communicator | None = None):
+        """``comm`` (des_ops.comm) carries the all-to-alls and allreduces; default: Horovod under
+        mpirun, else a world of one. In a simulated world: ``KeyExchange(world.communicator(r))``;
+        for timing the computation alone: ``KeyExchange(NoopCommunicator(meet=...))``."""
+        self.comm = default_communicator() if comm is None else comm
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.counters = {n: tf.Variable(0, dtype=tf.int64, trainable=False, name=f"ps_{n}")
                          for n in self.COUNTERS}
-        vector = lambda name: tf.Variable(tf.zeros([world_size], tf.int64), trainable=False, name=name)  # noqa: E731
+        vector = lambda name: tf.Variable(tf.zeros([self.world_size], tf.int64), trainable=False, name=name)  # noqa: E731
         self.sent = {k: vector(f"a2a_sent_{k}") for k in self.KINDS}
         self.received = {k: vector(f"a2a_received_{k}") for k in self.KINDS}
-
-    @classmethod
-    def horovod(cls) -> "KeyExchange":
-        hvd = init_horovod()
-        return cls(hvd.rank(), hvd.size(), hvd)
-
-    @classmethod
-    def in_process(cls, world, rank: int) -> "KeyExchange":
-        """Rank ``rank`` of a des_ops.comm.InProcessWorld: the PS and cache modes in the simulated
-        world (fast, wide tests; one thread per rank)."""
-        return cls(rank, world.world_size, InProcessCollectives(world, rank))
-
-    @classmethod
-    def local(cls) -> "KeyExchange":
-        return cls(0, 1, None)
-
-    @classmethod
-    def noop(cls, sync: bool = False, meet: bool = False) -> "KeyExchange":
-        """The launcher's rank and size, but every all-to-all and allreduce returns its input:
-        each process looks up its own ids locally. For timing a PS step's computation alone
-        (des.timemodel); not a PS model's results. ``sync``: the step's first allreduce (the 4-byte
-        slice sizes) is real, so the processes stay in step as in training. ``meet``: every
-        collective is a real Horovod call without its payload (all-to-alls of no rows, allreduces
-        of one float): the step's computation with all its meetings and waits, but no bytes."""
-        start_horovod_thread()
-        rank, size = launcher_rank()
-        return cls(rank, size, _NoCollectives(sync and size > 1, meet and size > 1))
 
     def owner(self, keys: tf.Tensor) -> tf.Tensor:
         return tf.cast(tf.math.floormod(keys, self.world_size), tf.int32)
@@ -173,11 +148,11 @@ class KeyExchange:
         if self.world_size == 1:
             return tf.identity(x)
         with tf.control_dependencies([self._add(counter, tf.size(x) * x.dtype.size)]):
-            return self._hvd.allreduce(x, op=self._hvd.Sum, name=op_name(f"ps_{counter}"))
+            return self.comm.allreduce(x, f"ps_{counter}")
 
     def _alltoall(self, x, splits, name: str):
         """Every collective is named by what it moves, alike on every rank (Horovod matches by name)."""
-        return self._hvd.alltoall(x, splits=splits, name=op_name(f"ps_{name}"))
+        return self.comm.alltoall(x, splits, f"ps_{name}")
 
     def snapshot(self) -> dict:
         """The scalar counters, and ``sent``/``received`` bytes per process per all-to-all kind."""
@@ -185,32 +160,6 @@ class KeyExchange:
         out["sent"] = {k: v.numpy().tolist() for k, v in self.sent.items()}
         out["received"] = {k: v.numpy().tolist() for k, v in self.received.items()}
         return out
-
-
-class _NoCollectives:
-    """Horovod's alltoall / allreduce signatures, each returning its input (KeyExchange.noop);
-    with ``sync`` a one-element allreduce (the PS's slice sizes) is Horovod's real one; with
-    ``meet`` every call is a real one without its payload (the result: the input)."""
-    Sum = None
-
-    def __init__(self, sync: bool = False, meet: bool = False):
-        self.sync, self.meet = sync or meet, meet
-
-    def alltoall(self, x, splits, name=None):
-        if not self.meet:
-            return tf.identity(x), tf.identity(splits)
-        import horovod.tensorflow as hvd
-        x = tf.convert_to_tensor(x)                                      # a gradient may be IndexedSlices
-        _, came = hvd.alltoall(x[:0], splits=tf.zeros_like(splits), name=name)   # no rows; the splits still meet
-        return tf.identity(x), splits + came                             # + zeros: a data dependency
-
-    def allreduce(self, x, op=None, name=None):
-        if self.sync and x.shape.num_elements() == 1:
-            import horovod.tensorflow as hvd
-            return hvd.allreduce(x, op=hvd.Sum, name=name)
-        if self.meet:
-            return x * (1.0 + tf.minimum(tf.abs(tf.reduce_sum(sync_processes(x, name or "ps_meet"))), 0.0))   # x, after a meeting
-        return tf.identity(x)
 
 
 class ShardedFieldEmbedding(FieldEmbedding):
