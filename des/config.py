@@ -245,7 +245,8 @@ OPTIONS: list[Option] = [
             "next slice's are computed (the same results; K collectives per step instead of one)"),
     _o("--wire-dtype", default="float32", choices=["float32", "float16"],
        help="des: the partials' type on the wire; float16 halves the bytes and is summed in 16 bits by the "
-            "collective (NOT exact; float32 is)"),
+            "collective (NOT exact; float32 is); ps: the type rows and gradient rows travel in (float16: half "
+            "their bytes, rounded to 16 bits; ids and dense gradients unchanged)"),
     _o("--link", "network.link", default="10gbit",
        help="--tail auto: each process's network rate (tc units, e.g. 100mbit) the cost model assumes"),
     _o("--comm", "network.comm", default="auto",

@@ -182,17 +182,18 @@ def _on_every_rank(world: InProcessWorld, work: Callable[[int], object]) -> list
     return results
 
 
-def run_sharded_world(world_size: int, work: Callable[[object], object]) -> list:
+def run_sharded_world(world_size: int, work: Callable[[object], object], wire_dtype: str = "float32") -> list:
     """The PS / cache modes in the simulated world: ``work(exchange)`` on every rank in its own
-    thread, ``exchange`` a des.baselines.ps.tables.KeyExchange of an InProcessWorld; returns each rank's
-    result. Collectives meet by name (the table and the kind), so ranks may run them in any order.
+    thread, ``exchange`` a des.baselines.ps.tables.KeyExchange of an InProcessWorld (rows on the
+    wire in ``wire_dtype``); returns each rank's result. Collectives meet by name (the table and
+    the kind), so ranks may run them in any order.
 
         >>> outs = run_sharded_world(3, lambda ex: train(ps.shard(build(), ex), slices_of(ex.rank)))  # doctest: +SKIP
         >>> run_sharded_world(3, lambda ex: (ex.rank, ex.world_size))
         [(0, 3), (1, 3), (2, 3)]
     """
     world = InProcessWorld(world_size)
-    return _on_every_rank(world, lambda r: work(KeyExchange(world.communicator(r))))
+    return _on_every_rank(world, lambda r: work(KeyExchange(world.communicator(r), wire_dtype)))
 
 
 def small_spec(n_fields: int = 6, dim: int = 4) -> FeatureSpec:

@@ -112,3 +112,43 @@ def test_a_communicator_that_cannot_sum_float16_refuses_it():
     comm.wire_dtypes, comm.name = ("float32",), "mpi4py"
     with pytest.raises(ValueError, match="wire_dtype='float16': the mpi4py communicator sums float32 only"):
         des.transform(build("deepfm")(), comm=comm, wire_dtype="float16")
+
+
+def test_ps_float16_rows_halve_the_row_bytes_and_stay_close():
+    """--mode ps --wire-dtype float16: rows and gradient rows travel in 16 bits (half their bytes,
+    the ids' bytes unchanged), each step's counts equal the formula at 2 bytes a float, and the
+    model stays close to the float32 PS (which is the single process's), not equal to it."""
+    from des.baselines.ps.rewrite import analytic_bytes, dense_parameters, shard, table_inputs
+    from des.baselines.ps.tables import KeyExchange
+    from des.data.readers import _slice_batch
+    from des.verify import PS_SPEC, optimizer_factory, ps_batches, run_sharded_world
+    batches, probe = ps_batches(steps=4)
+    n, lr = 2, {"adam": 0.01}
+
+    def work(ex):
+        model = shard(models.build("deepfm", PS_SPEC, seed=3, hidden=(8, 4)), ex)
+        model.compile(optimizer_factory("adam", lr)(), "binary_crossentropy")
+        tables, dense = table_inputs(model), dense_parameters(model)
+        preds, steps = [], []
+        for x, y in batches:
+            xs, ys = _slice_batch(x, y, ex.rank, n)
+            before = ex.snapshot()
+            model.train_on_batch(xs, ys)
+            after = ex.snapshot()
+            an = analytic_bytes({k: v.numpy() for k, v in xs.items()}, tables, ex.rank, n, dense, bytes_per_float=2)
+            steps.append({k: (after[k] - before[k], an[k]) for k in ("ids_bytes", "rows_bytes", "grad_bytes")})
+            preds.append(model.predict_on_batch(probe))
+        return np.stack(preds), steps
+
+    runs = {wire: run_sharded_world(n, work, wire) for wire in ("float32", "float16")}
+    for (p32, s32), (p16, s16) in zip(runs["float32"], runs["float16"]):
+        assert all(m == a for step in s16 for m, a in step.values()), s16          # the formula at 2 bytes
+        for a, b in zip(s32, s16):                                                  # the same ids, half the rows
+            assert b["ids_bytes"][0] == a["ids_bytes"][0]
+            assert 2 * b["rows_bytes"][0] == a["rows_bytes"][0] and 2 * b["grad_bytes"][0] == a["grad_bytes"][0]
+        assert sum(step["rows_bytes"][0] for step in s16) > 0
+        diff = float(np.abs(p16 - p32).max())
+        print(f"PS float16 rows vs float32: max prediction diff {diff:.1e}")
+        assert 0 < diff < 5e-3
+    with pytest.raises(ValueError, match="wire_dtype='bfloat16': one of float32, float16"):
+        KeyExchange(wire_dtype="bfloat16")

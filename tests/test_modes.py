@@ -56,6 +56,11 @@ def test_every_registered_mode_is_made_and_the_cli_offers_exactly_those():
     ("cache", {"staleness": "0", "on_demand": True, "plan_pushes": True, "optimizer": "adam"},
      "--plan-pushes keeps updates in the workers' cache lines"),
     ("ps", {"plan_pushes": True}, "--plan-pushes is a plan of --mode cache"),
+    # options of another mode (the PS and the cache once ignored these without a word)
+    ("ps", {"micro_batches": 2}, "--micro-batches is an option of --mode des"),
+    ("cache", {"tail": "data_parallel"}, "--tail data_parallel is an option of --mode des"),
+    ("cache", {"wire_dtype": "float16"}, "--wire-dtype float16 is an option of --mode des (the partials) and ps"),
+    ("single", {"wire_dtype": "float16"}, "--wire-dtype float16 is an option of --mode des"),
 ])
 def test_options_that_do_not_apply_are_refused(name, kw, message):
     spec = small_spec()
@@ -66,7 +71,7 @@ def test_options_that_do_not_apply_are_refused(name, kw, message):
 def test_options_that_apply_are_accepted():
     spec = small_spec()
     batch = random_batches(spec, 1, 8)[0]
-    for name, kw in [("ps", {"allocate": "laia"}), ("cache", {"allocate": "random", "staleness": "0",
+    for name, kw in [("ps", {"allocate": "laia"}), ("ps", {"wire_dtype": "float16"}), ("cache", {"allocate": "random", "staleness": "0",
                                                                "on_demand": True, "cache_size": "5"})]:
         assert modes.make(name, make_run(spec, batch, mode=name, **kw)).name == name
 

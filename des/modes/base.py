@@ -83,12 +83,19 @@ class Mode:
                             f"--staleness 0")
         if self.config.allocation.top_k is not None:
             raise ModeError("--allocate-top-k is an option of --allocate laia (--mode ps and cache)")
-        if self.config.tail != "replicated" and self.name != "des":
-            raise ModeError(f"--tail {self.config.tail} is an option of --mode des")
-        if (self.config.micro_batches != 1 or self.config.wire_dtype != "float32") and self.name != "des":
-            raise ModeError(f"--{'micro-batches' if self.config.micro_batches != 1 else 'wire-dtype'} is an option "
-                            f"of --mode des")
-        if self.config.tables == "fused" and self.name not in ("single", "des", "ps"):
+        self._check_options_of_other_modes()
+
+    def _check_options_of_other_modes(self) -> None:
+        """Refuse the options that belong to other modes (every mode's check calls this)."""
+        a = self.config
+        if a.tail != "replicated" and self.name != "des":
+            raise ModeError(f"--tail {a.tail} is an option of --mode des")
+        if a.micro_batches != 1 and self.name != "des":
+            raise ModeError("--micro-batches is an option of --mode des")
+        if a.wire_dtype != "float32" and self.name not in ("des", "ps"):
+            raise ModeError(f"--wire-dtype {a.wire_dtype} is an option of --mode des (the partials) and ps (the "
+                            f"rows and gradient rows)")
+        if a.tables == "fused" and self.name not in ("single", "des", "ps"):
             raise ModeError(f"--tables fused is built by --mode single, des and ps; --mode {self.name} keeps one "
                             f"table per field")
 

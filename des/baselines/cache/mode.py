@@ -32,6 +32,7 @@ class Cache(PS):
         except ValueError as e:
             raise ModeError(str(e)) from None
         self._check_top_k()
+        self._check_options_of_other_modes()
         a = self.config
         if a.cache.plan_pushes and not (a.cache.on_demand and a.sgd_everywhere):
             raise ModeError("--plan-pushes keeps updates in the workers' cache lines until another process reads "

@@ -27,7 +27,8 @@ class PS(Mode):
     def _communicator(self):
         kind = self.config.network.comm
         meet = {"noop": "never", "sync": "scalars", "meet": "every"}.get(kind)   # timing only (des.timemodel)
-        self.exchange = KeyExchange(NoopCommunicator(meet=meet) if meet else default_communicator())
+        self.exchange = KeyExchange(NoopCommunicator(meet=meet) if meet else default_communicator(),
+                                    wire_dtype=self.config.wire_dtype)
         self.allocators: list = []
         return self.exchange.comm
 
@@ -41,6 +42,7 @@ class PS(Mode):
             raise ModeError(f"--{'on-demand' if cache.on_demand else 'plan-pushes'} is a plan of --mode cache "
                             f"--staleness 0")
         self._check_top_k()
+        self._check_options_of_other_modes()
 
     def _check_top_k(self) -> None:
         k = self.config.allocation.top_k

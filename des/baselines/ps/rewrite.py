@@ -122,11 +122,12 @@ def dense_parameters(model: tf.keras.Model) -> int:
 
 
 def analytic_bytes(feats: dict, tables: list[tuple[str, str | None, int]], rank: int, world_size: int,
-                   dense_params: int) -> dict[str, float]:
+                   dense_params: int, bytes_per_float: int = 4) -> dict[str, float]:
     """Bytes one process moves in one PS step, from its slice's ids (numpy), by the formulas:
 
     all-to-all: for each table, u = its distinct non-padding ids whose owner is another
-    process: 8u (ids out) + 4*dim*u (rows back) + 4*dim*u (gradient rows out);
+    process: 8u (ids out) + b*dim*u (rows back) + b*dim*u (gradient rows out), b =
+    ``bytes_per_float`` (4; 2 with float16 rows on the wire);
     dense: a ring allreduce of the 4*dense_params bytes of dense gradients sends 2(N-1)/N of it.
     ``tables``: (ids input name, weights input name or None, dim) per table.
     """
@@ -138,8 +139,8 @@ def analytic_bytes(feats: dict, tables: list[tuple[str, str | None, int]], rank:
         out["unique_ids"] += len(ids)
         out["remote_ids"] += remote
         out["ids_bytes"] += 8 * remote
-        out["rows_bytes"] += 4 * dim * remote
-        out["grad_bytes"] += 4 * dim * remote
+        out["rows_bytes"] += bytes_per_float * dim * remote
+        out["grad_bytes"] += bytes_per_float * dim * remote
     out["dense_bytes"] = 4 * dense_params if world_size > 1 else 0
     out["dense_ring_bytes"] = ring_share(world_size) * out["dense_bytes"]
     out["alltoall_bytes"] = out["ids_bytes"] + out["rows_bytes"] + out["grad_bytes"]
@@ -174,7 +175,7 @@ def traffic_summary(model: PSModel, steps: list[dict], rank: int, n: int) -> dic
     tables, dense = table_inputs(model), dense_parameters(model)
     exact, analytic = 0, []
     for ids, s in zip(model.recorded, steps):
-        an = analytic_bytes(ids, tables, rank, n, dense)
+        an = analytic_bytes(ids, tables, rank, n, dense, model.exchange.wire_dtype.size)
         an_sent = an["alltoall_bytes"] + an["dense_ring_bytes"] + (ring * 4 if n > 1 else 0)
         analytic.append(an_sent)
         exact += all(s[k] == an[k] for k in ("ids_bytes", "rows_bytes", "grad_bytes", "dense_bytes"))

@@ -33,7 +33,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from des.data.hashing import ID_MASK
-from des_ops.comm import Communicator, default_communicator
+from des_ops.comm import WIRE_DTYPES, Communicator, default_communicator
 from des_ops.fused import FUSED_CLASS, FusedTable
 from models.layers import FieldEmbedding
 from models.spec import PAD_ID
@@ -48,10 +48,15 @@ class KeyExchange:
     # what travels by all-to-all: PS ids / rows / gradient rows; cache queries / clocks / rows / pushes
     KINDS = ("ids", "rows", "grads", "query", "clock", "fetch", "push")
 
-    def __init__(self, comm: Communicator | None = None):
+    def __init__(self, comm: Communicator | None = None, wire_dtype: str = "float32"):
         """``comm`` (des_ops.comm) carries the all-to-alls and allreduces; default: Horovod under
         mpirun, else a world of one. In a simulated world: ``KeyExchange(world.communicator(r))``;
-        for timing the computation alone: ``KeyExchange(NoopCommunicator(meet=...))``."""
+        for timing the computation alone: ``KeyExchange(NoopCommunicator(meet=...))``.
+        ``wire_dtype``: the type rows and gradient rows travel in ("float16": half the bytes, the
+        rows rounded to 16 bits on the way; ids, dense gradients and tables stay as they are)."""
+        if wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire_dtype={wire_dtype!r}: one of {', '.join(WIRE_DTYPES)}")
+        self.wire_dtype = tf.as_dtype(wire_dtype)
         self.comm = default_communicator() if comm is None else comm
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.counters = {n: tf.Variable(0, dtype=tf.int64, trainable=False, name=f"ps_{n}")
@@ -84,9 +89,10 @@ class KeyExchange:
                                                           tag=tag)
         keys, where = tf.unique(received)                 # the same key may come from several processes
         rows = tf.reshape(tf.gather(local_rows(keys), where), [-1, dim])
-        back, _ = self.alltoall(rows, received_splits, "rows", add_received="rows_bytes",
+        # in wire_dtype both ways: the cast's gradient casts the gradient rows before they travel
+        back, _ = self.alltoall(tf.cast(rows, self.wire_dtype), received_splits, "rows", add_received="rows_bytes",
                                 grad_kind="grads", grad_add_sent="grad_bytes", tag=tag)
-        return tf.gather(back, tf.math.invert_permutation(order))
+        return tf.gather(tf.cast(back, rows.dtype), tf.math.invert_permutation(order))
 
     def alltoall(self, x: tf.Tensor, splits: tf.Tensor, kind: str, add_sent=None, add_received=None,
                  grad_kind: str | None = None, grad_add_sent=None, tag: str = ""):
