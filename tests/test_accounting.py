@@ -9,7 +9,7 @@ import des
 import models
 from des.callbacks import ReplicaCheck
 from des.verify import run_in_process_world
-from des_ops.comm import InProcessWorld, LocalCommunicator
+from des_ops.comm import InProcessWorld, LocalCommunicator, allreduce_sum
 from helpers import random_batches, small_spec
 
 SPEC = small_spec(4, dim=3)
@@ -19,8 +19,8 @@ BATCHES = random_batches(SPEC, 6, 32, seed=4)
 def test_every_collective_is_counted_by_purpose_with_the_bytes_handed_over():
     """6 fit steps with a replica check every 2 steps, then one predict, on 2 in-process ranks:
     the step allreduce holds 4*B*floats per step (one call per step), the replica check's allreduce
-    (not counted before) its N x (layers + 1) float64 table per check, the transform's broadcasts
-    their arrays; nothing else is counted."""
+    (not counted before) its N x (replicated layers + 1) float64 table per check, the transform's
+    broadcasts their arrays (rank 0's weights among them); nothing else is counted."""
     n = 2
 
     def work(m):
@@ -33,16 +33,21 @@ def test_every_collective_is_counted_by_purpose_with_the_bytes_handed_over():
         m.fit(tf.data.Dataset.from_tensor_slices((xs, ys)).batch(32), epochs=1, verbose=0, shuffle=False,
               callbacks=[check])
         m.predict_on_batch(BATCHES[0][0])
-        return before, comm.counted(), len(check.replicated_layers()), des.distributed(m).layer.floats_per_sample()
+        return before, comm.counted(), des.distributed(m).layer.floats_per_sample()
 
-    for before, after, layers, floats in run_in_process_world(n, lambda: models.build("deepfm", SPEC, seed=3,
-                                                                                        hidden=(8, 4)), work):
-        assert before["broadcast"]["calls"] > 0 and before["broadcast"]["bytes"] > 0   # at transform
+    build = lambda: models.build("deepfm", SPEC, seed=3, hidden=(8, 4))
+    for before, after, floats in run_in_process_world(n, build, work):
+        assert before["broadcast"]["calls"] > 0                                         # at transform
+        # at least the float32 Dense weights: dnn_0 12x8 + 8, dnn_1 8x4 + 4, dnn_out 4x1 + 1, bias 1 = 146 floats
+        assert before["broadcast"]["bytes"] >= 4 * (12 * 8 + 8 + 8 * 4 + 4 + 4 * 1 + 1 + 1)
         assert before["step"] == before["check"] == {"bytes": 0, "calls": 0}
         # DeepFM, 4 fields of width 3, first Dense of 8: LR 1 + FM (S 3, Q 1) + Dense 8 floats a sample
         assert floats == 1 + (3 + 1) + 8
+        # 6 fit steps + 1 predict, each 4 B * 13 floats * 32 samples
         assert after["step"] == {"calls": 6 + 1, "bytes": 4 * (1 + 4 + 8) * 32 * 7}
-        assert after["check"] == {"calls": 3, "bytes": 3 * n * (layers + 1) * 8}
+        # steps 2, 4, 6: a 2 x 5 float64 table, one column per replicated layer (dnn_0's bias, kept whole
+        # after the DES layer, dnn_1, dnn_out, bias) and one for the batch fingerprint: 3 * 2 * 5 * 8 B
+        assert after["check"] == {"calls": 3, "bytes": 3 * n * (4 + 1) * 8}
         assert after["broadcast"] == before["broadcast"] and after["barrier"] == {"bytes": 0, "calls": 0}
 
 
@@ -51,6 +56,10 @@ def test_allreduce_counted_counts_under_its_purpose_only():
     y = comm.allreduce_counted(tf.ones([3, 2], tf.float64), "barrier")
     assert np.array_equal(y.numpy(), np.ones([3, 2]))
     counted = comm.counted()
-    assert counted["barrier"] == {"bytes": 48, "calls": 1}
+    assert counted["barrier"] == {"bytes": 48, "calls": 1}                         # 3 * 2 float64s * 8 B
     assert all(counted[p] == {"bytes": 0, "calls": 0} for p in ("step", "check", "broadcast"))
     assert LocalCommunicator().counted()["step"] == {"bytes": 0, "calls": 0}
+    # the step allreduce counts what it hands over, 3 * 2 float32s * 4 B, not a ring's wire bytes (0 on one
+    # process; on 2 they equal the payload, so the test above cannot tell them apart)
+    allreduce_sum(comm, tf.ones([3, 2]))
+    assert comm.counted()["step"] == {"bytes": 24, "calls": 1}
