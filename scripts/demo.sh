@@ -36,4 +36,5 @@ echo "== side by side"
 mkdir -p reports
 $PY scripts/demo_plot.py $OUT/single.json $OUT/des.json $OUT/ps.json.rank0 $OUT/demo.png reports/demo.md \
   "$ROWS generated Criteo-like rows (39 fields, seed 0), last 10,000 held out; $STEPS steps of 1024 rows; Adam 1e-3; dim $DIM; MLP 64-32; 2 processes on one machine (mpirun, Horovod)"
+printf '\n`make demo` took %d s after set-up, the data generation included.\n' $((SECONDS - T0)) >> reports/demo.md
 echo "== done in $((SECONDS - T0)) s: the table above is reports/demo.md, the plot $OUT/demo.png"
