@@ -58,3 +58,30 @@ def single_process_predictions(name: str, optimizer: str, learning_rates: dict, 
         ref.train_on_batch(x, y)
         out.append(ref.predict_on_batch(probe))
     return (out, snapshot(ref)) if with_snapshot else out
+
+
+def train_ps_counting(exchange, batches, probe, fuse: bool = False, bytes_per_float: int = 4,
+                      learning_rate: float = 0.01):
+    """One rank of a PS DeepFM (PS_SPEC, seed 3, hidden 8,4, Adam) trained on its slice of each
+    global batch: its predictions on ``probe`` after every step, the model, and per step and
+    counter (ids/rows/grad bytes, unique/remote ids) the pair (measured at the all-to-alls,
+    des.baselines.ps.rewrite.analytic_bytes of the slice's ids at ``bytes_per_float``)."""
+    import models
+    from des.baselines.ps.rewrite import analytic_bytes, dense_parameters, shard, table_inputs
+    from des.data.readers import _slice_batch
+    from des.verify import PS_SPEC, optimizer_factory
+    model = shard(models.build("deepfm", PS_SPEC, seed=3, hidden=(8, 4)), exchange, fuse=fuse)
+    model.compile(optimizer_factory("adam", {"adam": learning_rate})(), "binary_crossentropy")
+    tables, dense = table_inputs(model), dense_parameters(model)
+    rank, n = exchange.rank, exchange.world_size
+    preds, steps = [], []
+    for x, y in batches:
+        xs, ys = _slice_batch(x, y, rank, n)
+        before = exchange.snapshot()
+        model.train_on_batch(xs, ys)
+        after = exchange.snapshot()
+        an = analytic_bytes({k: v.numpy() for k, v in xs.items()}, tables, rank, n, dense, bytes_per_float)
+        steps.append({k: (after[k] - before[k], an[k])
+                      for k in ("ids_bytes", "rows_bytes", "grad_bytes", "unique_ids", "remote_ids")})
+        preds.append(model.predict_on_batch(probe))
+    return preds, model, steps

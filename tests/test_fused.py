@@ -231,29 +231,15 @@ def test_fused_ps_equals_the_single_process_and_moves_the_per_field_bytes(n):
     every row equal the untouched single process's; the bytes measured at the all-to-alls equal
     the per-table formula (des.baselines.ps.rewrite.analytic_bytes) step by step. N = 3: the batch of 2 rows leaves
     one process an empty slice."""
-    from helpers import single_process_predictions
+    from helpers import single_process_predictions, train_ps_counting
 
-    from des.baselines.ps.rewrite import analytic_bytes, dense_parameters, shard, table_inputs
-    from des.data.readers import _slice_batch
-    from des.verify import PS_SPEC, optimizer_factory, ps_batches, run_sharded_world, snapshot
+    from des.verify import ps_batches, run_sharded_world, snapshot
     lr = {"adam": 0.01}
     batches, probe = ps_batches()
     expected, ref = single_process_predictions("deepfm", "adam", lr, batches, probe, with_snapshot=True)
 
     def work(ex):
-        model = shard(models.build("deepfm", PS_SPEC, seed=3, hidden=(8, 4)), ex, fuse=True)
-        model.compile(optimizer_factory("adam", lr)(), "binary_crossentropy")
-        tables, dense = table_inputs(model), dense_parameters(model)
-        preds, exact = [], []
-        for x, y in batches:
-            xs, ys = _slice_batch(x, y, ex.rank, n)
-            before = ex.snapshot()
-            model.train_on_batch(xs, ys)
-            after = ex.snapshot()
-            an = analytic_bytes({k: v.numpy() for k, v in xs.items()}, tables, ex.rank, n, dense)
-            exact.append({k: (after[k] - before[k], an[k]) for k in ("ids_bytes", "rows_bytes", "grad_bytes",
-                                                                       "unique_ids", "remote_ids")})
-            preds.append(model.predict_on_batch(probe))
+        preds, model, exact = train_ps_counting(ex, batches, probe, fuse=True, learning_rate=lr["adam"])
         return preds, exact, len(layers_fused(model)), snapshot(model)
 
     runs = run_sharded_world(n, work)

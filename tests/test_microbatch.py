@@ -118,29 +118,17 @@ def test_ps_float16_rows_halve_the_row_bytes_and_stay_close():
     """--mode ps --wire-dtype float16: rows and gradient rows travel in 16 bits (half their bytes,
     the ids' bytes unchanged), each step's counts equal the formula at 2 bytes a float, and the
     model stays close to the float32 PS (which is the single process's), not equal to it."""
-    from des.baselines.ps.rewrite import analytic_bytes, dense_parameters, shard, table_inputs
+    from helpers import train_ps_counting
+
     from des.baselines.ps.tables import KeyExchange
-    from des.data.readers import _slice_batch
-    from des.verify import PS_SPEC, optimizer_factory, ps_batches, run_sharded_world
+    from des.verify import ps_batches, run_sharded_world
     batches, probe = ps_batches(steps=4)
-    n, lr = 2, {"adam": 0.01}
 
     def work(ex):
-        model = shard(models.build("deepfm", PS_SPEC, seed=3, hidden=(8, 4)), ex)
-        model.compile(optimizer_factory("adam", lr)(), "binary_crossentropy")
-        tables, dense = table_inputs(model), dense_parameters(model)
-        preds, steps = [], []
-        for x, y in batches:
-            xs, ys = _slice_batch(x, y, ex.rank, n)
-            before = ex.snapshot()
-            model.train_on_batch(xs, ys)
-            after = ex.snapshot()
-            an = analytic_bytes({k: v.numpy() for k, v in xs.items()}, tables, ex.rank, n, dense, bytes_per_float=2)
-            steps.append({k: (after[k] - before[k], an[k]) for k in ("ids_bytes", "rows_bytes", "grad_bytes")})
-            preds.append(model.predict_on_batch(probe))
+        preds, _, steps = train_ps_counting(ex, batches, probe, bytes_per_float=ex.wire_dtype.size)
         return np.stack(preds), steps
 
-    runs = {wire: run_sharded_world(n, work, wire) for wire in ("float32", "float16")}
+    runs = {wire: run_sharded_world(2, work, wire) for wire in ("float32", "float16")}
     for (p32, s32), (p16, s16) in zip(runs["float32"], runs["float16"]):
         assert all(m == a for step in s16 for m, a in step.values()), s16          # the formula at 2 bytes
         for a, b in zip(s32, s16):                                                  # the same ids, half the rows
