@@ -21,7 +21,9 @@ then the dense allreduce - 5 phases, 3 T + 2 calls. Horovod runs the collectives
 thread, so the PS's per-table work (deduplicating one table's ids, the owner's lookup) goes on
 while other tables' bytes travel: ``overlap`` is the share of its computation that runs while
 its bytes travel (calibrated on the netbed, ``calibrate_overlap``). DES's one allreduce needs
-every partial, and the rest of the step needs its result: nothing overlaps. Computation is
+every partial, and the rest of the step needs its result: nothing overlaps, unless the batch is
+cut into K micro-batches (``des_traffic(p, K)``, ``sliced_compute``): then slice k's allreduce
+travels while slice k+1's partials are computed (``pipeline``). Computation is
 measured with the collectives replaced by no-ops (``des.train --comm noop``), or better with
 the processes still kept in step by one 4-byte allreduce per step (``--comm sync``): a
 synchronous step waits for the slowest process, and on shared cores that wait is most of DES's
@@ -90,27 +92,63 @@ class Network:
 
 
 def step_time(compute: float, traffic: dict, n: int, net: Network, cores: int | None = None,
-              overlap: float = 0.0) -> dict:
+              overlap: float = 0.0, sliced_compute: float = 0.0) -> dict:
     """Seconds per step and its terms. ``traffic`` (one process, one step): {"phases": k,
     "allreduce": [payload bytes per call], "alltoall": [(bytes out, bytes in) per call]}.
     ``cores``: the cores the n processes shared when ``compute`` was timed and share when they
     run (None: one host each). ``overlap``: the share of the computation that runs while the
     step's bytes travel (``calibrate_overlap``; 0 = none: DES's one allreduce waits for every
     partial), so the step is (1 - overlap) x computation + communication, and never less than
-    either term alone."""
+    either term alone. ``traffic["slices"]`` K > 1 (DES's micro-batches, ``des_traffic(p, K)``):
+    ``sliced_compute`` seconds of the computation (the partials' forward) run in K slices, each
+    followed by its own collective (a K-th of the communication), so the slices' computation and
+    communication form a two-stage pipeline (``pipeline``)."""
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"overlap {overlap}: a share of the computation, 0..1")
+    if not 0.0 <= sliced_compute <= compute:
+        raise ValueError(f"sliced_compute {sliced_compute}: a part of the computation, 0..{compute}")
     fixed = bandwidth = 0.0
     if n > 1:
         calls = len(traffic.get("allreduce", [])) + len(traffic.get("alltoall", []))
         fixed = traffic.get("phases", 1) * net.cycle + calls * net.call_time(n)
         bandwidth = sum(ring_share(n) * p for p in traffic.get("allreduce", [])) / net.bandwidth
         bandwidth += sum(max(o, i) for o, i in traffic.get("alltoall", [])) / (net.alltoall_bandwidth or net.bandwidth)
-    own = compute * min(1.0, cores / n) if cores else compute     # one process's path with a core of its own
+    share = min(1.0, cores / n) if cores else 1.0     # one process's path with a core of its own
+    own, sliced = compute * share, sliced_compute * share
     comm = fixed + bandwidth
-    total = max(compute, comm, own * (1.0 - overlap) + comm)
+    slices = traffic.get("slices", 1)
+    path = own * (1.0 - overlap) - sliced + pipeline(sliced, comm, slices)
+    total = max(compute, comm, path)
     return {"n": n, "compute": compute, "fixed": fixed, "bandwidth": bandwidth, "total": total,
-            "own_compute": own, "overlap": overlap, "comm_share": comm / total if total else 0.0}
+            "own_compute": own, "overlap": overlap, "sliced_compute": sliced, "slices": slices,
+            "comm_share": comm / total if total else 0.0}
+
+
+def pipeline(compute: float, communication: float, slices: int) -> float:
+    """Seconds of K slices, each computed (``compute`` / K) and then sent (``communication`` / K)
+    while the next is computed: the first slice's computation, K - 1 stages of the slower of the
+    two, the last slice's communication. K = 1: compute + communication.
+
+    >>> [round(pipeline(c, m, k), 3) for c, m, k in ((0.4, 0.8, 1), (0.4, 0.8, 4), (0.8, 0.4, 4))]
+    [1.2, 0.9, 0.9]
+    """
+    c, m = compute / slices, communication / slices
+    return c + (slices - 1) * max(c, m) + m
+
+
+def calibrate_sliced(measured: float, compute: float, communication: float, slices: int) -> float:
+    """The ``sliced_compute`` that makes ``step_time`` equal a step measured with K > 1 slices
+    (one host each), where the slices' communication is the slower stage: measured = compute -
+    s + s / K + communication, clipped to 0..compute. Where the computation is the slower stage
+    the step (compute + communication / K) does not depend on s: calibrate at the K whose
+    communication weighs most, then predict the other K with it.
+
+    >>> round(calibrate_sliced(1.15, 0.5, 0.8, 4), 3)     # 1.15 = 0.5 - s + s / 4 + 0.8
+    0.2
+    """
+    if slices < 2:
+        raise ValueError("calibrate_sliced: needs a step measured with 2 or more slices")
+    return min(compute, max(0.0, (compute + communication - measured) / (1.0 - 1.0 / slices)))
 
 
 def calibrate_overlap(measured: float, compute: float, communication: float) -> float:
@@ -127,9 +165,16 @@ def calibrate_overlap(measured: float, compute: float, communication: float) -> 
     return min(1.0, max(0.0, (compute + communication - measured) / compute))
 
 
-def des_traffic(payload_bytes: float) -> dict:
-    """DES: one phase, one allreduce of the partials (4 B w bytes)."""
-    return {"phases": 1, "allreduce": [payload_bytes]}
+def des_traffic(payload_bytes: float, slices: int = 1) -> dict:
+    """DES: one phase, one allreduce of the partials (4 B w bytes); with K micro-batches K phases
+    (each slice's allreduce waits its own Horovod cycle) of a K-th of the bytes each.
+
+    >>> des_traffic(1000.0, 2)
+    {'phases': 2, 'allreduce': [500.0, 500.0], 'slices': 2}
+    """
+    if slices == 1:
+        return {"phases": 1, "allreduce": [payload_bytes]}
+    return {"phases": slices, "allreduce": [payload_bytes / slices] * slices, "slices": slices}
 
 
 def des_tail_traffic(payload_bytes: float, output_bytes: float, tail_gradient_bytes: float) -> dict:

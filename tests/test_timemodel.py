@@ -74,6 +74,26 @@ def test_computation_that_runs_while_the_bytes_travel():
         step_time(0.3, traffic, 2, net, overlap=1.5)
 
 
+def test_micro_batches_pipeline_the_partials_with_their_allreduces():
+    """DES with 4 micro-batches, N=2 (the ring sends P), 10 MB/s, a 1 ms cycle per slice: 4 MB of
+    partials = 400 ms + 4 cycles = 404 ms, 101 ms a slice. 500 ms of computation, 200 of it the
+    partials' forward (50 ms a slice): 300 + 50 + 3 x max(50, 101) + 101 = 754 ms, against
+    500 + 401 = 901 ms in one slice. When the slices' computation is the slower stage (500 ms of
+    partials, 44 ms of bytes): 4 x 125 + 11 = 511 ms. calibrate_sliced inverts the first."""
+    net = Network(1e7, latency=0.0, cycle=1e-3, call=0.0)
+    assert des_traffic(4e6, 4) == {"phases": 4, "allreduce": [1e6] * 4, "slices": 4}
+    assert step_time(0.5, des_traffic(4e6), 2, net)["total"] == pytest.approx(0.901)
+    assert step_time(0.5, des_traffic(4e6), 2, net, sliced_compute=0.2)["total"] == pytest.approx(0.901)
+    four = step_time(0.5, des_traffic(4e6, 4), 2, net, sliced_compute=0.2)
+    assert four["total"] == pytest.approx(0.754) and four["fixed"] == pytest.approx(0.004)
+    assert step_time(0.5, des_traffic(4e5, 4), 2, net, sliced_compute=0.5)["total"] == pytest.approx(0.511)
+    assert step_time(0.5, des_traffic(4e6, 4), 2, net)["total"] == pytest.approx(0.904)   # nothing sliced
+    assert timemodel.calibrate_sliced(0.754, 0.5, 0.404, 4) == pytest.approx(0.2)
+    assert timemodel.calibrate_sliced(2.0, 0.5, 0.404, 4) == 0.0
+    with pytest.raises(ValueError, match="sliced_compute 0.6"):
+        step_time(0.5, des_traffic(4e6, 4), 2, net, sliced_compute=0.6)
+
+
 def test_one_process_has_no_communication():
     t = step_time(0.01, ps_traffic(39, 1e6, 1e6, 1e6), 1, Network.parse("1gbit"))
     assert t["total"] == 0.01 and t["comm_share"] == 0.0
