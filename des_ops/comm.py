@@ -58,6 +58,7 @@ class Communicator:
     name = "base"
     rank = 0
     world_size = 1
+    broadcasts = True      # broadcast hands every rank the root's array (timing-only ones may not)
     PURPOSES = ("step", "tail", "check", "barrier", "broadcast")
     wire_dtypes = WIRE_DTYPES   # the types ``allreduce`` sums (des.transform's wire_dtype)
     # True when ``allreduce`` blocks a TensorFlow thread until every rank has called it (mpi4py,
@@ -146,9 +147,12 @@ class LocalCommunicator(Communicator):
 
 
 class NoopCommunicator(Communicator):
-    """This process's rank and world size from the launcher, but no collective moves a payload:
-    allreduce, all-to-all and broadcast return their input. For timing a step's computation
+    """This process's rank and world size from the launcher, but no collective of a step moves a
+    payload: allreduce and all-to-all return their input. For timing a step's computation
     alone (des.timemodel); the results are not the model's (nothing is summed or exchanged).
+    ``broadcast`` (eager, at transform: rank 0's weights, the plan agreement of ``agree``) is a
+    real one when the communicator meets the others at all, and returns the input with
+    ``meet="never"`` (``broadcasts`` is then False and ``agree`` has nothing to compare).
 
     ``meet`` says which calls still meet the other processes with a real Horovod call, so that a
     step waits for the slowest process as in training:
@@ -211,8 +215,16 @@ class NoopCommunicator(Communicator):
         _, came = hvd.alltoall(x[:0], splits=tf.zeros_like(splits), name=op_name(name))  # no rows; splits meet
         return tf.identity(x), splits + came             # + zeros: a data dependency on the meeting
 
+    @property
+    def broadcasts(self) -> bool:
+        return self.meet != "never" and self.world_size > 1
+
     def broadcast(self, a, root=0):
-        return a
+        if not self.broadcasts:
+            return a
+        import horovod.tensorflow as hvd
+        self._broadcasts = getattr(self, "_broadcasts", 0) + 1
+        return hvd.broadcast(tf.constant(a), root_rank=root, name=f"des_broadcast_{self._broadcasts}").numpy()
 
 
 class SyncCommunicator(NoopCommunicator):
@@ -510,8 +522,9 @@ def agree(comm: Communicator, what: str, text: str) -> None:
     """Raise DisagreementError on every rank whose ``text`` differs from rank 0's, naming this
     rank, rank 0 and both values: a check made before the first collective of a step, so that
     a disagreement ends the job at once instead of hanging it (under mpirun, a rank that raises
-    ends the job). Two broadcasts (length, then rank 0's bytes)."""
-    if comm.world_size == 1:
+    ends the job). Two broadcasts (length, then rank 0's bytes); nothing to compare on a
+    timing communicator that never meets the others (``--comm noop``)."""
+    if comm.world_size == 1 or not comm.broadcasts:
         return
     mine = np.frombuffer(text.encode(), np.uint8)
     size = int(comm.broadcast(np.array([mine.size], np.int64), 0)[0])

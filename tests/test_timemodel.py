@@ -105,7 +105,8 @@ def test_sync_computation_waits_for_the_slowest_process_and_noop_does_not():
     """Under mpirun (2 ranks, the last sleeping 0.4 s before each step): the timing communicators
     of ``--comm noop`` do not wait for it, those of ``--comm sync`` (DES's allreduce, the PS's
     slice-size allreduce) do - the model's computation term includes that wait -, and so does
-    every call of ``--comm meet`` (the PS's allreduces and its all-to-alls of no rows)."""
+    every call of ``--comm meet`` (the PS's allreduces and its all-to-alls of no rows). The plan
+    agreement compares ranks over ``sync`` and has nothing to compare over ``noop``."""
     import json
     import os
     import subprocess
@@ -116,7 +117,15 @@ def test_sync_computation_waits_for_the_slowest_process_and_noop_does_not():
     done = subprocess.run(["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable,
                            "scripts/mpi_sync.py"], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    t = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    t = next(line for line in lines if "des_sync" in line)
+    said = {line["rank"]: line for line in lines if "rank" in line}
+    # the plan agreement over the timing communicators (des.train --comm noop/sync under mpirun
+    # stopped at transform: the no-op broadcast handed rank 1 zeros as rank 0's plan)
+    assert said[0] == {"rank": 0, "noop": "agreed", "sync": "agreed"}, said
+    assert said[1]["noop"] == "agreed", said
+    assert said[1]["sync"] == ("rank 1 of 2 disagrees with rank 0 on the plan: rank 0 has 'F0 -> 0', "
+                               "rank 1 has 'F0 -> 0, F1 -> 0'"), said
     assert t["des_sync"] > 0.3 and t["ps_sync"] > 0.3, t
     assert t["ps_meet_allreduce"] > 0.3 and t["ps_meet_alltoall"] > 0.3, t    # --comm meet: every call waits
     assert t["des_noop"] < 0.2 and t["ps_noop"] < 0.2, t
