@@ -130,6 +130,7 @@ def main(argv=None) -> int:
     ax.plot(ks, [1.2 * r["bound"] * 1e3 for r in rows], ":", color="0.7", label="1.2 x that (target)")
     ax.set(xscale="log", xticks=ks, xticklabels=[str(k) for k in ks], xlabel="micro-batches K",
            ylabel="step (ms)", ylim=(0, None), title=f"DES {a.model}, N={a.np}, {a.rate}, batch {a.batch}")
+    ax.minorticks_off()
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(a.out, "step_vs_k.png"), dpi=110)
