@@ -388,6 +388,7 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     report.penalty_column = own.penalty_column
     report.tail, report.tail_reason = tail, tail_reason
     report.micro_batches, report.wire_dtype = micro_batches, wire_dtype
+    state.trace_once(new_model)
     report.compiled = _compile_like(model, new_model)
     if released:
         _mark_consumed(model)

@@ -236,6 +236,34 @@ def create_slots(model: tf.keras.Model, optimizer) -> None:
         create_optimizer_weights(part, mine)
 
 
+def trace_once(model: tf.keras.Model) -> tf.keras.Model:
+    """Make Keras trace ``model``'s training step once, not twice: the optimizer's slots are
+    created just before the step is first traced (a tf.function that creates variables on its
+    first call is traced a second time without them; for a DES model that doubles the first
+    step). Optimizers without legacy Keras slot creation are left to Keras. Returns ``model``.
+
+    >>> import models
+    >>> from models.spec import FeatureSpec, Field
+    >>> spec = FeatureSpec((Field("user", "categorical", 2, 10), Field("ad", "categorical", 2, 10)))
+    >>> m = trace_once(models.build("fm", spec))
+    >>> m.compile(models.make_optimizer("adagrad"), "binary_crossentropy")
+    >>> _ = m.train_on_batch({"user": tf.constant([1, 2]), "ad": tf.constant([3, 4])}, tf.constant([0., 1.]))
+    >>> m.train_function.experimental_get_tracing_count()
+    1
+    """
+    make = model.make_train_function
+
+    def make_train_function(force: bool = False):
+        optimizer = getattr(model, "optimizer", None)
+        if (model.train_function is None or force) and optimizer is not None and all(
+                hasattr(part, "_create_all_weights") for part in optimizer_parts(optimizer)):
+            create_slots(model, optimizer)
+        return make(force)
+
+    model.make_train_function = make_train_function
+    return model
+
+
 def _trainable_of(layer, source):
     """The variable the optimizer sees for a table layer (TFRA: its shadow or its fused table's; Keras: the matrix)."""
     return source.trainable(layer)

@@ -127,7 +127,9 @@ class CacheModel(PSModel):
             def run():
                 pushes = [(layer, layer.push(*layer.pending(clear))) for layer, _ in self.cached_tables()]
                 self.optimizer.apply_gradients(self._owner_gradients(pushes))
-            self._flush_fns[clear] = tf.function(run)
+            # plain graph code (no Python control flow on tensors): autograph's conversion of the
+            # optimizer's apply_gradients cost ~15 s a process at the first flush
+            self._flush_fns[clear] = tf.function(run, autograph=False)
         steps = [(v, v.numpy()) for v in _iteration_variables(self.optimizer)]
         self._flush_fns[clear]()
         for v, n in steps:

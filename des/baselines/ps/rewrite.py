@@ -29,6 +29,7 @@ from tensorflow_recommenders_addons import dynamic_embedding as de
 from des.baselines.ps.tables import KeyExchange, ShardedFieldEmbedding
 from des.fusion import fuse_model
 from des.ir import Graph, replay
+from des.state import trace_once
 from des_ops.wire import ring_share
 
 
@@ -112,7 +113,7 @@ def shard(model: tf.keras.Model, exchange: KeyExchange, make_table=None, cls=PSM
         tables = table_inputs(ps)
         fused, lines = fuse_model(ps)
         ps = fused.use(exchange, tables, lines)
-    return ps
+    return trace_once(ps)
 
 
 def dense_parameters(model: tf.keras.Model) -> int:
