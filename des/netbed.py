@@ -250,7 +250,8 @@ class Netbed:
                "--oversubscribe", "--mca", "plm_rsh_agent", AGENT, "--mca", "btl", "tcp,self",
                "--mca", "btl_tcp_if_include", f"{SUBNET}.0/24", "--mca", "oob_tcp_if_include", f"{SUBNET}.0/24",
                *RING_ALLREDUCE, *EAGER, "--wdir", os.getcwd()]
-        for name in ("PATH", "PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", "OMPI_MCA_mpi_yield_when_idle", *env):
+        horovod = sorted(k for k in os.environ if k.startswith("HOROVOD_"))    # the user's Horovod knobs
+        for name in ("PATH", "PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", "OMPI_MCA_mpi_yield_when_idle", *horovod, *env):
             if name in os.environ:
                 cmd += ["-x", name]
         return cmd + ["-x", "DES_WIRE_INTERFACE=eth0"]     # des.train reads each host's interface counter

@@ -32,7 +32,8 @@ def main():
     lines = [f"# Data-parallel vs replicated tail (DES DeepFM, criteo-like synthetic data, {a.rows} rows)", "",
              f"`scripts/bench_tail.py --rows {a.rows} --batch {a.batch} --steps {a.steps} --repeats {a.repeats} "
              f"--configs '{a.configs}'" + (f" --netbed {a.netbed} --cpus {a.cpus}" if a.netbed else "")
-             + f"`, {time.strftime('%Y-%m-%d')}, {where}, --threads 1. Global batch {a.batch}, dim {a.dim}; median "
+             + f"`, {time.strftime('%Y-%m-%d')}, {where}, --threads 1, HOROVOD_CYCLE_TIME "
+             f"{os.environ.get('HOROVOD_CYCLE_TIME', 'unset (1 ms)')}. Global batch {a.batch}, dim {a.dim}; median "
              f"over launches of each launch's median step. 'auto picks': what `des.train --tail auto --link {link}` "
              f"chose (des.cost.choose_tail), with its reason below the table.", "",
              "| N | hidden | tail | CPU s/step/process | samples/s | train AUC at the last step | CPU ratio dp/rep | samples/s ratio | auto picks |",

@@ -23,17 +23,19 @@ logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 trap 'kill $(jobs -p) 2>/dev/null; exit 130' INT TERM
 start=$(date +%s)
+TIMEFORMAT='%U %S'   # bash's time: user and system CPU seconds
 
 run_file() {   # run_file FILE ARGS...: its log, exit status and seconds go to $logs
   local f=$1 name t0
   shift
   name=$(basename "$f" .py)
   t0=$(date +%s)
-  "$PY" -m pytest -q "$f" "$@" >"$logs/$name.log" 2>&1
+  # bash's time: the CPU seconds of pytest and every process it waited for (mpirun's ranks too)
+  { time "$PY" -m pytest -q "$f" "$@" >"$logs/$name.log" 2>&1; } 2>"$logs/$name.cpu"
   echo $? >"$logs/$name.rc"
   {
     flock 9
-    echo "=== $f ($(( $(date +%s) - t0 )) s)"
+    echo "=== $f ($(( $(date +%s) - t0 )) s, $(awk '{printf "%.0f", $1 + $2}' "$logs/$name.cpu") CPU s)"
     cat "$logs/$name.log"
   } 9>"$logs/.lock"
 }
@@ -74,6 +76,7 @@ for f in "${all[@]}"; do
     [ "$(count failed "$log")$(count error "$log")" = "" ] && failed_total=$(( failed_total + 1 ))
   fi
 done
-echo "=== $(( ($(date +%s) - start) / 60 )) min ($JOBS at a time); files failed: ${#failed[@]} ${failed[*]:-}"
+cpu=$(cat "$logs"/*.cpu 2>/dev/null | awk '{s += $1 + $2} END {printf "%.0f", s}')
+echo "=== $(( ($(date +%s) - start) / 60 )) min, $cpu CPU s ($JOBS at a time); files failed: ${#failed[@]} ${failed[*]:-}"
 echo "suite: $passed_total passed, $failed_total failed, $skipped_total skipped"
 [ ${#failed[@]} -eq 0 ]
