@@ -24,7 +24,7 @@ import tensorflow as tf
 from des.handle import distributed
 from des.ir import Graph
 from des_ops.fused import FusedTable
-from des_ops.keras_internals import create_optimizer_weights
+from des_ops.keras_internals import create_optimizer_weights, creates_weights_ahead
 from models.optim import is_linear
 from rewrite_rules import find_substitutions
 
@@ -256,7 +256,7 @@ def trace_once(model: tf.keras.Model) -> tf.keras.Model:
     def make_train_function(force: bool = False):
         optimizer = getattr(model, "optimizer", None)
         if (model.train_function is None or force) and optimizer is not None and all(
-                hasattr(part, "_create_all_weights") for part in optimizer_parts(optimizer)):
+                creates_weights_ahead(part) for part in optimizer_parts(optimizer)):
             create_slots(model, optimizer)
         return make(force)
 

@@ -72,6 +72,12 @@ def refresh_call_signature(layer) -> None:
     layer._init_call_fn_args()
 
 
+def creates_weights_ahead(optimizer) -> bool:
+    """Whether ``create_optimizer_weights`` can create ``optimizer``'s slots before its first step
+    (legacy Keras optimizers; the new ones build themselves at their first apply_gradients)."""
+    return hasattr(optimizer, "_create_all_weights")
+
+
 def create_optimizer_weights(optimizer, variables: list) -> None:
     """Create a (legacy) Keras optimizer's slots and hyperparameters for ``variables`` now,
     as its first apply_gradients would."""
