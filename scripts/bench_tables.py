@@ -1,8 +1,11 @@
 """Fused vs per-field tables: time to the first training step and samples/s of des.train on a
-39-field criteo-like file, for the single process, DES and the PS on 2 processes with each table
-layout (the cache mode has per-field tables only). Medians of ``--repeats`` runs; writes reports/tables.md.
+39-field criteo-like file (one id per field) or on the wide preset (26 one-id fields and 20
+multi-valued ones, ~950 ids a sample), for the single process, DES and the PS on 2 processes with
+each table layout (the cache mode has per-field tables only). Medians of ``--repeats`` runs;
+writes reports/tables.md (criteo-like) or reports/tables_wide.md.
 
     .venv/bin/python scripts/bench_tables.py --rows 100000 --batch 4096 --steps 20 --repeats 3 --threads 1
+    .venv/bin/python scripts/bench_tables.py --preset wide --rows 20000 --batch 1024 --steps 10 --repeats 3 --threads 1
 
 Each run is a whole des.train process (mpirun for N > 1): "first step" is from the start of
 des.train's main() to the end of its first training step (reading the first batch, building the
@@ -23,6 +26,7 @@ ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIR
            OMPI_MCA_mpi_yield_when_idle="1", TF_CPP_MIN_LOG_LEVEL="2")
 RUNS = [("single", 1, "per-field"), ("single", 1, "fused"), ("des", 2, "per-field"), ("des", 2, "fused"),
         ("ps", 2, "per-field"), ("ps", 2, "fused")]      # the cache mode keeps one table per field
+DATA = {"criteo-like": "39 one-id fields", "wide": "26 one-id and 20 multi-valued fields, ~950 ids a sample"}
 
 
 def train(mode: str, n: int, tables: str | None, data: str, a, out: str) -> dict:
@@ -39,6 +43,7 @@ def train(mode: str, n: int, tables: str | None, data: str, a, out: str) -> dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="criteo-like", choices=["criteo-like", "wide"])
     ap.add_argument("--rows", type=int, default=100_000)
     ap.add_argument("--batch", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=20)
@@ -48,11 +53,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="TF threads per process (0: TF's default; 2 processes x "
                     "TF's default oversubscribe 2 cores)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "reports", "tables.md"))
+    ap.add_argument("--out", help="default: reports/tables.md, reports/tables_wide.md for --preset wide")
     a = ap.parse_args()
+    a.out = a.out or os.path.join(ROOT, "reports", "tables.md" if a.preset == "criteo-like" else "tables_wide.md")
     tmp = tempfile.mkdtemp()
-    data = os.path.join(tmp, "train.txt")
-    subprocess.run([sys.executable, "-m", "des.data.synth", "--preset", "criteo-like", "--rows", str(a.rows),
+    data = os.path.join(tmp, "train.txt" if a.preset == "criteo-like" else "train.ffm")
+    subprocess.run([sys.executable, "-m", "des.data.synth", "--preset", a.preset, "--rows", str(a.rows),
                     "--out", data], env=ENV, cwd=ROOT, check=True, capture_output=True)
     rows, began = [], time.time()
     for mode, n, tables in RUNS:
@@ -63,10 +69,10 @@ def main() -> None:
         rows.append((mode, n, tables or "per-field", first, speed, got[0]["auc"], got[0]["logloss"]))
         print(f"{mode} N={n} {tables}: first step {first:.1f} s, {speed:.0f} samples/s", flush=True)
     base = {(m, n): (f, s) for m, n, t, f, s, *_ in rows if t == "per-field"}
-    lines = [f"# Fused vs per-field tables: {a.model}, criteo-like (39 fields), dim {a.dim}, hidden {a.hidden}, "
+    lines = [f"# Fused vs per-field tables: {a.model}, {a.preset} ({DATA[a.preset]}), dim {a.dim}, hidden {a.hidden}, "
              f"global batch {a.batch}",
              "",
-             f"Written by `scripts/bench_tables.py --rows {a.rows} --batch {a.batch} --steps {a.steps} "
+             f"Written by `scripts/bench_tables.py --preset {a.preset} --rows {a.rows} --batch {a.batch} --steps {a.steps} "
              f"--repeats {a.repeats} --threads {a.threads}` on {platform.node()} ({os.cpu_count()} cores, shared), "
              f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(began))} UTC. Medians of {a.repeats} runs; "
              f"first step = from des.train's start to the end of its first training step.",
