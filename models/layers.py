@@ -63,6 +63,19 @@ def key_init_rows(keys: tf.Tensor, salts: tf.Tensor, dim: int, scales: tf.Tensor
     return tf.cast((2.0 * u - 1.0) * scales[:, None] + 0.0, tf.float32)
 
 
+def _read_through_shadow(shadow, ids: tf.Tensor, rows: tf.Tensor) -> tf.Tensor:
+    """What TFRA's ``shadow_ops.embedding_lookup(shadow, ids)`` returns in training, ``rows`` read
+    through ``shadow`` (so that the optimizer sees the ids and their gradients), with ``rows`` given
+    instead of read from the table a second time. TFRA-private: ``ShadowVariable.prefetch_values``
+    and ``_reset_ids`` (TFRA 0.7)."""
+    with tf.control_dependencies([shadow._reset_ids(ids)]):
+        shadow.prefetch_values = lambda update=False: rows        # for this one read
+        try:
+            return shadow.read_value(do_prefetch=True)
+        finally:
+            del shadow.prefetch_values
+
+
 class FieldEmbedding(de.keras.layers.Embedding):
     """One field's dynamic table: ids [B] -> [B, dim]; multi-valued ids [B, L] -> sum-pooled [B, dim];
     ``[ids, weights]`` [B, L] each -> sum_l weights * row(ids).
@@ -105,13 +118,14 @@ class FieldEmbedding(de.keras.layers.Embedding):
             found = self.rows(tf.gather_nd(uniq, real), training)
             return tf.scatter_nd(real, found, tf.stack([tf.size(uniq, tf.int64), self.dim]))
         values, exists = self.params.lookup(uniq, return_exists=True)
-        init = self.new_rows(uniq)
-        if training:
-            missing = tf.logical_not(exists)
-            insert = self.params.upsert(tf.boolean_mask(uniq, missing), tf.boolean_mask(init, missing))
-            with tf.control_dependencies([insert]):
-                return de.shadow_ops.embedding_lookup(self.shadow, tf.identity(uniq))
-        return tf.where(exists[:, None], de.shadow_ops.embedding_lookup(self.shadow, uniq), init)
+        missing = tf.where(tf.logical_not(exists))
+        new = tf.gather_nd(uniq, missing)
+        init = self.new_rows(new)                  # start rows for the keys not held yet only
+        rows = tf.tensor_scatter_nd_update(values, missing, init)
+        if not training:
+            return rows
+        with tf.control_dependencies([self.params.upsert(new, init)]):
+            return _read_through_shadow(self.shadow, uniq, rows)
 
     def new_rows(self, uniq: tf.Tensor) -> tf.Tensor:
         """The rows keys ``uniq`` start from (``key_init`` of this field's salt)."""

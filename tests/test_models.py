@@ -10,7 +10,7 @@ from des.data import criteo_spec
 from des.data.readers import make_dataset
 from des.data.synth import write_criteo
 from des.fusion import fuse_model
-from models.layers import FieldEmbedding
+from models.layers import FieldEmbedding, key_init
 
 
 def rows(layer):
@@ -46,6 +46,25 @@ def test_multi_valued_field_sum_pools_and_ignores_padding():
     pooled = a(tf.constant([[1, 2, -1], [2, -1, -1]], tf.int64), training=True).numpy()
     single = a(tf.constant([1, 2], tf.int64), training=True).numpy()
     assert np.allclose(pooled[0], single[0] + single[1]) and np.allclose(pooled[1], single[1])
+
+
+def test_one_sgd_step_moves_each_row_by_its_summed_gradient():
+    """A training call reads a held row as the table holds it and a new key's row from key_init
+    (one table read a step, tests/test_fused.py: the same for fused tables); the optimizer then
+    moves each row by the sum of its gradients."""
+    a = FieldEmbedding("C1", 3, seed=2)
+    a(tf.constant([4], tf.int64), training=True)                         # key 4 held, key 9 new
+    a.params.upsert(tf.constant([4], tf.int64), tf.constant([[1.0, 2.0, 3.0]]))
+    start9 = key_init(tf.constant([9], tf.int64), a.salt, 3, 0.05).numpy()[0]
+    optimizer = models.make_optimizer("sgd", 0.5)
+    with tf.GradientTape() as tape:
+        out = a(tf.constant([4, 9, 4], tf.int64), training=True)
+        loss = tf.reduce_sum(out * tf.constant([[1.0, 0, 0], [0, 1, 0], [0, 0, 2]]))
+    assert np.array_equal(out.numpy(), [[1, 2, 3], start9, [1, 2, 3]])   # the held row as the table holds it
+    optimizer.apply_gradients(zip(tape.gradient(loss, a.trainable_weights), a.trainable_weights))
+    keys, values = a.params.export()
+    got = dict(zip(keys.numpy().tolist(), values.numpy().tolist()))
+    assert np.allclose(got[4], [0.5, 2.0, 2.0]) and np.allclose(got[9], start9 - [0, 0.5, 0])
 
 
 @pytest.fixture(scope="module")
