@@ -149,6 +149,23 @@ def test_an_id_outside_the_key_rule_names_the_field():
         model(x, training=True)
 
 
+
+def test_an_id_outside_the_key_rule_in_a_multi_valued_input_names_its_field_and_padding_passes():
+    """One check for all of a fused table's inputs (one-id block, multi-valued ones) still names
+    the field whose id is bad; the padding id of a multi-valued field is not an error."""
+    model, _ = des.transform(build("lr", MIXED)(), comm=LocalCommunicator(), fuse_tables=True)
+    x = {k: np.array(v) for k, v in MIXED_BATCHES[0][0].items()}
+    assert (x["terms"] == -1).any() and (x["tags"] == -1).any()
+    model(x, training=True)                                         # padding: no error
+    x["terms"] = x["terms"].copy()
+    x["terms"][3, 0] = -5
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"(?s)outside \[0, 2\*\*55\).*emb1_terms.*id:'\n-5\n"):
+        model(x, training=True)
+    x["terms"][3, 0], x["ad"] = 7, x["ad"].copy()
+    x["ad"][5] = 1 << ID_BITS                                        # the last column of the one-id block
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"(?s)outside \[0, 2\*\*55\).*emb1_ad.*36028797018963968"):
+        model(x, training=True)
+
 def test_report_names_the_fused_tables():
     _, report = des.transform(build("deepfm")(), comm=LocalCommunicator(), fuse_tables=True)
     text = str(report)
