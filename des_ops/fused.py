@@ -119,10 +119,10 @@ class FusedTable(FieldEmbedding):
         sizes = tf.stack([tf.size(c[0], tf.int64) for c in checked])
         starts = tf.cumsum(sizes, exclusive=True)
         which = tf.searchsorted(starts + sizes, bad, side="right")           # its input
-        widths = tf.constant([len(c[2]) for c in checked], tf.int64)         # its column in that input:
-        column = (bad - tf.gather(starts, which)) % tf.gather(widths, which)
-        first = tf.constant(np.cumsum([0] + [len(c[2]) for c in checked[:-1]]), tf.int64)
-        slot = tf.gather(tf.constant([s for c in checked for s in c[2]], tf.int64), tf.gather(first, which) + column)
+        widths = [len(c[2]) for c in checked]                               # its column in that input:
+        column = (bad - tf.gather(starts, which)) % tf.gather(tf.constant(widths, tf.int64), which)
+        first = tf.gather(tf.constant(np.cumsum([0] + widths[:-1]), tf.int64), which)
+        slot = tf.gather(tf.constant([s for c in checked for s in c[2]], tf.int64), first + column)
         tf.debugging.Assert(tf.reduce_all(fits), [
             "an id outside [0, 2**55) cannot be stored in fused table", self.name,
             "(key = field slot << 55 | id); hash ids into that range or pass fuse_tables=False. Table:",
