@@ -1,10 +1,11 @@
 """Benchmark DES against the peer users pick today, TFRA's own all-to-all embedding
 (scripts/peer_tfra.py): samples/s, CPU seconds per step per process and seconds to the first
 step of a DeepFM on criteo-like synthetic data under mpirun, for each (N, hidden) given; DES with
-its fused tables and the replicated or the data-parallel tail. One run, medians of ``--repeats``
+its fused tables and the replicated or the data-parallel tail, and this project's PS mode
+(``--mode ps``, fused tables). One run, medians of ``--repeats``
 launches; prints a Markdown table and writes it to ``--report``.
 
-    .venv/bin/python scripts/bench_peer.py --rows 60000 --batch 4096 --steps 12 --repeats 2
+    .venv/bin/python scripts/bench_peer.py --rows 60000 --batch 4096 --steps 12 --repeats 3
 """
 import json
 import os
@@ -36,14 +37,15 @@ def main():
              f"oversubscribe them, one TF thread each). Global batch {a.batch}, dim {a.dim}; median over "
              f"launches of each launch's median step (the first step excluded). DES: fused tables; the peer: "
              f"HvdAllToAllEmbedding, all fields in one table per width, Adam, dense gradients averaged by "
-             f"Horovod (scripts/peer_tfra.py).", "",
+             f"Horovod (scripts/peer_tfra.py). PS: this project's `--mode ps`, fused tables.", "",
              "| N | hidden | system | samples/s | CPU s/step/process | first step (s) | samples/s vs TFRA |",
              "|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     systems = {"TFRA HvdAllToAllEmbedding": lambda n, out: peer(n, data, a, out),
                "DES, replicated tail": lambda n, out: run(n, "des", "deepfm", data, a, out, ("--tail", "replicated")),
                "DES, data-parallel tail": lambda n, out: run(n, "des", "deepfm", data, a, out,
-                                                             ("--tail", "data_parallel"))}
+                                                             ("--tail", "data_parallel")),
+               "PS (this project)": lambda n, out: run(n, "ps", "deepfm", data, a, out)}
     for config in a.configs.split(";"):
         n, a.hidden = config.split(":")
         got = {}
