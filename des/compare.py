@@ -260,6 +260,7 @@ def markdown(rows: list[dict], results: dict, a, meta: dict) -> str:
     bayes = meta.get("bayes_auc")
     lines = [f"# DES vs PS vs one process - {describe_source(a)}, N={a.np}, global batch {a.batch}, "
              f"{a.steps} steps{net}", "",
+             *([meta["command"], ""] if meta.get("command") else []),
              f"Bayes-optimal AUC of the data: {'unknown' if bayes is None else bayes}. Bytes per process per step, rank 0. "
              f"Measured where each collective is called: the size of every tensor handed to all-to-all for "
              f"another process (PS: ids out, rows in, gradient rows out of this process's lookups; cache: "
@@ -516,10 +517,22 @@ def _project(a, data, fmt: str, meta: dict, nps: list[int], out: str) -> int:
     return 0
 
 
+def command_line(program: str) -> str:
+    """How a report was made, for its header: ``program`` and this process's arguments, the date and
+    the machine.
+
+    >>> command_line("python -m des.compare").startswith("`python -m des.compare ")
+    True
+    """
+    import shlex
+    return (f"`{program} {shlex.join(sys.argv[1:])}`, {time.strftime('%Y-%m-%d %H:%M')}, "
+            f"on a machine of {os.cpu_count()} cores.")
+
+
 def _write_reports(a, results: dict, curves: dict, batches: list[int], meta: dict, out: str) -> None:
     """comparison.md / .csv, bytes_vs_batch.json and the plots; the table and curves on stdout."""
     rows = table_rows(results)
-    md = markdown(rows, results, a, dict(meta, bayes_auc=bayes_auc(a, meta)))
+    md = markdown(rows, results, a, dict(meta, bayes_auc=bayes_auc(a, meta), command=command_line("python -m des.compare")))
     with open(os.path.join(out, "comparison.md"), "w") as fh:
         fh.write(md)
     with open(os.path.join(out, "comparison.csv"), "w", newline="") as fh:

@@ -56,7 +56,7 @@ def main() -> None:
     a = ap.parse_args()
     import des  # noqa: F401
     from des.baselines import allocate
-    from des.compare import ensure_data
+    from des.compare import command_line, ensure_data
     from des.data.readers import make_dataset
     from des.data.resolve import metadata, spec_for
 
@@ -72,6 +72,14 @@ def main() -> None:
         spec_.loader.exec_module(before)
     print(f"{a.preset}: {len(keys)} id inputs, {a.rows} rows; cache rows per input: {a.cache_rows}; "
           f"median of {a.repeats}")
+    report = [f"# The allocators alone - {a.preset}, {len(keys)} id inputs, {a.rows} rows, cache rows per input "
+              f"{a.cache_rows}, median of {a.repeats}", "", command_line("python scripts/bench_allocate.py"), "",
+              "laia samples/s: one process of this machine allocating every global batch (every process of a run "
+              "does the same work). Remote ids: distinct ids of a process's samples owned by another process, "
+              "summed over processes, per step (the rows a PS step moves, by the formula its measured bytes "
+              "equal).", "",
+              "| N | batch | top-k | laia samples/s | before samples/s | random samples/s | remote ids: contiguous "
+              "| random | laia | laia vs contiguous |", "|---|---|---|---|---|---|---|---|---|---|"]
     print(f"{'N':>3} {'batch':>6} {'top-k':>5} | {'laia samples/s':>14} {'before':>10} {'ratio':>6} {'random':>10} | "
           f"remote ids per step: {'contiguous':>10} {'random':>8} {'laia':>8} {'before':>8} {'laia vs contiguous':>18}")
 
@@ -109,6 +117,14 @@ def main() -> None:
                       f"{speed['laia'] / speed['before']:>6.2f} {speed['random']:>10,.0f} | {'':>20}"
                       f"{remote['contiguous']:>10,.0f} {remote['random']:>8,.0f} {remote['laia']:>8,.0f} "
                       f"{remote['before']:>8,.0f} {cut:>17.1f}%", flush=True)
+                report.append(f"| {n} | {b} | {k or 'all'} | {speed['laia']:,.0f} | "
+                              f"{format(speed['before'], ',.0f') if before else '-'} | "
+                              f"{speed['random']:,.0f} | {remote['contiguous']:,.0f} | {remote['random']:,.0f} | "
+                              f"{remote['laia']:,.0f} | {-cut:+.1f} % |")
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "allocate.md"), "w") as fh:
+        fh.write("\n".join(report) + "\n")
+    print(f"written: {os.path.join(a.out, 'allocate.md')}")
 
 
 if __name__ == "__main__":

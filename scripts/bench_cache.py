@@ -20,7 +20,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from des.compare import _fmt, ensure_data, run  # noqa: E402
+from des.compare import _fmt, command_line, ensure_data, run  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -75,7 +75,8 @@ def main(argv=None) -> int:
     head = ["run", "AUC", "log loss", "bytes/step/proc", "vs PS", "rows moved/remote lookup (HET)",
             "hit rate after fill", "samples/s"]
     lines = [f"# HET cache grid - {a.preset}, {a.model}, N={a.np}, global batch {a.batch}, {a.optimizer} "
-             f"lr {a.lr}, {a.rows} rows (1 epoch)", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+             f"lr {a.lr}, {a.rows} rows (1 epoch)", "",
+             command_line("python scripts/bench_cache.py"), "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key, r in results.items():
         lines.append("| " + " | ".join([key, _fmt(r["auc"], ".4f"), _fmt(r["logloss"], ".4f"),
                                          _fmt(r["sent_bytes_per_step"]),
