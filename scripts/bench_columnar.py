@@ -1,7 +1,7 @@
 """Input cost of one DES process vs N: text parsing (every process parses every field) against the
 columnar layout (a process reads the labels, its own fields' columns and the first field's).
 
-    .venv/bin/python scripts/bench_columnar.py --rows 10000 --batch 2048 --np 1,2,4,8 --repeats 3
+    .venv/bin/python scripts/bench_columnar.py --rows 10000 --batch 2048 --np 1,2,4,8 --repeats 3   # -> reports/columnar.md
 
 Generates the wide preset (~950 features per line), converts it once (python -m des.data.convert,
 timed), then times a pass of each reader (steady state: the clock starts after the first batch;
@@ -31,9 +31,11 @@ def main() -> None:
     ap.add_argument("--np", default="1,2,4,8")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--preset", default="wide", choices=["wide", "criteo-like"])
+    ap.add_argument("--report", default=os.path.join(ROOT, "reports", "columnar.md"))
     a = ap.parse_args()
     import des  # noqa: F401
     from bench_readers import time_reader
+    from des.compare import command_line
     from des.data import columnar
     from des.data.readers import make_dataset
     from des.data.resolve import spec_for
@@ -53,11 +55,14 @@ def main() -> None:
                    check=True, capture_output=True)
     convert_s = time.perf_counter() - t0
     text_rate = time_reader(lambda: make_dataset([text], fmt, spec, a.batch), a.repeats)
-    print(f"## reader rows/s per DES process, {a.preset} preset ({meta.get('active_features_per_sample', '?')} "
-          f"features/line), {a.rows:,} rows, batch {a.batch}, {os.cpu_count()} cores, medians of {a.repeats}\n")
-    print(f"conversion (once, one process): {convert_s:.1f} s = {a.rows / convert_s:,.0f} rows/s\n")
-    print("| N | inputs read by rank 0 | text rows/s (any N) | columnar rows/s | columnar ÷ text |")
-    print("|---|---|---|---|---|")
+    lines = [f"# Reader rows/s per DES process, {a.preset} preset ({meta.get('active_features_per_sample', '?')} "
+             f"features/line), {a.rows:,} rows, batch {a.batch}, medians of {a.repeats}", "",
+             command_line("python scripts/bench_columnar.py") + " One process, page cache warm; the clock starts "
+             "after the first batch. Rank 0's inputs under the balanced plan of N processes.", "",
+             f"Conversion (once, one process): {convert_s:.1f} s = {a.rows / convert_s:,.0f} rows/s.", "",
+             "| N | inputs read by rank 0 | text rows/s (any N) | columnar rows/s | columnar ÷ text |",
+             "|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
     first = spec.sparse()[0].name
     for n in [int(x) for x in a.np.split(",")]:
         plan = make_plan([FieldCost(f.name, rows=f.cardinality or 1, width=f.dim + 1, lookups=f.max_len)
@@ -65,8 +70,12 @@ def main() -> None:
         fields = [f for f in spec if plan.owner.get(f.name) == 0 or f.name == first or f.kind == "numeric"]
         inputs = [x for f in fields for x in ([f.name, f.weight_name] if f.weighted else [f.name])]
         rate = time_reader(lambda: columnar.make_dataset(cols, spec, a.batch, inputs=inputs), a.repeats)
-        print(f"| {n} | {len(inputs)} of {len(spec.input_names())} | {text_rate:,.0f} | {rate:,.0f} | "
-              f"{rate / text_rate:.1f}x |", flush=True)
+        lines.append(f"| {n} | {len(inputs)} of {len(spec.input_names())} | {text_rate:,.0f} | {rate:,.0f} | "
+                     f"{rate / text_rate:.1f}x |")
+        print(lines[-1], flush=True)
+    with open(a.report, "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    print(f"written: {a.report}")
 
 
 if __name__ == "__main__":
