@@ -35,7 +35,8 @@ def main():
              f"`scripts/bench_peer.py --rows {a.rows} --batch {a.batch} --steps {a.steps} --repeats {a.repeats} "
              f"--configs '{a.configs}'`, {time.strftime('%Y-%m-%d')}, this machine (2 shared cores; N processes "
              f"oversubscribe them, one TF thread each). Global batch {a.batch}, dim {a.dim}; median over "
-             f"launches of each launch's median step (the first step excluded). DES: fused tables; the peer: "
+             f"launches of each launch's median step (the first step excluded); the launches go round-robin over "
+             f"the systems. DES: fused tables; the peer: "
              f"HvdAllToAllEmbedding, all fields in one table per width, Adam, dense gradients averaged by "
              f"Horovod (scripts/peer_tfra.py). PS: this project's `--mode ps`, fused tables.", "",
              "| N | hidden | system | samples/s | CPU s/step/process | first step (s) | samples/s vs TFRA |",
@@ -48,11 +49,13 @@ def main():
                "PS (this project)": lambda n, out: run(n, "ps", "deepfm", data, a, out)}
     for config in a.configs.split(";"):
         n, a.hidden = config.split(":")
-        got = {}
-        for k, (name, launch) in enumerate(systems.items()):
-            runs = [launch(int(n), os.path.join(tmp, f"{n}_{k}_{r}.json")) for r in range(a.repeats)]
-            got[name] = [statistics.median(r[key] for r in runs)
-                         for key in ("samples_per_second", "cpu_seconds_per_step", "seconds_to_first_step")]
+        runs = {name: [] for name in systems}
+        for r in range(a.repeats):      # round-robin, so that a drift in the machine's load hits every system
+            for k, (name, launch) in enumerate(systems.items()):
+                runs[name].append(launch(int(n), os.path.join(tmp, f"{n}_{k}_{r}.json")))
+        got = {name: [statistics.median(r[key] for r in rs)
+                      for key in ("samples_per_second", "cpu_seconds_per_step", "seconds_to_first_step")]
+               for name, rs in runs.items()}
         base = got["TFRA HvdAllToAllEmbedding"][0]
         for name, (sps, cpu, first) in got.items():
             line = f"| {n} | {a.hidden} | {name} | {sps:,.0f} | {cpu:.3f} | {first:.1f} | {sps / base:.2f}x |"
