@@ -220,11 +220,7 @@ class NoopCommunicator(Communicator):
         return self.meet != "never" and self.world_size > 1
 
     def broadcast(self, a, root=0):
-        if not self.broadcasts:
-            return a
-        import horovod.tensorflow as hvd
-        self._broadcasts = getattr(self, "_broadcasts", 0) + 1
-        return hvd.broadcast(tf.constant(a), root_rank=root, name=f"des_broadcast_{self._broadcasts}").numpy()
+        return horovod_broadcast(self, a, root) if self.broadcasts else a
 
 
 class SyncCommunicator(NoopCommunicator):
@@ -238,6 +234,14 @@ def sync_processes(x: tf.Tensor, name: str = "des_sync") -> tf.Tensor:
     (Of ``x``, not of a constant: grappler would fold an allreduce of constants at trace time.)"""
     import horovod.tensorflow as hvd
     return hvd.allreduce(tf.reshape(x, [-1])[:1], op=hvd.Sum, name=op_name(name + "_sync"))
+
+
+def horovod_broadcast(comm: Communicator, a: np.ndarray, root: int) -> np.ndarray:
+    """Rank ``root``'s array on every rank by one Horovod broadcast, named by ``comm``'s count of
+    broadcasts (the same on every rank, as Horovod matches collectives by name)."""
+    import horovod.tensorflow as hvd
+    comm._broadcasts = getattr(comm, "_broadcasts", 0) + 1
+    return hvd.broadcast(tf.constant(a), root_rank=root, name=f"des_broadcast_{comm._broadcasts}").numpy()
 
 
 def op_name(text: str) -> str:
@@ -287,9 +291,8 @@ class HorovodCommunicator(Communicator):
         return self._hvd.alltoall(x, splits=splits, name=op_name(name))
 
     def broadcast(self, a, root=0):
-        self._broadcasts = getattr(self, "_broadcasts", 0) + 1
         self.count("broadcast", np.asarray(a).nbytes)
-        return self._hvd.broadcast(tf.constant(a), root_rank=root, name=f"des_broadcast_{self._broadcasts}").numpy()
+        return horovod_broadcast(self, a, root)
 
 
 class Mpi4pyCommunicator(Communicator):
