@@ -157,15 +157,23 @@ def _checksum(layer) -> float:
 
 class CounterDeltas(tf.keras.callbacks.Callback):
     """Per training step, how much each counter (a dict of int64 tf.Variables, scalars or vectors
-    such as bytes per destination process) grew."""
+    such as bytes per destination process) grew. The counters are read by one function call (a
+    read per counter was ~85 eager operations a step on the PS's Python thread, 23 counters).
+
+        >>> c = CounterDeltas({"bytes": tf.Variable(5, dtype=tf.int64), "sent": tf.Variable([1, 2], dtype=tf.int64)})
+        >>> c.on_train_batch_begin(0); _ = c.counters["sent"].assign_add([3, 0]); c.on_train_batch_end(0)
+        >>> c.steps
+        [{'bytes': 0, 'sent': [3, 0]}]
+    """
 
     def __init__(self, counters: dict):
         super().__init__()
         self.counters = counters
         self.steps: list[dict] = []
+        self._read_all = tf.function(lambda: {k: tf.identity(v) for k, v in counters.items()})
 
     def _read(self) -> dict:
-        return {k: v.numpy() for k, v in self.counters.items()}
+        return {k: v.numpy() for k, v in self._read_all().items()}
 
     def on_train_batch_begin(self, batch, logs=None):
         self._start = self._read()

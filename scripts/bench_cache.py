@@ -36,7 +36,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=20_000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=10_000, help="cap per epoch (default: the whole file)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="training steps of every run (default: one epoch of the training lines)")
     ap.add_argument("--optimizer", default="sgd", help="sgd: HET's setting (workers update cached rows)")
     ap.add_argument("--lr", type=float, default=0.5)
     ap.add_argument("--dim", type=int, default=8)
@@ -45,7 +46,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="reports/cache")
     a = ap.parse_args(argv)
     a.holdout = max(1, a.rows // 10)
+    if a.steps is None:                      # des.train's --steps counts steps over epochs: one epoch here
+        a.steps = max(1, (a.rows - a.holdout) // a.batch)
     a.format = a.eval_data = None            # des.compare.train_config's options: a generated preset
+    a.cache_size = "10%"                     # unused by the DES and PS runs; each cache run sets its own
     out = os.path.join(a.out, a.preset)
     os.makedirs(out, exist_ok=True)
     data = ensure_data(a.preset, a.rows, a.seed, os.path.join(a.out, "data"))
@@ -75,7 +79,7 @@ def main(argv=None) -> int:
     head = ["run", "AUC", "log loss", "bytes/step/proc", "vs PS", "rows moved/remote lookup (HET)",
             "hit rate after fill", "samples/s"]
     lines = [f"# HET cache grid - {a.preset}, {a.model}, N={a.np}, global batch {a.batch}, {a.optimizer} "
-             f"lr {a.lr}, {a.rows} rows (1 epoch)", "",
+             f"lr {a.lr}, {a.rows} rows, {a.steps} steps", "",
              command_line("python scripts/bench_cache.py"), "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key, r in results.items():
         lines.append("| " + " | ".join([key, _fmt(r["auc"], ".4f"), _fmt(r["logloss"], ".4f"),
