@@ -33,6 +33,7 @@ run_file() {   # run_file FILE ARGS...: its log, exit status and seconds go to $
   # bash's time: the CPU seconds of pytest and every process it waited for (mpirun's ranks too)
   { time "$PY" -m pytest -q "$f" "$@" >"$logs/$name.log" 2>&1; } 2>"$logs/$name.cpu"
   echo $? >"$logs/$name.rc"
+  echo $(( $(date +%s) - t0 )) >"$logs/$name.secs"
   {
     flock 9
     echo "=== $f ($(( $(date +%s) - t0 )) s, $(awk '{printf "%.0f", $1 + $2}' "$logs/$name.cpu") CPU s)"
@@ -79,4 +80,24 @@ done
 cpu=$(cat "$logs"/*.cpu 2>/dev/null | awk '{s += $1 + $2} END {printf "%.0f", s}')
 echo "=== $(( ($(date +%s) - start) / 60 )) min, $cpu CPU s ($JOBS at a time); files failed: ${#failed[@]} ${failed[*]:-}"
 echo "suite: $passed_total passed, $failed_total failed, $skipped_total skipped"
+if [ -n "${SUITE_REPORT:-}" ]; then   # e.g. SUITE_REPORT=reports/suite.md: the run as a committed report
+  {
+    echo "# The test suite: $passed_total passed, $failed_total failed, $skipped_total skipped"
+    echo
+    echo "\`SUITE_REPORT=$SUITE_REPORT bash scripts/test.sh $*\` at $(git rev-parse --short HEAD 2>/dev/null || echo '?'),"
+    echo "$(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $JOBS files at a time, the mpirun files alone at the end:"
+    echo "**$(( ($(date +%s) - start) / 60 )) min, $cpu CPU s**."
+    echo
+    echo "| file | wall s | CPU s | passed | failed | skipped |"
+    echo "|---|---|---|---|---|---|"
+    for f in "${all[@]}"; do
+      name=$(basename "$f" .py)
+      [ -f "$logs/$name.rc" ] || continue
+      echo "| $name | $(cat "$logs/$name.secs") | $(awk '{printf "%.0f", $1 + $2}' "$logs/$name.cpu") |" \
+           "$(count passed "$logs/$name.log" || true) | $(count failed "$logs/$name.log" || true) |" \
+           "$(count skipped "$logs/$name.log" || true) |"
+    done
+  } >"$SUITE_REPORT"
+  echo "written: $SUITE_REPORT"
+fi
 [ ${#failed[@]} -eq 0 ]
