@@ -160,7 +160,8 @@ class CounterDeltas(tf.keras.callbacks.Callback):
     such as bytes per destination process) grew. The counters are read by one function call (a
     read per counter was ~85 eager operations a step on the PS's Python thread, 23 counters).
 
-        >>> c = CounterDeltas({"bytes": tf.Variable(5, dtype=tf.int64), "sent": tf.Variable([1, 2], dtype=tf.int64)})
+        >>> sent = tf.Variable([1, 2], dtype=tf.int64)                 # e.g. bytes per destination
+        >>> c = CounterDeltas({"bytes": tf.Variable(5, dtype=tf.int64), "sent": sent})
         >>> c.on_train_batch_begin(0); _ = c.counters["sent"].assign_add([3, 0]); c.on_train_batch_end(0)
         >>> c.steps
         [{'bytes': 0, 'sent': [3, 0]}]

@@ -532,7 +532,8 @@ def command_line(program: str) -> str:
 def _write_reports(a, results: dict, curves: dict, batches: list[int], meta: dict, out: str) -> None:
     """comparison.md / .csv, bytes_vs_batch.json and the plots; the table and curves on stdout."""
     rows = table_rows(results)
-    md = markdown(rows, results, a, dict(meta, bayes_auc=bayes_auc(a, meta), command=command_line("python -m des.compare")))
+    md = markdown(rows, results, a,
+                  dict(meta, bayes_auc=bayes_auc(a, meta), command=command_line("python -m des.compare")))
     with open(os.path.join(out, "comparison.md"), "w") as fh:
         fh.write(md)
     with open(os.path.join(out, "comparison.csv"), "w", newline="") as fh:
