@@ -20,7 +20,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from des.compare import _fmt, command_line, ensure_data, run  # noqa: E402
+from des.compare import Cell, _fmt, command_line, ensure_data, run, train_config  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -44,6 +44,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", default="128,64")
     ap.add_argument("--shuffle-buffer", type=int, default=20_000)
     ap.add_argument("--out", default="reports/cache")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print every run's des.train arguments and stop (no data, no runs)")
     a = ap.parse_args(argv)
     a.holdout = max(1, a.rows // 10)
     if a.steps is None:                      # des.train's --steps counts steps over epochs: one epoch here
@@ -51,8 +53,6 @@ def main(argv=None) -> int:
     a.format = a.eval_data = None            # des.compare.train_config's options: a generated preset
     a.cache_size = "10%"                     # unused by the DES and PS runs; each cache run sets its own
     out = os.path.join(a.out, a.preset)
-    os.makedirs(out, exist_ok=True)
-    data = ensure_data(a.preset, a.rows, a.seed, os.path.join(a.out, "data"))
     stale = [s for s in a.staleness.split(",") if s]
     sizes = [s for s in a.sizes.split(",") if s]
     if a.grid == "full":
@@ -61,6 +61,14 @@ def main(argv=None) -> int:
         pivot = stale[-2] if len(stale) > 1 else stale[0]
         grid = [(s, sizes[0] if len(sizes) == 1 else sizes[1]) for s in stale]
         grid += [(pivot, z) for z in sizes if (pivot, z) not in grid]
+    if a.dry_run:
+        for key, size in [("des", a.cache_size), ("ps", a.cache_size)] + [(f"cache s={s}", z) for s, z in grid]:
+            a.cache_size = size
+            print(key, " ".join(train_config(Cell.parse(key), a.model, "<data>", a, "<summary>").to_argv()))
+        return 0
+    os.makedirs(out, exist_ok=True)
+    data = ensure_data(a.preset, a.rows, a.seed, os.path.join(a.out, "data"))
+
     def once(key: str, folder: str) -> dict:
         """A run, or its summaries from an earlier invocation (same --out) if they are all there."""
         os.makedirs(folder, exist_ok=True)

@@ -98,3 +98,27 @@ def test_columnar_copies_are_made_once_and_remade_when_the_data_changes(tmp_path
     write_small_ffm(train, 200, seed=3)
     ensure_columnar([train], "libffm", [evalf], meta)
     assert columnar.manifest(cols)["rows"] == 200                                    # remade
+
+
+def test_bench_cache_plans_one_epoch_per_run_and_each_cells_cache_size(capsys):
+    """scripts/bench_cache.py (the HET grid) builds its des.train runs from des.compare's: every run
+    trains one epoch of the training lines (des.train's --steps counts over epochs), and each cache
+    run has its staleness and size. It once stopped before its first run (a missing option) and
+    meant 10,000 steps as "one epoch"."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_cache", os.path.join(ROOT, "scripts", "bench_cache.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--dry-run", "--rows", "20000", "--batch", "1024", "--staleness", "0,100,inf",
+                       "--sizes", "1%,10%"]) == 0
+    runs = [line.split(" --", 1) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [key for key, _ in runs] == ["des", "ps", "cache s=0", "cache s=100", "cache s=inf", "cache s=100"]
+    epoch = (20000 - 2000) // 1024                                  # 10 % held out
+    for key, argv in runs:
+        args = ("--" + argv).split()
+        assert args[args.index("--steps") + 1] == str(epoch), (key, args)
+        assert args[args.index("--mode") + 1] == key.split()[0]
+    caches = [("--" + argv).split() for key, argv in runs[2:]]
+    sizes = [a[a.index("--cache-size") + 1] if "--cache-size" in a else "10%" for a in caches]   # 10 %: the default
+    stale = [a[a.index("--staleness") + 1] if "--staleness" in a else "100" for a in caches]     # 100: the default
+    assert list(zip(stale, sizes)) == [("0", "10%"), ("100", "10%"), ("inf", "10%"), ("100", "1%")]
