@@ -63,6 +63,7 @@ passed_total=0
 failed_total=0
 skipped_total=0
 count() { grep -oE "[0-9]+ $1" "$2" | tail -1 | cut -d' ' -f1; }
+or0() { local n; n=$(count "$@"); echo "${n:-0}"; }
 for f in "${all[@]}"; do
   name=$(basename "$f" .py)
   log="$logs/$name.log"
@@ -94,8 +95,7 @@ if [ -n "${SUITE_REPORT:-}" ]; then   # e.g. SUITE_REPORT=reports/suite.md: the 
       name=$(basename "$f" .py)
       [ -f "$logs/$name.rc" ] || continue
       echo "| $name | $(cat "$logs/$name.secs") | $(awk '{printf "%.0f", $1 + $2}' "$logs/$name.cpu") |" \
-           "$(count passed "$logs/$name.log" || true) | $(count failed "$logs/$name.log" || true) |" \
-           "$(count skipped "$logs/$name.log" || true) |"
+           "$(or0 passed "$logs/$name.log") | $(or0 failed "$logs/$name.log") | $(or0 skipped "$logs/$name.log") |"
     done
   } >"$SUITE_REPORT"
   echo "written: $SUITE_REPORT"
