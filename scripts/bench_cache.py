@@ -61,8 +61,11 @@ def main(argv=None) -> int:
         pivot = stale[-2] if len(stale) > 1 else stale[0]
         grid = [(s, sizes[0] if len(sizes) == 1 else sizes[1]) for s in stale]
         grid += [(pivot, z) for z in sizes if (pivot, z) not in grid]
+    # every run: (label in the table, des.compare cell, cache size, folder of its summaries)
+    runs = [("des", "des", a.cache_size, out), ("ps", "ps", a.cache_size, out)] + [
+        (f"cache s={s} size={z}", f"cache s={s}", z, os.path.join(out, z.replace("%", "pct"))) for s, z in grid]
     if a.dry_run:
-        for key, size in [("des", a.cache_size), ("ps", a.cache_size)] + [(f"cache s={s}", z) for s, z in grid]:
+        for _, key, size, _ in runs:
             a.cache_size = size
             print(key, " ".join(train_config(Cell.parse(key), a.model, "<data>", a, "<summary>").to_argv()))
         return 0
@@ -79,10 +82,10 @@ def main(argv=None) -> int:
             return dict(ranks[0], peak_rss_mib=max(r["peak_rss_mib"] for r in ranks))
         return run(key, a.model, data, a, folder)
 
-    results = {"des": once("des", out), "ps": once("ps", out)}
-    for s, z in grid:
-        a.cache_size = z
-        results[f"cache s={s} size={z}"] = once(f"cache s={s}", os.path.join(out, z.replace("%", "pct")))
+    results = {}
+    for label, key, size, folder in runs:
+        a.cache_size = size
+        results[label] = once(key, folder)
     ps_sent = results["ps"]["sent_bytes_per_step"]
     head = ["run", "AUC", "log loss", "bytes/step/proc", "vs PS", "rows moved/remote lookup (HET)",
             "hit rate after fill", "samples/s"]
