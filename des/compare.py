@@ -30,6 +30,7 @@ import dataclasses
 import io
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -524,7 +525,6 @@ def command_line(program: str) -> str:
     >>> command_line("python -m des.compare").startswith("`python -m des.compare ")
     True
     """
-    import shlex
     return (f"`{program} {shlex.join(sys.argv[1:])}`, {time.strftime('%Y-%m-%d %H:%M')}, "
             f"on a machine of {os.cpu_count()} cores.")
 
