@@ -56,6 +56,7 @@ def main() -> None:
     a = ap.parse_args()
     import des  # noqa: F401
     from des.baselines import allocate
+    from bench_des import write_report
     from des.compare import command_line, ensure_data
     from des.data.readers import make_dataset
     from des.data.resolve import metadata, spec_for
@@ -121,10 +122,7 @@ def main() -> None:
                               f"{format(speed['before'], ',.0f') if before else '-'} | "
                               f"{speed['random']:,.0f} | {remote['contiguous']:,.0f} | {remote['random']:,.0f} | "
                               f"{remote['laia']:,.0f} | {-cut:+.1f} % |")
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "allocate.md"), "w") as fh:
-        fh.write("\n".join(report) + "\n")
-    print(f"written: {os.path.join(a.out, 'allocate.md')}")
+    write_report(os.path.join(a.out, "allocate.md"), report)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--report", default=os.path.join(ROOT, "reports", "columnar.md"))
     a = ap.parse_args()
     import des  # noqa: F401
+    from bench_des import write_report
     from bench_readers import time_reader
     from des.compare import command_line
     from des.data import columnar
@@ -73,9 +74,7 @@ def main() -> None:
         lines.append(f"| {n} | {len(inputs)} of {len(spec.input_names())} | {text_rate:,.0f} | {rate:,.0f} | "
                      f"{rate / text_rate:.1f}x |")
         print(lines[-1], flush=True)
-    with open(a.report, "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    print(f"written: {a.report}")
+    write_report(a.report, lines)
 
 
 if __name__ == "__main__":

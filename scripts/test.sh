@@ -36,7 +36,7 @@ run_file() {   # run_file FILE ARGS...: its log, exit status and seconds go to $
   echo $(( $(date +%s) - t0 )) >"$logs/$name.secs"
   {
     flock 9
-    echo "=== $f ($(( $(date +%s) - t0 )) s, $(awk '{printf "%.0f", $1 + $2}' "$logs/$name.cpu") CPU s)"
+    echo "=== $f ($(cat "$logs/$name.secs") s, $(awk '{printf "%.0f", $1 + $2}' "$logs/$name.cpu") CPU s)"
     cat "$logs/$name.log"
   } 9>"$logs/.lock"
 }
@@ -79,7 +79,8 @@ for f in "${all[@]}"; do
   fi
 done
 cpu=$(cat "$logs"/*.cpu 2>/dev/null | awk '{s += $1 + $2} END {printf "%.0f", s}')
-echo "=== $(( ($(date +%s) - start) / 60 )) min, $cpu CPU s ($JOBS at a time); files failed: ${#failed[@]} ${failed[*]:-}"
+minutes=$(( ($(date +%s) - start) / 60 ))
+echo "=== $minutes min, $cpu CPU s ($JOBS at a time); files failed: ${#failed[@]} ${failed[*]:-}"
 echo "suite: $passed_total passed, $failed_total failed, $skipped_total skipped"
 if [ -n "${SUITE_REPORT:-}" ]; then   # e.g. SUITE_REPORT=reports/suite.md: the run as a committed report
   {
@@ -87,7 +88,7 @@ if [ -n "${SUITE_REPORT:-}" ]; then   # e.g. SUITE_REPORT=reports/suite.md: the 
     echo
     echo "\`SUITE_REPORT=$SUITE_REPORT bash scripts/test.sh $*\` at $(git rev-parse --short HEAD 2>/dev/null || echo '?'),"
     echo "$(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $JOBS files at a time, the mpirun files alone at the end:"
-    echo "**$(( ($(date +%s) - start) / 60 )) min, $cpu CPU s**."
+    echo "**$minutes min, $cpu CPU s**."
     echo
     echo "| file | wall s | CPU s | passed | failed | skipped |"
     echo "|---|---|---|---|---|---|"
