@@ -34,9 +34,32 @@ def fuse_model(model: tf.keras.Model) -> tuple[tf.keras.Model, list[str]]:
     inputs = {t: graph.tensors[t] for t in graph.input_ids}
     given = {}
     for table, members in fused:
-        outs = table([tf.nest.map_structure(lambda x: inputs.get(id(x), x), m.call_args[0]) for m in members])
+        args = [tf.nest.map_structure(lambda x: inputs.get(id(x), x), m.call_args[0]) for m in members]
+        single = table.single_inputs(args)
+        outs, block = table(args, with_block=True) if single else (table(args), None)
         given.update({m.output: (lambda look, o=o: o) for m, o in zip(members, outs)})
+        if block is not None:
+            given.update(read_block(graph, [members[k].output for k in single], block))
     cls = type(model) if type(model).__name__ not in ("Functional", "Sequential") else tf.keras.Model
     new = replay(graph, {m.index for _, members in fused for m in members}, given, cls=cls, suffix="fused")
     state.keep_state_keys(new, keys)
     return new, lines
+
+
+def read_block(graph, outputs: list[int], block) -> dict[int, object]:
+    """Stacks and concatenations of exactly a fused table's one-hot outputs ``outputs`` (in that
+    order), read from its [B, S, dim] ``block`` instead: ``tf.stack(axis=1)`` is the block itself and
+    ``Concatenate`` of the [B, dim] rows is the block reshaped to [B, S * dim] - the same values
+    without splitting the block into S tensors and joining them again (forward and backward).
+    Returns replay's ``given`` for their outputs."""
+    given = {}
+    for n in graph.nodes:
+        if n.operands != outputs or n.attrs.get("axis") != 1 or len(n.outputs) != 1:
+            continue
+        if n.kind == "stack":
+            given[n.output] = lambda look: block
+        elif n.kind == "concat":
+            width = int(block.shape[1]) * int(block.shape[2])
+            reshape = tf.keras.layers.Reshape((width,), name=n.layer.name)
+            given[n.output] = lambda look, reshape=reshape: reshape(block)
+    return given

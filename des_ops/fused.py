@@ -64,11 +64,18 @@ class FusedTable(FieldEmbedding):
         self._scales = np.array([s[1] for s in specs], np.float64)
         self._pools = [s[2] for s in specs]
 
+    @staticmethod
+    def single_inputs(inputs) -> list[int]:
+        """Which inputs are one-hot (ids [B], no weights): their rows travel as one [B, S, dim] block."""
+        return [k for k, x in enumerate(inputs) if not isinstance(x, (list, tuple)) and x.shape.rank == 1]
+
     @tf.autograph.experimental.do_not_convert   # plain TF ops: autograph would only slow tracing
-    def call(self, inputs, training=None):
-        # one-hot inputs (ids [B], no weights) travel as one [B, S] block: a few ops whatever S is,
-        # since tracing cost grows with the number of ops; the others one by one
-        single = [k for k, x in enumerate(inputs) if not isinstance(x, (list, tuple)) and x.shape.rank == 1]
+    def call(self, inputs, training=None, with_block: bool = False):
+        """One tensor per input; ``with_block``: and the rows of the one-hot inputs (``single_inputs``)
+        as one [B, S, dim] tensor, which a stack or concatenation of them can read instead."""
+        # one-hot inputs travel as one [B, S] block: a few ops whatever S is, since tracing cost
+        # grows with the number of ops; the others one by one
+        single = self.single_inputs(inputs)
         other = [k for k in range(len(inputs)) if k not in single]
         packed, checked, padded = [], [], False     # checked: (ids, padding, member slots) of every input
         if single:
@@ -89,7 +96,7 @@ class FusedTable(FieldEmbedding):
         uniq, idx = tf.unique(tf.concat(packed, axis=0))
         rows = tf.gather(self.distinct_rows(uniq, training, multi_valued=padded), idx)
         parts = tf.split(rows, [tf.size(p) for p in packed])
-        out = [None] * len(inputs)
+        out, block = [None] * len(inputs), None
         if single:
             block = tf.reshape(parts[0], [-1, len(single), self.dim])
             for k, v in zip(single, tf.unstack(block, axis=1)):
@@ -100,7 +107,7 @@ class FusedTable(FieldEmbedding):
                 out[k] = pool(part, ids, weights, self.dim)
             else:
                 out[k] = tf.reshape(part, tf.concat([tf.shape(ids), [self.dim]], 0))
-        return out
+        return (out, block) if with_block else out
 
     @staticmethod
     def _ids_and_weights(x):

@@ -17,6 +17,10 @@ import time
 from bench_des import ENV, ROOT, config_parser, run, synth_data, write_report
 
 
+SYSTEMS = {"tfra": "TFRA HvdAllToAllEmbedding", "des-replicated": "DES, replicated tail",
+           "des-data-parallel": "DES, data-parallel tail", "ps": "PS (this project)"}
+
+
 def peer(n, data, a, out):
     args = ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none", sys.executable,
             os.path.join(ROOT, "scripts", "peer_tfra.py"), "--data", data, "--batch", str(a.batch),
@@ -28,12 +32,18 @@ def peer(n, data, a, out):
 
 
 def main():
-    a = config_parser("2:128,64;4:128,64;4:400,400,400", "peer.md").parse_args()
+    ap = config_parser("2:128,64;4:128,64;4:400,400,400", "peer.md")
+    ap.add_argument("--systems", default=",".join(SYSTEMS),
+                    help=f"which systems to launch, comma-separated, of {','.join(SYSTEMS)} (tfra is the baseline)")
+    a = ap.parse_args()
+    chosen = a.systems.split(",")
+    if "tfra" not in chosen or set(chosen) - set(SYSTEMS):
+        raise SystemExit(f"--systems {a.systems}: a comma-separated subset of {','.join(SYSTEMS)} with tfra")
     data = synth_data(a.rows)
     tmp = os.path.dirname(data)
     lines = [f"# DES vs TFRA's all-to-all embedding (DeepFM, criteo-like synthetic data, {a.rows} rows)", "",
              f"`scripts/bench_peer.py --rows {a.rows} --batch {a.batch} --steps {a.steps} --repeats {a.repeats} "
-             f"--configs '{a.configs}'`, {time.strftime('%Y-%m-%d')}, this machine (2 shared cores; N processes "
+             f"--configs '{a.configs}' --systems {a.systems}`, {time.strftime('%Y-%m-%d')}, this machine (2 shared cores; N processes "
              f"oversubscribe them, one TF thread each). Global batch {a.batch}, dim {a.dim}; median over "
              f"launches of each launch's median step (the first step excluded); the launches go round-robin over "
              f"the systems. DES: fused tables; the peer: "
@@ -42,11 +52,12 @@ def main():
              "| N | hidden | system | samples/s | CPU s/step/process | first step (s) | samples/s vs TFRA |",
              "|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
-    systems = {"TFRA HvdAllToAllEmbedding": lambda n, out: peer(n, data, a, out),
-               "DES, replicated tail": lambda n, out: run(n, "des", "deepfm", data, a, out, ("--tail", "replicated")),
-               "DES, data-parallel tail": lambda n, out: run(n, "des", "deepfm", data, a, out,
-                                                             ("--tail", "data_parallel")),
-               "PS (this project)": lambda n, out: run(n, "ps", "deepfm", data, a, out)}
+    launchers = {"tfra": lambda n, out: peer(n, data, a, out),
+                 "des-replicated": lambda n, out: run(n, "des", "deepfm", data, a, out, ("--tail", "replicated")),
+                 "des-data-parallel": lambda n, out: run(n, "des", "deepfm", data, a, out,
+                                                         ("--tail", "data_parallel")),
+                 "ps": lambda n, out: run(n, "ps", "deepfm", data, a, out)}
+    systems = {SYSTEMS[key]: launchers[key] for key in SYSTEMS if key in chosen}
     for config in a.configs.split(";"):
         n, a.hidden = config.split(":")
         runs = {name: [] for name in systems}
