@@ -60,7 +60,7 @@ def traffic_at(model: str, data: list[str], fmt: str, a, n: int) -> dict[str, di
     tail = tail_floats(build)
     if tail is not None:
         out["des-dp"] = timemodel.des_tail_traffic(t["des_payload"], 4.0 * a.batch, 4.0 * tail)
-    out["ps"] = timemodel.ps_traffic(t["tables"], t["ps_alltoall"], t["ps_alltoall"], t["ps_dense_payload"])
+    out["ps"] = timemodel.ps_traffic(t["ps_lookups"], t["ps_alltoall"], t["ps_alltoall"], t["ps_dense_payload"])
     return out
 
 

@@ -25,7 +25,7 @@ from des.handle import distributed
 from des.ir import Graph
 from des_ops.fused import FusedTable
 from des_ops.keras_internals import create_optimizer_weights, creates_weights_ahead
-from models.optim import is_linear
+from models.optim import apply_without_autograph, is_linear
 from rewrite_rules import find_substitutions
 
 
@@ -255,6 +255,8 @@ def trace_once(model: tf.keras.Model) -> tf.keras.Model:
 
     def make_train_function(force: bool = False):
         optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None:
+            apply_without_autograph(optimizer)
         if (model.train_function is None or force) and optimizer is not None and all(
                 creates_weights_ahead(part) for part in optimizer_parts(optimizer)):
             create_slots(model, optimizer)

@@ -189,9 +189,10 @@ def des_tail_traffic(payload_bytes: float, output_bytes: float, tail_gradient_by
     return {"phases": 4, "allreduce": [payload_bytes / 2, output_bytes / 2, payload_bytes / 2, tail_gradient_bytes]}
 
 
-def ps_traffic(tables: int, alltoall_out: float, alltoall_in: float, dense_bytes: float) -> dict:
-    """PS: 5 phases; slice sizes (4 B), 3 all-to-alls per table (this process's bytes out / in
-    to other processes, spread over them), the dense gradients' allreduce."""
-    calls = max(1, 3 * tables)
+def ps_traffic(lookups: int, alltoall_out: float, alltoall_in: float, dense_bytes: float) -> dict:
+    """PS: 5 phases; slice sizes (4 B), 3 all-to-alls per table looked up (``lookups``: one per
+    width with fused tables, one per field without; this process's bytes out / in to other
+    processes, spread over them), the dense gradients' allreduce."""
+    calls = max(1, 3 * lookups)
     return {"phases": 5, "allreduce": [4.0, dense_bytes],
             "alltoall": [(alltoall_out / calls, alltoall_in / calls)] * calls}

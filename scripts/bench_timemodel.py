@@ -77,7 +77,7 @@ def traffic(mode: str, s: dict) -> dict:
     if mode == "des":
         return timemodel.des_traffic(s["bytes_per_step_measured"])
     ranks = s["ranks"]
-    return timemodel.ps_traffic(s["tables"], max(r["wire_out_bytes_per_step"] for r in ranks),
+    return timemodel.ps_traffic(s["lookups"], max(r["wire_out_bytes_per_step"] for r in ranks),
                                 max(r["wire_in_bytes_per_step"] for r in ranks),
                                 max(r["allreduce_payload_bytes_per_step"] for r in ranks) - 4)
 

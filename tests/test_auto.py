@@ -44,3 +44,24 @@ def test_deepfm_des_floats_by_hand_and_one_process_is_des():
     assert t["des_payload"] == 4 * 8 * 14 and t["des_bytes"] == 672
     one = choose(model, batch, 1)
     assert one.mode == "des" and one.des_bytes == 0 and one.ps_bytes == 0
+
+
+def test_the_ps_looks_up_one_fused_table_per_width_and_each_table_that_cannot_fuse():
+    """What the projection's PS pays 3 all-to-alls for (des.projection): its tables as --mode ps
+    fuses them. DeepFM on 2 fields: 4 tables (2 rows of width 4, 2 linear weights) -> 2 lookups.
+    By hand: fields a, b (width 4) fuse into 1; c (width 4, frozen) cannot fuse: 1; d
+    (width 2) is a group of its own: 1 -> 3 lookups of 4 tables; 3 all-to-alls per lookup."""
+    from des.timemodel import ps_traffic
+    from models.layers import FieldEmbedding
+    model = models.build("deepfm", SPEC, seed=0, hidden=(8,))
+    t = traffic(model, _batch(np.arange(8), np.arange(8) + 100), 2)
+    assert (t["tables"], t["ps_lookups"]) == (4, 2)
+    tf = __import__("tensorflow")
+    x = {f: tf.keras.Input((), dtype=tf.int64, name=f) for f in "abcd"}
+    embs = [FieldEmbedding("a", 4)(x["a"]), FieldEmbedding("b", 4)(x["b"]),
+            FieldEmbedding("c", 4, trainable=False)(x["c"])]
+    deep = tf.keras.layers.Concatenate()(embs + [FieldEmbedding("d", 2)(x["d"])])
+    hand = tf.keras.Model(x, tf.keras.layers.Dense(1, activation="sigmoid")(deep))
+    t = traffic(hand, {f: np.arange(4) for f in "abcd"}, 2)
+    assert (t["tables"], t["ps_lookups"]) == (4, 3)
+    assert len(ps_traffic(t["ps_lookups"], 600.0, 600.0, 40.0)["alltoall"]) == 9

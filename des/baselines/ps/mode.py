@@ -127,7 +127,7 @@ class PS(Mode):
     def summarise(self, model, summary: dict) -> None:
         self._summarise_allocation(summary)
         summary.update(ps.traffic_summary(model, self.traffic.steps, self.rank, self.world_size),
-                       tables=len(ps.table_inputs(model)))
+                       tables=len(ps.table_inputs(model)), lookups=len(ps.lookup_tables(model)))
         self.run.log(f"PS bytes/step sent per process: measured {summary['sent_bytes_per_step']:.0f} "
                      f"(all-to-all {summary['alltoall_bytes_per_step']:.0f} + dense ring model "
                      f"{summary['dense_ring_bytes_per_step']:.0f}), analytic "

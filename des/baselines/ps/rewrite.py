@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow_recommenders_addons import dynamic_embedding as de
 
-from des.baselines.ps.tables import KeyExchange, ShardedFieldEmbedding
+from des.baselines.ps.tables import KeyExchange, ShardedFieldEmbedding, ShardedFusedTable
 from des.fusion import fuse_model
 from des.ir import Graph, replay
 from des.state import trace_once
@@ -114,6 +114,12 @@ def shard(model: tf.keras.Model, exchange: KeyExchange, make_table=None, cls=PSM
         fused, lines = fuse_model(ps)
         ps = fused.use(exchange, tables, lines)
     return trace_once(ps)
+
+
+def lookup_tables(model: tf.keras.Model) -> list:
+    """The table layers a PS model looks up, each with its own all-to-alls (a fused model: one
+    per width)."""
+    return [layer for layer in model.layers if isinstance(layer, (ShardedFieldEmbedding, ShardedFusedTable))]
 
 
 def dense_parameters(model: tf.keras.Model) -> int:
