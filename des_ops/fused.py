@@ -180,13 +180,10 @@ class FusedTable(FieldEmbedding):
 FUSED_CLASS: dict[type, type] = {FieldEmbedding: FusedTable}
 
 
-def fuse_nodes(graph, nodes: list, suffix: str) -> tuple[list[tuple], list[str]]:
-    """Group the table nodes of ``nodes`` (des.ir nodes of ``graph``) whose rows can share one TFRA
-    table (``member_rows``: this project's FieldEmbedding and keyed TFRA Embeddings; trainable,
-    without weight penalties, called on one input) by (width, linear part or not) and move their rows
-    into one FusedTable per group, named ``des_fused<width>[_linear]_<suffix>``. Every member layer
-    then reads and writes its rows through the fused table (des.sources). Returns
-    ([(table, its nodes in graph order)], one report line per table)."""
+def fusion_groups(nodes: list) -> dict[tuple, list]:
+    """The table nodes among ``nodes`` whose rows can share one TFRA table (this project's
+    FieldEmbedding and keyed TFRA Embeddings; trainable, without weight penalties, called on one
+    input), grouped by (width, linear part or not, fused class); in graph order."""
     groups: dict[tuple, list] = {}
     for n in sorted(nodes, key=lambda n: n.index):
         layer = n.layer
@@ -195,8 +192,24 @@ def fuse_nodes(graph, nodes: list, suffix: str) -> tuple[list[tuple], list[str]]
             continue
         linear = bool(getattr(layer.shadow, "des_linear_part", False))
         groups.setdefault((n.attrs["dim"], linear, FUSED_CLASS.get(type(layer), FusedTable)), []).append(n)
+    return groups
+
+
+def tables_after_fusing(nodes: list) -> int:
+    """How many TFRA tables the table nodes among ``nodes`` become when fused (``fuse_nodes``): one per
+    fusion group, and each table layer that fuses with none."""
+    tables = {id(n.layer) for n in nodes if n.kind == "table"}
+    fused = {id(n.layer) for members in fusion_groups(nodes).values() for n in members}
+    return len(fusion_groups(nodes)) + len(tables - fused)
+
+
+def fuse_nodes(graph, nodes: list, suffix: str) -> tuple[list[tuple], list[str]]:
+    """Move the rows of each ``fusion_groups`` group of ``nodes`` (des.ir nodes of ``graph``)
+    into one FusedTable per group, named ``des_fused<width>[_linear]_<suffix>``. Every member layer
+    then reads and writes its rows through the fused table (des.sources). Returns
+    ([(table, its nodes in graph order)], one report line per table)."""
     fused, lines = [], []
-    for (dim, linear, cls), members in groups.items():
+    for (dim, linear, cls), members in fusion_groups(nodes).items():
         layers = list(dict.fromkeys(m.layer for m in members))
         table = cls(layers, [layers.index(m.layer) for m in members], dim,
                     name=f"des_fused{dim}{'_linear' if linear else ''}_{suffix}", linear=linear)
