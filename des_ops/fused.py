@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from des_ops.keras_internals import has_weight_penalties
-from models.layers import FieldEmbedding, key_init_rows, pool
+from models.layers import FieldEmbedding, key_init_rows, only_shapes_wanted, pool
 from models.spec import ID_BITS, ID_MASK, PAD_ID
 
 MAX_FIELDS = 2 ** (63 - ID_BITS)
@@ -76,6 +76,8 @@ class FusedTable(FieldEmbedding):
         # one-hot inputs travel as one [B, S] block: a few ops whatever S is, since tracing cost
         # grows with the number of ops; the others one by one
         single = self.single_inputs(inputs)
+        if only_shapes_wanted(self):
+            return self._zeros(inputs, single, with_block)
         other = [k for k in range(len(inputs)) if k not in single]
         packed, checked, padded = [], [], False     # checked: (ids, padding, member slots) of every input
         if single:
@@ -108,6 +110,21 @@ class FusedTable(FieldEmbedding):
             else:
                 out[k] = tf.reshape(part, tf.concat([tf.shape(ids), [self.dim]], 0))
         return (out, block) if with_block else out
+
+    def _zeros(self, inputs, single: list[int], with_block: bool):
+        """What ``call`` returns, as zeros: all Keras wants when it builds a functional model."""
+        out = []
+        for k, x in enumerate(inputs):
+            ids, _ = self._ids_and_weights(x)
+            pools = self._pools[self.calls[k]]
+            shape = tf.TensorShape([ids.shape[0], self.dim]) if pools else ids.shape.concatenate([self.dim])
+            zeros = tf.zeros(tf.stack([tf.shape(ids)[0], self.dim]) if pools else
+                             tf.concat([tf.shape(ids), [self.dim]], 0))
+            zeros.set_shape(shape)
+            out.append(zeros)
+        if not with_block:
+            return out
+        return out, (tf.stack([out[k] for k in single], axis=1) if single else None)
 
     @staticmethod
     def _ids_and_weights(x):
