@@ -1,7 +1,7 @@
 """Fused vs per-field tables: time to the first training step and samples/s of des.train on a
 39-field criteo-like file (one id per field) or on the wide preset (26 one-id fields and 20
 multi-valued ones, ~950 ids a sample), for the single process, DES and the PS on 2 processes with
-each table layout (the cache mode has per-field tables only). Medians of ``--repeats`` runs;
+each table layout, and the cache mode on 2 processes (per-field tables only). Medians of ``--repeats`` runs;
 writes reports/tables.md (criteo-like) or reports/tables_wide.md.
 
     .venv/bin/python scripts/bench_tables.py --rows 100000 --batch 4096 --steps 20 --repeats 3 --threads 1
@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
            OMPI_MCA_mpi_yield_when_idle="1", TF_CPP_MIN_LOG_LEVEL="2")
 RUNS = [("single", 1, "per-field"), ("single", 1, "fused"), ("des", 2, "per-field"), ("des", 2, "fused"),
-        ("ps", 2, "per-field"), ("ps", 2, "fused")]      # the cache mode keeps one table per field
+        ("ps", 2, "per-field"), ("ps", 2, "fused"), ("cache", 2, None)]   # the cache keeps one table per field
 DATA = {"criteo-like": "39 one-id fields", "wide": "26 one-id and 20 multi-valued fields, ~950 ids a sample"}
 
 
