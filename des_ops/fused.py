@@ -215,9 +215,10 @@ def fusion_groups(nodes: list) -> dict[tuple, list]:
 def tables_after_fusing(nodes: list) -> int:
     """How many TFRA tables the table nodes among ``nodes`` become when fused (``fuse_nodes``): one per
     fusion group, and each table layer that fuses with none."""
+    groups = fusion_groups(nodes)
     tables = {id(n.layer) for n in nodes if n.kind == "table"}
-    fused = {id(n.layer) for members in fusion_groups(nodes).values() for n in members}
-    return len(fusion_groups(nodes)) + len(tables - fused)
+    fused = {id(n.layer) for members in groups.values() for n in members}
+    return len(groups) + len(tables - fused)
 
 
 def fuse_nodes(graph, nodes: list, suffix: str) -> tuple[list[tuple], list[str]]:
