@@ -77,6 +77,9 @@ def traffic(mode: str, s: dict) -> dict:
     if mode == "des":
         return timemodel.des_traffic(s["bytes_per_step_measured"])
     ranks = s["ranks"]
+    if "lookups" not in s:
+        raise SystemExit("a PS summary without 'lookups' (the tables it looks up, written since 2026-11-28): "
+                         "run again without --reuse-compute")
     return timemodel.ps_traffic(s["lookups"], max(r["wire_out_bytes_per_step"] for r in ranks),
                                 max(r["wire_in_bytes_per_step"] for r in ranks),
                                 max(r["allreduce_payload_bytes_per_step"] for r in ranks) - 4)

@@ -199,7 +199,7 @@ def test_the_bench_takes_the_median_of_repeated_runs(tmp_path):
     out, batch = tmp_path / "tm", 1000
     out.mkdir()
     rank = {"wire_out_bytes_per_step": 3e5, "wire_in_bytes_per_step": 3e5, "allreduce_payload_bytes_per_step": 404,
-            "tables": 1, "peak_rss_mib": 100.0}
+            "tables": 1, "lookups": 1, "peak_rss_mib": 100.0}
 
     def save(tag, step_seconds, cpu):        # rank 1 used 0.1 s more CPU per step than rank 0
         for r in range(2):
