@@ -73,7 +73,8 @@ def traffic(model: tf.keras.Model, first_batch: dict, world_size: int, allocator
     ``ps_alltoall`` (ids, rows, gradient rows of remote distinct ids; mean over the N slices),
     ``ps_dense_payload`` (dense gradients), ``ps_bytes`` (all-to-all + dense ring + the loss
     weight), ``tables`` (the model's), ``ps_lookups`` (the TFRA tables the PS looks up, its tables
-    fused as ``--mode ps`` fuses them by default: des_ops.fused.tables_after_fusing); and ``matches`` and ``widths``, the substitutions DES would make.
+    fused as ``--mode ps`` fuses them by default: des_ops.fused.tables_after_fusing); and
+    ``matches`` and ``widths``, the substitutions DES would make.
     ``allocator`` (des.baselines.allocate): which process's slice holds which rows (default: contiguous)."""
     feats = {k: np.asarray(v) for k, v in first_batch.items()}
     b, n = len(next(iter(feats.values()))), world_size
@@ -89,7 +90,8 @@ def traffic(model: tf.keras.Model, first_batch: dict, world_size: int, allocator
         total.append(an["alltoall_bytes"] + an["dense_ring_bytes"] + (ring * 4 if n > 1 else 0))
     return {"des_payload": 4.0 * b * floats, "des_bytes": ring * 4.0 * b * floats,
             "ps_alltoall": float(np.mean(a2a)), "ps_dense_payload": 4.0 * dense, "ps_bytes": float(np.mean(total)),
-            "tables": len(tables), "ps_lookups": tables_after_fusing(Graph(model).nodes), "matches": matches, "widths": widths, "batch": b}
+            "tables": len(tables), "ps_lookups": tables_after_fusing(Graph(model).nodes), "matches": matches,
+            "widths": widths, "batch": b}
 
 
 def _parts(feats: dict, batch: int, world_size: int, allocator) -> list:

@@ -69,7 +69,7 @@ def make_optimizer(name: str, learning_rate: float | None = None, linear: str | 
 def apply_without_autograph(optimizer):
     """``optimizer`` (returned) with its ``apply_gradients`` traced as plain TensorFlow, not converted
     by autograph: Keras's and TFRA's update code has no Python control flow on tensors, and converting
-    TFRA's per-variable update functions took ~2.5 of the ~16 s to a 39-field DeepFM's first step.
+    TFRA's per-variable update functions took ~2.5 s of a 39-field DeepFM's ~16 s to its first step.
     Idempotent.
 
         >>> opt = apply_without_autograph(make_optimizer("adam"))
