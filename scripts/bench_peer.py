@@ -43,8 +43,8 @@ def main():
     tmp = os.path.dirname(data)
     lines = [f"# DES vs TFRA's all-to-all embedding (DeepFM, criteo-like synthetic data, {a.rows} rows)", "",
              f"`scripts/bench_peer.py --rows {a.rows} --batch {a.batch} --steps {a.steps} --repeats {a.repeats} "
-             f"--configs '{a.configs}' --systems {a.systems}`, {time.strftime('%Y-%m-%d')}, this machine (2 shared cores; N processes "
-             f"oversubscribe them, one TF thread each). Global batch {a.batch}, dim {a.dim}; median over "
+             f"--configs '{a.configs}' --systems {a.systems}`, {time.strftime('%Y-%m-%d')}, this machine "
+             f"(2 shared cores; N processes oversubscribe them, one TF thread each). Global batch {a.batch}, dim {a.dim}; median over "
              f"launches of each launch's median step (the first step excluded); the launches go round-robin over "
              f"the systems. DES: fused tables; the peer: "
              f"HvdAllToAllEmbedding, all fields in one table per width, Adam, dense gradients averaged by "
