@@ -231,10 +231,10 @@ OPTIONS: list[Option] = [
     _o("--skip-bad-lines", action="store_true", help="drop and count malformed lines"),
     _o("--plan", default="balanced", choices=["balanced", "mod"]),
     _o("--tables", default=None, choices=["fused", "per-field"],
-       help="single, des and ps: a process keeps its fields' rows of one width in one TFRA table "
-            "(fused, their default; the PS then does one set of all-to-alls per width and step) or one "
-            "table per field (per-field: single trains the model untouched); cache keeps one table per "
-            "field"),
+       help="a process keeps its fields' rows of one width in one TFRA table (fused, the default; the PS "
+            "and the cache then do one set of all-to-alls per width and step, the cache keeps one cache per "
+            "width) or one table per field (per-field: single trains the model untouched; the cache's "
+            "default with --allocate laia or --on-demand, which name each field's keys)"),
     _o("--tail", default="replicated", choices=["replicated", "data_parallel", "auto"],
        help="des: every process runs the layers after the first one on the whole batch (replicated) "
             "or on its own rows of it (data_parallel: less computation per process, two all-gathers "

@@ -79,6 +79,30 @@ class FusedTable(FieldEmbedding):
         if only_shapes_wanted(self):
             return self._zeros(inputs, single, with_block)
         other = [k for k in range(len(inputs)) if k not in single]
+        packed, padded = self.packed_keys(inputs, single, other)
+        uniq, idx = tf.unique(tf.concat(packed, axis=0))
+        rows = tf.gather(self.distinct_rows(uniq, training, multi_valued=padded), idx)
+        parts = tf.split(rows, [tf.size(p) for p in packed])
+        out, block = [None] * len(inputs), None
+        if single:
+            block = tf.reshape(parts[0], [-1, len(single), self.dim])
+            for k, v in zip(single, tf.unstack(block, axis=1)):
+                out[k] = v
+        for k, part in zip(other, parts[1 if single else 0:]):
+            ids, weights = self._ids_and_weights(inputs[k])
+            if self._pools[self.calls[k]]:
+                out[k] = pool(part, ids, weights, self.dim)
+            else:
+                out[k] = tf.reshape(part, tf.concat([tf.shape(ids), [self.dim]], 0))
+        return (out, block) if with_block else out
+
+    def packed_keys(self, inputs, single: list[int] | None = None, other: list[int] | None = None):
+        """(the keys of every input, packed as ``slot << 55 | id`` - one-hot inputs first, as one
+        tensor -, whether multi-valued padding is among them); stops the step on an id that breaks
+        the key rule. ``call`` reads the rows of ``tf.unique`` of their concatenation."""
+        if single is None:
+            single = self.single_inputs(inputs)
+            other = [k for k in range(len(inputs)) if k not in single]
         packed, checked, padded = [], [], False     # checked: (ids, padding, member slots) of every input
         if single:
             ids = tf.stack([tf.cast(inputs[k], tf.int64) for k in single], axis=1)
@@ -95,21 +119,7 @@ class FusedTable(FieldEmbedding):
             key = tf.bitwise.bitwise_or(flat, tf.constant(slot << ID_BITS, tf.int64))
             packed.append(tf.where(pad, flat, key) if multi else key)
         self._check(checked)
-        uniq, idx = tf.unique(tf.concat(packed, axis=0))
-        rows = tf.gather(self.distinct_rows(uniq, training, multi_valued=padded), idx)
-        parts = tf.split(rows, [tf.size(p) for p in packed])
-        out, block = [None] * len(inputs), None
-        if single:
-            block = tf.reshape(parts[0], [-1, len(single), self.dim])
-            for k, v in zip(single, tf.unstack(block, axis=1)):
-                out[k] = v
-        for k, part in zip(other, parts[1 if single else 0:]):
-            ids, weights = self._ids_and_weights(inputs[k])
-            if self._pools[self.calls[k]]:
-                out[k] = pool(part, ids, weights, self.dim)
-            else:
-                out[k] = tf.reshape(part, tf.concat([tf.shape(ids), [self.dim]], 0))
-        return (out, block) if with_block else out
+        return packed, padded
 
     def _zeros(self, inputs, single: list[int], with_block: bool):
         """What ``call`` returns, as zeros: all Keras wants when it builds a functional model."""

@@ -104,7 +104,6 @@ class FieldEmbedding(de.keras.layers.Embedding):
             self.shadow.des_linear_part = True
 
     @tf.autograph.experimental.do_not_convert   # plain TF ops: autograph would only slow tracing
-    @tf.autograph.experimental.do_not_convert   # plain TF ops: autograph would only slow tracing
     def call(self, inputs, training=None):
         ids, weights = (inputs[0], inputs[1]) if isinstance(inputs, (list, tuple)) else (inputs, None)
         ids = tf.convert_to_tensor(ids, tf.int64)

@@ -1,8 +1,9 @@
 """Fused vs per-field tables: time to the first training step and samples/s of des.train on a
 39-field criteo-like file (one id per field) or on the wide preset (26 one-id fields and 20
 multi-valued ones, ~950 ids a sample), for the single process, DES and the PS on 2 processes with
-each table layout, and the cache mode on 2 processes (per-field tables only). Medians of ``--repeats`` runs;
-writes reports/tables.md (criteo-like) or reports/tables_wide.md.
+each table layout, and the cache mode on 2 processes with each layout. Medians of ``--repeats`` runs;
+writes reports/tables.md (criteo-like) or reports/tables_wide.md; ``--modes`` runs some modes only
+(then give ``--out``, e.g. reports/tables_cache.md).
 
     .venv/bin/python scripts/bench_tables.py --rows 100000 --batch 4096 --steps 20 --repeats 3 --threads 1
     .venv/bin/python scripts/bench_tables.py --preset wide --rows 20000 --batch 1024 --steps 10 --repeats 3 --threads 1
@@ -25,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
            OMPI_MCA_mpi_yield_when_idle="1", TF_CPP_MIN_LOG_LEVEL="2")
 RUNS = [("single", 1, "per-field"), ("single", 1, "fused"), ("des", 2, "per-field"), ("des", 2, "fused"),
-        ("ps", 2, "per-field"), ("ps", 2, "fused"), ("cache", 2, None)]   # the cache keeps one table per field
+        ("ps", 2, "per-field"), ("ps", 2, "fused"), ("cache", 2, "per-field"), ("cache", 2, "fused")]
 DATA = {"criteo-like": "39 one-id fields", "wide": "26 one-id and 20 multi-valued fields, ~950 ids a sample"}
 
 
@@ -53,15 +54,21 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="TF threads per process (0: TF's default; 2 processes x "
                     "TF's default oversubscribe 2 cores)")
+    ap.add_argument("--modes", default="single,des,ps,cache", help="which modes to run, comma-separated")
     ap.add_argument("--out", help="default: reports/tables.md, reports/tables_wide.md for --preset wide")
     a = ap.parse_args()
+    modes = a.modes.split(",")
+    if set(modes) - {m for m, _, _ in RUNS}:
+        raise SystemExit(f"--modes {a.modes}: a comma-separated subset of single,des,ps,cache")
+    if modes != ["single", "des", "ps", "cache"] and not a.out:
+        raise SystemExit("--modes runs some modes only: give --out, so that the full report is not overwritten")
     a.out = a.out or os.path.join(ROOT, "reports", "tables.md" if a.preset == "criteo-like" else "tables_wide.md")
     tmp = tempfile.mkdtemp()
     data = os.path.join(tmp, "train.txt" if a.preset == "criteo-like" else "train.ffm")
     subprocess.run([sys.executable, "-m", "des.data.synth", "--preset", a.preset, "--rows", str(a.rows),
                     "--out", data], env=ENV, cwd=ROOT, check=True, capture_output=True)
     rows, began = [], time.time()
-    for mode, n, tables in RUNS:
+    for mode, n, tables in [r for r in RUNS if r[0] in modes]:
         got = [train(mode, n, tables, data, a, os.path.join(tmp, f"{mode}{n}{tables}{r}.json"))
                for r in range(a.repeats)]
         first = statistics.median(g["seconds_to_first_step"] for g in got)
@@ -73,7 +80,7 @@ def main() -> None:
              f"global batch {a.batch}",
              "",
              f"Written by `scripts/bench_tables.py --preset {a.preset} --rows {a.rows} --batch {a.batch} --steps {a.steps} "
-             f"--repeats {a.repeats} --threads {a.threads}` on {platform.node()} ({os.cpu_count()} cores, shared), "
+             f"--repeats {a.repeats} --threads {a.threads} --modes {a.modes}` on {platform.node()} ({os.cpu_count()} cores, shared), "
              f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(began))} UTC. Medians of {a.repeats} runs; "
              f"first step = from des.train's start to the end of its first training step.",
              "",

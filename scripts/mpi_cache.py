@@ -5,7 +5,7 @@
 Runs every configuration of CONFIGS in this one launch. Each rank trains the cached model on
 ITS slice of shared global batches, predicts a shared probe after every step (s = 0 runs), and
 after a final flush pickles to OUT_DIR/<config>.rank<r>.pkl: the predictions, the cache
-counters per step, per table the gradient totals it computed and (as owner) applied, and its
+counters per step, per table (a fused table: its packed keys) the gradient totals it computed and (as owner) applied, and its
 owned rows with their key_init rows (for the SGD row check).
 """
 import math
@@ -26,16 +26,16 @@ from des.baselines.cache.rewrite import cache  # noqa: E402
 from des.data.readers import _slice_batch  # noqa: E402
 from des.verify import PS_SPEC, optimizer_factory, ps_batches, random_batches  # noqa: E402
 from des.baselines.ps.tables import KeyExchange  # noqa: E402
-from models.layers import key_init  # noqa: E402
 
 LR = {"sgd": 0.2, "adagrad": 0.05, "adam": 0.01, "ftrl": 0.05}
-# name: (model, optimizer, staleness, capacity rows per table, eviction, batches)
+# name: (model, optimizer, staleness, capacity rows per table, eviction, fused tables, batches);
+# fused: one table and one cache per width, of the members' capacity together
 CONFIGS = {
-    "exact-wdl-sgd": ("wdl", "sgd", 0, 1000, "lru", "ps"),
-    "exact-deepfm-ftrl+adam-small": ("deepfm", "ftrl+adam", 0, 4, "lru", "ps"),
-    "stale10-sgd-lru": ("deepfm", "sgd", 10, 6, "lru", "long"),
-    "stale3-adagrad-lfu": ("fm", "adagrad", 3, 5, "lfu", "long"),
-    "async-sgd": ("deepfm", "sgd", math.inf, 8, "lru", "long"),
+    "exact-wdl-sgd": ("wdl", "sgd", 0, 1000, "lru", False, "ps"),
+    "exact-deepfm-ftrl+adam-small-fused": ("deepfm", "ftrl+adam", 0, 4, "lru", True, "ps"),
+    "stale10-sgd-lru-fused": ("deepfm", "sgd", 10, 6, "lru", True, "long"),
+    "stale3-adagrad-lfu": ("fm", "adagrad", 3, 5, "lfu", False, "long"),
+    "async-sgd-fused": ("deepfm", "sgd", math.inf, 8, "lru", True, "long"),
 }
 
 
@@ -46,11 +46,11 @@ def batches_of(kind: str):
 
 
 def run(name: str, out: str, exchange: KeyExchange) -> None:
-    model_name, optimizer, staleness, capacity, eviction, kind = CONFIGS[name]
+    model_name, optimizer, staleness, capacity, eviction, fuse, kind = CONFIGS[name]
     rank, n = exchange.rank, exchange.world_size
     batches, probe = batches_of(kind)
     model = cache(models.build(model_name, PS_SPEC, seed=3, hidden=(8, 4)), exchange, staleness=staleness,
-                  capacity=capacity, eviction=eviction, audit=True)
+                  capacity=capacity, eviction=eviction, audit=True, fuse=fuse)
     model.compile(optimizer_factory(optimizer, LR)(), "binary_crossentropy")
     counters = dict(exchange.counters, **model.cached_tables()[0][0].counters)
     read = lambda: {k: int(v.numpy()) for k, v in counters.items()}
@@ -73,7 +73,7 @@ def run(name: str, out: str, exchange: KeyExchange) -> None:
         ck, cv = lines.computed.export()
         ak, av = lines.applied.export()
         keys, rows = layer.params.export()
-        init = key_init(keys, layer.salt, layer.dim, layer.init_scale)
+        init = layer.new_rows(keys)
         tables[layer.field + ("/linear" if layer.linear else "")] = {
             "computed": (ck.numpy(), cv.numpy()), "applied": (ak.numpy(), av.numpy()),
             "rows": (keys.numpy(), rows.numpy(), init.numpy()), "capacity": layer.config.capacity}

@@ -45,9 +45,14 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", [n for n in CONFIGS if n.startswith("exact")])
 def test_staleness_0_is_the_single_process_model_after_every_step(runs, name):
     """s = 0: every update is pushed at once and every changed row re-read, so 3 processes on
-    slices of the global batch make the single process's updates, also with a cache of 4 rows
-    (evictions every step) and with a rank whose slice is empty."""
-    model_name, optimizer, *_ , kind = CONFIGS[name]
+    slices of the global batch make the single process's updates, also with fused tables whose
+    one cache per width holds 4 rows per field (evictions every step) and with a rank whose slice
+    is empty."""
+    model_name, optimizer, *_, fused, kind = CONFIGS[name]
+    for r in runs[name]:      # a fused configuration ran with one cached table per width
+        assert all(t.startswith("des_fused") for t in r["tables"]) == fused and r["tables"], list(r["tables"])
+        if fused:
+            assert sum(s["evicted"] for s in r["steps"]) > 0
     expected = single_process_predictions(model_name, optimizer, LR, *batches_of(kind))
     for r in runs[name]:
         diff = max(float(np.abs(a - b).max()) for a, b in zip(expected, r["predictions"]))
@@ -61,7 +66,7 @@ def test_staleness_0_is_the_single_process_model_after_every_step(runs, name):
 @pytest.mark.mpi
 @pytest.mark.parametrize("name", [n for n in CONFIGS if not n.startswith("exact")])
 def test_bounded_staleness_size_and_no_lost_update(runs, name):
-    _, optimizer, staleness, capacity, _, _ = CONFIGS[name]
+    _, optimizer, staleness, capacity, _, _, _ = CONFIGS[name]
     ranks = runs[name]
     for r in ranks:
         gaps = [s["max_read_gap"] for s in r["steps"]]

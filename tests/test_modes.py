@@ -53,6 +53,8 @@ def test_every_registered_mode_is_made_and_the_cli_offers_exactly_those():
     ("cache", {"allocate": "laia", "allocate_top_k": 0}, "--allocate-top-k 0: a count >= 1"),
     ("des", {"allocate_top_k": 3}, "--allocate-top-k is an option of --allocate laia"),
     ("cache", {"allocate": "laia", "eviction": "lfu"}, "--allocate laia simulates LRU caches"),
+    ("cache", {"tables": "fused", "staleness": "0", "on_demand": True},
+     "--tables fused: --on-demand name each field's keys; they need --tables per-field"),
     ("cache", {"staleness": "0", "on_demand": True, "plan_pushes": True, "optimizer": "adam"},
      "--plan-pushes keeps updates in the workers' cache lines"),
     ("ps", {"plan_pushes": True}, "--plan-pushes is a plan of --mode cache"),
@@ -74,6 +76,17 @@ def test_options_that_apply_are_accepted():
     for name, kw in [("ps", {"allocate": "laia"}), ("ps", {"wire_dtype": "float16"}), ("cache", {"allocate": "random", "staleness": "0",
                                                                "on_demand": True, "cache_size": "5"})]:
         assert modes.make(name, make_run(spec, batch, mode=name, **kw)).name == name
+
+
+@pytest.mark.parametrize("kw, fused", [({}, True), ({"tables": "per-field"}, False), ({"allocate": "laia"}, False),
+                                       ({"allocate": "random"}, True)])
+def test_the_cache_fuses_its_tables_unless_told_or_a_plan_names_each_fields_keys(kw, fused):
+    from des.baselines.cache.tables import CachedFieldEmbedding, CachedFusedTable
+    spec = small_spec()
+    mode = modes.make("cache", make_run(spec, random_batches(spec, 1, 8)[0], mode="cache", cache_size="5", **kw))
+    tables = [type(layer) for layer, _ in mode.prepare(mode.run.reference_model()).cached_tables()]
+    want = [CachedFusedTable] * 2 if fused else [CachedFieldEmbedding] * (2 * len(spec))   # rows and linear part
+    assert tables == want
 
 
 def test_ps_hands_the_reader_a_new_allocator_per_epoch():

@@ -95,9 +95,9 @@ class Mode:
         if a.wire_dtype != "float32" and self.name not in ("des", "ps"):
             raise ModeError(f"--wire-dtype {a.wire_dtype} is an option of --mode des (the partials) and ps (the "
                             f"rows and gradient rows)")
-        if a.tables == "fused" and self.name not in ("single", "des", "ps"):
-            raise ModeError(f"--tables fused is built by --mode single, des and ps; --mode {self.name} keeps one "
-                            f"table per field")
+        if a.tables == "fused" and self.name not in ("single", "des", "ps", "cache"):
+            raise ModeError(f"--tables fused is built by --mode single, des, ps and cache; --mode {self.name} keeps "
+                            f"one table per field")
 
     _reads = "there is one process"
 

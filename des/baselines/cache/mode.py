@@ -40,6 +40,21 @@ class Cache(PS):
         if self.config.allocation.strategy == "laia" and self.config.cache.eviction != "lru":
             raise ModeError(f"--allocate laia simulates LRU caches and decides their evictions: "
                             f"--eviction {self.config.cache.eviction} does not apply")
+        if a.tables == "fused" and self._per_field_plan():
+            raise ModeError(f"--tables fused: {self._per_field_plan()} name each field's keys; they need "
+                            f"--tables per-field (their default)")
+
+    def _per_field_plan(self) -> str:
+        """What needs one cached table per field ('' if nothing): laia's simulated caches and the
+        on-demand plan name the keys of each field's input."""
+        a = self.config
+        return " and ".join(x for x, on in (("--allocate laia", a.allocation.strategy == "laia"),
+                                            ("--on-demand", a.cache.on_demand)) if on)
+
+    def _fuse(self) -> bool:
+        """Fused tables (one table and one cache per width) unless --tables per-field or a
+        per-field plan."""
+        return self.config.tables != "per-field" and not self._per_field_plan()
 
     def _planned(self) -> bool:
         return self.config.allocation.strategy == "laia"
@@ -68,12 +83,15 @@ class Cache(PS):
         try:
             model = cache.cache(model, self.exchange, self.staleness, self.capacity, a.cache.eviction,
                                 spec=self._spec_with_cardinalities(), on_demand=a.cache.on_demand,
-                                plan_pushes=a.cache.plan_pushes)
+                                plan_pushes=a.cache.plan_pushes, fuse=self._fuse())
         except ValueError as e:
             raise ModeError(str(e)) from None
         self._tables = model.cached_tables()
+        for line in model.fused_lines:
+            self.run.log(line + ", with one cache")
         sizes = sorted({layer.config.capacity for layer, _ in self._tables})
-        self.run.log(f"cache: {len(self._tables)} tables sharded by key over {self.world_size} "
+        what = "fused tables" if self._fuse() else "tables (one per field)"
+        self.run.log(f"cache: {len(self._tables)} {what} sharded by key over {self.world_size} "
                      f"process(es), each cached on every process (staleness {a.cache.staleness}, {a.cache.eviction}, "
                      f"{sizes[0]}..{sizes[-1]} rows per table); global batch {self.global_batch}")
         return model

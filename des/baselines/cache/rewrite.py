@@ -27,7 +27,7 @@ import tensorflow as tf
 from tensorflow_recommenders_addons import dynamic_embedding as de
 
 from des.baselines.allocate import EVICT, OTHERS
-from des.baselines.cache.tables import CacheConfig, CachedFieldEmbedding, new_counters
+from des.baselines.cache.tables import CacheConfig, CachedFieldEmbedding, CachedFusedTable, new_counters
 from des.baselines.ps.rewrite import PSModel, per_destination, shard
 from des.baselines.ps.tables import KeyExchange
 from des.ir import Graph
@@ -40,14 +40,23 @@ class CacheModel(PSModel):
     """A PS model whose training lookups go through the cached tables' fetch/accumulate/push."""
 
     def find_cached_tables(self) -> None:
-        """Note which input feeds which cached table (called once by ``cache``; a tuple of names,
+        """Note which input feeds which cached table (called once by ``cache``; tuples of names,
         which Keras does not track)."""
         graph = Graph(self)
-        self._cached = tuple((n.layer.name, graph.input_name(n.tensor_operands()[0]))
-                             for n in graph.nodes if n.kind == "table")
+        cached = []
+        for n in graph.nodes:
+            if isinstance(n.layer, CachedFusedTable):     # a name, or (ids, weights) names, per member call
+                name = lambda t: graph.input_name(id(t))   # noqa: E731
+                names = tuple(tuple(map(name, x)) if isinstance(x, (list, tuple)) else name(x)
+                              for x in n.call_args[0])
+                cached.append((n.layer.name, names))
+            elif isinstance(n.layer, CachedFieldEmbedding):
+                cached.append((n.layer.name, graph.input_name(n.tensor_operands()[0])))
+        self._cached = tuple(cached)
 
-    def cached_tables(self) -> list[tuple[CachedFieldEmbedding, str]]:
-        """(layer, ids input name) of every cached table, in graph order."""
+    def cached_tables(self) -> list[tuple[CachedFieldEmbedding | CachedFusedTable, str | tuple]]:
+        """(layer, its ids input's name) of every cached table, in graph order; a fused table:
+        (layer, per member call the ids input's name or the (ids, weights) inputs' names)."""
         return [(self.get_layer(name), ids) for name, ids in self._cached]
 
     def _set_local_lr(self) -> None:
@@ -77,7 +86,7 @@ class CacheModel(PSModel):
                     raise ValueError(f"plan pushes need the keys other processes use ({ids}{OTHERS})")
                 planned.append(layer.apply_pushed(*layer.push(*layer.planned(others[ids]))))
         with tf.control_dependencies(planned):
-            feeds = [layer.fetch(x[ids], step) for layer, ids in tables]
+            feeds = [layer.fetch(tf.nest.map_structure(x.get, ids), step) for layer, ids in tables]
         with tf.GradientTape() as tape:
             tape.watch(feeds)
             for (layer, _), feed in zip(tables, feeds):
@@ -160,9 +169,10 @@ def capacity_rows(capacity: int | float, cardinality: int | None, field: str) ->
 
 def cache(model: tf.keras.Model, exchange: KeyExchange, staleness: float = 100.0, capacity: int | float = 0.1,
           eviction: str = "lru", spec=None, audit: bool = False, on_demand: bool = False,
-          plan_pushes: bool = False) -> CacheModel:
+          plan_pushes: bool = False, fuse: bool = False) -> CacheModel:
     """The same model with every FieldEmbedding sharded by key and cached on every worker.
-    ``on_demand`` (staleness 0): no queries; the data must come through
+    ``fuse``: the cached tables of one width share one TFRA table and one cache per process
+    (des.baselines.cache.tables.CachedFusedTable; its capacity is theirs together). ``on_demand`` (staleness 0): no queries; the data must come through
     ``des.baselines.allocate.Share(allocator, rank, others=True)``. ``plan_pushes`` (with ``on_demand``,
     plain SGD): an update is pushed only when another process reads its key (Herald's plan)."""
     counters = new_counters()
@@ -174,7 +184,7 @@ def cache(model: tf.keras.Model, exchange: KeyExchange, staleness: float = 100.0
         return CachedFieldEmbedding(old.field, old.dim, exchange, cfg, old.seed, old.init_scale,
                                     linear=old.linear, counters=counters)
 
-    out = shard(model, exchange, make_table=make, cls=CacheModel, mode="cache")
+    out = shard(model, exchange, make_table=make, cls=CacheModel, mode="cache", fuse=fuse)
     out.find_cached_tables()
     return out
 

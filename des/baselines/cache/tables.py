@@ -40,8 +40,9 @@ import math
 import tensorflow as tf
 from tensorflow_recommenders_addons import dynamic_embedding as de
 
-from des.baselines.ps.tables import KeyExchange, ShardedFieldEmbedding
-from models.layers import key_init
+from des.baselines.ps.tables import KeyExchange, ShardedFieldEmbedding, ShardedFusedTable
+from des.data.hashing import ID_MASK
+from des_ops.fused import FUSED_CLASS
 from models.spec import PAD_ID
 
 
@@ -140,15 +141,12 @@ class _Lines:
         return tf.concat([row, tf.expand_dims(clock, 1), pend, tf.expand_dims(count, 1), tf.expand_dims(used, 1), tf.expand_dims(uses, 1)], 1)
 
 
-class CachedFieldEmbedding(ShardedFieldEmbedding):
-    """A ShardedFieldEmbedding whose training reads go through a bounded, stale-tolerant cache
-    (see the module docstring); inference reads the owners' rows as the PS mode does."""
+class CacheProtocol:
+    """The cache's side of a sharded table (see the module docstring): a mixin for
+    ShardedFieldEmbedding (one field) and ShardedFusedTable (the fields of one width), which
+    differ in how a step's keys are made (``fetch``) and whose process owns a key (``owner_of``)."""
 
-    def __init__(self, field: str, dim: int, exchange: KeyExchange, config: CacheConfig, seed: int = 0,
-                 init_scale: float = 0.05, name: str | None = None, linear: bool = False,
-                 counters: dict | None = None, **kwargs):
-        super().__init__(field, dim, exchange, seed, init_scale, name=name or f"cache{dim}_{field}",
-                         linear=linear, **kwargs)
+    def _start_cache(self, config: CacheConfig, counters: dict | None) -> None:
         self.config = config
         self.lines = _Lines(self.name, self.dim, config.audit)
         self.lines.counters = counters if counters is not None else new_counters()
@@ -157,6 +155,10 @@ class CachedFieldEmbedding(ShardedFieldEmbedding):
     @property
     def counters(self) -> dict:
         return self.lines.counters
+
+    def owner_of(self, keys: tf.Tensor) -> tf.Tensor:
+        """The process that owns each key (id mod N)."""
+        return self.exchange.owner(keys)
 
     def distinct_rows(self, uniq, training, multi_valued):
         """In a training step, the rows ``fetch`` read (for the same tf.unique of the same ids);
@@ -182,22 +184,22 @@ class CachedFieldEmbedding(ShardedFieldEmbedding):
     def _owner_rows(self, keys: tf.Tensor) -> tf.Tensor:
         """The owner's rows of ``keys`` (distinct), inserting missing ones with key_init."""
         values, exists = self.params.lookup(keys, return_exists=True)
-        init = key_init(keys, self.salt, self.dim, self.init_scale)
+        init = self.new_rows(keys)
         missing = tf.logical_not(exists)
         insert = self.params.upsert(*_mask(missing, keys, init))
         with tf.control_dependencies([insert]):
             return tf.where(tf.expand_dims(exists, 1), values, init)
 
     # ---- one training step ---------------------------------------------------------------------
-    def fetch(self, ids: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
-        """Forward half of a step: the rows [distinct ids of ``ids``, dim] this worker trains on
-        (padding: zero), after querying owners and refreshing stale or missing cache lines."""
+    def fetch_keys(self, keys: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
+        """Forward half of a step: the rows [distinct ``keys``, dim] (in the order of their
+        tf.unique) this worker trains on (padding: zero), after querying owners and refreshing
+        stale or missing cache lines."""
         ex, L = self.exchange, self.lines
-        ids = tf.convert_to_tensor(ids, tf.int64)
-        uniq, _ = tf.unique(tf.reshape(ids, [-1]))
+        uniq, _ = tf.unique(keys)
         real = tf.where(uniq != PAD_ID)
         keys = tf.gather_nd(uniq, real)
-        mine = ex.owner(keys) == ex.rank
+        mine = self.owner_of(keys) == ex.rank
         own_pos, far_pos = tf.where(mine), tf.where(tf.logical_not(mine))
         own, far = tf.gather_nd(keys, own_pos), tf.gather_nd(keys, far_pos)
 
@@ -235,7 +237,7 @@ class CachedFieldEmbedding(ShardedFieldEmbedding):
 
     def _route(self, keys: tf.Tensor):
         """(order grouping ``keys`` by owner, rows per owner)."""
-        owner = self.exchange.owner(keys)
+        owner = self.owner_of(keys)
         splits = tf.math.bincount(owner, minlength=self.exchange.world_size, maxlength=self.exchange.world_size,
                                   dtype=tf.int32)
         return tf.argsort(owner, stable=True), splits
@@ -415,7 +417,7 @@ class CachedFieldEmbedding(ShardedFieldEmbedding):
         """Send pushed updates to their owners (one all-to-all). Returns, on the owner side, the
         distinct received keys and their summed gradients; their clocks advance by the counts."""
         ex, L = self.exchange, self.lines
-        owner = ex.owner(keys)
+        owner = self.owner_of(keys)
         order = tf.argsort(owner, stable=True)
         splits = tf.math.bincount(owner, minlength=ex.world_size, maxlength=ex.world_size, dtype=tf.int32)
         msg = tf.gather(tf.concat([_to_f32(keys), tf.expand_dims(counts, 1), sums], 1), order)
@@ -443,3 +445,48 @@ class CachedFieldEmbedding(ShardedFieldEmbedding):
         n = tf.size(ukeys)
         add = tf.math.unsorted_segment_sum(tf.concat([sums, tf.ones_like(sums[:, :1])], 1), where, n)
         return table.upsert(ukeys, table.lookup(ukeys) + add)
+
+
+class CachedFieldEmbedding(CacheProtocol, ShardedFieldEmbedding):
+    """A ShardedFieldEmbedding whose training reads go through a bounded, stale-tolerant cache
+    (see the module docstring); inference reads the owners' rows as the PS mode does."""
+
+    def __init__(self, field: str, dim: int, exchange: KeyExchange, config: CacheConfig, seed: int = 0,
+                 init_scale: float = 0.05, name: str | None = None, linear: bool = False,
+                 counters: dict | None = None, **kwargs):
+        super().__init__(field, dim, exchange, seed, init_scale, name=name or f"cache{dim}_{field}",
+                         linear=linear, **kwargs)
+        self._start_cache(config, counters)
+
+    def fetch(self, ids: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
+        """``fetch_keys`` of the distinct ids of this field's input ``ids``."""
+        return self.fetch_keys(tf.reshape(tf.convert_to_tensor(ids, tf.int64), [-1]), step)
+
+
+class CachedFusedTable(CacheProtocol, ShardedFusedTable):
+    """The cached tables of one width in one TFRA table per process, with ONE cache: its lines
+    hold rows of every member field (the capacity is the members' together, evicted by one
+    LRU/LFU order), and a step does one query, one fetch and one push all-to-all per width
+    instead of one per field. A key is ``slot << 55 | id`` (des_ops.fused) and lives with the
+    owner of its id (id mod N), as in the members' own tables."""
+
+    def __init__(self, members: list, calls: list[int], dim: int, name: str, linear: bool = False):
+        super().__init__(members, calls, dim, name, linear)
+        configs = {dataclasses.replace(m.config, capacity=0) for m in members}
+        if len(configs) != 1:
+            raise ValueError(f"{name}: the cached tables to fuse differ in more than their capacity: {configs}")
+        config = dataclasses.replace(members[0].config, capacity=sum(m.config.capacity for m in members))
+        if config.on_demand:
+            raise ValueError(f"{name}: the on-demand plan names each field's keys: keep the cached tables per field")
+        self._start_cache(config, members[0].counters)
+
+    def owner_of(self, keys: tf.Tensor) -> tf.Tensor:
+        return self.exchange.owner(tf.bitwise.bitwise_and(keys, tf.constant(ID_MASK, tf.int64)))
+
+    def fetch(self, inputs, step: tf.Tensor) -> tf.Tensor:
+        """``fetch_keys`` of the packed keys of ``inputs`` (what ``call`` gets: one per member call)."""
+        packed, _ = self.packed_keys(list(inputs))
+        return self.fetch_keys(tf.concat(packed, axis=0), step)
+
+
+FUSED_CLASS[CachedFieldEmbedding] = CachedFusedTable
