@@ -182,7 +182,7 @@ class CacheProtocol:
                                       tag=self.tag)
 
     def _owner_rows(self, keys: tf.Tensor) -> tf.Tensor:
-        """The owner's rows of ``keys`` (distinct), inserting missing ones with key_init."""
+        """The owner's rows of ``keys`` (distinct), inserting missing ones with their start rows (``new_rows``)."""
         values, exists = self.params.lookup(keys, return_exists=True)
         init = self.new_rows(keys)
         missing = tf.logical_not(exists)
