@@ -5,8 +5,8 @@
 Runs every configuration of CONFIGS in this one launch. Each rank trains the cached model on
 ITS slice of shared global batches, predicts a shared probe after every step (s = 0 runs), and
 after a final flush pickles to OUT_DIR/<config>.rank<r>.pkl: the predictions, the cache
-counters per step, per table (a fused table: its packed keys) the gradient totals it computed and (as owner) applied, and its
-owned rows with their key_init rows (for the SGD row check).
+counters per step, per table (a fused table: by its packed keys) the gradient totals it computed
+and (as owner) applied, and its owned rows with their start rows (for the SGD row check).
 """
 import math
 import os

@@ -172,7 +172,8 @@ def cache(model: tf.keras.Model, exchange: KeyExchange, staleness: float = 100.0
           plan_pushes: bool = False, fuse: bool = False) -> CacheModel:
     """The same model with every FieldEmbedding sharded by key and cached on every worker.
     ``fuse``: the cached tables of one width share one TFRA table and one cache per process
-    (des.baselines.cache.tables.CachedFusedTable; its capacity is theirs together). ``on_demand`` (staleness 0): no queries; the data must come through
+    (des.baselines.cache.tables.CachedFusedTable; its capacity is theirs together).
+    ``on_demand`` (staleness 0): no queries; the data must come through
     ``des.baselines.allocate.Share(allocator, rank, others=True)``. ``plan_pushes`` (with ``on_demand``,
     plain SGD): an update is pushed only when another process reads its key (Herald's plan)."""
     counters = new_counters()

@@ -41,7 +41,6 @@ import tensorflow as tf
 from tensorflow_recommenders_addons import dynamic_embedding as de
 
 from des.baselines.ps.tables import KeyExchange, ShardedFieldEmbedding, ShardedFusedTable
-from des.data.hashing import ID_MASK
 from des_ops.fused import FUSED_CLASS
 from models.spec import PAD_ID
 
@@ -481,7 +480,7 @@ class CachedFusedTable(CacheProtocol, ShardedFusedTable):
         self._start_cache(config, members[0].counters)
 
     def owner_of(self, keys: tf.Tensor) -> tf.Tensor:
-        return self.exchange.owner(tf.bitwise.bitwise_and(keys, tf.constant(ID_MASK, tf.int64)))
+        return self.exchange.owner(self.ids_of(keys))
 
     def fetch(self, inputs, step: tf.Tensor) -> tf.Tensor:
         """``fetch_keys`` of the packed keys of ``inputs`` (what ``call`` gets: one per member call)."""

@@ -209,9 +209,13 @@ class ShardedFusedTable(FusedTable):
         self.exchange = members[0].exchange
         self.tag = f"fused{dim}:{'linear' if linear else 'rows'}"
 
+    @staticmethod
+    def ids_of(keys: tf.Tensor) -> tf.Tensor:
+        """The ids packed in fused keys (their owner is id mod N)."""
+        return tf.bitwise.bitwise_and(keys, tf.constant(ID_MASK, tf.int64))
+
     def distinct_rows(self, uniq, training, multi_valued):
-        return owners_rows(self, uniq, training,
-                           ids_of=lambda k: tf.bitwise.bitwise_and(k, tf.constant(ID_MASK, tf.int64)))
+        return owners_rows(self, uniq, training, ids_of=self.ids_of)
 
 
 FUSED_CLASS[ShardedFieldEmbedding] = ShardedFusedTable
