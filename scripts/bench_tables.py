@@ -27,13 +27,14 @@ ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIR
            OMPI_MCA_mpi_yield_when_idle="1", TF_CPP_MIN_LOG_LEVEL="2")
 RUNS = [("single", 1, "per-field"), ("single", 1, "fused"), ("des", 2, "per-field"), ("des", 2, "fused"),
         ("ps", 2, "per-field"), ("ps", 2, "fused"), ("cache", 2, "per-field"), ("cache", 2, "fused")]
+MODES = list(dict.fromkeys(mode for mode, _, _ in RUNS))
 DATA = {"criteo-like": "39 one-id fields", "wide": "26 one-id and 20 multi-valued fields, ~950 ids a sample"}
 
 
-def train(mode: str, n: int, tables: str | None, data: str, a, out: str) -> dict:
+def train(mode: str, n: int, tables: str, data: str, a, out: str) -> dict:
     args = [sys.executable, "-m", "des.train", "--mode", mode, "--model", a.model, "--data", data,
             "--batch", str(a.batch), "--steps", str(a.steps), "--holdout", "2000", "--dim", str(a.dim),
-            "--hidden", a.hidden, "--threads", str(a.threads), "--summary-json", out] + (["--tables", tables] if tables else [])
+            "--hidden", a.hidden, "--threads", str(a.threads), "--summary-json", out, "--tables", tables]
     if n > 1:
         args = ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none"] + args
     p = subprocess.run(args, env=ENV, cwd=ROOT, capture_output=True, text=True)
@@ -54,13 +55,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="TF threads per process (0: TF's default; 2 processes x "
                     "TF's default oversubscribe 2 cores)")
-    ap.add_argument("--modes", default="single,des,ps,cache", help="which modes to run, comma-separated")
+    ap.add_argument("--modes", default=",".join(MODES), help="which modes to run, comma-separated")
     ap.add_argument("--out", help="default: reports/tables.md, reports/tables_wide.md for --preset wide")
     a = ap.parse_args()
     modes = a.modes.split(",")
-    if set(modes) - {m for m, _, _ in RUNS}:
-        raise SystemExit(f"--modes {a.modes}: a comma-separated subset of single,des,ps,cache")
-    if modes != ["single", "des", "ps", "cache"] and not a.out:
+    if set(modes) - set(MODES):
+        raise SystemExit(f"--modes {a.modes}: a comma-separated subset of {','.join(MODES)}")
+    if set(modes) != set(MODES) and not a.out:
         raise SystemExit("--modes runs some modes only: give --out, so that the full report is not overwritten")
     a.out = a.out or os.path.join(ROOT, "reports", "tables.md" if a.preset == "criteo-like" else "tables_wide.md")
     tmp = tempfile.mkdtemp()
@@ -73,14 +74,15 @@ def main() -> None:
                for r in range(a.repeats)]
         first = statistics.median(g["seconds_to_first_step"] for g in got)
         speed = statistics.median(g["samples_per_second"] for g in got)
-        rows.append((mode, n, tables or "per-field", first, speed, got[0]["auc"], got[0]["logloss"]))
+        rows.append((mode, n, tables, first, speed, got[0]["auc"], got[0]["logloss"]))
         print(f"{mode} N={n} {tables}: first step {first:.1f} s, {speed:.0f} samples/s", flush=True)
     base = {(m, n): (f, s) for m, n, t, f, s, *_ in rows if t == "per-field"}
     lines = [f"# Fused vs per-field tables: {a.model}, {a.preset} ({DATA[a.preset]}), dim {a.dim}, hidden {a.hidden}, "
              f"global batch {a.batch}",
              "",
              f"Written by `scripts/bench_tables.py --preset {a.preset} --rows {a.rows} --batch {a.batch} --steps {a.steps} "
-             f"--repeats {a.repeats} --threads {a.threads} --modes {a.modes}` on {platform.node()} ({os.cpu_count()} cores, shared), "
+             f"--repeats {a.repeats} --threads {a.threads} --modes {a.modes}` on {platform.node()} "
+             f"({os.cpu_count()} cores, shared), "
              f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(began))} UTC. Medians of {a.repeats} runs; "
              f"first step = from des.train's start to the end of its first training step.",
              "",
