@@ -1,11 +1,13 @@
 """One process of an equivalence run under mpirun (used by tests/test_mpi.py):
 
-    mpirun -np 3 python scripts/mpi_equivalence.py deepfm adam OUT_DIR [horovod|mpi4py] [per-field|fused]
+    mpirun -np 3 python scripts/mpi_equivalence.py OUT_DIR deepfm:adam:horovod:per-field [wdl:ftrl:horovod:fused ...]
 
-Each rank trains the DES model on the shared toy batches (PS_SPEC: one-hot, multi-valued and
-weighted multi-valued fields) and pickles its snapshot
-(predictions after every step, owned table rows, weights) to OUT_DIR/rank<r>.pkl, plus the
-gradient a raw hvd.allreduce would give, to show why DES needs the identity gradient.
+For each configuration (model:optimizer:horovod|mpi4py:per-field|fused; one communicator kind
+per launch), in the order given, each rank trains the DES model on the shared toy batches
+(PS_SPEC: one-hot, multi-valued and weighted multi-valued fields) and pickles its snapshot
+(predictions after every step, owned table rows, weights) to OUT_DIR/<configuration with
+'-' for ':'>.rank<r>.pkl, plus the gradient a raw hvd.allreduce would give, to show why DES
+needs the identity gradient.
 """
 import os
 import pickle
@@ -26,7 +28,9 @@ from des_ops.comm import HorovodCommunicator, Mpi4pyCommunicator, allreduce_sum 
 LR = {"sgd": 0.2, "adagrad": 0.05, "adam": 0.01, "ftrl": 0.05}
 
 
-def main(name: str, optimizer: str, out: str, comm_kind: str = "horovod", tables: str = "per-field") -> None:
+def run(out: str, config: str) -> None:
+    """Train and snapshot one configuration ``model:optimizer:comm:tables``."""
+    name, optimizer, comm_kind, tables = config.split(":")
     comm = HorovodCommunicator() if comm_kind == "horovod" else Mpi4pyCommunicator()
     spec = PS_SPEC            # one-hot, multi-valued and weighted multi-valued fields
     batches = random_batches(spec, 20, 32, seed=4)
@@ -49,9 +53,12 @@ def main(name: str, optimizer: str, out: str, comm_kind: str = "horovod", tables
     snap["floats_per_sample"] = report.floats_per_sample
     snap["fused_tables"] = sum(line.startswith("fused table") for line in report.tables)
     snap["owns_fields"] = bool(des.distributed(model).plan.fields_of(comm.rank))
-    with open(os.path.join(out, f"rank{comm.rank}.pkl"), "wb") as fh:
+    with open(os.path.join(out, f"{config.replace(':', '-')}.rank{comm.rank}.pkl"), "wb") as fh:
         pickle.dump(snap, fh)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:6])
+    if len({c.split(":")[2] for c in sys.argv[2:]}) > 1:
+        sys.exit("one communicator kind per launch (Horovod and mpi4py each drive MPI)")
+    for c in sys.argv[2:]:
+        run(sys.argv[1], c)

@@ -53,16 +53,16 @@ def test_sweep_n_2_3_5(name, optimizer):
 
 @pytest.mark.parametrize("name", ["wdl", "deepfm"])     # the models with a linear part and a rest
 def test_ftrl_on_the_linear_part_adam_on_the_rest(name):
-    """Wide&Deep's usual optimizers (FTRL for the linear part, Adam for the rest) under DES."""
+    """Wide&Deep's usual optimizers (FTRL for the linear part, Adam for the rest) under DES on 2
+    processes (which optimizer updates a row does not depend on N: test_sweep_n_2_3_5 sweeps N)."""
     make = lambda: models.make_optimizer("adam", LR["adam"], linear="ftrl", linear_learning_rate=LR["ftrl"])  # noqa: E731
     work = lambda m: train_and_snapshot(m, make, None, BATCHES, PROBE)  # noqa: E731
     ref = work(build(name)())
     adam_only = train_and_snapshot(build(name)(), "adam", LR["adam"], BATCHES, PROBE)
     assert np.abs(ref["predictions"] - adam_only["predictions"]).max() > 1e-4  # FTRL did act
-    for n in (2, 3):
-        diff = compare(ref, run_in_process_world(n, build(name), work))
-        print(f"{name} ftrl+adam N={n}: {diff}")
-        assert max(diff.values()) < TOL, (n, diff)
+    diff = compare(ref, run_in_process_world(2, build(name), work))
+    print(f"{name} ftrl+adam N=2: {diff}")
+    assert max(diff.values()) < TOL, diff
 
 
 def test_n1_des_equals_plain_model():

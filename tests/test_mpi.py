@@ -25,18 +25,35 @@ def mpirun(n, *args, timeout=600):
     return subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+EQUIVALENCE = [("deepfm", "adam", 2, "horovod", "per-field"), ("wdl", "ftrl", 3, "horovod", "per-field"),
+               ("fm", "adagrad", 4, "horovod", "fused"),
+               ("lr", "adam", 2, "mpi4py", "per-field"), ("wdl", "ftrl+adam", 2, "horovod", "fused"),
+               ("deepfm", "adam", 5, "horovod", "fused")]
+
+
+@pytest.fixture(scope="module")
+def equivalence_launch(tmp_path_factory):
+    """launch(n, comm): ONE mpirun of scripts/mpi_equivalence.py per (N, communicator) with all
+    of EQUIVALENCE's configurations for it (a TensorFlow process start saved per merged one)."""
+    done = {}
+
+    def launch(n: int, comm: str):
+        if (n, comm) not in done:
+            out = tmp_path_factory.mktemp(f"equivalence{n}{comm}")
+            configs = [f"{m}:{o}:{c}:{t}" for m, o, k, c, t in EQUIVALENCE if (k, c) == (n, comm)]
+            done[n, comm] = mpirun(n, "scripts/mpi_equivalence.py", str(out), *configs), out
+        return done[n, comm]
+    return launch
+
+
 @pytest.mark.mpi
-@pytest.mark.parametrize("name, optimizer, n, comm, tables", [
-    ("deepfm", "adam", 2, "horovod", "per-field"), ("wdl", "ftrl", 3, "horovod", "per-field"),
-    ("fm", "adagrad", 4, "horovod", "fused"),
-    ("lr", "adam", 2, "mpi4py", "per-field"), ("wdl", "ftrl+adam", 2, "horovod", "fused"),
-    ("deepfm", "adam", 5, "horovod", "fused")])
-def test_des_under_mpirun_equals_single_process(tmp_path, name, optimizer, n, comm, tables):
+@pytest.mark.parametrize("name, optimizer, n, comm, tables", EQUIVALENCE)
+def test_des_under_mpirun_equals_single_process(equivalence_launch, name, optimizer, n, comm, tables):
     """DES on N processes (per-field or fused tables; N = 5 > 4 fields: a process owns nothing) equals
     the untouched per-field model on one process."""
-    run = mpirun(n, "scripts/mpi_equivalence.py", name, optimizer, str(tmp_path), comm, tables)
+    run, out = equivalence_launch(n, comm)
     assert run.returncode == 0, run.stderr[-3000:]
-    ranks = [pickle.load(open(tmp_path / f"rank{r}.pkl", "rb")) for r in range(n)]
+    ranks = [pickle.load(open(out / f"{name}-{optimizer}-{comm}-{tables}.rank{r}.pkl", "rb")) for r in range(n)]
     widths = 1 + (name not in ("lr", "dnn")) if tables == "fused" else 0   # fused tables of an owner
     assert [r["fused_tables"] for r in ranks] == [widths * r["owns_fields"] for r in ranks]
     assert (n == 5) == (not all(r["owns_fields"] for r in ranks))       # N = 5: one process owns no field
