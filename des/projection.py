@@ -104,11 +104,10 @@ def markdown(rows: list[dict], a, command: str = "") -> str:
     if command:
         lines += [f"`{command}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores "
                   "(each computation timed in one process alone).", ""]
-    lines += [
-             "Computation measured here (rank 0 of N alone, no-op collectives); communication by "
-             "des.timemodel from the data's bytes. DES/PS = the speed-up.", "",
-             "| model | N | DES samples/s | PS samples/s | DES/PS | DES comm share | PS comm share | "
-             "PS ms: compute + fixed + bytes |", "|" + "---|" * 8]
+    lines += ["Computation measured here (rank 0 of N alone, no-op collectives); communication by "
+              "des.timemodel from the data's bytes. DES/PS = the speed-up.", "",
+              "| model | N | DES samples/s | PS samples/s | DES/PS | DES comm share | PS comm share | "
+              "PS ms: compute + fixed + bytes |", "|" + "---|" * 8]
     by = {(r["model"], r["n"], r["mode"]): r for r in rows}
     for model, n in dict.fromkeys((r["model"], r["n"]) for r in rows):
         d, p = by[(model, n, "des")], by[(model, n, "ps")]
