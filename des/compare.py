@@ -509,7 +509,7 @@ def _project(a, data, fmt: str, meta: dict, nps: list[int], out: str) -> int:
         timed_data, _ = ensure_columnar(data_files(data), fmt, None, meta)
         timed = ([timed_data], "columnar")
     rows = projection.project([m for m in a.models.split(",") if m], data_files(data), fmt, a, nps, out, timed)
-    md = projection.markdown(rows, a, command=shlex.join(["python", "-m", "des.compare", *sys.argv[1:]]))
+    md = projection.markdown(rows, a, made_by=command_line("python -m des.compare"))
     with open(os.path.join(out, "projection.md"), "w") as fh:
         fh.write(md)
     with open(os.path.join(out, "projection.json"), "w") as fh:

@@ -18,7 +18,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import des
 import models
@@ -95,15 +94,14 @@ def project(models_: list[str], data: list[str], fmt: str, a, nps: list[int], ou
     return rows
 
 
-def markdown(rows: list[dict], a, command: str = "") -> str:
-    """The projection as a report; ``command``: the line that made it (printed with the date)."""
+def markdown(rows: list[dict], a, made_by: str = "") -> str:
+    """The projection as a report; ``made_by``: how it was made (des.compare.command_line)."""
     lines = [f"# Projected samples/s - {describe_source(a)}, global batch {a.batch}, {a.bandwidth} per host, "
              f"{a.latency} per message, Horovod cycle {a.cycle} ms, "
              f"{a.call or '2(N-1) x latency'} per collective call, "
              f"{a.ps_overlap:.2f} of the PS's computation overlapping its bytes", ""]
-    if command:
-        lines += [f"`{command}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores "
-                  "(each computation timed in one process alone).", ""]
+    if made_by:
+        lines += [f"{made_by} Each computation timed in one process alone.", ""]
     lines += ["Computation measured here (rank 0 of N alone, no-op collectives); communication by "
               "des.timemodel from the data's bytes. DES/PS = the speed-up.", "",
               "| model | N | DES samples/s | PS samples/s | DES/PS | DES comm share | PS comm share | "

@@ -33,10 +33,8 @@ import argparse
 import dataclasses
 import json
 import os
-import shlex
 import subprocess
 import sys
-import time
 
 import numpy as np
 
@@ -280,9 +278,8 @@ def main(argv=None) -> int:
     md = [f"# Time model vs the netbed: {a.model}, {a.preset}{' (columnar)' if a.columnar else ''}, global batch "
           f"{a.batch}, " + (f"a CPU budget of {a.cpus} per host" if a.cpus is not None else f"{a.cores} cores shared")
           + (f"; every step time the median of {a.repeats} runs (measured: their range)" if a.repeats > 1 else ""),
-          "", f"`python scripts/bench_timemodel.py {shlex.join(sys.argv[1:])}`, "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, this machine ({os.cpu_count()} cores; the netbed's "
-          "emulated hosts share them).", "", head, "|" + "---|" * 19]
+          "", compare.command_line("python scripts/bench_timemodel.py") + " The netbed's emulated hosts share "
+          "its cores.", "", head, "|" + "---|" * 19]
     for r in rows:
         a2a = r["alltoall_bandwidth"] or r["effective_bandwidth"]
         spread = (f" ({min(r['measured_runs']) * 1e3:.0f}–{max(r['measured_runs']) * 1e3:.0f})"

@@ -53,7 +53,8 @@ def test_des_under_mpirun_equals_single_process(equivalence_launch, name, optimi
     the untouched per-field model on one process."""
     run, out = equivalence_launch(n, comm)
     assert run.returncode == 0, run.stderr[-3000:]
-    ranks = [pickle.load(open(out / f"{name}-{optimizer}-{comm}-{tables}.rank{r}.pkl", "rb")) for r in range(n)]
+    snapshot = f"{name}:{optimizer}:{comm}:{tables}".replace(":", "-")       # as scripts/mpi_equivalence.py names it
+    ranks = [pickle.load(open(out / f"{snapshot}.rank{r}.pkl", "rb")) for r in range(n)]
     widths = 1 + (name not in ("lr", "dnn")) if tables == "fused" else 0   # fused tables of an owner
     assert [r["fused_tables"] for r in ranks] == [widths * r["owns_fields"] for r in ranks]
     assert (n == 5) == (not all(r["owns_fields"] for r in ranks))       # N = 5: one process owns no field
