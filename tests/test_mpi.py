@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import models
 from des.verify import PS_SPEC, compare, optimizer_factory, random_batches, train_and_snapshot
@@ -29,31 +30,58 @@ EQUIVALENCE = [("deepfm", "adam", 2, "horovod", "per-field"), ("wdl", "ftrl", 3,
                ("fm", "adagrad", 4, "horovod", "fused"),
                ("lr", "adam", 2, "mpi4py", "per-field"), ("wdl", "ftrl+adam", 2, "horovod", "fused"),
                ("deepfm", "adam", 5, "horovod", "fused")]
+PS = [("deepfm", "adam", 2, "per-field"), ("wdl", "sgd", 3, "fused"), ("deepfm", "ftrl+adam", 2, "fused")]
+USERS = ["deepctr_deepfm_defaults", "two_tower", "shared_table_deepfm", "deepctr_deepfm", "tfra_deepfm"]
+SUBCLASSED = ["tfrs_ranking", "subclassed_wdl", "tfrs_retrieval"]
+# Checks that share a process count share a launch (scripts/mpi_battery.py): a TensorFlow start and
+# Horovod's initialisation per rank cost more than most checks. N = 3's first REPEATED jobs run again
+# in a second launch, which must give the same bits; N = 5 is more processes than fields.
+REPEATED = ["gallery:deepctr_deepfm_defaults", "gallery:two_tower", "gallery:shared_table_deepfm", "tail:keras_deepfm"]
+BATTERY = {2: [], 3: REPEATED + [f"gallery:{m}" for m in USERS if f"gallery:{m}" not in REPEATED]
+           + [f"subclassed:{m}" for m in SUBCLASSED], 4: [],
+           5: ["gallery:two_tower", "gallery:shared_table_deepfm", "tail:deepctr_deepfm"]}
+for _m, _o, _n, _c, _t in EQUIVALENCE:
+    if _c == "horovod":
+        BATTERY[_n].append(f"equivalence:{_m}:{_o}:horovod:{_t}")
+for _m, _o, _n, _t in PS:
+    BATTERY[_n].append(f"ps:{_m}:{_o}:{_t}")
 
 
 @pytest.fixture(scope="module")
-def equivalence_launch(tmp_path_factory):
-    """launch(n, comm): ONE mpirun of scripts/mpi_equivalence.py per (N, communicator) with all
-    of EQUIVALENCE's configurations for it (a TensorFlow process start saved per merged one)."""
+def battery(tmp_path_factory):
+    """battery(n) -> OUT_DIR of ONE mpirun of scripts/mpi_battery.py with BATTERY[n] (the first call
+    launches it); battery(3, again=True): a second launch of N = 3's REPEATED jobs."""
     done = {}
 
-    def launch(n: int, comm: str):
-        if (n, comm) not in done:
-            out = tmp_path_factory.mktemp(f"equivalence{n}{comm}")
-            configs = [f"{m}:{o}:{c}:{t}" for m, o, k, c, t in EQUIVALENCE if (k, c) == (n, comm)]
-            done[n, comm] = mpirun(n, "scripts/mpi_equivalence.py", str(out), *configs), out
-        return done[n, comm]
+    def launch(n: int, again: bool = False):
+        if (n, again) not in done:
+            out = tmp_path_factory.mktemp(f"battery{n}{'again' if again else ''}")
+            done[n, again] = mpirun(n, "scripts/mpi_battery.py", str(out), *(REPEATED if again else BATTERY[n]),
+                                    timeout=1800), out
+        run, out = done[n, again]
+        assert run.returncode == 0, run.stderr[-3000:]
+        return out
     return launch
+
+
+def _ranks(where, name: str, n: int) -> list[dict]:
+    """The n ranks' pickled snapshots ``where/<name>.rank<r>.pkl``."""
+    return [pickle.load(open(where / f"{name}.rank{r}.pkl", "rb")) for r in range(n)]
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("name, optimizer, n, comm, tables", EQUIVALENCE)
-def test_des_under_mpirun_equals_single_process(equivalence_launch, name, optimizer, n, comm, tables):
+def test_des_under_mpirun_equals_single_process(battery, tmp_path, name, optimizer, n, comm, tables):
     """DES on N processes (per-field or fused tables; N = 5 > 4 fields: a process owns nothing) equals
     the untouched per-field model on one process."""
-    run, out = equivalence_launch(n, comm)
-    assert run.returncode == 0, run.stderr[-3000:]
-    snapshot = f"{name}:{optimizer}:{comm}:{tables}".replace(":", "-")       # as scripts/mpi_equivalence.py names it
+    config = f"{name}:{optimizer}:{comm}:{tables}"
+    if comm == "horovod":
+        out = battery(n) / "equivalence"
+    else:                           # mpi4py drives MPI itself: a launch of its own
+        out = tmp_path
+        run = mpirun(n, "scripts/mpi_equivalence.py", str(out), config)
+        assert run.returncode == 0, run.stderr[-3000:]
+    snapshot = config.replace(":", "-")       # as scripts/mpi_equivalence.py names it
     ranks = [pickle.load(open(out / f"{snapshot}.rank{r}.pkl", "rb")) for r in range(n)]
     widths = 1 + (name not in ("lr", "dnn")) if tables == "fused" else 0   # fused tables of an owner
     assert [r["fused_tables"] for r in ranks] == [widths * r["owns_fields"] for r in ranks]
@@ -160,17 +188,15 @@ def test_a_killed_des_job_resumes_as_ps_on_3_processes_like_one_uninterrupted_pr
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("name, optimizer, n, tables", [("deepfm", "adam", 2, "per-field"), ("wdl", "sgd", 3, "fused"),
-                                                        ("deepfm", "ftrl+adam", 2, "fused")])
-def test_ps_under_mpirun_equals_single_process_and_counts_bytes_exactly(tmp_path, name, optimizer, n, tables):
+@pytest.mark.parametrize("name, optimizer, n, tables", PS)
+def test_ps_under_mpirun_equals_single_process_and_counts_bytes_exactly(battery, name, optimizer, n, tables):
     """Sharded tables (one per field, or fused: one per width) + all-to-all + dense allreduce on
     slices of the global batch make the same updates as one process on the whole batch: every
     gradient reaches its row although keys repeat across processes, and a process with an empty
     slice (no ids) takes part."""
     from des.verify import ps_batches
-    run = mpirun(n, "scripts/mpi_ps.py", name, optimizer, str(tmp_path), tables)
-    assert run.returncode == 0, run.stderr[-3000:]
-    ranks = [pickle.load(open(tmp_path / f"rank{r}.pkl", "rb")) for r in range(n)]
+    out = battery(n) / "ps" / f"{name}-{optimizer}-{tables}"
+    ranks = [pickle.load(open(out / f"rank{r}.pkl", "rb")) for r in range(n)]
     assert all(r["fused_tables"] == (2 if tables == "fused" else 0) for r in ranks)
     expected, ref = single_process_predictions(name, optimizer, LR, *ps_batches(), with_snapshot=True)
     if n == 3:
@@ -256,16 +282,11 @@ def test_laia_allocation_under_mpirun_equals_single_process(data_file, single_ru
         assert laia < 0.9 * contiguous
 
 
-def _gallery_under_mpirun(out, n: int, names: list[str], env: dict | None = None):
-    """scripts/mpi_gallery.py on ``n`` processes: {name: [rank snapshots]}, or the finished run."""
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none", sys.executable,
-           "scripts/mpi_gallery.py", str(out), *names]
-    run = subprocess.run(cmd, env=dict(ENV, **(env or {})), cwd=ROOT, capture_output=True, text=True, timeout=900)
-    if env:
-        return run
-    assert run.returncode == 0, run.stderr[-3000:]
-    return {name: [pickle.load(open(out / f"{name}.rank{r}.pkl", "rb")) for r in range(n)] for name in names}
+def _disagreeing_gallery_run(out, env: dict):
+    """scripts/mpi_gallery.py two_tower on 2 processes with the test hook ``env``: the finished run."""
+    cmd = ["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable,
+           "scripts/mpi_gallery.py", str(out), "two_tower"]
+    return subprocess.run(cmd, env=dict(ENV, **env), cwd=ROOT, capture_output=True, text=True, timeout=900)
 
 
 def _gallery_reference(name: str, initial) -> dict:
@@ -298,41 +319,41 @@ def _check_against_reference(name: str, ranks: list[dict]) -> dict:
 
 
 @pytest.mark.mpi
-def test_users_models_under_mpirun_equal_single_process(tmp_path):
-    """DeepCTR's DeepFM, a TFRA DeepFM, a two-tower model and a DeepFM whose two fields share
-    a table, each rank built with its own random weights: under a real mpirun (Horovod, 3
-    processes) des.transform gives every rank rank 0's weights, and after 20 steps of the
-    user's fit the DES model equals the untouched model on one process."""
-    names = ["deepctr_deepfm", "tfra_deepfm", "two_tower", "shared_table_deepfm"]
-    runs = _gallery_under_mpirun(tmp_path, 3, names)
-    for name in names:
+def test_users_models_under_mpirun_equal_single_process(battery):
+    """DeepCTR's DeepFM (with its defaults, and with this project's options), a TFRA DeepFM, a
+    two-tower model and a DeepFM whose two fields share a table, each rank built with its own
+    random weights: under a real mpirun (Horovod, 3 processes) des.transform gives every rank
+    rank 0's weights, and after 20 steps of the user's fit the DES model equals the untouched
+    model on one process. The two-tower plan leaves ranks 0 and 2 with no field of one tower."""
+    out = battery(3) / "gallery"
+    for name in USERS:
+        ranks = _ranks(out, name, 3)
         subs = "2 substitution(s)" if name == "two_tower" else "3 substitution(s)"
-        assert f"{subs}, rank 0 of 3" in runs[name][0]["report"]
-        _check_against_reference(name, runs[name])
-    assert "rank 0: load" in runs["shared_table_deepfm"][0]["report"] and "f0+f1" in runs["shared_table_deepfm"][0]["report"]
+        assert f"{subs}, rank 0 of 3" in ranks[0]["report"]
+        _check_against_reference(name, ranks)
+    shared = _ranks(out, "shared_table_deepfm", 3)[0]["report"]
+    assert "rank 0: load" in shared and "f0+f1" in shared
+    tt = _ranks(out, "two_tower", 3)[0]["report"]     # user tower f0, f1; item tower f2, f3
+    assert re.search(r"rank 0: load [\d.]+  \[f0\]\n.*rank 1: load [\d.]+  \[f1, f3\]\n.*rank 2: load [\d.]+  \[f2\]",
+                     tt), tt
 
 
 @pytest.mark.mpi
-def test_same_mpirun_job_gives_the_same_bits_and_idle_processes_take_part(tmp_path):
-    """One job (DeepCTR's DeepFM with its defaults, the two-tower model, the shared-table
-    DeepFM) launched twice on 2 processes: bitwise-identical predictions and weights both
-    times, within 1e-6 of one process. On 2 processes the two-tower plan leaves a process with
-    no field of one tower; on 5 (more processes than fields or field groups) some own nothing
-    at all: the jobs end on their own and equal one process too."""
-    names = ["deepctr_deepfm_defaults", "two_tower", "shared_table_deepfm"]
-    launches = [_gallery_under_mpirun(tmp_path / f"launch{i}", 2, names) for i in range(2)]
-    for name in names:
-        _check_against_reference(name, launches[0][name])
-        for other in launches[1:]:
-            for a, b in zip(launches[0][name], other[name]):
-                np.testing.assert_array_equal(a["predictions"], b["predictions"])
-                for part in ("owned", "weights"):
-                    for k, v in a[part].items():
-                        np.testing.assert_array_equal(v, b[part][k], err_msg=f"{name} {part} {k}")
-    tt = launches[0]["two_tower"][0]["report"]
-    assert re.search(r"rank 0: load [\d.]+  \[f0\]", tt) and re.search(r"rank 1: load [\d.]+  \[f1, f2, f3\]", tt), tt
-    idle = _gallery_under_mpirun(tmp_path / "n5", 5, ["two_tower", "shared_table_deepfm"])
-    for name, ranks in idle.items():
+def test_same_mpirun_job_gives_the_same_bits_and_idle_processes_take_part(battery):
+    """One job (DeepCTR's DeepFM with its defaults, the two-tower model, the shared-table DeepFM,
+    a Keras DeepFM with the data-parallel tail) launched twice on 3 processes: bitwise-identical
+    predictions, rows and weights both times. On 5 processes (more than the fields or field
+    groups) some own nothing at all: the jobs end on their own and equal one process too."""
+    first, again = battery(3), battery(3, again=True)
+    for job in REPEATED:
+        kind, name = job.split(":")
+        for a, b in zip(_ranks(first / kind, name, 3), _ranks(again / kind, name, 3)):
+            parts = [p for p in ("predictions", "tables", "owned", "weights") if p in a]
+            assert "predictions" in parts and "weights" in parts, parts
+            for u, v in zip(tf.nest.flatten({p: a[p] for p in parts}), tf.nest.flatten({p: b[p] for p in parts})):
+                np.testing.assert_array_equal(np.asarray(u), np.asarray(v), err_msg=job)
+    for name in ("two_tower", "shared_table_deepfm"):
+        ranks = _ranks(battery(5) / "gallery", name, 5)
         assert "no fields: contributes zeros" in ranks[0]["report"]
         _check_against_reference(name, ranks)
 
@@ -348,9 +369,9 @@ def test_processes_that_disagree_end_the_job_with_a_message_naming_the_ranks(tmp
     which names the missing ranks and the collective."""
     import time
     t0 = time.time()
-    run = _gallery_under_mpirun(tmp_path, 2, ["two_tower"], env={"DES_TEST_DISAGREE": f"{kind}:1",
-                                                                 "HOROVOD_STALL_CHECK_TIME_SECONDS": "10",
-                                                                 "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "30"})
+    run = _disagreeing_gallery_run(tmp_path, env={"DES_TEST_DISAGREE": f"{kind}:1",
+                                                  "HOROVOD_STALL_CHECK_TIME_SECONDS": "10",
+                                                  "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "30"})
     took = time.time() - t0
     out = run.stdout + run.stderr
     print(f"{kind}: ended in {took:.0f} s with code {run.returncode}")
@@ -359,8 +380,7 @@ def test_processes_that_disagree_end_the_job_with_a_message_naming_the_ranks(tmp
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("n", [3])      # N = 2: the in-process world (tests/test_subclassed.py)
-def test_subclassed_and_tfrs_models_under_mpirun_equal_single_process(tmp_path, n):
+def test_subclassed_and_tfrs_models_under_mpirun_equal_single_process(battery):
     """TensorFlow Recommenders' ranking model (IntegerLookup + Embedding per side, Dense
     64-32-1, its Ranking task and compute_loss, Adagrad), a subclassed Wide & Deep and a TFRS
     two-tower retrieval model (towers called in compute_loss; one field in the candidate tower,
@@ -369,11 +389,9 @@ def test_subclassed_and_tfrs_models_under_mpirun_equal_single_process(tmp_path, 
     untouched model on one process started from rank 0's weights."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from subclassed_models import BUILDERS, COLLECTIVES, EXPECTED, batches_for, outputs, probe_of, train
-    names = list(BUILDERS)
-    run = mpirun(n, "scripts/mpi_subclassed.py", str(tmp_path), *names, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    for name in names:
-        ranks = [pickle.load(open(tmp_path / f"{name}.rank{r}.pkl", "rb")) for r in range(n)]
+    n, out = 3, battery(3) / "subclassed"      # N = 2: the in-process world (tests/test_subclassed.py)
+    for name in SUBCLASSED:
+        ranks = _ranks(out, name, n)
         assert f"{len(EXPECTED[name])} substitution(s), rank 0 of {n}" in ranks[0]["report"], ranks[0]["report"]
         reference = BUILDERS[name]()
         probe = probe_of(name)
@@ -388,24 +406,14 @@ def test_subclassed_and_tfrs_models_under_mpirun_equal_single_process(tmp_path, 
             assert r["allreduce_calls"] == (20 + 1) * COLLECTIVES.get(name, 1)   # per fit step and predict
 
 
-def _tail_run(n: int, out, names: list[str]) -> dict:
-    """scripts/mpi_tail.py on ``n`` processes: {name: [rank snapshots]}."""
-    out.mkdir(parents=True, exist_ok=True)
-    run = mpirun(n, "scripts/mpi_tail.py", str(out), *names)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return {name: [pickle.load(open(out / f"{name}.rank{r}.pkl", "rb")) for r in range(n)] for name in names}
-
-
 @pytest.mark.mpi
-def test_data_parallel_tail_under_mpirun(tmp_path):
+def test_data_parallel_tail_under_mpirun(battery):
     """The data-parallel tail under Horovod (reduce-scatter, all-gathers, the tail's gradient
     allreduce): N = 3 with batches of 31 rows and a last one of 2 (uneven shards, one empty)
-    launched twice gives the same bits and equals one process; N = 5 > 4 fields (a
-    process owns nothing) on DeepCTR's DeepFM (penalties on tables and tail) too."""
+    equals one process (and gives the same bits in a second launch: the same-bits test); N = 5
+    > 4 fields (a process owns nothing) on DeepCTR's DeepFM (penalties on tables and tail) too."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    import tensorflow as tf
-
     import des
     from des.verify import fit_and_snapshot
     from des_ops.comm import shard_rows
@@ -419,13 +427,7 @@ def test_data_parallel_tail_under_mpirun(tmp_path):
         batches, probe = tail_batches(model)
         return fit_and_snapshot(model, batches, probe, optimizer="sgd", learning_rate=0.5)
 
-    launches = [_tail_run(3, tmp_path / f"n3_{k}", ["keras_deepfm"])["keras_deepfm"] for k in range(2)]
-    for ranks in launches[1:]:
-        for a, b in zip(launches[0], ranks):
-            for u, v in zip(tf.nest.flatten({k: a[k] for k in ("predictions", "tables", "owned", "weights")}),
-                            tf.nest.flatten({k: b[k] for k in ("predictions", "tables", "owned", "weights")})):
-                assert np.array_equal(np.asarray(u), np.asarray(v))          # the same bits every launch
-    ranks = launches[0]
+    ranks = _ranks(battery(3) / "tail", "keras_deepfm", 3)
     diff = compare(reference("keras_deepfm", ranks[0]["initial"]), ranks)
     print(f"mpirun -np 3 keras_deepfm data-parallel tail: {diff}")
     assert max(diff.values()) < 1e-6, diff
@@ -436,7 +438,7 @@ def test_data_parallel_tail_under_mpirun(tmp_path):
         assert snap["counted"]["step"]["bytes"] == 4 * w * (sum(sizes) + 16)
         assert snap["counted"]["tail"]["bytes"] == sum(4 * (rows(b) * (1 + w) + t) for b in sizes) + 4 * rows(16)
 
-    ranks = _tail_run(5, tmp_path / "n5", ["deepctr_deepfm"])["deepctr_deepfm"]
+    ranks = _ranks(battery(5) / "tail", "deepctr_deepfm", 5)
     assert not all(r["owns_fields"] for r in ranks)                          # a process owns no field
     diff = compare(reference("deepctr_deepfm", ranks[0]["initial"]), ranks)
     print(f"mpirun -np 5 deepctr_deepfm data-parallel tail: {diff}")

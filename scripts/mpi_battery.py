@@ -1,0 +1,52 @@
+"""Several mpirun checks in ONE launch (used by tests/test_mpi.py): a TensorFlow process start per
+rank is most of what a small check costs, so checks that share a process count share a launch.
+
+    mpirun -np 3 python scripts/mpi_battery.py OUT_DIR gallery:two_tower tail:keras_deepfm \\
+        subclassed:tfrs_ranking equivalence:wdl:ftrl:horovod:per-field ps:wdl:sgd:fused
+
+Each job is KIND:ARGS and runs, in the order given, the ``main`` of scripts/mpi_KIND.py with
+its output in OUT_DIR/KIND (ps: OUT_DIR/ps/<ARGS with '-' for ':'>), exactly as that script
+run alone would write it: gallery:NAME, tail:NAME, subclassed:NAME (one model each),
+equivalence:MODEL:OPTIMIZER:horovod:TABLES, ps:MODEL:OPTIMIZER:TABLES. Horovod only (mpi4py's
+communicator drives MPI itself: scripts/mpi_equivalence.py alone).
+"""
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import mpi_equivalence  # noqa: E402  (sets the 1-thread pools before TensorFlow starts)
+import mpi_gallery  # noqa: E402
+import mpi_ps  # noqa: E402
+import mpi_subclassed  # noqa: E402
+import mpi_tail  # noqa: E402
+
+KINDS = ("gallery", "tail", "subclassed", "equivalence", "ps")
+
+
+def run(out: str, job: str) -> None:
+    """Run one ``KIND:ARGS`` job, its output under ``out/KIND``."""
+    kind, _, args = job.partition(":")
+    if kind not in KINDS or not args:
+        sys.exit(f"mpi_battery: job {job!r}: expected KIND:ARGS with KIND one of {', '.join(KINDS)}")
+    where = os.path.join(out, kind, args.replace(":", "-")) if kind == "ps" else os.path.join(out, kind)
+    os.makedirs(where, exist_ok=True)
+    if kind == "gallery":
+        mpi_gallery.main(where, [args])
+    elif kind == "tail":
+        mpi_tail.main(where, [args])
+    elif kind == "subclassed":
+        mpi_subclassed.main(where, [args])
+    elif kind == "equivalence":
+        if args.split(":")[2] != "horovod":
+            sys.exit(f"mpi_battery: job {job!r}: Horovod only (run mpi4py by scripts/mpi_equivalence.py)")
+        mpi_equivalence.run(where, args)
+    else:
+        name, optimizer, tables = args.split(":")
+        mpi_ps.main(name, optimizer, where, tables)
+
+
+if __name__ == "__main__":
+    for j in sys.argv[2:]:
+        run(sys.argv[1], j)
