@@ -5,7 +5,7 @@ embeddings are TFRA's ``HvdAllToAllEmbedding`` (TFRA 0.7.2), trained data-parall
 
 Written as a TFRA user writes it (its Horovod Keras demo): all fields in ONE table per width,
 keyed ``slot << 55 | id`` (as DES's fused tables), every process reads the global batch and
-keeps its rows ``shard_rows(B, rank, N)``; lookups go to the key's owner by Horovod all-to-all;
+keeps (and parses) its rows ``shard_rows(B, rank, N)``; lookups go to the key's owner by Horovod all-to-all;
 ``DynamicEmbeddingOptimizer(Adam, synchronous=True)`` averages the dense gradients with Horovod.
 The same architecture as models.deepfm: linear sum + FM + MLP (ReLU) + bias, sigmoid. Writes
 ``--summary-json`` (rank r: ``.rank<r>``): samples/s of the global batch (median step), seconds
@@ -59,13 +59,13 @@ def main() -> None:
     from des.callbacks import CPUTime, Throughput
     from des.data.readers import make_dataset
     from des.data.resolve import metadata, spec_for
-    from des_ops.comm import init_horovod, shard_rows
+    from des_ops.comm import init_horovod
     hvd = init_horovod()
     rank, n = hvd.rank(), hvd.size()
     spec = spec_for("criteo", [a.data], a.dim, metadata(a.data))
-    lo, hi = shard_rows(a.batch, rank, n)
-    ds = make_dataset(a.data, "criteo", spec, batch_size=a.batch, drop_remainder=True).take(a.steps)
-    ds = ds.map(lambda x, y: ({k: v[lo:hi] for k, v in x.items() if k in spec.input_names()}, y[lo:hi]))
+    # rows shard_rows(batch, rank, N) of every global batch, only those lines parsed (as the PS reads)
+    ds = make_dataset(a.data, "criteo", spec, batch_size=a.batch, drop_remainder=True, shard=(rank, n)).take(a.steps)
+    ds = ds.map(lambda x, y: ({k: v for k, v in x.items() if k in spec.input_names()}, y))
     model = build(spec, a.dim, [int(u) for u in a.hidden.split(",") if u], n)
     model.compile(de.DynamicEmbeddingOptimizer(tf.keras.optimizers.legacy.Adam(1e-3), synchronous=True),
                   "binary_crossentropy", metrics=[tf.keras.metrics.AUC(name="auc")])

@@ -196,6 +196,28 @@ def test_same_batches_for_every_process_and_disjoint_shards(tmp_path):
         assert np.array_equal(np.concatenate([s[step] for s in shards]), batch)
 
 
+def test_a_shard_parses_only_its_own_lines_and_the_owner_names_a_bad_one(tmp_path):
+    """shard=(r, N) slices the global batch's lines before parsing them: with a bad line 8 in
+    rank 1's slice of the first batch (8 lines, 2 processes: lines 5-8), rank 1 stops with file
+    and line and rank 0 reads on; at N = 3 rank 0's slice of the last batch (2 lines) is empty,
+    with every field's shape."""
+    p = tmp_path / "d.txt"
+    write_criteo(str(p), 10, "tiny", seed=3, quiet=True)
+    lines = p.read_text().splitlines()
+    lines[7] = "1\t2"
+    p.write_text("\n".join(lines) + "\n")
+    spec = criteo_spec()
+    read = lambda shard: [(x, y.numpy()) for x, y in make_dataset(str(p), "criteo", spec, 8, shard=shard)]  # noqa: E731
+    with pytest.raises(tf.errors.OpError, match=r"d\.txt:8: expected 40 tab-separated columns, found 2"):
+        read((1, 2))
+    rank0 = read((0, 2))
+    assert [len(y) for _, y in rank0] == [4, 1]
+    good = [x["C1"].numpy() for x, _ in make_dataset(str(p), "criteo", spec, 8, take_lines=4)]
+    assert np.array_equal(rank0[0][0]["C1"].numpy(), good[0])            # lines 1-4, parsed as one process does
+    empty = read((0, 3))[-1][0]
+    assert all(v.shape[0] == 0 for v in empty.values()) and set(empty) == set(rank0[0][0])
+
+
 def test_generator_is_deterministic_and_reports_bayes_auc(tmp_path):
     p1, p2 = str(tmp_path / "a.txt"), str(tmp_path / "b.txt")
     m1 = write_criteo(p1, 20_000, seed=5, quiet=True)

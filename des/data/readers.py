@@ -12,11 +12,13 @@
 
 Every process that calls this with the same arguments gets the same batches in the
 same order (DES needs that). ``shard=(rank, world_size)`` gives each process its own
-contiguous slice of every global batch instead (the parameter-server mode), and
+contiguous slice of every global batch instead (the parameter-server mode; it parses the lines
+of its slice only, except with ``skip_bad_lines``, where dropped lines move the slices), and
 ``shard=des.baselines.allocate.Share(allocator, rank)`` the samples any allocator gives it.
 
-Bad lines stop the run with a ``DataError`` naming file, line and problem; with
-``skip_bad_lines=True`` they are dropped and counted in ``skip_report``.
+Bad lines stop the run with a ``DataError`` naming file, line and problem (under a contiguous
+shard, raised by the process whose slice holds the line); with ``skip_bad_lines=True`` they are
+dropped and counted in ``skip_report``.
 """
 from __future__ import annotations
 
@@ -97,6 +99,10 @@ def make_dataset(paths: Sequence[str] | str, fmt: str, spec: FeatureSpec, batch_
         ds = ds.map(_drop_bad).rebatch(batch_size, drop_remainder=drop_remainder)
     else:
         ds = ds.batch(batch_size, drop_remainder=drop_remainder)
+        if shard is not None and not hasattr(shard, "take"):
+            # a contiguous slice: cut the global batch's LINES, so a process parses only its own
+            # (each line still read by every process: the same batches everywhere)
+            ds, shard = ds.map(lambda p, n, l: _slice_rows((p, n, l), *shard)), None
         ds = ds.map(lambda p, n, l: parse(p, n, l)[:2], num_parallel_calls=tf.data.AUTOTUNE,
                     deterministic=True)
     if shard is not None:
@@ -163,7 +169,13 @@ def _drop_bad(feats, label, bad):
 
 def _slice_batch(feats, label, rank: int, world: int):
     """Rows [b*rank//world, b*(rank+1)//world) of a global batch of b rows."""
-    b = tf.shape(label, out_type=tf.int64)[0]
+    return _slice_rows((feats, label), rank, world, rows=tf.shape(label, out_type=tf.int64)[0])
+
+
+def _slice_rows(batch, rank: int, world: int, rows=None):
+    """Rows [b*rank//world, b*(rank+1)//world) of every tensor of ``batch`` (a structure of
+    tensors with b rows; ``rows``: b, else the first tensor's)."""
+    b = tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int64)[0] if rows is None else rows
     lo, hi = b * rank // world, b * (rank + 1) // world
-    return {k: v[lo:hi] for k, v in feats.items()}, label[lo:hi]
+    return tf.nest.map_structure(lambda v: v[lo:hi], batch)
 
