@@ -19,6 +19,13 @@ sys.path.insert(0, ROOT)
 from des.netbed import Netbed  # noqa: E402
 
 
+def horovod_settings() -> str:
+    """The HOROVOD_* variables of this run (the netbed passes them to every host), for the report."""
+    knobs = {k: v for k, v in sorted(os.environ.items()) if k.startswith("HOROVOD_")}
+    cycle = "" if "HOROVOD_CYCLE_TIME" in knobs else "HOROVOD_CYCLE_TIME unset (1 ms)"
+    return ", ".join([f"{k}={v}" for k, v in knobs.items()] + ([cycle] if cycle else []))
+
+
 def main():
     ap = config_parser("2:400,400,400;4:400,400,400;4:128,64", "tail.md")
     ap.add_argument("--netbed", default=None, metavar="RATE", help="run on the emulated cluster at this rate")
@@ -32,8 +39,8 @@ def main():
     lines = [f"# Data-parallel vs replicated tail (DES DeepFM, criteo-like synthetic data, {a.rows} rows)", "",
              f"`scripts/bench_tail.py --rows {a.rows} --batch {a.batch} --steps {a.steps} --repeats {a.repeats} "
              f"--configs '{a.configs}'" + (f" --netbed {a.netbed} --cpus {a.cpus}" if a.netbed else "")
-             + f"`, {time.strftime('%Y-%m-%d')}, {where}, --threads 1, HOROVOD_CYCLE_TIME "
-             f"{os.environ.get('HOROVOD_CYCLE_TIME', 'unset (1 ms)')}. Global batch {a.batch}, dim {a.dim}; median "
+             + f"`, {time.strftime('%Y-%m-%d')}, {where}, --threads 1, {horovod_settings()}. Global batch {a.batch}, "
+             f"dim {a.dim}; median "
              f"over launches of each launch's median step. 'auto picks': what `des.train --tail auto --link {link}` "
              f"chose (des.cost.choose_tail), with its reason below the table.", "",
              "| N | hidden | tail | CPU s/step/process | samples/s | train AUC at the last step | CPU ratio dp/rep | samples/s ratio | auto picks |",
