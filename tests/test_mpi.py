@@ -81,8 +81,7 @@ def test_des_under_mpirun_equals_single_process(battery, tmp_path, name, optimiz
         out = tmp_path
         run = mpirun(n, "scripts/mpi_equivalence.py", str(out), config)
         assert run.returncode == 0, run.stderr[-3000:]
-    snapshot = config.replace(":", "-")       # as scripts/mpi_equivalence.py names it
-    ranks = [pickle.load(open(out / f"{snapshot}.rank{r}.pkl", "rb")) for r in range(n)]
+    ranks = _ranks(out, config.replace(":", "-"), n)       # as scripts/mpi_equivalence.py names it
     widths = 1 + (name not in ("lr", "dnn")) if tables == "fused" else 0   # fused tables of an owner
     assert [r["fused_tables"] for r in ranks] == [widths * r["owns_fields"] for r in ranks]
     assert (n == 5) == (not all(r["owns_fields"] for r in ranks))       # N = 5: one process owns no field
