@@ -21,9 +21,11 @@ ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIR
 LR = {"sgd": 0.2, "adagrad": 0.05, "adam": 0.01, "ftrl": 0.05}
 
 
-def mpirun(n, *args, timeout=600):
+def mpirun(n, *args, timeout=600, env: dict | None = None):
+    """``python ARGS`` on ``n`` processes under mpirun (``env``: variables added to ENV); the finished run."""
     cmd = ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none", sys.executable, *args]
-    return subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, env=dict(ENV, **(env or {})), cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 EQUIVALENCE = [("deepfm", "adam", 2, "horovod", "per-field"), ("wdl", "ftrl", 3, "horovod", "per-field"),
@@ -281,13 +283,6 @@ def test_laia_allocation_under_mpirun_equals_single_process(data_file, single_ru
         assert laia < 0.9 * contiguous
 
 
-def _disagreeing_gallery_run(out, env: dict):
-    """scripts/mpi_gallery.py two_tower on 2 processes with the test hook ``env``: the finished run."""
-    cmd = ["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable,
-           "scripts/mpi_gallery.py", str(out), "two_tower"]
-    return subprocess.run(cmd, env=dict(ENV, **env), cwd=ROOT, capture_output=True, text=True, timeout=900)
-
-
 def _gallery_reference(name: str, initial) -> dict:
     """The untouched model on one process, from rank 0's initial weights, fitted like the ranks."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -368,9 +363,9 @@ def test_processes_that_disagree_end_the_job_with_a_message_naming_the_ranks(tmp
     which names the missing ranks and the collective."""
     import time
     t0 = time.time()
-    run = _disagreeing_gallery_run(tmp_path, env={"DES_TEST_DISAGREE": f"{kind}:1",
-                                                  "HOROVOD_STALL_CHECK_TIME_SECONDS": "10",
-                                                  "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "30"})
+    run = mpirun(2, "scripts/mpi_gallery.py", str(tmp_path), "two_tower", timeout=900,
+                 env={"DES_TEST_DISAGREE": f"{kind}:1", "HOROVOD_STALL_CHECK_TIME_SECONDS": "10",
+                      "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "30"})
     took = time.time() - t0
     out = run.stdout + run.stderr
     print(f"{kind}: ended in {took:.0f} s with code {run.returncode}")
