@@ -67,7 +67,8 @@ def des_widths(model: tf.keras.Model) -> tuple[dict[str, int], list]:
             for m in matches}, matches
 
 
-def traffic(model: tf.keras.Model, first_batch: dict, world_size: int, allocator=None) -> dict:
+def traffic(model: tf.keras.Model, first_batch: dict, world_size: int, allocator=None,
+            join_linear: bool = True) -> dict:
     """Per process and step at N = ``world_size``, by the formulas on a global batch of ids:
     ``des_payload`` (4*B*floats handed to the allreduce), ``des_bytes`` (its ring share),
     ``ps_alltoall`` (ids, rows, gradient rows of remote distinct ids; mean over the N slices),
@@ -75,13 +76,15 @@ def traffic(model: tf.keras.Model, first_batch: dict, world_size: int, allocator
     weight), ``tables`` (the model's), ``ps_lookups`` (the TFRA tables the PS looks up, its tables
     fused as ``--mode ps`` fuses them by default: des_ops.fused.tables_after_fusing); and
     ``matches`` and ``widths``, the substitutions DES would make.
-    ``allocator`` (des.baselines.allocate): which process's slice holds which rows (default: contiguous)."""
+    ``allocator`` (des.baselines.allocate): which process's slice holds which rows (default: contiguous).
+    ``join_linear``: the PS's linear weights travel in their embeddings' rows (its default with one
+    optimizer, des.config.RunConfig.join_linear)."""
     feats = {k: np.asarray(v) for k, v in first_batch.items()}
     b, n = len(next(iter(feats.values()))), world_size
     ring = ring_share(n)
     widths, matches = des_widths(model)
     floats = sum(widths.values())
-    tables, dense = ps.table_inputs(model), ps.dense_parameters(model)
+    tables, dense = ps.table_inputs(model, join_linear), ps.dense_parameters(model)
     a2a, total = [], []
     parts = _parts(feats, b, n, allocator)
     for r in range(n):
@@ -90,7 +93,8 @@ def traffic(model: tf.keras.Model, first_batch: dict, world_size: int, allocator
         total.append(an["alltoall_bytes"] + an["dense_ring_bytes"] + (ring * 4 if n > 1 else 0))
     return {"des_payload": 4.0 * b * floats, "des_bytes": ring * 4.0 * b * floats,
             "ps_alltoall": float(np.mean(a2a)), "ps_dense_payload": 4.0 * dense, "ps_bytes": float(np.mean(total)),
-            "tables": len(tables), "ps_lookups": tables_after_fusing(Graph(model).nodes), "matches": matches,
+            "tables": len(tables), "ps_lookups": tables_after_fusing(Graph(model).nodes, join_linear),
+            "matches": matches,
             "widths": widths, "batch": b}
 
 

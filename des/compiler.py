@@ -277,7 +277,7 @@ class FieldChains:
 
 def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str | FieldPlan = "balanced",
               spec=None, release_unowned: bool = True, strict: bool = False, sync_weights: bool = True,
-              seed: int = 0, sample=None, fuse_tables: bool = False,
+              seed: int = 0, sample=None, fuse_tables: bool = False, join_linear: bool = False,
               tail: str | AutoTail = "replicated", scope: str = "", micro_batches: int = 1,
               wire_dtype: str = "float32") -> tuple[tf.keras.Model, Report]:
     """Return (DES model for this process, report). ``plan``: 'balanced', 'mod' or a FieldPlan.
@@ -290,6 +290,8 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     process keeps the rows of all its tables of one width (and optimizer part) in one TFRA table
     (des_ops.fused): one lookup and one update per width and step instead of one per table; the
     results, the checkpoints and the state keys stay those of the tables the model declares.
+    ``join_linear`` (with ``fuse_tables``): a field's linear weight sits in its embedding's row, one
+    lookup for both; exact when one optimizer trains both parts (LinearAndRestOptimizer refuses it).
     ``tail``: ``"replicated"`` (every process runs the layers after the first one on the whole
     batch) or ``"data_parallel"`` (each process runs them on its own rows of the batch: the
     partials are reduce-scattered, the outputs all-gathered and the tail's gradients summed by
@@ -314,7 +316,7 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     if not getattr(model, "_is_graph_network", False):
         return _transform_subclassed(model, sample, comm=comm, plan=plan, spec=spec, release_unowned=release_unowned,
                                      strict=strict, sync_weights=sync_weights, seed=seed, fuse_tables=fuse_tables,
-                                     tail=tail, scope=scope, micro_batches=micro_batches, wire_dtype=wire_dtype)
+                                     join_linear=join_linear, tail=tail, scope=scope, micro_batches=micro_batches, wire_dtype=wire_dtype)
     if not isinstance(tail, AutoTail) and tail not in TAILS:
         raise ValueError(f"des.transform: tail={tail!r}; choose from {', '.join(TAILS)}")
     if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
@@ -339,12 +341,12 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
         return model, report
     return _substitute(model, graph, fields, matches, report, comm, plan=plan, spec=spec, seed=seed,
                        release_unowned=release_unowned, sync_weights=sync_weights, fuse_tables=fuse_tables,
-                       tail=tail, scope=scope, micro_batches=micro_batches, wire_dtype=wire_dtype)
+                       join_linear=join_linear, tail=tail, scope=scope, micro_batches=micro_batches, wire_dtype=wire_dtype)
 
 
 def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matches: list[Match], report: Report,
                 comm: Communicator, *, plan, spec, seed: int, release_unowned: bool, sync_weights: bool,
-                fuse_tables: bool, tail, scope: str, micro_batches: int,
+                fuse_tables: bool, join_linear: bool, tail, scope: str, micro_batches: int,
                 wire_dtype: str) -> tuple[tf.keras.Model, Report]:
     """transform's second half: the same rows everywhere, the field plan, this process's DES
     layer in place of the matches, the model replayed around it (see transform)."""
@@ -363,7 +365,8 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     # lookups are built decides the order in which TensorFlow adds their gradients, so an address
     # order made the same job give other bits run after run
     position = {t: k for k, t in enumerate(graph.tensors)}
-    fused, fused_lines = fuse_nodes(graph, list(own.nodes.values()), f"rank{comm.rank}") if fuse_tables else ([], [])
+    fused, fused_lines = (fuse_nodes(graph, list(own.nodes.values()), f"rank{comm.rank}", join_linear)
+                          if fuse_tables else ([], []))
     chains = FieldChains(graph, list(own.nodes.values()),
                          sorted({t for ids in own.op_inputs for t in ids}, key=position.__getitem__), fused)
     skip = set()

@@ -102,6 +102,14 @@ class RunConfig:
         return tuple(int(h) for h in self.hidden.split(",") if h)
 
     @property
+    def join_linear(self) -> bool:
+        """A field's linear weight in its embedding's row (``--tables joined``, the default when one
+        optimizer trains every part, except for the cache)."""
+        if self.tables == "joined":
+            return True
+        return self.tables is None and self.linear_optimizer is None and self.mode != "cache"
+
+    @property
     def sgd_everywhere(self) -> bool:
         """Plain SGD on every part (what the cache's local update and plan pushes need)."""
         return self.optimizer == "sgd" and self.linear_optimizer in (None, "sgd")
@@ -122,6 +130,11 @@ class RunConfig:
             ap.error(f"--link: {e}")
         if ns.micro_batches < 1:
             ap.error(f"--micro-batches {ns.micro_batches}: a whole number >= 1")
+        if ns.tables == "joined" and ns.linear_optimizer:
+            ap.error(f"--tables joined puts the linear weights in the embeddings' rows: they cannot have their "
+                     f"own --linear-optimizer {ns.linear_optimizer} (use --tables fused)")
+        if ns.tables == "joined" and ns.mode == "cache":
+            ap.error("--tables joined: the cache mode fuses by width only (--tables fused)")
         flat, parts = {}, {"cache": {}, "allocation": {}, "network": {}}
         for opt in OPTIONS:
             value = getattr(ns, opt.dest)
@@ -230,11 +243,13 @@ OPTIONS: list[Option] = [
     _o("--shuffle-buffer", type=int, default=50_000),
     _o("--skip-bad-lines", action="store_true", help="drop and count malformed lines"),
     _o("--plan", default="balanced", choices=["balanced", "mod"]),
-    _o("--tables", default=None, choices=["fused", "per-field"],
-       help="a process keeps its fields' rows of one width in one TFRA table (fused, the default; the PS "
+    _o("--tables", default=None, choices=["joined", "fused", "per-field"],
+       help="a process keeps its fields' rows of one width in one TFRA table (fused; the PS "
             "and the cache then do one set of all-to-alls per width and step, the cache keeps one cache per "
-            "width) or one table per field (per-field: single trains the model untouched; the cache's "
-            "default with --allocate laia or --on-demand, which name each field's keys)"),
+            "width); joined (the default when one optimizer trains every part; not the cache): fused, and "
+            "a field's linear weight sits in its embedding's row, one lookup for both; or one table per "
+            "field (per-field: single trains the model untouched; the cache's default with --allocate "
+            "laia or --on-demand, which name each field's keys)"),
     _o("--tail", default="replicated", choices=["replicated", "data_parallel", "auto"],
        help="des: every process runs the layers after the first one on the whole batch (replicated) "
             "or on its own rows of it (data_parallel: less computation per process, two all-gathers "

@@ -11,9 +11,11 @@ from des.ir import Graph, replay
 from des_ops.fused import fuse_nodes
 
 
-def fuse_model(model: tf.keras.Model) -> tuple[tf.keras.Model, list[str]]:
+def fuse_model(model: tf.keras.Model, join_linear: bool = False) -> tuple[tf.keras.Model, list[str]]:
     """``model`` (functional, untouched) with its fusable tables in one TFRA table per width: the same
     function, the same state keys and checkpoints (des.state), one lookup and update per width.
+    ``join_linear``: a field's linear weight sits in its embedding's row (des_ops.fused; one optimizer
+    must train both parts).
 
         >>> import models
         >>> from des.data import FeatureSpec, Field
@@ -21,6 +23,9 @@ def fuse_model(model: tf.keras.Model) -> tuple[tf.keras.Model, list[str]]:
         >>> fused, lines = fuse_model(models.deepfm(spec, hidden=(8,)))
         >>> [line.split(":")[0].split("_model")[0] for line in lines]   # then the model's name, as Keras numbers it
         ['fused table des_fused4', 'fused table des_fused1_linear']
+        >>> _, lines = fuse_model(models.deepfm(spec, hidden=(8,)), join_linear=True)
+        >>> [line.split(":")[0].split("_model")[0] for line in lines]
+        ['fused table des_fused5_joined']
 
     Returns (the new model, one report line per fused table); the model itself if nothing fuses.
     Its tables' inputs must be the model's inputs."""
@@ -28,18 +33,19 @@ def fuse_model(model: tf.keras.Model) -> tuple[tf.keras.Model, list[str]]:
     keys = state.StateKeys.of_model(model)            # per table, before the rows move
     nodes = [n for n in graph.nodes if n.kind == "table" and
              all(graph.input_name(t) is not None for t in n.tensor_operands())]
-    fused, lines = fuse_nodes(graph, nodes, "model")
+    fused, lines = fuse_nodes(graph, nodes, "model", join_linear)
     if not fused:
         return model, lines
     inputs = {t: graph.tensors[t] for t in graph.input_ids}
     given = {}
     for table, members in fused:
         args = [tf.nest.map_structure(lambda x: inputs.get(id(x), x), m.call_args[0]) for m in members]
-        single = table.single_inputs(args)
-        outs, block = table(args, with_block=True) if single else (table(args), None)
+        wanted = table.block_inputs(args)
+        outs, blocks = table(args, with_block=True) if any(wanted) else (table(args), [None] * len(wanted))
         given.update({m.output: (lambda look, o=o: o) for m, o in zip(members, outs)})
-        if block is not None:
-            given.update(read_block(graph, [members[k].output for k in single], block))
+        for ks, block in zip(wanted, blocks):
+            if ks:
+                given.update(read_block(graph, [members[k].output for k in ks], block))
     cls = type(model) if type(model).__name__ not in ("Functional", "Sequential") else tf.keras.Model
     new = replay(graph, {m.index for _, members in fused for m in members}, given, cls=cls, suffix="fused")
     state.keep_state_keys(new, keys)

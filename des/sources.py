@@ -83,10 +83,24 @@ class TableSource:
         fused = fused_of(layer)
         return fused[0].shadow if fused else layer.shadow
 
-    def store_keys(self, layer, keys: np.ndarray) -> np.ndarray:
-        """The keys under which ``keys`` are stored (and their optimizer slots): fused tables pack them."""
+    def slot_rows(self, layer, params, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, exists) of ``keys`` in ``params``, an optimizer slot of this table's rows (a fused
+        table: its part of the slot's rows)."""
         fused = fused_of(layer)
-        return fused[0].pack(fused[1], keys) if fused else keys
+        if fused:
+            return fused[0].member_slot_rows(fused[1], params, keys)
+        found, exists = params.lookup(tf.constant(keys, params.key_dtype), return_exists=True)
+        return found.numpy(), exists.numpy()
+
+    def load_slot(self, layer, params, keys: np.ndarray, values: np.ndarray) -> None:
+        """Make ``params``, an optimizer slot of this table's rows, hold exactly ``keys`` -> ``values``."""
+        fused = fused_of(layer)
+        if fused:
+            fused[0].load_member(fused[1], params, keys, values, rows=False)
+            return
+        params.clear()
+        if len(keys):
+            params.upsert(tf.constant(keys, params.key_dtype), tf.constant(values, params.value_dtype))
 
     def clear_rows(self, layer, params) -> None:
         """Remove this table's rows from ``params`` (its rows or an optimizer slot of them)."""

@@ -322,10 +322,7 @@ def export_rows(model: tf.keras.Model, optimizer, kinds=("table", "owned", "weig
             for name in _slot_names(optimizer, trainable):
                 slot = _part_of(optimizer, trainable).get_slot(trainable, name)
                 if source.dynamic:
-                    found, exists = slot.params.lookup(tf.constant(source.store_keys(var, entry["keys"])),
-                                                       return_exists=True)
-                    entry[f"slot:{name}"] = found.numpy()
-                    entry[f"has:{name}"] = exists.numpy()
+                    entry[f"slot:{name}"], entry[f"has:{name}"] = source.slot_rows(var, slot.params, entry["keys"])
                 else:
                     entry[f"slot:{name}"] = slot.numpy()
         else:
@@ -364,10 +361,7 @@ def load_rows(model: tf.keras.Model, optimizer, entries, keep_key=None) -> list[
                     raise KeyError(f"table {key}: the checkpoint has no optimizer slot {name!r}")
                 if source.dynamic:
                     has = cat(f"has:{name}")
-                    source.clear_rows(var, slot.params)
-                    if has.any():
-                        slot.params.upsert(tf.constant(source.store_keys(var, keys[has])),
-                                           tf.constant(cat(f"slot:{name}")[has]))
+                    source.load_slot(var, slot.params, keys[has], cat(f"slot:{name}")[has])
                 else:
                     slot.assign(cat(f"slot:{name}"))
             continue

@@ -16,6 +16,19 @@ holds at most 256 fields; an id outside that range stops the step with a message
 A new row depends on (field, id, seed) only, exactly as in the field's own table, so fusing changes
 no result; checkpoints still store (field, id) -> row (des.sources reads a field's rows through
 ``field_rows``).
+
+Joined rows (``fusion_groups(..., join_linear=True)``): a field's linear weight (width 1) and its
+embedding (width k), read with the same ids, share one key and one row of width k + 1 - one
+lookup, one exchange and one update for both. Exact for element-wise optimizers (SGD, Adagrad,
+Adam, FTRL) when both parts have the same optimizer; models.optim.LinearAndRestOptimizer refuses
+such a table.
+
+    >>> e1, l1 = FieldEmbedding("C1", dim=4), FieldEmbedding("C1", dim=1, init_scale=0.0, linear=True)
+    >>> joined = FusedTable([e1, l1], calls=[0, 1], dim=5, name="doc_joined", slots=[0, 0], same_as=[0, 0])
+    >>> x = tf.constant([7, 8], tf.int64)
+    >>> rows, weights = joined([x, x], training=True)      # one key per id, one row [embedding | weight]
+    >>> rows.shape, weights.shape, joined.params.size().numpy()
+    (TensorShape([2, 4]), TensorShape([2, 1]), 2)
 """
 from __future__ import annotations
 
@@ -30,6 +43,11 @@ MAX_FIELDS = 2 ** (63 - ID_BITS)
 _ID_MASK = ID_MASK
 
 
+def width_of(layer) -> int:
+    """A table layer's row width (FieldEmbedding.dim or a TFRA Embedding's embedding_size)."""
+    return int(getattr(layer, "dim", None) or layer.embedding_size)
+
+
 def member_rows(layer) -> tuple[int, float, bool] | None:
     """(salt, init scale, pools) of a table layer whose rows can live in a fused table, or None.
     ``pools``: it sums multi-valued ids and skips PAD_ID (FieldEmbedding), or returns ids.shape +
@@ -42,77 +60,137 @@ def member_rows(layer) -> tuple[int, float, bool] | None:
 
 
 class FusedTable(FieldEmbedding):
-    """One TFRA table for the rows of ``members`` (table layers of one width, see ``member_rows``).
+    """One TFRA table for the rows of ``members`` (table layers, see ``member_rows``).
 
     ``calls[k]`` is the member read by the k-th input of ``call`` (a table shared by two fields
-    is read twice); ``call`` returns one tensor per input, what that member's own call returns."""
+    is read twice); ``call`` returns one tensor per input, what that member's own call returns.
+    ``slots[m]``: the key slot of member m (default: its own); members that share a slot keep
+    their rows side by side in one row, in member order (joined rows: the module docstring), and
+    every slot has the same column layout, ``dim`` wide in all. ``same_as[k]``: an earlier input
+    that is the same tensor read through the same slot (its keys are looked up once)."""
     des_embedding = False          # not a table of the user's graph: des.sources reads its members
+    joins_linear = True            # may hold joined rows (the cache's fused table may not)
 
-    def __init__(self, members: list, calls: list[int], dim: int, name: str, linear: bool = False):
+    def __init__(self, members: list, calls: list[int], dim: int, name: str, linear: bool = False,
+                 slots: list[int] | None = None, same_as: list[int] | None = None):
         specs = [member_rows(m) for m in members]
         if any(s is None for s in specs):
             raise ValueError(f"{name}: these tables cannot be fused: "
                              f"{[m.name for m, s in zip(members, specs) if s is None]}")
-        if len(members) > MAX_FIELDS:
-            raise ValueError(f"{name}: a fused table holds at most {MAX_FIELDS} tables, got {len(members)}")
+        slots = list(range(len(members))) if slots is None else list(slots)
+        n_slots = max(slots) + 1
+        if n_slots > MAX_FIELDS:
+            raise ValueError(f"{name}: a fused table holds at most {MAX_FIELDS} tables, got {n_slots}")
         # room for what the members' own tables start with (TFRA's 8192 rows each): a table that
         # starts small rehashes as it fills, a cost the per-field tables do not pay
-        super().__init__(field=name, dim=dim, name=name, linear=linear, init_capacity=8192 * len(members))
+        super().__init__(field=name, dim=dim, name=name, linear=linear, init_capacity=8192 * n_slots)
         self.member_names = [m.name for m in members]
         self.calls = list(calls)
-        self._salts = np.array([s[0] for s in specs], np.int64)
-        self._scales = np.array([s[1] for s in specs], np.float64)
+        self.same_as = list(range(len(calls))) if same_as is None else list(same_as)
+        self._slot, self._start, self._width = slots, [0] * len(members), [width_of(m) for m in members]
+        layout: dict[int, list[int]] = {}                 # slot -> its members, in member order
+        for m, s in enumerate(slots):
+            self._start[m] = sum(self._width[o] for o in layout.get(s, []))
+            layout.setdefault(s, []).append(m)
+        widths = {tuple(self._width[m] for m in layout[s]) for s in range(n_slots) if s in layout}
+        if len(widths) != 1 or sum(next(iter(widths))) != dim or len(layout) != n_slots:
+            raise ValueError(f"{name}: every slot must hold members of widths adding up to {dim} "
+                             f"in the same order; got {sorted(widths)}")
+        self.blocks = [(self._start[m], self._width[m]) for m in layout[0]]     # (first column, width)
+        self.slot_names = ["/".join(self.member_names[m] for m in layout[s]) for s in range(n_slots)]
+        self._salts = np.array([[specs[m][0] for m in layout[s]] for s in range(n_slots)], np.int64)
+        self._scales = np.array([[specs[m][1] for m in layout[s]] for s in range(n_slots)], np.float64)
         self._pools = [s[2] for s in specs]
+        for k, r in enumerate(self.same_as):
+            if r > k or slots[calls[r]] != slots[calls[k]]:
+                raise ValueError(f"{name}: input {k} cannot read through input {r}")
+
+    def _block_of(self, m: int) -> int:
+        return self.blocks.index((self._start[m], self._width[m]))
 
     @staticmethod
     def single_inputs(inputs) -> list[int]:
         """Which inputs are one-hot (ids [B], no weights): their rows travel as one [B, S, dim] block."""
         return [k for k, x in enumerate(inputs) if not isinstance(x, (list, tuple)) and x.shape.rank == 1]
 
+    def reads(self, inputs) -> tuple[list[int], list[int]]:
+        """(the one-hot inputs, the others) among the inputs whose keys are looked up (``same_as``)."""
+        single = set(self.single_inputs(inputs))
+        first = [k for k in range(len(inputs)) if self.same_as[k] == k]
+        return [k for k in first if k in single], [k for k in first if k not in single]
+
+    def block_inputs(self, inputs) -> list[list[int]]:
+        """Per column block (one per member width of a slot, see ``blocks``): the one-hot inputs
+        whose rows ``call(..., with_block=True)``'s block of that width holds, in its order."""
+        single, _ = self.reads(inputs)
+        out = []
+        for b in range(len(self.blocks)):
+            first: dict[int, int] = {}
+            for k in range(len(inputs)):
+                if self.same_as[k] in single and self._block_of(self.calls[k]) == b:
+                    first.setdefault(self.same_as[k], k)
+            out.append([first[r] for r in single if r in first])
+        return out
+
     @tf.autograph.experimental.do_not_convert   # plain TF ops: autograph would only slow tracing
     def call(self, inputs, training=None, with_block: bool = False):
-        """One tensor per input; ``with_block``: and the rows of the one-hot inputs (``single_inputs``)
-        as one [B, S, dim] tensor, which a stack or concatenation of them can read instead."""
+        """One tensor per input; ``with_block``: and, per column block (``block_inputs``), the rows
+        of its one-hot inputs as one [B, S, width] tensor (or None), which a stack or concatenation
+        of them can read instead."""
         # one-hot inputs travel as one [B, S] block: a few ops whatever S is, since tracing cost
         # grows with the number of ops; the others one by one
-        single = self.single_inputs(inputs)
         if only_shapes_wanted(self):
-            return self._zeros(inputs, single, with_block)
-        other = [k for k in range(len(inputs)) if k not in single]
+            return self._zeros(inputs, with_block)
+        single, other = self.reads(inputs)
         packed, padded = self.packed_keys(inputs, single, other)
         uniq, idx = tf.unique(tf.concat(packed, axis=0))
         rows = tf.gather(self.distinct_rows(uniq, training, multi_valued=padded), idx)
-        parts = tf.split(rows, [tf.size(p) for p in packed])
-        out, block = [None] * len(inputs), None
+        parts = tf.split(rows, [tf.size(p) for p in packed]) if len(packed) > 1 else [rows]
+        out, blocks = [None] * len(inputs), []
         if single:
             block = tf.reshape(parts[0], [-1, len(single), self.dim])
-            for k, v in zip(single, tf.unstack(block, axis=1)):
-                out[k] = v
-        for k, part in zip(other, parts[1 if single else 0:]):
+            place = {r: s for s, r in enumerate(single)}
+            for b, (c0, w) in enumerate(self.blocks):
+                sub = block if len(self.blocks) == 1 else block[:, :, c0:c0 + w]
+                columns = tf.unstack(sub, axis=1)
+                for k in range(len(inputs)):
+                    if self.same_as[k] in place and self._block_of(self.calls[k]) == b:
+                        out[k] = columns[place[self.same_as[k]]]
+                blocks.append(sub)
+        else:
+            blocks = [None] * len(self.blocks)
+        flat = dict(zip(other, parts[1 if single else 0:]))
+        for k in range(len(inputs)):
+            r = self.same_as[k]
+            if r not in flat:
+                continue
+            m = self.calls[k]
+            c0, w = self._start[m], self._width[m]
+            part = flat[r] if w == self.dim else flat[r][:, c0:c0 + w]
             ids, weights = self._ids_and_weights(inputs[k])
-            if self._pools[self.calls[k]]:
-                out[k] = pool(part, ids, weights, self.dim)
+            if self._pools[m]:
+                out[k] = pool(part, ids, weights, w)
             else:
-                out[k] = tf.reshape(part, tf.concat([tf.shape(ids), [self.dim]], 0))
-        return (out, block) if with_block else out
+                out[k] = tf.reshape(part, tf.concat([tf.shape(ids), [w]], 0))
+        return (out, blocks) if with_block else out
 
     def packed_keys(self, inputs, single: list[int] | None = None, other: list[int] | None = None):
-        """(the keys of every input, packed as ``slot << 55 | id`` - one-hot inputs first, as one
-        tensor -, whether multi-valued padding is among them); stops the step on an id that breaks
-        the key rule. ``call`` reads the rows of ``tf.unique`` of their concatenation."""
+        """(the keys of the inputs read (``reads``), packed as ``slot << 55 | id`` - one-hot inputs
+        first, as one tensor -, whether multi-valued padding is among them); stops the step on an id
+        that breaks the key rule. ``call`` reads the rows of ``tf.unique`` of their concatenation."""
         if single is None:
-            single = self.single_inputs(inputs)
-            other = [k for k in range(len(inputs)) if k not in single]
-        packed, checked, padded = [], [], False     # checked: (ids, padding, member slots) of every input
+            single, other = self.reads(inputs)
+        slot_of = lambda k: self._slot[self.calls[k]]  # noqa: E731
+        packed, checked, padded = [], [], False     # checked: (ids, padding, key slots) of every input
         if single:
             ids = tf.stack([tf.cast(inputs[k], tf.int64) for k in single], axis=1)
-            checked.append((tf.reshape(ids, [-1]), None, [self.calls[k] for k in single]))
-            slots = tf.constant([self.calls[k] << ID_BITS for k in single], tf.int64)
+            checked.append((tf.reshape(ids, [-1]), None, [slot_of(k) for k in single]))
+            slots = tf.constant([slot_of(k) << ID_BITS for k in single], tf.int64)
             packed.append(tf.reshape(tf.bitwise.bitwise_or(ids, slots[None, :]), [-1]))
         for k in other:
             ids, _ = self._ids_and_weights(inputs[k])
-            flat, slot = tf.reshape(ids, [-1]), self.calls[k]
-            multi = self._pools[slot] and ids.shape.rank == 2
+            flat, slot = tf.reshape(ids, [-1]), slot_of(k)
+            multi = self._pools[self.calls[k]] and ids.shape.rank == 2
             padded |= multi
             pad = (flat == PAD_ID) if multi else None
             checked.append((flat, pad, [slot]))
@@ -121,20 +199,20 @@ class FusedTable(FieldEmbedding):
         self._check(checked)
         return packed, padded
 
-    def _zeros(self, inputs, single: list[int], with_block: bool):
+    def _zeros(self, inputs, with_block: bool):
         """What ``call`` returns, as zeros: all Keras wants when it builds a functional model."""
         out = []
         for k, x in enumerate(inputs):
             ids, _ = self._ids_and_weights(x)
-            pools = self._pools[self.calls[k]]
-            shape = tf.TensorShape([ids.shape[0], self.dim]) if pools else ids.shape.concatenate([self.dim])
-            zeros = tf.zeros(tf.stack([tf.shape(ids)[0], self.dim]) if pools else
-                             tf.concat([tf.shape(ids), [self.dim]], 0))
+            m = self.calls[k]
+            pools, w = self._pools[m], self._width[m]
+            shape = tf.TensorShape([ids.shape[0], w]) if pools else ids.shape.concatenate([w])
+            zeros = tf.zeros(tf.stack([tf.shape(ids)[0], w]) if pools else tf.concat([tf.shape(ids), [w]], 0))
             zeros.set_shape(shape)
             out.append(zeros)
         if not with_block:
             return out
-        return out, (tf.stack([out[k] for k in single], axis=1) if single else None)
+        return out, [tf.stack([out[k] for k in ks], axis=1) if ks else None for ks in self.block_inputs(inputs)]
 
     @staticmethod
     def _ids_and_weights(x):
@@ -160,44 +238,88 @@ class FusedTable(FieldEmbedding):
         tf.debugging.Assert(tf.reduce_all(fits), [
             "an id outside [0, 2**55) cannot be stored in fused table", self.name,
             "(key = field slot << 55 | id); hash ids into that range or pass fuse_tables=False. Table:",
-            tf.gather(tf.constant(self.member_names), slot), "id:", tf.gather(ids, bad)], summarize=3)
+            tf.gather(tf.constant(self.slot_names), slot), "id:", tf.gather(ids, bad)], summarize=3)
 
     def new_rows(self, uniq: tf.Tensor) -> tf.Tensor:
         slots = tf.bitwise.right_shift(uniq, tf.constant(ID_BITS, tf.int64))
-        return key_init_rows(tf.bitwise.bitwise_and(uniq, tf.constant(_ID_MASK, tf.int64)),
-                             tf.gather(self._salts, slots), self.dim, tf.gather(self._scales, slots))
+        ids = tf.bitwise.bitwise_and(uniq, tf.constant(_ID_MASK, tf.int64))
+        parts = [key_init_rows(ids, tf.gather(self._salts[:, b], slots), w, tf.gather(self._scales[:, b], slots))
+                 for b, (_, w) in enumerate(self.blocks)]
+        return parts[0] if len(parts) == 1 else tf.concat(parts, axis=1)
 
     # --- one member's rows, for des.sources (checkpoints, snapshots, the rank-0 broadcast) --------
-    def pack(self, slot: int, ids: np.ndarray) -> np.ndarray:
+    def pack(self, member: int, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids, np.int64)
         bad = (ids < 0) | (ids > _ID_MASK)
         if bad.any():
-            raise ValueError(f"{self.member_names[slot]}: id {int(ids[bad][0])} is outside [0, 2**{ID_BITS}) and "
+            raise ValueError(f"{self.member_names[member]}: id {int(ids[bad][0])} is outside [0, 2**{ID_BITS}) and "
                              f"cannot be stored in fused table {self.name}; restore into a model built with "
                              f"fuse_tables=False")
-        return ids | np.int64(slot << ID_BITS)
+        return ids | np.int64(self._slot[member] << ID_BITS)
 
-    def _keys_of(self, params, slot: int) -> np.ndarray:
+    def _keys_of(self, params, member: int) -> np.ndarray:
         keys = params.export()[0].numpy()
-        return keys[(keys >= 0) & ((keys >> ID_BITS) == slot)]
+        return keys[(keys >= 0) & ((keys >> ID_BITS) == self._slot[member])]
 
-    def field_rows(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, rows) of member ``slot``."""
+    def _columns(self, member: int) -> slice:
+        return slice(self._start[member], self._start[member] + self._width[member])
+
+    def field_rows(self, member: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, rows) of member ``member``."""
         keys, values = self.params.export()
         keys, values = keys.numpy(), values.numpy()
-        mine = (keys >= 0) & ((keys >> ID_BITS) == slot)
-        return keys[mine] & _ID_MASK, values[mine]
+        mine = (keys >= 0) & ((keys >> ID_BITS) == self._slot[member])
+        return keys[mine] & _ID_MASK, values[mine][:, self._columns(member)]
 
-    def clear_field(self, params, slot: int) -> None:
-        """Remove member ``slot``'s keys from ``params`` (this table's rows or one of its optimizer slots)."""
-        keys = self._keys_of(params, slot)
+    def member_slot_rows(self, member: int, params, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, exists) of member ``member``'s ``ids`` in ``params``, one of this table's
+        optimizer slots (a missing key reads the slot's start value)."""
+        found, exists = params.lookup(tf.constant(self.pack(member, ids)), return_exists=True)
+        return found.numpy()[:, self._columns(member)], exists.numpy()
+
+    def load_member(self, member: int, params, ids: np.ndarray, values: np.ndarray, rows: bool = True) -> None:
+        """Make member ``member``'s part of ``params`` (this table's rows when ``rows``, else one of
+        its optimizer slots) hold exactly ``ids`` -> ``values``. Members that share its slot keep their
+        columns; a key new to the slot starts their columns as a lookup would (``new_rows``, or the
+        slot's start value). A slot's first member decides which keys the slot holds."""
+        held = self._keys_of(params, member)
+        keys = self.pack(member, ids) if len(ids) else np.zeros([0], np.int64)
+        gone = np.setdiff1d(held, keys)
+        cols = self._columns(member)
+        if len(gone) and self._start[member] == 0:
+            params.remove(tf.constant(gone, tf.int64))
+        elif len(gone):
+            self._write_columns(params, gone, cols, None, rows)
         if len(keys):
-            params.remove(tf.constant(keys, tf.int64))
+            self._write_columns(params, keys, cols, np.asarray(values, np.float32).reshape(len(keys), -1), rows)
 
-    def load_field(self, slot: int, ids: np.ndarray, values: np.ndarray) -> None:
-        self.clear_field(self.params, slot)
-        if len(ids):
-            self.params.upsert(tf.constant(self.pack(slot, ids)), tf.constant(values, self.params.value_dtype))
+    def _write_columns(self, params, keys: np.ndarray, cols: slice, values, rows: bool) -> None:
+        """Upsert ``keys`` with ``values`` in columns ``cols`` (None: the columns' start value), the
+        other columns as held (or, for a key not held, their start value)."""
+        current, exists = params.lookup(tf.constant(keys, tf.int64), return_exists=True)
+        current, exists = current.numpy().copy(), exists.numpy()
+        if rows:
+            fresh = ~exists if values is not None else np.ones(len(keys), bool)
+            if fresh.any():
+                start = self.new_rows(tf.constant(keys[fresh], tf.int64)).numpy()
+                if values is None:
+                    current[fresh, cols] = start[:, cols]
+                else:
+                    current[fresh] = start
+        elif values is None:          # the slot's start value: what a key never written reads
+            current[:, cols] = params.lookup(tf.constant([np.iinfo(np.int64).min], tf.int64)).numpy()[0, cols]
+        if values is not None:
+            current[:, cols] = values
+        params.upsert(tf.constant(keys, tf.int64), tf.constant(current, params.value_dtype))
+
+    def clear_field(self, params, member: int) -> None:
+        """Remove member ``member``'s rows from ``params`` (this table's rows or one of its optimizer
+        slots; a joined row keeps its other members' columns)."""
+        self.load_member(member, params, np.zeros([0], np.int64), np.zeros([0, self._width[member]], np.float32),
+                         rows=params is self.params)
+
+    def load_field(self, member: int, ids: np.ndarray, values: np.ndarray) -> None:
+        self.load_member(member, self.params, ids, values, rows=True)
 
     def get_config(self):
         raise NotImplementedError("a FusedTable is built by des.transform, not from a config")
@@ -207,50 +329,100 @@ class FusedTable(FieldEmbedding):
 FUSED_CLASS: dict[type, type] = {FieldEmbedding: FusedTable}
 
 
-def fusion_groups(nodes: list) -> dict[tuple, list]:
+def fusion_groups(nodes: list, join_linear: bool = False) -> dict[tuple, list]:
     """The table nodes among ``nodes`` whose rows can share one TFRA table (this project's
     FieldEmbedding and keyed TFRA Embeddings; trainable, without weight penalties, called on one
-    input), grouped by (width, linear part or not, fused class); in graph order."""
-    groups: dict[tuple, list] = {}
+    input), grouped by (member widths of a slot, linear part or not, fused class); in graph order.
+    ``join_linear``: a linear-part table and an embedding table read with exactly the same inputs
+    share their keys' rows (widths (k, 1): see the module docstring), when the fused class allows."""
+    fusable = []
     for n in sorted(nodes, key=lambda n: n.index):
         layer = n.layer
         if (n.kind != "table" or member_rows(layer) is None or not layer.trainable or has_weight_penalties(layer)
                 or len(n.call_args) != 1 or set(n.call_kwargs) - {"training"}):
             continue
-        linear = bool(getattr(layer.shadow, "des_linear_part", False))
-        groups.setdefault((n.attrs["dim"], linear, FUSED_CLASS.get(type(layer), FusedTable)), []).append(n)
+        fusable.append(n)
+    linear_of = lambda n: bool(getattr(n.layer.shadow, "des_linear_part", False))  # noqa: E731
+    cls_of = lambda n: FUSED_CLASS.get(type(n.layer), FusedTable)  # noqa: E731
+    partner = _partners(fusable) if join_linear else {}
+    groups: dict[tuple, list] = {}
+    for n in fusable:
+        if id(n.layer) in partner:
+            emb = n.layer if not linear_of(n) else partner[id(n.layer)]
+            key = ((width_of(emb), width_of(partner[id(emb)])), False, cls_of(n))
+        else:
+            key = ((n.attrs["dim"],), linear_of(n), cls_of(n))
+        groups.setdefault(key, []).append(n)
     return groups
 
 
-def tables_after_fusing(nodes: list) -> int:
+def _partners(nodes: list) -> dict[int, object]:
+    """id(layer) -> its partner for joined rows: each linear-part table layer among ``nodes``'s
+    layers and the first unpaired embedding table layer of the same kind whose calls read exactly
+    the same inputs, both ways."""
+    reads: dict[int, list] = {}                # id(layer) -> the operands of each of its calls
+    for n in nodes:
+        reads.setdefault(id(n.layer), []).append(tuple(n.tensor_operands()))
+    layers = list(dict.fromkeys(n.layer for n in nodes))
+    is_linear = lambda l: bool(getattr(l.shadow, "des_linear_part", False))  # noqa: E731
+    kind = lambda l: (sorted(reads[id(l)]), type(l), member_rows(l)[2])  # noqa: E731
+    partner: dict[int, object] = {}
+    for lin in filter(is_linear, layers):
+        for emb in layers:
+            if (id(emb) not in partner and not is_linear(emb) and kind(emb) == kind(lin)
+                    and getattr(FUSED_CLASS.get(type(emb), FusedTable), "joins_linear", False)):
+                partner[id(lin)], partner[id(emb)] = emb, lin
+                break
+    return partner
+
+
+def tables_after_fusing(nodes: list, join_linear: bool = False) -> int:
     """How many TFRA tables the table nodes among ``nodes`` become when fused (``fuse_nodes``): one per
     fusion group, and each table layer that fuses with none."""
-    groups = fusion_groups(nodes)
+    groups = fusion_groups(nodes, join_linear)
     tables = {id(n.layer) for n in nodes if n.kind == "table"}
     fused = {id(n.layer) for members in groups.values() for n in members}
     return len(groups) + len(tables - fused)
 
 
-def fuse_nodes(graph, nodes: list, suffix: str) -> tuple[list[tuple], list[str]]:
+def fuse_nodes(graph, nodes: list, suffix: str, join_linear: bool = False) -> tuple[list[tuple], list[str]]:
     """Move the rows of each ``fusion_groups`` group of ``nodes`` (des.ir nodes of ``graph``)
-    into one FusedTable per group, named ``des_fused<width>[_linear]_<suffix>``. Every member layer
-    then reads and writes its rows through the fused table (des.sources). Returns
+    into one FusedTable per group, named ``des_fused<width>[_linear|_joined]_<suffix>``. Every member
+    layer then reads and writes its rows through the fused table (des.sources). Returns
     ([(table, its nodes in graph order)], one report line per table)."""
     fused, lines = [], []
-    for (dim, linear, cls), members in fusion_groups(nodes).items():
+    for (widths, linear, cls), members in fusion_groups(nodes, join_linear).items():
         layers = list(dict.fromkeys(m.layer for m in members))
-        table = cls(layers, [layers.index(m.layer) for m in members], dim,
-                    name=f"des_fused{dim}{'_linear' if linear else ''}_{suffix}", linear=linear)
-        for slot, layer in enumerate(layers):
+        dim = sum(widths)
+        if len(widths) > 1:             # joined: (embedding, linear weight) per slot, in that order
+            partner = _partners(members)
+            layers = [l for e in layers if not getattr(e.shadow, "des_linear_part", False)
+                      for l in (e, partner[id(e)])]
+            slots = [i // 2 for i in range(len(layers))]
+        else:
+            slots = list(range(len(layers)))
+        calls = [layers.index(m.layer) for m in members]
+        first: dict[tuple, int] = {}
+        same_as = [first.setdefault((slots[c], tuple(m.tensor_operands())), k)
+                   for k, (c, m) in enumerate(zip(calls, members))]
+        kind = "_joined" if len(widths) > 1 else "_linear" if linear else ""
+        table = cls(layers, calls, dim, name=f"des_fused{dim}{kind}_{suffix}", linear=linear,
+                    slots=slots, same_as=same_as)
+        if len(widths) > 1:
+            table.shadow.des_joins_linear = True       # models.optim.LinearAndRestOptimizer refuses it
+        for member, layer in enumerate(layers):
             source = next(m.attrs["source"] for m in members if m.layer is layer)
             keys, values = source.export(layer)
             source.release(layer)
-            layer.des_fused = (table, slot)
+            layer.des_fused = (table, member)
             source.load(layer, keys, values)           # into the fused table, under packed keys
         fused.append((table, members))
         names = [l.name for l in layers]
-        lines.append(f"fused table {table.name}: the rows of {len(layers)} table(s) of width {dim} "
-                     f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) in one TFRA table")
+        what = (f"the rows of {len(layers)} table(s) of width {dim}" if len(widths) == 1 else
+                f"the rows of {len(layers) // 2} field(s), embedding (width {widths[0]}) and linear weight "
+                f"(width {widths[1]}) side by side")
+        lines.append(f"fused table {table.name}: {what} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) "
+                     f"in one TFRA table")
     return fused, lines
 
 

@@ -36,6 +36,11 @@ class LinearAndRestOptimizer(tf.keras.optimizers.legacy.Optimizer):
 
     def apply_gradients(self, grads_and_vars, name=None, experimental_aggregate_gradients=True):
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+        joined = [v.name for _, v in pairs if getattr(v, "des_joins_linear", False)]
+        if joined:
+            raise ValueError(f"{joined[0]} holds linear weights and embeddings in one row (joined tables): one "
+                             f"optimizer must train both; fuse with join_linear=False (des.train: --tables fused) "
+                             f"to give the linear part its own")
         linear = [(g, v) for g, v in pairs if is_linear(v)]
         rest = [(g, v) for g, v in pairs if not is_linear(v)]
         updates = [opt.apply_gradients(part, experimental_aggregate_gradients=experimental_aggregate_gradients)

@@ -61,18 +61,22 @@ def single_process_predictions(name: str, optimizer: str, learning_rates: dict, 
 
 
 def train_ps_counting(exchange, batches, probe, fuse: bool = False, bytes_per_float: int = 4,
-                      learning_rate: float = 0.01):
+                      learning_rate: float = 0.01, join_linear: bool = False):
     """One rank of a PS DeepFM (PS_SPEC, seed 3, hidden 8,4, Adam) trained on its slice of each
     global batch: its predictions on ``probe`` after every step, the model, and per step and
     counter (ids/rows/grad bytes, unique/remote ids) the pair (measured at the all-to-alls,
-    des.baselines.ps.rewrite.analytic_bytes of the slice's ids at ``bytes_per_float``)."""
+    des.baselines.ps.rewrite.analytic_bytes of the slice's ids at ``bytes_per_float``; ``join_linear``:
+    of the untouched model's lookups as joined rows, table_inputs(..., join_linear=True))."""
     import models
     from des.baselines.ps.rewrite import analytic_bytes, dense_parameters, shard, table_inputs
     from des.data.readers import _slice_batch
     from des.verify import PS_SPEC, optimizer_factory
-    model = shard(models.build("deepfm", PS_SPEC, seed=3, hidden=(8, 4)), exchange, fuse=fuse)
+    model = shard(models.build("deepfm", PS_SPEC, seed=3, hidden=(8, 4)), exchange, fuse=fuse,
+                  join_linear=join_linear)
     model.compile(optimizer_factory("adam", {"adam": learning_rate})(), "binary_crossentropy")
     tables, dense = table_inputs(model), dense_parameters(model)
+    if join_linear:
+        tables = table_inputs(models.build("deepfm", PS_SPEC, seed=3, hidden=(8, 4)), join_linear=True)
     rank, n = exchange.rank, exchange.world_size
     preds, steps = [], []
     for x, y in batches:

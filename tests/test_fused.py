@@ -36,21 +36,26 @@ def fused_tables(model) -> list[FusedTable]:
     return [l for l in des.distributed(model).layer.owned if isinstance(l, FusedTable)]
 
 
-@pytest.mark.parametrize("name,optimizer,sizes", [("deepfm", "adam", (1, 5)), ("wdl", "ftrl+adam", (3,)),
-                                                  ("fm", "adagrad", (2,)), ("lr", "ftrl", (5,))])
-def test_fused_des_equals_the_per_field_single_process(name, optimizer, sizes):
+@pytest.mark.parametrize("name,optimizer,sizes,join", [
+    ("deepfm", "adam", (1, 5), False), ("wdl", "ftrl+adam", (3,), False), ("fm", "adagrad", (2,), False),
+    ("lr", "ftrl", (5,), False), ("deepfm", "adam", (2, 5), True), ("wdl", "ftrl", (3,), True),
+    ("fm", "sgd", (2,), True)])
+def test_fused_des_equals_the_per_field_single_process(name, optimizer, sizes, join):
     """Fused DES on N (N = 5: one rank owns no field) == the untouched per-field model on one process;
-    N = 2 and 3 with other models and optimizers (the sweep of all models x optimizers runs per-field)."""
+    N = 2 and 3 with other models and optimizers (the sweep of all models x optimizers runs per-field).
+    ``join``: each field's linear weight in its embedding's row (one table per rank), every
+    element-wise optimizer exact."""
     if optimizer == "ftrl+adam":
         opt, lr = (lambda: models.make_optimizer("adam", 0.01, linear="ftrl", linear_learning_rate=0.05)), None
     else:
-        opt, lr = optimizer, {"adam": 0.01, "adagrad": 0.05, "ftrl": 0.05}[optimizer]
+        opt, lr = optimizer, {"adam": 0.01, "adagrad": 0.05, "ftrl": 0.05, "sgd": 0.1}[optimizer]
     work = lambda m: train_and_snapshot(m, opt, lr, BATCHES, PROBE)  # noqa: E731
     ref = work(build(name)())
     assert np.ptp(ref["predictions"][:, 0]) > 1e-3
     for n in sizes:
-        runs = run_in_process_world(n, build(name), lambda m: (work(m), owns_and_fused(m)), fuse_tables=True)
-        widths = 1 + (name != "lr")                    # the linear part's width-1 tables, the embeddings
+        runs = run_in_process_world(n, build(name), lambda m: (work(m), owns_and_fused(m)), fuse_tables=True,
+                                    join_linear=join)
+        widths = 1 if join else 1 + (name != "lr")     # the linear part's width-1 tables, the embeddings
         assert [c for _, c in runs] == [(owns, widths * owns) for owns, _ in (c for _, c in runs)]
         diff = compare(ref, [r for r, _ in runs])
         print(f"{name} {optimizer} fused N={n}: {diff}")
@@ -106,8 +111,8 @@ def test_user_tfra_embeddings_fuse_when_asked():
     assert max(diff.values()) < TOL, diff
 
 
-def _trained(fuse: bool, steps: int = 4):
-    model, _ = des.transform(build("deepfm")(), comm=LocalCommunicator(), fuse_tables=fuse)
+def _trained(fuse: bool, steps: int = 4, join: bool = False):
+    model, _ = des.transform(build("deepfm")(), comm=LocalCommunicator(), fuse_tables=fuse, join_linear=join)
     opt = models.make_optimizer("adam", 0.01)
     model.compile(opt, "binary_crossentropy")
     for x, y in BATCHES[:steps]:
@@ -115,15 +120,18 @@ def _trained(fuse: bool, steps: int = 4):
     return model, opt
 
 
-@pytest.mark.parametrize("direction", ["per-field into fused", "fused into per-field"])
+@pytest.mark.parametrize("direction", ["per-field into fused", "fused into per-field", "per-field into joined",
+                                       "joined into per-field", "fused into joined"])
 def test_checkpoint_rows_and_slots_cross_between_fused_and_per_field(direction, tmp_path):
     """A checkpoint written by one layout restores into the other, row by row (values and Adam's
-    slots), and both then train on identically."""
+    slots), and both then train on identically. Joined rows: a field's embedding and linear weight
+    (and their Adam slots) are written column by column into one row each."""
     from des import checkpoint
-    src_fused = direction == "fused into per-field"
-    src, src_opt = _trained(src_fused)
+    layout = {"per-field": (False, False), "fused": (True, False), "joined": (True, True)}
+    src_layout, dst_layout = direction.split(" into ")
+    src, src_opt = _trained(*layout[src_layout][:1], join=layout[src_layout][1])
     checkpoint.save(str(tmp_path / "ck"), src, src_opt, des.distributed(src).plan, 0, 1)
-    dst, dst_opt = _trained(not src_fused, steps=1)         # other rows and slots before the restore
+    dst, dst_opt = _trained(layout[dst_layout][0], steps=1, join=layout[dst_layout][1])   # other rows and slots
     checkpoint.restore(str(tmp_path / "ck"), dst, dst_opt, 0, 1)
     a, b = state.export_rows(src, src_opt), state.export_rows(dst, dst_opt)
     assert sorted(a) == sorted(b)
@@ -242,12 +250,13 @@ def test_a_fused_single_process_model_trains_as_the_per_field_one():
     assert max(diff.values()) < TOL, diff
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_fused_ps_equals_the_single_process_and_moves_the_per_field_bytes(n):
+@pytest.mark.parametrize("n,join", [(2, False), (3, False), (2, True), (3, True)])
+def test_fused_ps_equals_the_single_process_and_moves_the_per_field_bytes(n, join):
     """des.baselines.ps.rewrite.shard(..., fuse=True): one all-to-all set per width; predictions after every step and
     every row equal the untouched single process's; the bytes measured at the all-to-alls equal
     the per-table formula (des.baselines.ps.rewrite.analytic_bytes) step by step. N = 3: the batch of 2 rows leaves
-    one process an empty slice."""
+    one process an empty slice. ``join``: a field's embedding and linear weight are one lookup of
+    4-wide rows: its ids travel once (the formula on the untouched model's lookups joined)."""
     from helpers import single_process_predictions, train_ps_counting
 
     from des.verify import ps_batches, run_sharded_world, snapshot
@@ -256,13 +265,14 @@ def test_fused_ps_equals_the_single_process_and_moves_the_per_field_bytes(n):
     expected, ref = single_process_predictions("deepfm", "adam", lr, batches, probe, with_snapshot=True)
 
     def work(ex):
-        preds, model, exact = train_ps_counting(ex, batches, probe, fuse=True, learning_rate=lr["adam"])
+        preds, model, exact = train_ps_counting(ex, batches, probe, fuse=True, learning_rate=lr["adam"],
+                                                join_linear=join)
         return preds, exact, len(layers_fused(model)), snapshot(model)
 
     runs = run_sharded_world(n, work)
     rows: dict = {}
     for preds, exact, count, snap in runs:
-        assert count == 2                              # embeddings (width 3) and the linear part (width 1)
+        assert count == (1 if join else 2)             # embeddings (width 3) and the linear part (width 1)
         assert all(m == a for step in exact for m, a in step.values()), exact
         assert sum(step["remote_ids"][0] for step in exact) > 0
         diff = max(float(np.abs(a - b).max()) for a, b in zip(expected, preds))
@@ -317,3 +327,29 @@ def test_a_stack_or_concat_of_the_fused_outputs_in_table_order_reads_the_block_a
     kinds = sorted(type(fused.get_layer(n)).__name__ for n in ("ordered", "reordered"))
     assert type(fused.get_layer("some")).__name__ == "Concatenate" and kinds == ["Concatenate", "Reshape"]
     np.testing.assert_array_equal(fused.predict(batches[0][0], verbose=0), expected)
+
+
+def test_joined_lookups_halve_the_ps_ids_and_a_linear_optimizer_refuses_a_joined_table():
+    """The PS's formula on joined rows: one (ids, width 3 + 1) lookup per field instead of two. A
+    model whose linear part has its own optimizer cannot train joined rows: LinearAndRestOptimizer
+    says so at the first step instead of updating the linear weights with the embeddings' optimizer."""
+    from des.baselines.ps.rewrite import table_inputs
+    plain = build("deepfm")()
+    per_field, joined = table_inputs(plain), table_inputs(plain, join_linear=True)
+    assert sorted(per_field) == sorted([(f, None, 3) for f in SPEC.names()] + [(f, None, 1) for f in SPEC.names()])
+    assert sorted(joined) == sorted((f, None, 4) for f in SPEC.names())
+    model, _ = des.transform(build("deepfm")(), comm=LocalCommunicator(), fuse_tables=True, join_linear=True)
+    model.compile(models.make_optimizer("adam", 0.01, linear="ftrl"), "binary_crossentropy")
+    with pytest.raises(ValueError, match="linear weights and embeddings in one row"):
+        model.train_on_batch(*BATCHES[0])
+
+
+def test_the_cli_joins_rows_by_default_only_with_one_optimizer():
+    from des.config import RunConfig
+    assert RunConfig.parse(["--data", "x"]).join_linear
+    assert not RunConfig.parse(["--data", "x", "--linear-optimizer", "ftrl"]).join_linear
+    assert not RunConfig.parse(["--data", "x", "--tables", "fused"]).join_linear
+    assert not RunConfig.parse(["--data", "x", "--mode", "cache"]).join_linear
+    for bad in (["--tables", "joined", "--linear-optimizer", "ftrl"], ["--tables", "joined", "--mode", "cache"]):
+        with pytest.raises(SystemExit):
+            RunConfig.parse(["--data", "x", *bad])

@@ -118,7 +118,7 @@ class Mode:
         if self.config.tables == "per-field":
             return model
         from des.fusion import fuse_model
-        model, lines = fuse_model(model)
+        model, lines = fuse_model(model, join_linear=self.config.join_linear)
         for line in lines:
             self.run.log(line)
         return model

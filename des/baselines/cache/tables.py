@@ -469,8 +469,10 @@ class CachedFusedTable(CacheProtocol, ShardedFusedTable):
     instead of one per field. A key is ``slot << 55 | id`` (des_ops.fused) and lives with the
     owner of its id (id mod N), as in the members' own tables."""
 
-    def __init__(self, members: list, calls: list[int], dim: int, name: str, linear: bool = False):
-        super().__init__(members, calls, dim, name, linear)
+    joins_linear = False       # its cache lines and plan pushes are one member's rows
+
+    def __init__(self, members: list, calls: list[int], dim: int, name: str, linear: bool = False, **layout):
+        super().__init__(members, calls, dim, name, linear, **layout)
         configs = {dataclasses.replace(m.config, capacity=0) for m in members}
         if len(configs) != 1:
             raise ValueError(f"{name}: the cached tables to fuse differ in more than their capacity: {configs}")

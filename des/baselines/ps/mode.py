@@ -84,7 +84,8 @@ class PS(Mode):
 
     def _shard(self, model):
         """The reference model with its tables sharded by key (the cache mode: and cached)."""
-        model = ps.shard(model, self.exchange, fuse=self.config.tables != "per-field")
+        model = ps.shard(model, self.exchange, fuse=self.config.tables != "per-field",
+                         join_linear=self.config.join_linear)
         model.record_first_steps(self.config.check_bytes)
         for line in model.fused_lines:
             self.run.log(line)

@@ -29,6 +29,7 @@ from tensorflow_recommenders_addons import dynamic_embedding as de
 from des.baselines.ps.tables import KeyExchange, ShardedFieldEmbedding, ShardedFusedTable
 from des.fusion import fuse_model
 from des.ir import Graph, replay
+from des_ops.fused import _partners, fusion_groups
 from des.state import trace_once
 from des_ops.wire import ring_share
 
@@ -87,11 +88,12 @@ class PSModel(tf.keras.Model):
 
 
 def shard(model: tf.keras.Model, exchange: KeyExchange, make_table=None, cls=PSModel,
-          mode: str = "ps", fuse: bool = False) -> PSModel:
+          mode: str = "ps", fuse: bool = False, join_linear: bool = False) -> PSModel:
     """The same model with every FieldEmbedding replaced by a ShardedFieldEmbedding
     (or by ``make_table(old_layer)``, e.g. a cached one), as a ``cls`` model. ``fuse``: the
     sharded tables of one width share one TFRA table per process (des.baselines.ps.tables.ShardedFusedTable):
-    one set of all-to-alls per width and step instead of one per table."""
+    one set of all-to-alls per width and step instead of one per table; ``join_linear``: and a field's
+    linear weight travels in its embedding's row (des_ops.fused: one exchange of ids for both)."""
     graph = Graph(model)
     embeds = [n for n in graph.nodes if n.kind == "table"]
     given = {}
@@ -110,9 +112,10 @@ def shard(model: tf.keras.Model, exchange: KeyExchange, make_table=None, cls=PSM
         given[n.output] = lambda look, out=out: out
     ps = replay(graph, {n.index for n in embeds}, given, cls=cls, suffix=mode).use(exchange)
     if fuse:
-        tables = table_inputs(ps)
-        fused, lines = fuse_model(ps)
-        ps = fused.use(exchange, tables, lines)
+        graph = Graph(ps)
+        entries = [(n.layer, *names, n.attrs["dim"]) for n, names in _table_nodes(graph)]
+        fused, lines = fuse_model(ps, join_linear=join_linear)
+        ps = fused.use(exchange, joined_inputs(entries), lines)
     return trace_once(ps)
 
 
@@ -154,18 +157,46 @@ def analytic_bytes(feats: dict, tables: list[tuple[str, str | None, int]], rank:
     return out
 
 
-def table_inputs(model: tf.keras.Model) -> list[tuple[str, str | None, int]]:
+def table_inputs(model: tf.keras.Model, join_linear: bool = False) -> list[tuple[str, str | None, int]]:
     """(ids input, weights input or None, dim) of every sharded table of a PS model (of a fused one:
-    of the tables it fuses)."""
+    of its lookups, see ``joined_inputs``). ``join_linear``: of an untouched model, as the PS would
+    look its tables up with joined rows (a linear weight and an embedding read with the same inputs
+    are one lookup)."""
     if isinstance(model, PSModel) and model.ps_tables is not None:
         return model.ps_tables
     graph = Graph(model)
+    nodes = _table_nodes(graph)
+    partner = _partners([n for members in fusion_groups([n for n, _ in nodes], True).values() for n in members]) \
+        if join_linear else {}
+    out: dict[tuple, dict] = {}
+    for k, (n, names) in enumerate(nodes):
+        other = partner.get(id(n.layer))
+        key = (min(id(n.layer), id(other)), names) if other is not None else (k,)
+        out.setdefault(key, {"names": names, "widths": {}})["widths"][id(n.layer)] = n.attrs["dim"]
+    return [(*v["names"], sum(v["widths"].values())) for v in out.values()]
+
+
+def _table_nodes(graph: Graph) -> list[tuple]:
+    """(node, (ids input, weights input or None)) of every table node of ``graph``."""
     out = []
     for n in graph.nodes:
         if n.kind == "table":
             names = [graph.input_name(t) for t in n.tensor_operands()]
-            out.append((names[0], names[1] if len(names) > 1 else None, n.attrs["dim"]))
+            out.append((n, (names[0], names[1] if len(names) > 1 else None)))
     return out
+
+
+def joined_inputs(entries: list[tuple]) -> list[tuple]:
+    """(ids, weights, width) per lookup of a fused model, from ``entries`` (layer, ids, weights, width)
+    of the per-field tables it fused: the tables whose rows share one key (a joined embedding and
+    linear weight, des_ops.fused) count as ONE lookup, their ids travel once and their rows are
+    the widths together."""
+    out: dict[tuple, tuple] = {}
+    for k, (layer, ids, weights, width) in enumerate(entries):
+        fused = getattr(layer, "des_fused", None)    # (fused table, member): its rows travel table.dim wide
+        key = (id(fused[0]), fused[0]._slot[fused[1]], ids, weights) if fused else (k,)
+        out.setdefault(key, (ids, weights, fused[0].dim if fused else width))
+    return list(out.values())
 
 
 def traffic_summary(model: PSModel, steps: list[dict], rank: int, n: int) -> dict:

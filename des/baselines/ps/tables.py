@@ -204,10 +204,10 @@ class ShardedFusedTable(FusedTable):
     one set of all-to-alls per width and step instead of one per table. A row still lives with the
     owner of its id (id mod N), as in the tables it fuses, so checkpoints and bytes are theirs."""
 
-    def __init__(self, members: list, calls: list[int], dim: int, name: str, linear: bool = False):
-        super().__init__(members, calls, dim, name, linear)
+    def __init__(self, members: list, calls: list[int], dim: int, name: str, linear: bool = False, **layout):
+        super().__init__(members, calls, dim, name, linear, **layout)
         self.exchange = members[0].exchange
-        self.tag = f"fused{dim}:{'linear' if linear else 'rows'}"
+        self.tag = f"fused{dim}:{'linear' if linear else 'joined' if len(self.blocks) > 1 else 'rows'}"
 
     @staticmethod
     def ids_of(keys: tf.Tensor) -> tf.Tensor:
