@@ -16,7 +16,7 @@ same batch, so all choose alike without a collective.
     >>> choice.mode                                           # few distinct ids: a PS moves less
     'ps'
     >>> print(choice)
-    plan auto: PS - on the first global batch of 64 at N=4, DES would send 5,376 B/step per process and a PS 1,544 (DES sends 3.48x more)
+    plan auto: PS - on the first global batch of 64 at N=4, DES would send 5,376 B/step per process and a PS 1,422 (DES sends 3.78x more)
       cost lr_sum               at 'add': DES 384 B/step, PS 252 B/step -> a PS would move 1.5x fewer
       cost fm_interaction       at 'fm': DES 1,920 B/step, PS 630 B/step -> a PS would move 3.0x fewer
       cost embed_concat_dense   at 'dnn_0': DES 3,072 B/step, PS 1,254 B/step -> a PS would move 2.4x fewer
@@ -93,7 +93,7 @@ def traffic(model: tf.keras.Model, first_batch: dict, world_size: int, allocator
         total.append(an["alltoall_bytes"] + an["dense_ring_bytes"] + (ring * 4 if n > 1 else 0))
     return {"des_payload": 4.0 * b * floats, "des_bytes": ring * 4.0 * b * floats,
             "ps_alltoall": float(np.mean(a2a)), "ps_dense_payload": 4.0 * dense, "ps_bytes": float(np.mean(total)),
-            "tables": len(tables), "ps_lookups": tables_after_fusing(Graph(model).nodes, join_linear),
+            "tables": len(ps.table_inputs(model)), "ps_lookups": tables_after_fusing(Graph(model).nodes, join_linear),
             "matches": matches,
             "widths": widths, "batch": b}
 

@@ -48,14 +48,16 @@ def test_deepfm_des_floats_by_hand_and_one_process_is_des():
 
 def test_the_ps_looks_up_one_fused_table_per_width_and_each_table_that_cannot_fuse():
     """What the projection's PS pays 3 all-to-alls for (des.projection): its tables as --mode ps
-    fuses them. DeepFM on 2 fields: 4 tables (2 rows of width 4, 2 linear weights) -> 2 lookups.
+    fuses them. DeepFM on 2 fields: 4 tables (2 rows of width 4, 2 linear weights) -> 1 lookup of
+    joined rows (the PS's default with one optimizer), 2 lookups without (one per width).
     By hand: fields a, b (width 4) fuse into 1; c (width 4, frozen) cannot fuse: 1; d
     (width 2) is a group of its own: 1 -> 3 lookups of 4 tables; 3 all-to-alls per lookup."""
     from des.timemodel import ps_traffic
     from models.layers import FieldEmbedding
     model = models.build("deepfm", SPEC, seed=0, hidden=(8,))
     t = traffic(model, _batch(np.arange(8), np.arange(8) + 100), 2)
-    assert (t["tables"], t["ps_lookups"]) == (4, 2)
+    assert (t["tables"], t["ps_lookups"]) == (4, 1)
+    assert traffic(model, _batch(np.arange(8), np.arange(8) + 100), 2, join_linear=False)["ps_lookups"] == 2
     tf = __import__("tensorflow")
     x = {f: tf.keras.Input((), dtype=tf.int64, name=f) for f in "abcd"}
     embs = [FieldEmbedding("a", 4)(x["a"]), FieldEmbedding("b", 4)(x["b"]),
