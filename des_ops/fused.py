@@ -150,8 +150,9 @@ class FusedTable(FieldEmbedding):
         if single:
             block = tf.reshape(parts[0], [-1, len(single), self.dim])
             place = {r: s for s, r in enumerate(single)}
-            for b, (c0, w) in enumerate(self.blocks):
-                sub = block if len(self.blocks) == 1 else block[:, :, c0:c0 + w]
+            # tf.split, not slices: a slice's gradient is a zero tensor of the whole block per slice
+            subs = [block] if len(self.blocks) == 1 else tf.split(block, [w for _, w in self.blocks], axis=2)
+            for b, sub in enumerate(subs):
                 columns = tf.unstack(sub, axis=1)
                 for k in range(len(inputs)):
                     if self.same_as[k] in place and self._block_of(self.calls[k]) == b:
@@ -159,14 +160,15 @@ class FusedTable(FieldEmbedding):
                 blocks.append(sub)
         else:
             blocks = [None] * len(self.blocks)
-        flat = dict(zip(other, parts[1 if single else 0:]))
+        flat = {r: [p] if len(self.blocks) == 1 else tf.split(p, [w for _, w in self.blocks], axis=1)
+                for r, p in zip(other, parts[1 if single else 0:])}
         for k in range(len(inputs)):
             r = self.same_as[k]
             if r not in flat:
                 continue
             m = self.calls[k]
-            c0, w = self._start[m], self._width[m]
-            part = flat[r] if w == self.dim else flat[r][:, c0:c0 + w]
+            w = self._width[m]
+            part = flat[r][self._block_of(m)]
             ids, weights = self._ids_and_weights(inputs[k])
             if self._pools[m]:
                 out[k] = pool(part, ids, weights, w)

@@ -37,7 +37,8 @@ DATA = {"criteo-like": "39 one-id fields", "wide": "26 one-id and 20 multi-value
 def train(mode: str, n: int, tables: str, data: str, a, out: str) -> dict:
     args = [sys.executable, "-m", "des.train", "--mode", mode, "--model", a.model, "--data", data,
             "--batch", str(a.batch), "--steps", str(a.steps), "--holdout", "2000", "--dim", str(a.dim),
-            "--hidden", a.hidden, "--threads", str(a.threads), "--summary-json", out, "--tables", tables]
+            "--hidden", a.hidden, "--threads", str(a.threads), "--summary-json", out, "--tables", tables,
+            "--check-bytes", "2"]    # the PS's and the cache's byte check on 2 steps (scripts/bench_des.py says why)
     if n > 1:
         args = ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none"] + args
     p = subprocess.run(args, env=ENV, cwd=ROOT, capture_output=True, text=True)
