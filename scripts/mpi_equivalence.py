@@ -36,7 +36,7 @@ def run(out: str, config: str) -> None:
     batches = random_batches(spec, 20, 32, seed=4)
     probe = random_batches(spec, 1, 16, seed=99)[0][0]
     model, report = des.transform(models.build(name, spec, seed=3, hidden=(8, 4)), comm=comm,
-                                  fuse_tables=tables == "fused")
+                                  fuse_tables=tables in ("fused", "joined"), join_linear=tables == "joined")
     if comm.rank == 0:
         print(report, flush=True)
     snap = train_and_snapshot(model, optimizer_factory(optimizer, LR), None, batches, probe)

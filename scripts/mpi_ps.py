@@ -33,7 +33,8 @@ def main(name: str, optimizer: str, out: str, tables: str = "per-field") -> None
     exchange = KeyExchange()
     rank, n = exchange.rank, exchange.world_size
     batches, probe = ps_batches()
-    model = shard(models.build(name, PS_SPEC, seed=3, hidden=(8, 4)), exchange, fuse=tables == "fused")
+    model = shard(models.build(name, PS_SPEC, seed=3, hidden=(8, 4)), exchange, fuse=tables in ("fused", "joined"),
+                  join_linear=tables == "joined")
     model.compile(optimizer_factory(optimizer, LR)(), "binary_crossentropy")
     tables, dense = table_inputs(model), dense_parameters(model)
     preds, measured, analytic, rows = [], [], [], []

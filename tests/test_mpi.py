@@ -31,8 +31,8 @@ def mpirun(n, *args, timeout=600, env: dict | None = None):
 EQUIVALENCE = [("deepfm", "adam", 2, "horovod", "per-field"), ("wdl", "ftrl", 3, "horovod", "per-field"),
                ("fm", "adagrad", 4, "horovod", "fused"),
                ("lr", "adam", 2, "mpi4py", "per-field"), ("wdl", "ftrl+adam", 2, "horovod", "fused"),
-               ("deepfm", "adam", 5, "horovod", "fused")]
-PS = [("deepfm", "adam", 2, "per-field"), ("wdl", "sgd", 3, "fused"), ("deepfm", "ftrl+adam", 2, "fused")]
+               ("deepfm", "adam", 5, "horovod", "joined")]
+PS = [("deepfm", "adam", 2, "per-field"), ("wdl", "sgd", 3, "joined"), ("deepfm", "ftrl+adam", 2, "fused")]
 USERS = ["deepctr_deepfm_defaults", "two_tower", "shared_table_deepfm", "deepctr_deepfm", "tfra_deepfm"]
 SUBCLASSED = ["tfrs_ranking", "subclassed_wdl", "tfrs_retrieval"]
 # Checks that share a process count share a launch (scripts/mpi_battery.py): a TensorFlow start and
@@ -74,8 +74,8 @@ def _ranks(where, name: str, n: int) -> list[dict]:
 @pytest.mark.mpi
 @pytest.mark.parametrize("name, optimizer, n, comm, tables", EQUIVALENCE)
 def test_des_under_mpirun_equals_single_process(battery, tmp_path, name, optimizer, n, comm, tables):
-    """DES on N processes (per-field or fused tables; N = 5 > 4 fields: a process owns nothing) equals
-    the untouched per-field model on one process."""
+    """DES on N processes (per-field, fused or joined tables; N = 5 > 4 fields: a process owns nothing)
+    equals the untouched per-field model on one process."""
     config = f"{name}:{optimizer}:{comm}:{tables}"
     if comm == "horovod":
         out = battery(n) / "equivalence"
@@ -84,7 +84,7 @@ def test_des_under_mpirun_equals_single_process(battery, tmp_path, name, optimiz
         run = mpirun(n, "scripts/mpi_equivalence.py", str(out), config)
         assert run.returncode == 0, run.stderr[-3000:]
     ranks = _ranks(out, config.replace(":", "-"), n)       # as scripts/mpi_equivalence.py names it
-    widths = 1 + (name not in ("lr", "dnn")) if tables == "fused" else 0   # fused tables of an owner
+    widths = {"fused": 1 + (name not in ("lr", "dnn")), "joined": 1}.get(tables, 0)   # fused tables of an owner
     assert [r["fused_tables"] for r in ranks] == [widths * r["owns_fields"] for r in ranks]
     assert (n == 5) == (not all(r["owns_fields"] for r in ranks))       # N = 5: one process owns no field
     spec = PS_SPEC                 # one-hot, multi-valued and weighted fields, as scripts/mpi_equivalence.py
@@ -191,14 +191,14 @@ def test_a_killed_des_job_resumes_as_ps_on_3_processes_like_one_uninterrupted_pr
 @pytest.mark.mpi
 @pytest.mark.parametrize("name, optimizer, n, tables", PS)
 def test_ps_under_mpirun_equals_single_process_and_counts_bytes_exactly(battery, name, optimizer, n, tables):
-    """Sharded tables (one per field, or fused: one per width) + all-to-all + dense allreduce on
+    """Sharded tables (one per field, fused: one per width, or joined: one) + all-to-all + dense allreduce on
     slices of the global batch make the same updates as one process on the whole batch: every
     gradient reaches its row although keys repeat across processes, and a process with an empty
     slice (no ids) takes part."""
     from des.verify import ps_batches
     out = battery(n) / "ps" / f"{name}-{optimizer}-{tables}"
     ranks = [pickle.load(open(out / f"rank{r}.pkl", "rb")) for r in range(n)]
-    assert all(r["fused_tables"] == (2 if tables == "fused" else 0) for r in ranks)
+    assert all(r["fused_tables"] == {"fused": 2, "joined": 1}.get(tables, 0) for r in ranks)
     expected, ref = single_process_predictions(name, optimizer, LR, *ps_batches(), with_snapshot=True)
     if n == 3:
         assert [r["rows"][-2] for r in ranks] == [0, 1, 1]           # rank 0 had no ids in that step
