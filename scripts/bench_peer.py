@@ -1,11 +1,14 @@
 """Benchmark DES against the peer users pick today, TFRA's own all-to-all embedding
 (scripts/peer_tfra.py): samples/s, CPU seconds per step per process and seconds to the first
 step of a DeepFM on criteo-like synthetic data under mpirun, for each (N, hidden) given; DES with
-its fused tables and the replicated or the data-parallel tail, and this project's PS mode
-(``--mode ps``, fused tables). One run, medians of ``--repeats``
+its joined tables (des.train's default) and the replicated or the data-parallel tail, and this
+project's PS mode (``--mode ps``, joined tables). One run, medians of ``--repeats``
 launches; prints a Markdown table and writes it to ``--report``.
 
-    .venv/bin/python scripts/bench_peer.py --rows 60000 --batch 4096 --steps 12 --repeats 3
+    .venv/bin/python scripts/bench_peer.py --rows 200000 --batch 4096 --steps 40 --repeats 3
+
+Steps: 40 (a launch's median step) so that the tables hold most keys, as in a long run; with 12,
+most steps insert many new keys and the medians move by 10-20% from launch to launch.
 """
 import json
 import os
@@ -46,9 +49,11 @@ def main():
              f"--configs '{a.configs}' --systems {a.systems}`, {time.strftime('%Y-%m-%d')}, this machine "
              f"(2 shared cores; N processes oversubscribe them, one TF thread each). Global batch {a.batch}, dim {a.dim}; median over "
              f"launches of each launch's median step (the first step excluded); the launches go round-robin over "
-             f"the systems. DES: fused tables; the peer: "
+             f"the systems. DES: joined tables (one per process: each field's embedding and linear weight in "
+             f"one row); the peer: "
              f"HvdAllToAllEmbedding, all fields in one table per width, Adam, dense gradients averaged by "
-             f"Horovod (scripts/peer_tfra.py). PS: this project's `--mode ps`, fused tables.", "",
+             f"Horovod (scripts/peer_tfra.py). PS: this project's `--mode ps`, joined tables, its byte check "
+             f"on 2 steps (scripts/bench_des.py).", "",
              "| N | hidden | system | samples/s | CPU s/step/process | first step (s) | samples/s vs TFRA |",
              "|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
