@@ -1,9 +1,25 @@
-"""Shared test data (defined in des.verify so the mpirun scripts use the same)."""
+"""Shared test data (defined in des.verify so the mpirun scripts use the same) and the one way the
+tests launch processes under mpirun."""
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 
 from des.verify import random_batches, small_spec  # noqa: F401
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MPI_ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_mpi_yield_when_idle="1", TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
+
+
+def mpirun(n: int, *args, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python ARGS`` on ``n`` processes under mpirun, from the repository's root (``env``: variables
+    added to MPI_ENV, which lets root run it and more processes than cores); the finished run."""
+    cmd = ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none", sys.executable, *args]
+    return subprocess.run(cmd, env=dict(MPI_ENV, **(env or {})), cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def write_small_ffm(path: str, rows: int, seed: int = 0, fields: int = 6) -> dict:

@@ -21,12 +21,10 @@ from des.baselines.cache.tables import CacheConfig
 from des.baselines.ps.tables import KeyExchange
 from des_ops.comm import LocalCommunicator
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-           OMPI_MCA_mpi_yield_when_idle="1", PYTHONPATH=ROOT)
+from helpers import MPI_ENV as ENV, ROOT, mpirun, single_process_predictions  # noqa: E402
+
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from mpi_cache import CONFIGS, LR, batches_of  # noqa: E402
-from helpers import single_process_predictions  # noqa: E402
 
 N = 3
 
@@ -34,9 +32,7 @@ N = 3
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("cache")
-    cmd = ["mpirun", "-np", str(N), "--oversubscribe", "--bind-to", "none", sys.executable,
-           "scripts/mpi_cache.py", str(out)]
-    done = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    done = mpirun(N, "scripts/mpi_cache.py", str(out), timeout=1200)
     assert done.returncode == 0, done.stderr[-4000:]
     return {name: [pickle.load(open(out / f"{name}.rank{r}.pkl", "rb")) for r in range(N)] for name in CONFIGS}
 
@@ -119,10 +115,8 @@ def test_cache_cli_under_mpirun(tmp_path):
     data = small_libffm(tmp_path / "train.ffm", rows=3000)
     train = ["-m", "des.train", "--model", "fm", "--data", str(data), "--format", "libffm", "--batch", "256",
              "--optimizer", "sgd", "--epochs", "2"]
-    cmd = ["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, *train, "--mode", "cache",
-           "--staleness", "5", "--cache-size", "40", "--checkpoint", str(tmp_path / "ck"),
-           "--summary-json", str(tmp_path / "c.json")]
-    done = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    done = mpirun(2, *train, "--mode", "cache", "--staleness", "5", "--cache-size", "40",
+                  "--checkpoint", str(tmp_path / "ck"), "--summary-json", str(tmp_path / "c.json"), timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "cache bytes/step sent per process" in done.stdout
     s = [json.load(open(tmp_path / f"c.json.rank{r}")) for r in range(2)]

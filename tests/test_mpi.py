@@ -13,19 +13,9 @@ import tensorflow as tf
 
 import models
 from des.verify import PS_SPEC, compare, optimizer_factory, random_batches, train_and_snapshot
-from helpers import single_process_predictions, write_small_ffm
+from helpers import MPI_ENV as ENV, ROOT, mpirun, single_process_predictions, write_small_ffm
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-           OMPI_MCA_mpi_yield_when_idle="1", TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
 LR = {"sgd": 0.2, "adagrad": 0.05, "adam": 0.01, "ftrl": 0.05}
-
-
-def mpirun(n, *args, timeout=600, env: dict | None = None):
-    """``python ARGS`` on ``n`` processes under mpirun (``env``: variables added to ENV); the finished run."""
-    cmd = ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none", sys.executable, *args]
-    return subprocess.run(cmd, env=dict(ENV, **(env or {})), cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 EQUIVALENCE = [("deepfm", "adam", 2, "horovod", "per-field"), ("wdl", "ftrl", 3, "horovod", "per-field"),
