@@ -35,7 +35,8 @@ from des.plan import FieldCost, FieldPlan, check_agreement, make_plan
 from des.sources import source_of
 from des_ops.comm import WIRE_DTYPES, Communicator, agree, default_communicator
 from des_ops.fused import fuse_nodes
-from des_ops.keras_internals import compile_args, has_weight_penalties, input_spec_of, take_weight_penalties
+from des_ops.keras_internals import (autograph_as_keras_decides, compile_args, has_weight_penalties, input_spec_of,
+                                     take_weight_penalties)
 from des_ops.suboperators import DESFirstLayer
 from des_ops.tail import GatherRows, ShardRows, count_tail_penalties_once, sum_tail_gradients, tail_obstacles
 from des_ops.wire import ring_share
@@ -265,7 +266,8 @@ class FieldChains:
                 outs = table([tf.nest.map_structure(look, m.call_args[0]) for m in members])
                 env.update({m.output: o for m, o in zip(members, outs)})
                 return
-            out = call_node(node, look)
+            with autograph_as_keras_decides():       # the DES layer's call is not converted; users' layers are
+                out = call_node(node, look)
             for t, new in zip(node.outputs, tf.nest.flatten(out)):
                 env[t] = new
 

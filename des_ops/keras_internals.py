@@ -89,3 +89,13 @@ def plain_sgd_learning_rate(optimizer):
     plain = isinstance(optimizer, tf.keras.optimizers.legacy.SGD) and not optimizer._momentum \
         and not optimizer.nesterov
     return optimizer._get_hyper("learning_rate", tf.float32) if plain else None
+
+
+def autograph_as_keras_decides():
+    """A context in which Keras converts a layer's ``call`` with autograph as it does outside any
+    function (TF-private: autograph's control status). The DES layer's own ``call`` is plain
+    TensorFlow and not converted (converting it, and all it calls, took ~4 s of a DeepFM's first
+    step); the user layers it calls (des.compiler.FieldChains) must still be, since their Python
+    control flow may depend on tensors."""
+    from tensorflow.python.autograph.core import ag_ctx
+    return ag_ctx.ControlStatusCtx(status=ag_ctx.Status.ENABLED)
