@@ -108,6 +108,10 @@ class FusedTable(FieldEmbedding):
     def _block_of(self, m: int) -> int:
         return self.blocks.index((self._start[m], self._width[m]))
 
+    def slot_of(self, member: int) -> int:
+        """The key slot of member ``member`` (joined members share one)."""
+        return self._slot[member]
+
     @staticmethod
     def single_inputs(inputs) -> list[int]:
         """Which inputs are one-hot (ids [B], no weights): their rows travel as one [B, S, dim] block."""
@@ -346,7 +350,7 @@ def fusion_groups(nodes: list, join_linear: bool = False) -> dict[tuple, list]:
         fusable.append(n)
     linear_of = lambda n: bool(getattr(n.layer.shadow, "des_linear_part", False))  # noqa: E731
     cls_of = lambda n: FUSED_CLASS.get(type(n.layer), FusedTable)  # noqa: E731
-    partner = _partners(fusable) if join_linear else {}
+    partner = linear_partners(fusable) if join_linear else {}
     groups: dict[tuple, list] = {}
     for n in fusable:
         if id(n.layer) in partner:
@@ -358,7 +362,7 @@ def fusion_groups(nodes: list, join_linear: bool = False) -> dict[tuple, list]:
     return groups
 
 
-def _partners(nodes: list) -> dict[int, object]:
+def linear_partners(nodes: list) -> dict[int, object]:
     """id(layer) -> its partner for joined rows: each linear-part table layer among ``nodes``'s
     layers and the first unpaired embedding table layer of the same kind whose calls read exactly
     the same inputs, both ways."""
@@ -397,7 +401,7 @@ def fuse_nodes(graph, nodes: list, suffix: str, join_linear: bool = False) -> tu
         layers = list(dict.fromkeys(m.layer for m in members))
         dim = sum(widths)
         if len(widths) > 1:             # joined: (embedding, linear weight) per slot, in that order
-            partner = _partners(members)
+            partner = linear_partners(members)
             layers = [l for e in layers if not getattr(e.shadow, "des_linear_part", False)
                       for l in (e, partner[id(e)])]
             slots = [i // 2 for i in range(len(layers))]

@@ -29,7 +29,7 @@ from tensorflow_recommenders_addons import dynamic_embedding as de
 from des.baselines.ps.tables import KeyExchange, ShardedFieldEmbedding, ShardedFusedTable
 from des.fusion import fuse_model
 from des.ir import Graph, replay
-from des_ops.fused import _partners, fusion_groups
+from des_ops.fused import fusion_groups, linear_partners
 from des.state import trace_once
 from des_ops.wire import ring_share
 
@@ -166,8 +166,9 @@ def table_inputs(model: tf.keras.Model, join_linear: bool = False) -> list[tuple
         return model.ps_tables
     graph = Graph(model)
     nodes = _table_nodes(graph)
-    partner = _partners([n for members in fusion_groups([n for n, _ in nodes], True).values() for n in members]) \
-        if join_linear else {}
+    partner = {}
+    if join_linear:
+        partner = linear_partners([n for group in fusion_groups([n for n, _ in nodes], True).values() for n in group])
     out: dict[tuple, dict] = {}
     for k, (n, names) in enumerate(nodes):
         other = partner.get(id(n.layer))
@@ -194,7 +195,7 @@ def joined_inputs(entries: list[tuple]) -> list[tuple]:
     out: dict[tuple, tuple] = {}
     for k, (layer, ids, weights, width) in enumerate(entries):
         fused = getattr(layer, "des_fused", None)    # (fused table, member): its rows travel table.dim wide
-        key = (id(fused[0]), fused[0]._slot[fused[1]], ids, weights) if fused else (k,)
+        key = (id(fused[0]), fused[0].slot_of(fused[1]), ids, weights) if fused else (k,)
         out.setdefault(key, (ids, weights, fused[0].dim if fused else width))
     return list(out.values())
 
