@@ -318,7 +318,8 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     if not getattr(model, "_is_graph_network", False):
         return _transform_subclassed(model, sample, comm=comm, plan=plan, spec=spec, release_unowned=release_unowned,
                                      strict=strict, sync_weights=sync_weights, seed=seed, fuse_tables=fuse_tables,
-                                     join_linear=join_linear, tail=tail, scope=scope, micro_batches=micro_batches, wire_dtype=wire_dtype)
+                                     join_linear=join_linear, tail=tail, scope=scope, micro_batches=micro_batches,
+                                     wire_dtype=wire_dtype)
     if not isinstance(tail, AutoTail) and tail not in TAILS:
         raise ValueError(f"des.transform: tail={tail!r}; choose from {', '.join(TAILS)}")
     if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
@@ -343,7 +344,8 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
         return model, report
     return _substitute(model, graph, fields, matches, report, comm, plan=plan, spec=spec, seed=seed,
                        release_unowned=release_unowned, sync_weights=sync_weights, fuse_tables=fuse_tables,
-                       join_linear=join_linear, tail=tail, scope=scope, micro_batches=micro_batches, wire_dtype=wire_dtype)
+                       join_linear=join_linear, tail=tail, scope=scope, micro_batches=micro_batches,
+                       wire_dtype=wire_dtype)
 
 
 def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matches: list[Match], report: Report,

@@ -37,6 +37,7 @@ import tensorflow as tf
 
 from des_ops.keras_internals import has_weight_penalties
 from models.layers import FieldEmbedding, key_init_rows, only_shapes_wanted, pool
+from models.optim import is_linear
 from models.spec import ID_BITS, ID_MASK, PAD_ID
 
 MAX_FIELDS = 2 ** (63 - ID_BITS)
@@ -46,6 +47,11 @@ _ID_MASK = ID_MASK
 def width_of(layer) -> int:
     """A table layer's row width (FieldEmbedding.dim or a TFRA Embedding's embedding_size)."""
     return int(getattr(layer, "dim", None) or layer.embedding_size)
+
+
+def linear_part(layer) -> bool:
+    """A table of the model's linear part (models.optim.is_linear of the variable it trains)."""
+    return is_linear(layer.shadow)
 
 
 def member_rows(layer) -> tuple[int, float, bool] | None:
@@ -97,6 +103,7 @@ class FusedTable(FieldEmbedding):
             raise ValueError(f"{name}: every slot must hold members of widths adding up to {dim} "
                              f"in the same order; got {sorted(widths)}")
         self.blocks = [(self._start[m], self._width[m]) for m in layout[0]]     # (first column, width)
+        self._block = [self.blocks.index((self._start[m], self._width[m])) for m in range(len(members))]
         self.slot_names = ["/".join(self.member_names[m] for m in layout[s]) for s in range(n_slots)]
         self._salts = np.array([[specs[m][0] for m in layout[s]] for s in range(n_slots)], np.int64)
         self._scales = np.array([[specs[m][1] for m in layout[s]] for s in range(n_slots)], np.float64)
@@ -104,9 +111,6 @@ class FusedTable(FieldEmbedding):
         for k, r in enumerate(self.same_as):
             if r > k or slots[calls[r]] != slots[calls[k]]:
                 raise ValueError(f"{name}: input {k} cannot read through input {r}")
-
-    def _block_of(self, m: int) -> int:
-        return self.blocks.index((self._start[m], self._width[m]))
 
     def slot_of(self, member: int) -> int:
         """The key slot of member ``member`` (joined members share one)."""
@@ -131,7 +135,7 @@ class FusedTable(FieldEmbedding):
         for b in range(len(self.blocks)):
             first: dict[int, int] = {}
             for k in range(len(inputs)):
-                if self.same_as[k] in single and self._block_of(self.calls[k]) == b:
+                if self.same_as[k] in single and self._block[self.calls[k]] == b:
                     first.setdefault(self.same_as[k], k)
             out.append([first[r] for r in single if r in first])
         return out
@@ -150,18 +154,16 @@ class FusedTable(FieldEmbedding):
         uniq, idx = tf.unique(tf.concat(packed, axis=0))
         rows = tf.gather(self.distinct_rows(uniq, training, multi_valued=padded), idx)
         parts = tf.split(rows, [tf.size(p) for p in packed]) if len(packed) > 1 else [rows]
-        out, blocks = [None] * len(inputs), []
+        out = [None] * len(inputs)
         if single:
             block = tf.reshape(parts[0], [-1, len(single), self.dim])
             place = {r: s for s, r in enumerate(single)}
             # tf.split, not slices: a slice's gradient is a zero tensor of the whole block per slice
-            subs = [block] if len(self.blocks) == 1 else tf.split(block, [w for _, w in self.blocks], axis=2)
-            for b, sub in enumerate(subs):
-                columns = tf.unstack(sub, axis=1)
-                for k in range(len(inputs)):
-                    if self.same_as[k] in place and self._block_of(self.calls[k]) == b:
-                        out[k] = columns[place[self.same_as[k]]]
-                blocks.append(sub)
+            blocks = [block] if len(self.blocks) == 1 else tf.split(block, [w for _, w in self.blocks], axis=2)
+            columns = [tf.unstack(sub, axis=1) for sub in blocks]
+            for k in range(len(inputs)):
+                if self.same_as[k] in place:
+                    out[k] = columns[self._block[self.calls[k]]][place[self.same_as[k]]]
         else:
             blocks = [None] * len(self.blocks)
         flat = {r: [p] if len(self.blocks) == 1 else tf.split(p, [w for _, w in self.blocks], axis=1)
@@ -172,7 +174,7 @@ class FusedTable(FieldEmbedding):
                 continue
             m = self.calls[k]
             w = self._width[m]
-            part = flat[r][self._block_of(m)]
+            part = flat[r][self._block[m]]
             ids, weights = self._ids_and_weights(inputs[k])
             if self._pools[m]:
                 out[k] = pool(part, ids, weights, w)
@@ -348,16 +350,15 @@ def fusion_groups(nodes: list, join_linear: bool = False) -> dict[tuple, list]:
                 or len(n.call_args) != 1 or set(n.call_kwargs) - {"training"}):
             continue
         fusable.append(n)
-    linear_of = lambda n: bool(getattr(n.layer.shadow, "des_linear_part", False))  # noqa: E731
-    cls_of = lambda n: FUSED_CLASS.get(type(n.layer), FusedTable)  # noqa: E731
     partner = linear_partners(fusable) if join_linear else {}
     groups: dict[tuple, list] = {}
     for n in fusable:
+        cls = FUSED_CLASS.get(type(n.layer), FusedTable)
         if id(n.layer) in partner:
-            emb = n.layer if not linear_of(n) else partner[id(n.layer)]
-            key = ((width_of(emb), width_of(partner[id(emb)])), False, cls_of(n))
+            emb = partner[id(n.layer)] if linear_part(n.layer) else n.layer
+            key = ((width_of(emb), width_of(partner[id(emb)])), False, cls)
         else:
-            key = ((n.attrs["dim"],), linear_of(n), cls_of(n))
+            key = ((n.attrs["dim"],), linear_part(n.layer), cls)
         groups.setdefault(key, []).append(n)
     return groups
 
@@ -370,12 +371,11 @@ def linear_partners(nodes: list) -> dict[int, object]:
     for n in nodes:
         reads.setdefault(id(n.layer), []).append(tuple(n.tensor_operands()))
     layers = list(dict.fromkeys(n.layer for n in nodes))
-    is_linear = lambda l: bool(getattr(l.shadow, "des_linear_part", False))  # noqa: E731
     kind = lambda l: (sorted(reads[id(l)]), type(l), member_rows(l)[2])  # noqa: E731
     partner: dict[int, object] = {}
-    for lin in filter(is_linear, layers):
+    for lin in filter(linear_part, layers):
         for emb in layers:
-            if (id(emb) not in partner and not is_linear(emb) and kind(emb) == kind(lin)
+            if (id(emb) not in partner and not linear_part(emb) and kind(emb) == kind(lin)
                     and getattr(FUSED_CLASS.get(type(emb), FusedTable), "joins_linear", False)):
                 partner[id(lin)], partner[id(emb)] = emb, lin
                 break
@@ -402,8 +402,7 @@ def fuse_nodes(graph, nodes: list, suffix: str, join_linear: bool = False) -> tu
         dim = sum(widths)
         if len(widths) > 1:             # joined: (embedding, linear weight) per slot, in that order
             partner = linear_partners(members)
-            layers = [l for e in layers if not getattr(e.shadow, "des_linear_part", False)
-                      for l in (e, partner[id(e)])]
+            layers = [l for e in layers if not linear_part(e) for l in (e, partner[id(e)])]
             slots = [i // 2 for i in range(len(layers))]
         else:
             slots = list(range(len(layers)))

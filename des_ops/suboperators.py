@@ -178,14 +178,13 @@ class DESFirstLayer(tf.keras.layers.Layer):
         if only_shapes_wanted(self):   # Keras builds the model: the outputs' shapes, not the lookups
             return [op.combine(part) for op, part in
                     zip(self.ops, tf.split(tf.zeros(tf.stack([batch, sum(self.widths)])), self.widths, axis=1))]
-        if training is not None and training is not False:
-            keys = sorted(inputs) if self.fingerprint_inputs is None else sorted(self.fingerprint_inputs)
-            fingerprint = lambda: self.batch_fingerprint.assign(dm.fingerprint([inputs[k] for k in keys]))  # noqa: E731
-            if isinstance(training, bool):
-                fingerprint()
-            else:                  # a training flag as a tensor: what autograph made of the ``if`` before
-                tf.cond(tf.cast(training, tf.bool), lambda: fingerprint().read_value(),
-                        lambda: self.batch_fingerprint.read_value())
+        keys = sorted(inputs) if self.fingerprint_inputs is None else sorted(self.fingerprint_inputs)
+        fingerprint = lambda: self.batch_fingerprint.assign(dm.fingerprint([inputs[k] for k in keys]))  # noqa: E731
+        if isinstance(training, tf.Tensor):   # a training flag as a tensor: what autograph made of an ``if``
+            tf.cond(tf.cast(training, tf.bool), lambda: fingerprint().read_value(),
+                    lambda: self.batch_fingerprint.read_value())
+        elif training:
+            fingerprint()
         vectors = self._field_vectors(inputs)
         flat = {t: tf.reshape(v, tf.stack([batch, -1])) for t, v in vectors.items()}
         if self.shard_rows:

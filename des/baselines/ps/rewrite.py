@@ -29,8 +29,8 @@ from tensorflow_recommenders_addons import dynamic_embedding as de
 from des.baselines.ps.tables import KeyExchange, ShardedFieldEmbedding, ShardedFusedTable
 from des.fusion import fuse_model
 from des.ir import Graph, replay
-from des_ops.fused import fusion_groups, linear_partners
 from des.state import trace_once
+from des_ops.fused import fusion_groups, linear_partners
 from des_ops.wire import ring_share
 
 
