@@ -1,15 +1,25 @@
 """Benchmark DES against the peer users pick today, TFRA's own all-to-all embedding
 (scripts/peer_tfra.py): samples/s, CPU seconds per step per process and seconds to the first
-step of a DeepFM on criteo-like synthetic data under mpirun, for each (N, hidden) given; DES with
-its joined tables (des.train's default) and the replicated or the data-parallel tail, and this
-project's PS mode (``--mode ps``, joined tables). One run, medians of ``--repeats``
-launches; prints a Markdown table and writes it to ``--report``.
+step of a DeepFM (or W&D) under mpirun, for each (N, hidden) given; DES with its joined tables
+(des.train's default) and the replicated or the data-parallel tail, and this project's PS mode
+(``--mode ps``, joined tables). One run, medians of ``--repeats`` launches; prints a Markdown
+table and writes it to ``--report``.
 
     .venv/bin/python scripts/bench_peer.py --rows 200000 --batch 4096 --steps 40 --repeats 3
+
+``--preset wide`` (~950 features per sample, libffm) reads a columnar copy of the data in every
+system (des.data.convert: a text parser reading the global batch would decide DES's speed there).
+``--netbed RATE``: on the emulated cluster (des.netbed: one host per process, a CPU budget
+``--cpus`` each); the report then has each system's bytes sent per host and step, from the
+interface counters:
+
+    .venv/bin/python scripts/bench_peer.py --preset wide --models deepfm,wdl --rows 30000 --batch 2048 \
+        --steps 10 --repeats 2 --configs '4:128,64' --netbed 15mbit --report reports/peer_wide_netbed.md
 
 Steps: 40 (a launch's median step) so that the tables hold most keys, as in a long run; with 12,
 most steps insert many new keys and the medians move by 10-20% from launch to launch.
 """
+import contextlib
 import json
 import os
 import statistics
@@ -19,16 +29,23 @@ import time
 
 from bench_des import ENV, ROOT, config_parser, run, synth_data, write_report
 
+sys.path.insert(0, ROOT)
+from des.compare import ensure_columnar, ensure_data  # noqa: E402
+from des.netbed import Netbed  # noqa: E402
+
 
 SYSTEMS = {"tfra": "TFRA HvdAllToAllEmbedding", "des-replicated": "DES, replicated tail",
            "des-data-parallel": "DES, data-parallel tail", "ps": "PS (this project)"}
 
 
-def peer(n, data, a, out):
-    args = ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none", sys.executable,
-            os.path.join(ROOT, "scripts", "peer_tfra.py"), "--data", data, "--batch", str(a.batch),
-            "--steps", str(a.steps), "--dim", str(a.dim), "--hidden", a.hidden, "--summary-json", out]
-    p = subprocess.run(args, env=ENV, cwd=ROOT, capture_output=True, text=True)
+def peer(n, model, data, a, out, launcher=None):
+    args = [sys.executable, os.path.join(ROOT, "scripts", "peer_tfra.py"), "--data", data, "--batch", str(a.batch),
+            "--steps", str(a.steps), "--dim", str(a.dim), "--hidden", a.hidden, "--model", model, "--summary-json", out]
+    args = list(launcher or ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none"]) + args
+    for _ in range(3):     # Open MPI's daemons across the netbed's namespaces fail to start now and then
+        p = subprocess.run(args, env=ENV, cwd=ROOT, capture_output=True, text=True)
+        if p.returncode == 0 or not launcher or "ORTE" not in p.stderr + p.stdout:
+            break
     if p.returncode:
         raise SystemExit(f"{' '.join(args)} failed:\n{p.stderr[-2000:]}")
     return json.load(open(out + ".rank0"))
@@ -38,45 +55,77 @@ def main():
     ap = config_parser("2:128,64;4:128,64;4:400,400,400", "peer.md")
     ap.add_argument("--systems", default=",".join(SYSTEMS),
                     help=f"which systems to launch, comma-separated, of {','.join(SYSTEMS)} (tfra is the baseline)")
+    ap.add_argument("--models", default="deepfm", help="deepfm and/or wdl, comma-separated")
+    ap.add_argument("--preset", default="criteo-like", choices=["criteo-like", "wide"])
+    ap.add_argument("--netbed", default=None, metavar="RATE", help="run on the emulated cluster at this rate")
+    ap.add_argument("--cpus", default="share", help="--netbed: each host's CPU budget")
     a = ap.parse_args()
     chosen = a.systems.split(",")
     if "tfra" not in chosen or set(chosen) - set(SYSTEMS):
         raise SystemExit(f"--systems {a.systems}: a comma-separated subset of {','.join(SYSTEMS)} with tfra")
-    data = synth_data(a.rows)
-    tmp = os.path.dirname(data)
-    lines = [f"# DES vs TFRA's all-to-all embedding (DeepFM, criteo-like synthetic data, {a.rows} rows)", "",
-             f"`scripts/bench_peer.py --rows {a.rows} --batch {a.batch} --steps {a.steps} --repeats {a.repeats} "
-             f"--configs '{a.configs}' --systems {a.systems}`, {time.strftime('%Y-%m-%d')}, this machine "
-             f"(2 shared cores; N processes oversubscribe them, one TF thread each). Global batch {a.batch}, dim {a.dim}; median over "
+    models = a.models.split(",")
+    if set(models) - {"deepfm", "wdl"}:
+        raise SystemExit(f"--models {a.models}: deepfm and/or wdl")
+    reader = ()
+    if a.preset == "wide":
+        text = ensure_data("wide", a.rows, 0, os.path.join(ROOT, "reports", "compare", "data"))
+        data, _ = ensure_columnar([text], "libffm", None, json.load(open(text + ".meta.json")))
+        reader = ("--format", "columnar")
+        tmp = os.path.join(ROOT, "reports", "compare", "peer_runs")
+        os.makedirs(tmp, exist_ok=True)
+    else:
+        data = synth_data(a.rows)
+        tmp = os.path.dirname(data)
+    where = (f"the netbed (des.netbed: one host per process at {a.netbed}, CPU budget {a.cpus} each; "
+             f"wire = bytes a host sent on its interface per step, median, rank 0's host)" if a.netbed else
+             "this machine (2 shared cores; N processes oversubscribe them, one TF thread each)")
+    data_name = ("wide synthetic data (~950 features per sample, libffm read from a columnar copy by every system)"
+                 if a.preset == "wide" else "criteo-like synthetic data")
+    lines = [f"# DES vs TFRA's all-to-all embedding ({', '.join(models)}, {data_name}, {a.rows} rows)", "",
+             f"`scripts/bench_peer.py --preset {a.preset} --models {a.models} --rows {a.rows} --batch {a.batch} "
+             f"--steps {a.steps} --repeats {a.repeats} --configs '{a.configs}' --systems {a.systems}"
+             + (f" --netbed {a.netbed} --cpus {a.cpus}" if a.netbed else "")
+             + f"`, {time.strftime('%Y-%m-%d')}, {where}. Global batch {a.batch}, dim {a.dim}; median over "
              f"launches of each launch's median step (the first step excluded); the launches go round-robin over "
              f"the systems. DES: joined tables (one per process: each field's embedding and linear weight in "
              f"one row); the peer: "
              f"HvdAllToAllEmbedding, all fields in one table per width, Adam, dense gradients averaged by "
              f"Horovod (scripts/peer_tfra.py). PS: this project's `--mode ps`, joined tables, its byte check "
              f"on 2 steps (scripts/bench_des.py).", "",
-             "| N | hidden | system | samples/s | CPU s/step/process | first step (s) | samples/s vs TFRA |",
-             "|---|---|---|---|---|---|---|"]
+             "| model | N | hidden | system | samples/s | CPU s/step/process | first step (s) | wire B/step/host "
+             "| samples/s vs TFRA |",
+             "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
-    launchers = {"tfra": lambda n, out: peer(n, data, a, out),
-                 "des-replicated": lambda n, out: run(n, "des", "deepfm", data, a, out, ("--tail", "replicated")),
-                 "des-data-parallel": lambda n, out: run(n, "des", "deepfm", data, a, out,
-                                                         ("--tail", "data_parallel")),
-                 "ps": lambda n, out: run(n, "ps", "deepfm", data, a, out)}
-    systems = {SYSTEMS[key]: launchers[key] for key in SYSTEMS if key in chosen}
-    for config in a.configs.split(";"):
-        n, a.hidden = config.split(":")
-        runs = {name: [] for name in systems}
-        for r in range(a.repeats):      # round-robin, so that a drift in the machine's load hits every system
-            for k, (name, launch) in enumerate(systems.items()):
-                runs[name].append(launch(int(n), os.path.join(tmp, f"{n}_{k}_{r}.json")))
-        got = {name: [statistics.median(r[key] for r in rs)
-                      for key in ("samples_per_second", "cpu_seconds_per_step", "seconds_to_first_step")]
-               for name, rs in runs.items()}
-        base = got["TFRA HvdAllToAllEmbedding"][0]
-        for name, (sps, cpu, first) in got.items():
-            line = f"| {n} | {a.hidden} | {name} | {sps:,.0f} | {cpu:.3f} | {first:.1f} | {sps / base:.2f}x |"
-            lines.append(line)
-            print(line, flush=True)
+    for model in models:
+        for config in a.configs.split(";"):
+            n, a.hidden = config.split(":")
+            n = int(n)
+            bed = Netbed(n, rate=a.netbed, cpus=a.cpus) if a.netbed else contextlib.nullcontext()
+            with bed:
+                launcher = bed.mpirun(n) if a.netbed else None
+                launchers = {
+                    "tfra": lambda out: peer(n, model, data, a, out, launcher),
+                    "des-replicated": lambda out: run(n, "des", model, data, a, out, ("--tail", "replicated", *reader),
+                                                      launcher),
+                    "des-data-parallel": lambda out: run(n, "des", model, data, a, out,
+                                                         ("--tail", "data_parallel", *reader), launcher),
+                    "ps": lambda out: run(n, "ps", model, data, a, out, reader, launcher)}
+                systems = {SYSTEMS[key]: launchers[key] for key in SYSTEMS if key in chosen}
+                runs = {name: [] for name in systems}
+                for r in range(a.repeats):      # round-robin, so that a drift in the machine's load hits every system
+                    for k, (name, launch) in enumerate(systems.items()):
+                        runs[name].append(launch(os.path.join(tmp, f"{model}_{n}_{k}_{r}.json")))
+            got = {name: [statistics.median(r.get(key, float("nan")) for r in rs)
+                          for key in ("samples_per_second", "cpu_seconds_per_step", "seconds_to_first_step",
+                                      "wire_bytes_per_step")]
+                   for name, rs in runs.items()}
+            base = got["TFRA HvdAllToAllEmbedding"][0]
+            for name, (sps, cpu, first, wire) in got.items():
+                wire = f"{wire:,.0f}" if wire == wire else ""
+                line = (f"| {model} | {n} | {a.hidden} | {name} | {sps:,.0f} | {cpu:.3f} | {first:.1f} | {wire} | "
+                        f"{sps / base:.2f}x |")
+                lines.append(line)
+                print(line, flush=True)
     write_report(a.report, lines)
 
 
