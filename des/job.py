@@ -305,8 +305,8 @@ def _spec(a, meta: dict):
 
 def _dataset(a, spec, batch_size: int, paths=None, inputs=None, skip_bad_lines: bool = False,
              skip_report=None, **kw):
-    """The text readers (des.data.readers) or, for a folder of des.data.convert, the columnar
-    reader reading only ``inputs`` (None: all)."""
+    """The text readers (des.data.readers: every line checked, only ``inputs`` hashed) or, for a
+    folder of des.data.convert, the columnar reader reading only ``inputs`` (None: all)."""
     paths = list(paths or a.data)
     if a.format == "columnar":
         bad = [p for p in paths if not columnar.is_columnar([p])]
@@ -315,7 +315,7 @@ def _dataset(a, spec, batch_size: int, paths=None, inputs=None, skip_bad_lines: 
                             f"folder too (python -m des.data.convert)")
         return columnar.make_dataset(paths[0], spec, batch_size, inputs=inputs, **kw)
     return make_dataset(paths, a.format, spec, batch_size, skip_bad_lines=skip_bad_lines,
-                        skip_report=skip_report, **kw)
+                        skip_report=skip_report, inputs=inputs, **kw)
 
 
 def bayes_auc(a, meta: dict):

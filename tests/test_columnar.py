@@ -116,7 +116,7 @@ def test_des_on_columnar_reads_own_columns_and_equals_one_process_on_text(wide, 
                           "--summary-json", str(tmp_path / "des.json")],
                          env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert des.returncode == 0, des.stdout[-2000:] + des.stderr[-3000:]
-    assert "plan auto: DES" in des.stdout and "columnar data: each process reads" in des.stdout
+    assert "plan auto: DES" in des.stdout and "each process reads the labels and its own fields' columns" in des.stdout
     ref = json.load(open(tmp_path / "one.json"))
     ranks = [json.load(open(tmp_path / f"des.json.rank{r}")) for r in range(2)]
     for s in ranks:

@@ -259,3 +259,53 @@ def test_bayes_auc_matches_auc_of_true_probabilities():
     pos = label == 1
     empirical = (ranks[pos].sum() - pos.sum() * (pos.sum() + 1) / 2) / (pos.sum() * (~pos).sum())
     assert abs(stats.auc() - empirical) < 0.005
+
+
+def test_criteo_integer_ids_by_table_equal_the_hashed_tokens():
+    """Integers' ids come from a table of the buckets of every positive int64 and of small negatives;
+    any other bucket is hashed as a string - the same ids as hashing every token, at both ends."""
+    from des.data.formats import BUCKETS, _log_bucket, bucket_ids
+    values = [-(2**62), -100_000, BUCKETS[0] - 1, BUCKETS[0], -1, 0, 1, 2, 3, 8, 300, 10**6, 2**62, 2**63 - 1]
+    v = tf.constant([[x, x] for x in values], tf.int64)
+    empty = tf.constant([[False, i % 3 == 0] for i in range(len(values))])
+    tokens = tf.where(empty, "", tf.strings.as_string(_log_bucket(v)))
+    expect = [[int(feature_id(n, t.decode())) for n, t in zip(("I1", "I9"), row)] for row in tokens.numpy()]
+    assert bucket_ids(["I1", "I9"], v, empty).numpy().tolist() == expect
+    assert int(_log_bucket(tf.constant([2**63 - 1], tf.int64))[0]) < BUCKETS[1]
+
+
+@pytest.mark.parametrize("fmt", ["criteo", "avazu", "libffm"])
+def test_a_reader_hashes_only_the_wanted_inputs_but_checks_every_column(tmp_path, fmt):
+    """inputs=[...] (a DES process's own fields): the wanted inputs equal a full read, the others
+    are the padding id (numeric: 0), and a bad value in a column nobody wants still stops the job
+    at its file:line - every process finds the same bad lines."""
+    from des.data.libsvm import scan_spec
+    if fmt == "criteo":
+        spec = criteo_spec(numeric=True)
+        p = write(tmp_path, "t.txt", [criteo_line(), criteo_line("0", ints=["1"] * 13)])
+        bad = write(tmp_path, "b.txt", [criteo_line(), criteo_line(ints=["7"] * 12 + ["x"])])
+        wanted = ["I2", "I7_num", "C3", "C26"]
+    elif fmt == "avazu":
+        spec = avazu_spec()
+        header = ",".join(AVAZU_COLUMNS)
+        p = write(tmp_path, "a.csv", [header, avazu_line(), avazu_line("0", "14102523")])
+        bad = write(tmp_path, "b.csv", [header, avazu_line(), avazu_line(hour="14109923")])
+        wanted = ["weekday", "site_id"]
+    else:
+        p = write(tmp_path, "t.ffm", ["1 0:a:1 1:b:0.5 1:c:2 2:d:1", "0 2:e:1 1:f:1"])
+        spec = scan_spec([p], "libffm", dim=4)
+        bad = write(tmp_path, "b.ffm", ["1 0:a:1 1:b:0.5", "0 0:a:1 2:e:nan"])
+        wanted = ["F1", "F1_weight"]
+    (full, y_full), = list(make_dataset(p, fmt, spec, 4))
+    (part, y_part), = list(make_dataset(p, fmt, spec, 4, inputs=wanted))
+    assert set(part) == set(full) and y_part.numpy().tolist() == y_full.numpy().tolist()
+    for name in full:
+        if name in wanted:
+            np.testing.assert_array_equal(part[name], full[name])
+        else:
+            assert not np.any((part[name].numpy() != -1) & (part[name].numpy() != 0)), name
+            assert np.any(full[name].numpy() != part[name].numpy()), name
+    with pytest.raises(tf.errors.OpError, match=rf"{bad}:{3 if fmt == 'avazu' else 2}: "):
+        list(make_dataset(bad, fmt, spec, 4, inputs=wanted))
+    with pytest.raises(ValueError, match="not in the spec"):
+        make_dataset(p, fmt, spec, 4, inputs=["nope"])

@@ -42,7 +42,7 @@ import tensorflow as tf
 from des.data.errors import DataError
 from des.data.files import check_paths
 from des.data.hashing import SEP, hash_ids
-from des.data.text import utf8_ok
+from des.data.text import TextParser, utf8_ok
 from models.spec import PAD_ID, FeatureSpec, Field
 
 NUM_RE = r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]{1,3})?"
@@ -62,7 +62,7 @@ def _rank_within_runs(keys: tf.Tensor) -> tf.Tensor:
     return tf.scatter_nd(tf.cast(order, tf.int64)[:, None], pos_in_sorted, [n])
 
 
-class _SparseText:
+class _SparseText(TextParser):
     """Shared parsing; subclasses say how tokens look and which (field, pos) each is in."""
 
     header = None
@@ -116,6 +116,9 @@ class _SparseText:
         ok = syntax_ok & row_fits & finite & self.count_ok(feats.row_lengths())
         label = tf.cast(tf.strings.regex_full_match(label_s, r"1|\+1"), tf.float32)
         keep = tf.gather(ok, row)
+        if self.wanted is not None:          # only the wanted fields' tokens are hashed and placed
+            read = tf.constant([self.reads(f.name) or self.reads(f.weight_name) for f in self.fields])
+            keep &= tf.gather(read, tf.clip_by_value(field, 0, nf - 1))
         names = tf.constant([f"{f.name}{SEP}" for f in self.fields])
         field_k, idx_k, pos_k, row_k = [tf.boolean_mask(t, keep) for t in (field, idx, pos, row)]
         ids = hash_ids(tf.strings.join([tf.gather(names, field_k), idx_k]))

@@ -39,14 +39,22 @@ def make_dataset(paths: Sequence[str] | str, fmt: str, spec: FeatureSpec, batch_
                  shuffle_buffer: int = 0, seed: int = 0, epochs: int = 1,
                  skip_bad_lines: bool = False, skip_report: SkipReport | None = None,
                  shard=None, drop_remainder: bool = False,
-                 take_lines: int | None = None, skip_lines: int = 0) -> tf.data.Dataset:
+                 take_lines: int | None = None, skip_lines: int = 0,
+                 inputs: Sequence[str] | None = None) -> tf.data.Dataset:
     """Batches of ``({field: int64 ids [B] or float32 [B]}, label float32 [B])``.
 
     take_lines/skip_lines select a line range (e.g. a held-out split) before shuffling.
+    inputs: the inputs the caller reads (None: all); every line is still checked in full, the
+    others are PAD_ID (numeric: 0) - a DES process hashes only its own fields' values.
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose from {sorted(FORMATS)}")
     parser = FORMATS[fmt](spec)
+    if inputs is not None:
+        unknown = sorted(set(inputs) - set(spec.input_names()))
+        if unknown:
+            raise ValueError(f"inputs {unknown} are not in the spec")
+        parser.wanted = frozenset(inputs)
     files = check_paths(paths, parser.header)
     report = skip_report if skip_report is not None else SkipReport()
     has_header = parser.header is not None

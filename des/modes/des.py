@@ -3,7 +3,7 @@
     mpirun -np 4 python -m des.train --mode des --model deepfm --data train.txt
 
 Every process reads the whole global batch (on columnar data only the labels and its own
-fields' columns), computes its fields' partials and one allreduce combines them. Measured per
+fields' columns; from text it checks every line but hashes only its own fields), computes its fields' partials and one allreduce combines them. Measured per
 step: the bytes handed to the allreduce (against 4*B*floats), their ring share, and the replica
 check (every K steps the replicated weights and the batch fingerprint agree).
 """
@@ -23,7 +23,7 @@ from des_ops.comm import default_communicator
 class DES(Mode):
     name = "des"
     _reads = "every process reads the whole batch"
-    _inputs: list[str] | None = None      # columnar data: this process's own inputs (set by prepare)
+    _inputs: list[str] | None = None      # this process's own inputs (set by prepare)
 
     def _communicator(self):
         return default_communicator(self.config.network.comm)
@@ -41,10 +41,11 @@ class DES(Mode):
         first = {k: v.numpy() for k, v in self.run.first_batch().items()}
         self.report.estimate_costs(a.batch, unique_ids_per_slice(first, self.run.spec, self.world_size))
         self.run.log(self.report)
-        if a.format == "columnar":
-            self._inputs = own_inputs(model, self.run.spec, self.rank)
-            self.run.log(f"columnar data: each process reads the labels and its own fields' columns (rank 0: "
-                         f"{len(self._inputs)} of {len(self.run.spec.input_names())} inputs)")
+        self._inputs = own_inputs(model, self.run.spec, self.rank)
+        read = ("reads the labels and its own fields' columns" if a.format == "columnar" else
+                "checks every line and turns only its own fields' values into ids")
+        self.run.log(f"each process {read} (rank {self.rank}: {len(self._inputs)} of "
+                     f"{len(self.run.spec.input_names())} inputs)")
         return model
 
     def read_inputs(self):
