@@ -83,7 +83,7 @@ class _SparseText(TextParser):
     def line_re(self) -> str:
         return f"({LABEL_RE})( {self.token_re})*"
 
-    def place(self, cols, row, row_starts):  # -> (field int64 [n], idx string [n], pos int64 [n])
+    def place(self, cols, row, row_starts):  # -> (field int64 [n], idx string [n], pos int64 [n] or None)
         raise NotImplementedError
 
     def count_ok(self, counts: tf.Tensor) -> tf.Tensor:
@@ -110,7 +110,13 @@ class _SparseText(TextParser):
         field, idx, pos = self.place(cols, row, row_starts)
         val = cols[-1]
         nf = len(self.fields)
-        fits = (field < nf) & (pos < tf.gather(tf.constant(self.max_len, tf.int64), tf.minimum(field, nf - 1)))
+        max_len = tf.gather(tf.constant(self.max_len, tf.int64), tf.clip_by_value(field, 0, nf - 1))
+        if pos is None:     # libffm: a token's position is its rank among its line's tokens of its field
+            group = row * (nf + 1) + tf.clip_by_value(field, 0, nf)
+            count = tf.math.unsorted_segment_sum(tf.ones_like(group), group, b * (nf + 1))
+            fits = (field < nf) & (tf.gather(count, group) <= max_len)     # every rank < max_len
+        else:
+            fits = (field < nf) & (pos < max_len)
         row_fits = tf.math.unsorted_segment_min(tf.cast(fits, tf.int32), row, b) > 0  # no tokens: ok
         finite = tf.math.unsorted_segment_min(tf.cast(tf.math.is_finite(cols[-1]), tf.int32), row, b) > 0
         ok = syntax_ok & row_fits & finite & self.count_ok(feats.row_lengths())
@@ -120,7 +126,9 @@ class _SparseText(TextParser):
             read = tf.constant([self.reads(f.name) or self.reads(f.weight_name) for f in self.fields])
             keep &= tf.gather(read, tf.clip_by_value(field, 0, nf - 1))
         names = tf.constant([f"{f.name}{SEP}" for f in self.fields])
-        field_k, idx_k, pos_k, row_k = [tf.boolean_mask(t, keep) for t in (field, idx, pos, row)]
+        field_k, idx_k, row_k = [tf.boolean_mask(t, keep) for t in (field, idx, row)]
+        # ranks among the kept tokens only: a (line, field) group is kept or dropped whole
+        pos_k = tf.boolean_mask(pos, keep) if pos is not None else _rank_within_runs(row_k * (nf + 1) + field_k)
         ids = hash_ids(tf.strings.join([tf.gather(names, field_k), idx_k]))
         where = tf.stack([row_k, field_k, pos_k], 1)
         shape = tf.stack([b, nf, self.lmax])
@@ -182,9 +190,7 @@ class Libffm(_SparseText):
         return [[tf.constant(0, tf.int64)], [""], [0.0]]
 
     def place(self, cols, row, row_starts):
-        field = cols[0]
-        key = row * (len(self.fields) + 1) + tf.minimum(field, len(self.fields))
-        return field, cols[1], _rank_within_runs(key)
+        return cols[0], cols[1], None           # positions: ranks within (line, field), by parse
 
     def field_of(self, token: str, k: int) -> int:
         return int(token.split(":")[0])

@@ -91,7 +91,10 @@ def make_dataset(paths: Sequence[str] | str, fmt: str, spec: FeatureSpec, batch_
 
     @tf.autograph.experimental.do_not_convert
     def parse(path, lineno, line):
-        line = tf.strings.regex_replace(line, "\r$", "")
+        at = tf.maximum(tf.strings.length(line) - 1, 0)
+        last = tf.strings.substr(line, at, tf.ones_like(at))
+        line = tf.cond(tf.reduce_any(tf.equal(last, "\r")),          # CRLF files: a scan only when one is there
+                       lambda: tf.strings.regex_replace(line, "\r$", ""), lambda: line)
         feats, label, bad = parser.parse(line)
         if conventions:                 # a label of the other convention than its file's is a bad line
             first = tf.strings.regex_replace(line, r"^\s*(\S*).*$", r"\1")
