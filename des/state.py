@@ -185,27 +185,46 @@ def snapshot(model: tf.keras.Model) -> dict:
 
 def sync_from_root(graph: Graph, comm, root: int = 0) -> None:
     """Every process takes rank ``root``'s weights and table rows (before partitioning), so a
-    model built with random initialisers starts the same everywhere."""
-    done = set()
+    model built with random initialisers starts the same everywhere. A few broadcasts in all,
+    whatever the model's size (one per collective was ~245 for a 39-field DeepFM, ~0.6 s of
+    its start): the tables' row counts, all their keys, all their values, and the other weights
+    flattened into one array per dtype."""
+    tables, weights, done = [], [], set()
     for n in graph.nodes:
         layer = n.layer
         if n.kind == "input" or id(layer) in done:
             continue
         done.add(id(layer))
         if n.kind == "table" and n.attrs["source"].dynamic:
-            src = n.attrs["source"]
-            keys, values = src.export(layer)
-            count = int(comm.broadcast(np.array([len(keys)], np.int64), root)[0])
-            keys = comm.broadcast(np.asarray(keys, np.int64) if comm.rank == root else np.zeros(count, np.int64), root)
-            values = comm.broadcast(np.asarray(values, np.float32) if comm.rank == root else
-                                    np.zeros((count, n.attrs["dim"]), np.float32), root)
-            if comm.rank != root:
-                src.load(layer, keys, values)
-            continue
-        for w in layer.weights:
-            value = comm.broadcast(w.numpy(), root)
-            if comm.rank != root:
-                w.assign(value)
+            tables.append((n.attrs["source"], layer, n.attrs["dim"]))
+        else:
+            weights.extend(layer.weights)
+    is_root = comm.rank == root
+    if tables:
+        rows = [src.export(layer) for src, layer, _ in tables] if is_root else []
+        counts = comm.broadcast(np.array([len(k) for k, _ in rows] if is_root else [0] * len(tables), np.int64), root)
+        dims = np.array([dim for _, _, dim in tables], np.int64)
+        keys = comm.broadcast(np.concatenate([np.asarray(k, np.int64).reshape(-1) for k, _ in rows]) if is_root
+                              else np.zeros(int(counts.sum()), np.int64), root)
+        values = comm.broadcast(np.concatenate([np.asarray(v, np.float32).reshape(-1) for _, v in rows]) if is_root
+                                else np.zeros(int((counts * dims).sum()), np.float32), root)
+        if not is_root:
+            k_at = np.cumsum(np.concatenate([[0], counts]))
+            v_at = np.cumsum(np.concatenate([[0], counts * dims]))
+            for t, (src, layer, dim) in enumerate(tables):
+                src.load(layer, keys[k_at[t]:k_at[t + 1]], values[v_at[t]:v_at[t + 1]].reshape(-1, dim))
+    by_dtype: dict[str, list] = {}
+    for w in weights:
+        by_dtype.setdefault(w.dtype.name, []).append(w)
+    for dtype in sorted(by_dtype):        # the same order on every rank
+        ws = by_dtype[dtype]
+        sizes = [int(np.prod(w.shape)) for w in ws]
+        flat = comm.broadcast(np.concatenate([np.asarray(w.numpy()).reshape(-1) for w in ws]) if is_root
+                              else np.zeros(sum(sizes), ws[0].dtype.as_numpy_dtype), root)
+        if not is_root:
+            at = np.cumsum([0] + sizes)
+            for w, a, b in zip(ws, at[:-1], at[1:]):
+                w.assign(flat[a:b].reshape(w.shape))
 
 
 # --- Rows with their optimizer slots, for checkpoints (any mode, any number of processes) -----
