@@ -57,8 +57,10 @@ def battery(tmp_path_factory):
 
 
 def _ranks(where, name: str, n: int) -> list[dict]:
-    """The n ranks' pickled snapshots ``where/<name>.rank<r>.pkl``."""
-    return [pickle.load(open(where / f"{name}.rank{r}.pkl", "rb")) for r in range(n)]
+    """The n ranks' pickled snapshots ``where/<name>.rank<r>.pkl`` (``where/rank<r>.pkl`` when the
+    folder is the job's own: name "")."""
+    prefix = f"{name}." if name else ""
+    return [pickle.load(open(where / f"{prefix}rank{r}.pkl", "rb")) for r in range(n)]
 
 
 @pytest.mark.mpi
@@ -187,7 +189,7 @@ def test_ps_under_mpirun_equals_single_process_and_counts_bytes_exactly(battery,
     slice (no ids) takes part."""
     from des.verify import ps_batches
     out = battery(n) / "ps" / f"{name}-{optimizer}-{tables}"
-    ranks = [pickle.load(open(out / f"rank{r}.pkl", "rb")) for r in range(n)]
+    ranks = _ranks(out, "", n)
     assert all(r["fused_tables"] == {"fused": 2, "joined": 1}.get(tables, 0) for r in ranks)
     expected, ref = single_process_predictions(name, optimizer, LR, *ps_batches(), with_snapshot=True)
     if n == 3:
