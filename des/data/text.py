@@ -29,8 +29,8 @@ def utf8_ok(lines: tf.Tensor) -> tf.Tensor:
 class TextParser:
     """What every text parser shares: ``wanted``, the inputs its caller reads (None: all). Every
     line is still split and checked in full, so every process finds the same bad lines; only the
-    wanted inputs' values become ids (hashing is a parse's largest cost), the others are PAD_ID
-    (numeric: 0), as the columnar reader fills the columns it does not read."""
+    wanted inputs' values become ids (the part of a parse that grows with the inputs read), the
+    others are PAD_ID (numeric: 0), as the columnar reader fills the columns it does not read."""
 
     wanted: frozenset[str] | None = None
 

@@ -3,9 +3,10 @@
     mpirun -np 4 python -m des.train --mode des --model deepfm --data train.txt
 
 Every process reads the whole global batch (on columnar data only the labels and its own
-fields' columns; from text it checks every line but hashes only its own fields), computes its fields' partials and one allreduce combines them. Measured per
-step: the bytes handed to the allreduce (against 4*B*floats), their ring share, and the replica
-check (every K steps the replicated weights and the batch fingerprint agree).
+fields' columns; from text it checks every line but turns only its own fields' values into ids),
+computes its fields' partials and one allreduce combines them. Measured per step: the bytes
+handed to the allreduce (against 4*B*floats), their ring share, and the replica check (every K
+steps the replicated weights and the batch fingerprint agree).
 """
 from __future__ import annotations
 
