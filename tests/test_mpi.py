@@ -140,6 +140,26 @@ def test_training_cli_des_under_mpirun(data_file, single_run, tmp_path):
 
 
 @pytest.mark.mpi
+def test_des_reading_text_with_a_process_that_owns_no_field_equals_one_process(tmp_path):
+    """des.train --mode des on 3 processes over a 2-field libffm file: rank 2 owns no field, so its
+    text reader turns only the first field's values into ids (for the replica check); the job ends
+    on its own and evaluates what the single process does."""
+    data = str(tmp_path / "two.ffm")
+    write_small_ffm(data, 3000, seed=3, fields=2)
+    args = [*TRAIN, "--data", data, "--holdout", "500", "--steps", "6"]
+    single = subprocess.run([sys.executable, *args, "--summary-json", str(tmp_path / "one.json")],
+                            env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stderr[-3000:]
+    run = mpirun(3, *args, "--mode", "des", "--replica-check", "2", "--summary-json", str(tmp_path / "des.json"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(r"rank 2: load 0\.000 +\[no fields", run.stdout), run.stdout[-2000:]
+    one = json.load(open(tmp_path / "one.json"))
+    for r in range(3):
+        got = json.load(open(tmp_path / f"des.json.rank{r}"))
+        assert abs(got["auc"] - one["auc"]) < 1e-5 and abs(got["logloss"] - one["logloss"]) < 1e-5
+
+
+@pytest.mark.mpi
 def test_a_killed_des_job_resumes_as_ps_on_3_processes_like_one_uninterrupted_process(data_file, tmp_path):
     """2 epochs of 4 steps in one process, against: DES on 2 processes saving every 3 steps, its
     last rank killed at step 4 (mpirun ends the job with that rank's code 17 and names it); then --mode ps on 3 processes restores that checkpoint (rows
