@@ -28,14 +28,20 @@ def run(n, mode, model, data, a, out, extra=(), launcher=None):
         args = list(launcher) + args
     elif n > 1:
         args = ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none"] + args
+    launch(args, netbed=bool(launcher))
+    return json.load(open(out if n == 1 else out + ".rank0"))
+
+
+def launch(args: list[str], netbed: bool = False) -> None:
+    """Run ``args`` (stop the benchmark with its stderr if it fails); on the netbed again, up to 3
+    times, when Open MPI's daemons did not start."""
     for _ in range(3):     # Open MPI's daemons across the netbed's namespaces fail to start now and then
         p = subprocess.run(args, env=ENV, cwd=ROOT, capture_output=True, text=True)
-        if p.returncode == 0 or not launcher or "ORTE" not in p.stderr + p.stdout:
+        if p.returncode == 0 or not netbed or "ORTE" not in p.stderr + p.stdout:
             break
         print("mpirun could not start its daemons on the netbed; again", flush=True)
     if p.returncode:
         raise SystemExit(f"{' '.join(args)} failed:\n{p.stderr[-2000:]}")
-    return json.load(open(out if n == 1 else out + ".rank0"))
 
 
 def config_parser(configs: str, report: str) -> argparse.ArgumentParser:

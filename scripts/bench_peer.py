@@ -23,11 +23,10 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-from bench_des import ENV, ROOT, config_parser, run, synth_data, write_report
+from bench_des import ROOT, config_parser, launch, run, synth_data, write_report
 
 sys.path.insert(0, ROOT)
 from des.compare import ensure_columnar, ensure_data  # noqa: E402
@@ -41,13 +40,8 @@ SYSTEMS = {"tfra": "TFRA HvdAllToAllEmbedding", "des-replicated": "DES, replicat
 def peer(n, model, data, a, out, launcher=None):
     args = [sys.executable, os.path.join(ROOT, "scripts", "peer_tfra.py"), "--data", data, "--batch", str(a.batch),
             "--steps", str(a.steps), "--dim", str(a.dim), "--hidden", a.hidden, "--model", model, "--summary-json", out]
-    args = list(launcher or ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none"]) + args
-    for _ in range(3):     # Open MPI's daemons across the netbed's namespaces fail to start now and then
-        p = subprocess.run(args, env=ENV, cwd=ROOT, capture_output=True, text=True)
-        if p.returncode == 0 or not launcher or "ORTE" not in p.stderr + p.stdout:
-            break
-    if p.returncode:
-        raise SystemExit(f"{' '.join(args)} failed:\n{p.stderr[-2000:]}")
+    launch(list(launcher or ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none"]) + args,
+           netbed=bool(launcher))
     return json.load(open(out + ".rank0"))
 
 

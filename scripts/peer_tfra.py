@@ -54,11 +54,10 @@ def build(spec, dim: int, hidden, world_size: int, model: str = "deepfm"):
     fields' keys looked up in one HvdAllToAllEmbedding per width, pooled per field."""
     from tensorflow_recommenders_addons import dynamic_embedding as de
     from models.layers import FMInteraction
+    from models.zoo import inputs_for
     L = tf.keras.layers
-    x = {name: tf.keras.Input(shape=(spec[name].max_len,) if spec[name].kind == "multi" else (),
-                              dtype=tf.int64, name=name) for name in spec.names() if spec[name].kind != "numeric"}
-    x.update({f.weight_name: tf.keras.Input(shape=(f.max_len,), dtype=tf.float32, name=f.weight_name)
-              for f in spec.sparse() if f.weighted})
+    numeric = {f.name for f in spec if f.kind == "numeric"}
+    x = {name: t for name, t in inputs_for(spec).items() if name not in numeric}
     keys, weights = L.Lambda(lambda t: field_keys(spec, t), name="keys")(x)
     pool = L.Lambda(lambda t: pool_fields(spec, t[0], t[1]), name="pool")
 
