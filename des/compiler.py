@@ -27,7 +27,7 @@ import os
 import tensorflow as tf
 
 from des import state
-from des.cost import AutoTail, choose_tail, estimate
+from des.cost import AutoTail, choose_first_dense, choose_tail, estimate
 from des.fields import GLUE, FieldAnalysis, FieldVector
 from des.handle import Distributed, attach, distributed
 from des.ir import Graph, Node, call_node, is_keras_tensor, replay, trace
@@ -38,11 +38,13 @@ from des_ops.fused import fuse_nodes
 from des_ops.keras_internals import (autograph_as_keras_decides, compile_args, has_weight_penalties, input_spec_of,
                                      take_weight_penalties)
 from des_ops.suboperators import DESFirstLayer
+from des_ops.rows import bytes_per_step as rows_bytes_per_step
 from des_ops.tail import GatherRows, ShardRows, count_tail_penalties_once, sum_tail_gradients, tail_obstacles
 from des_ops.wire import ring_share
 from rewrite_rules import RULES, Match, Rejection, find_substitutions, rule_named
 
 TAILS = ("replicated", "data_parallel", "auto")
+FIRST_DENSE = ("partials", "rows", "auto")
 
 
 class TransformError(ValueError):
@@ -72,6 +74,8 @@ class Report:
     collectives: int = 1              # fused allreduces per step (one per tower when towers were transformed)
     micro_batches: int = 1            # slices of the batch, each with its own allreduce (DESFirstLayer)
     wire_dtype: str = "float32"       # the partials' type on the wire ("float16": half the bytes, not exact)
+    by_rows: dict = dataclasses.field(default_factory=dict)   # first Dense layers by moving rows: name -> (widths, units)
+    first_dense_reason: str = ""      # first_dense="auto": what des.cost.choose_first_dense weighed
 
     @property
     def bytes_per_float(self) -> int:
@@ -88,8 +92,10 @@ class Report:
         return bool(self.substitutions)
 
     def payload_bytes(self, batch_size: int) -> int:
-        """Bytes handed to the fused allreduce(s) per step (float32 partials, or 16-bit ones)."""
-        return self.bytes_per_float * batch_size * self.floats_per_sample
+        """Bytes handed to the fused allreduce(s) per step (float32 partials, or 16-bit ones), and
+        to the forward collectives of a first Dense by rows (des_ops.rows)."""
+        return self.bytes_per_float * batch_size * self.floats_per_sample + sum(
+            rows_bytes_per_step(batch_size, widths, units, self.rank)[0] for widths, units in self.by_rows.values())
 
     def ring_bytes(self, batch_size: int) -> float:
         """Analytic bytes sent per process per step by a ring allreduce: 2(N-1)/N * payload."""
@@ -127,6 +133,12 @@ class Report:
                              "gradients summed (one allreduce per step)")
             if self.tail_reason:
                 lines.append(f"  tail chosen by the cost model (tail='auto'): {self.tail_reason}")
+            for name, (widths, units) in self.by_rows.items():
+                lines.append(f"  first Dense {name!r} by moving rows: each process sends the rows of its fields "
+                             f"(widths {widths} by rank) to the processes of their samples and multiplies its "
+                             f"samples' rows by the all-gathered kernel ({units} units); no partials for it")
+            if self.first_dense_reason:
+                lines.append(f"  first Dense chosen by the cost model (first_dense='auto'): {self.first_dense_reason}")
         if self.compiled:
             lines.append(f"  {self.compiled}")
         lines += [str(c) for c in self.costs]
@@ -281,7 +293,7 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
               spec=None, release_unowned: bool = True, strict: bool = False, sync_weights: bool = True,
               seed: int = 0, sample=None, fuse_tables: bool = False, join_linear: bool = False,
               tail: str | AutoTail = "replicated", scope: str = "", micro_batches: int = 1,
-              wire_dtype: str = "float32") -> tuple[tf.keras.Model, Report]:
+              wire_dtype: str = "float32", first_dense: str = "partials") -> tuple[tf.keras.Model, Report]:
     """Return (DES model for this process, report). ``plan``: 'balanced', 'mod' or a FieldPlan.
 
     ``spec`` (a FeatureSpec) gives expected cardinalities to the balanced plan. Every process
@@ -302,7 +314,11 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     the cost model picks one (des.cost.choose_tail) and the report says why. ``micro_batches``
     K > 1: the partials of K slices of the batch are allreduced one by one, each while the next
     is computed (exact); ``wire_dtype="float16"``: the partials travel (and are summed) in 16 bits,
-    half the bytes, not exact (des_ops.suboperators.DESFirstLayer).
+    half the bytes, not exact (des_ops.suboperators.DESFirstLayer). ``first_dense`` (with the
+    data-parallel tail): ``"partials"`` (each process multiplies its fields' rows by its kernel rows
+    and the [B, units] sums are reduce-scattered) or ``"rows"`` (each process sends its fields' rows
+    to the processes of their samples, which multiply them by the all-gathered kernel: fewer bytes
+    when the layer is wide; exact; des_ops.rows); ``"auto"``: the byte model picks per layer.
 
     A subclassed model (a ``tf.keras.Model`` or ``tfrs.models.Model`` with its own ``call``) is
     traced: its ``call`` runs on symbolic inputs shaped like ``sample`` (a batch of its inputs;
@@ -319,11 +335,13 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
         return _transform_subclassed(model, sample, comm=comm, plan=plan, spec=spec, release_unowned=release_unowned,
                                      strict=strict, sync_weights=sync_weights, seed=seed, fuse_tables=fuse_tables,
                                      join_linear=join_linear, tail=tail, scope=scope, micro_batches=micro_batches,
-                                     wire_dtype=wire_dtype)
+                                     wire_dtype=wire_dtype, first_dense=first_dense)
     if not isinstance(tail, AutoTail) and tail not in TAILS:
         raise ValueError(f"des.transform: tail={tail!r}; choose from {', '.join(TAILS)}")
     if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
         raise ValueError(f"des.transform: micro_batches={micro_batches!r}; a whole number >= 1")
+    if first_dense not in FIRST_DENSE:
+        raise ValueError(f"des.transform: first_dense={first_dense!r}; choose from {', '.join(FIRST_DENSE)}")
     if wire_dtype not in WIRE_DTYPES:
         raise ValueError(f"des.transform: wire_dtype={wire_dtype!r}; choose from {', '.join(WIRE_DTYPES)}")
     if wire_dtype not in comm.wire_dtypes:
@@ -345,13 +363,13 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     return _substitute(model, graph, fields, matches, report, comm, plan=plan, spec=spec, seed=seed,
                        release_unowned=release_unowned, sync_weights=sync_weights, fuse_tables=fuse_tables,
                        join_linear=join_linear, tail=tail, scope=scope, micro_batches=micro_batches,
-                       wire_dtype=wire_dtype)
+                       wire_dtype=wire_dtype, first_dense=first_dense)
 
 
 def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matches: list[Match], report: Report,
                 comm: Communicator, *, plan, spec, seed: int, release_unowned: bool, sync_weights: bool,
                 fuse_tables: bool, join_linear: bool, tail, scope: str, micro_batches: int,
-                wire_dtype: str) -> tuple[tf.keras.Model, Report]:
+                wire_dtype: str, first_dense: str = "partials") -> tuple[tf.keras.Model, Report]:
     """transform's second half: the same rows everywhere, the field plan, this process's DES
     layer in place of the matches, the model replayed around it (see transform)."""
     for n in graph.nodes:
@@ -378,10 +396,13 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
         skip |= m.internal
         for v in m.vectors:
             skip |= v.chain
+    tail_batch = tail.batch_size if isinstance(tail, AutoTail) else AutoTail().batch_size
     tail, tail_reason = _tail_choice(graph, model, skip, tail, comm)
     if tail == "data_parallel" and (micro_batches > 1 or wire_dtype != "float32"):
         raise ValueError("des.transform: micro_batches and a 16-bit wire_dtype are for the replicated tail; the "
                          "data-parallel tail reduce-scatters the whole batch in float32")
+    report.by_rows, report.first_dense_reason = _by_rows(matches, own, field_plan, comm, tail, first_dense,
+                                                         tail_batch)
     first = _first_layer(chains, fused, own, comm, tail, scope, forced, micro_batches, wire_dtype)
     names_in = sorted({graph.nodes[i].layer.name for m in matches for v in m.vectors for i in v.chain | fields.cone(v.tensor)
                        if graph.nodes[i].kind == "input"})
@@ -484,6 +505,31 @@ def _tail_choice(graph: Graph, model: tf.keras.Model, skip: set[int], tail: str 
         raise ValueError("des.transform(tail='data_parallel'): the tail cannot run data-parallel: "
                          + "; ".join(obstacles))
     return tail, ""
+
+
+def _by_rows(matches: list[Match], own: _OwnedPart, field_plan: FieldPlan, comm: Communicator, tail: str,
+             first_dense: str, batch: int) -> tuple[dict, str]:
+    """Which first Dense layers go by moving rows ({layer name: (widths by rank, units)}), and
+    why when the byte model chose; marks their sub-operators (des_ops.rows)."""
+    dense = [(m, op) for m, op in zip(matches, own.ops) if "parts" in m.data]
+    if first_dense == "partials" or not dense:
+        return {}, ""
+    if tail != "data_parallel":
+        if first_dense == "rows":
+            raise ValueError("des.transform(first_dense='rows'): needs the data-parallel tail (tail='data_parallel')")
+        return {}, "partials: the tail is replicated (every process needs the whole batch's output)"
+    out, reasons = {}, []
+    for m, op in dense:
+        widths = [sum(v.width for v in m.vectors if field_plan.owner[v.field] == r) for r in range(comm.world_size)]
+        units = int(m.data["kernel"].shape[1])
+        if first_dense == "auto":
+            choice, why = choose_first_dense(batch, sum(widths), units, comm.world_size)
+            reasons.append(f"{m.root.layer.name!r}: {why}")
+            if choice != "rows":
+                continue
+        op.exchange, op.rank_widths = "rows", widths
+        out[m.root.layer.name] = (widths, units)
+    return out, "; ".join(reasons)
 
 
 def _first_layer(chains, fused: list, own: _OwnedPart, comm: Communicator, tail: str, scope: str,

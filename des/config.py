@@ -83,6 +83,7 @@ class RunConfig:
     plan: str = "balanced"
     tables: Optional[str] = None
     tail: str = "replicated"
+    first_dense: str = "partials"
     micro_batches: int = 1
     wire_dtype: str = "float32"
     replica_check: int = 100
@@ -130,6 +131,8 @@ class RunConfig:
             ap.error(f"--link: {e}")
         if ns.micro_batches < 1:
             ap.error(f"--micro-batches {ns.micro_batches}: a whole number >= 1")
+        if ns.first_dense == "rows" and ns.tail != "data_parallel":
+            ap.error(f"--first-dense rows: the first Dense by rows needs --tail data_parallel (not {ns.tail})")
         if ns.tables == "joined" and ns.linear_optimizer:
             ap.error(f"--tables joined puts the linear weights in the embeddings' rows: they cannot have their "
                      f"own --linear-optimizer {ns.linear_optimizer} (use --tables fused)")
@@ -255,6 +258,11 @@ OPTIONS: list[Option] = [
             "or on its own rows of it (data_parallel: less computation per process, two all-gathers "
             "and one gradient allreduce more; the same results); auto: the cost model picks one for "
             "--batch and the report says why"),
+    _o("--first-dense", default="partials", choices=["partials", "rows", "auto"],
+       help="des with --tail data_parallel: the first Dense layer by partials (each process multiplies its "
+            "fields' rows by its kernel rows; the [B, units] sums are reduce-scattered) or by rows (each process "
+            "sends its fields' rows to the processes of their samples, which multiply them by the all-gathered "
+            "kernel: fewer bytes for a wide layer and many processes; the same results); auto: the fewer bytes"),
     _o("--micro-batches", type=int, default=1, metavar="K",
        help="des: cut each batch into K slices after the lookups and allreduce each slice's partials while the "
             "next slice's are computed (the same results; K collectives per step instead of one)"),

@@ -29,6 +29,7 @@ import dataclasses
 
 import numpy as np
 
+from des_ops.rows import wire_floats
 from des_ops.wire import ring_share
 from models.spec import PAD_ID
 
@@ -134,3 +135,21 @@ def choose_tail(dense_weights: int, tail_weights: int, output_floats: int, world
                     f"weights x B {b:,} x {n - 1}/{n} at {auto.flops:.0e} FLOP/s), 3 more collectives cost "
                     f"{extra * 1e3:.1f} ms (3 x {auto.per_collective * 1e3:.1f} ms + {extra_bytes / 1e6:.1f} MB at "
                     f"{auto.bandwidth:.1e} B/s)")
+
+
+def choose_first_dense(batch_size: int, width: int, units: int, world_size: int) -> tuple[str, str]:
+    """("rows" | "partials", why) for a first Dense layer of ``width`` input floats (the fields'
+    rows) and ``units`` outputs under the data-parallel tail: the one that sends fewer bytes per
+    process and step (des_ops.rows.wire_floats; both are exact).
+
+    >>> choose_first_dense(4096, 39 * 8, 400, 4)[0]     # criteo-like DeepFM, hidden 400,...
+    'rows'
+    >>> print(choose_first_dense(4096, 39 * 8, 128, 2)[1])
+    partials: 2.10 MB of partials per process and step against 2.72 MB of rows (B 4,096, 312 input floats, 128 units, N 2)
+    """
+    rows, partials = wire_floats(batch_size, width, units, world_size)
+    choice = "rows" if rows < partials else "partials"
+    a, b = (rows, partials) if choice == "rows" else (partials, rows)
+    return choice, (f"{choice}: {4 * a / 1e6:.2f} MB of {choice} per process and step against {4 * b / 1e6:.2f} MB "
+                    f"of {'partials' if choice == 'rows' else 'rows'} (B {batch_size:,}, {width} input floats, "
+                    f"{units} units, N {world_size})")

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from des_ops import partials as dm
 from des_ops.comm import Communicator, allreduce_sum, variable_zero
+from des_ops.rows import rows_dense
 from des_ops.tail import reduce_scatter_sum
 from models.layers import only_shapes_wanted
 
@@ -85,7 +86,13 @@ class BiInteractionSubOp(SubOperator):
 
 class DenseBlockSubOp(SubOperator):
     """sum_p E_p W_p: holds W_p, the rows of the Dense kernel that multiply this process's
-    fields (bias, replicated rows and activation are applied after the combine)."""
+    fields (bias, replicated rows and activation are applied after the combine).
+
+    ``exchange``: "partials" (E_p W_p summed over processes) or, with the data-parallel tail,
+    "rows" (``rank_widths``: w_p of every process; des_ops.rows): the rows of each process's
+    samples travel to it instead, and it multiplies them by the all-gathered kernel."""
+    exchange = "partials"
+    rank_widths: list[int] = []
 
     def __init__(self, fields, kernel_block: np.ndarray, widths: list[int], regularizer=None,
                  trainable_block: bool = True, **kwargs):
@@ -106,6 +113,13 @@ class DenseBlockSubOp(SubOperator):
         if self.kernel_block is None:          # this process owns none of the fields
             return dm.zeros(batch, self.width)
         return dm.dense_partial(vectors, self.kernel_block)
+
+    def rows_output(self, vectors, batch, comm: Communicator, anchor, name: str) -> tf.Tensor:
+        """This process's rows of sum_p E_p W_p by moving rows (``exchange == "rows"``)."""
+        e = tf.concat([tf.reshape(v, [-1, w]) for v, w in zip(vectors, self.field_widths)], axis=1) \
+            if vectors else dm.zeros(batch, 0)
+        kernel = tf.zeros([0, self.width]) if self.kernel_block is None else tf.convert_to_tensor(self.kernel_block)
+        return rows_dense(comm, e, kernel, self.rank_widths, anchor, name)
 
     def rows_by_part(self) -> list[np.ndarray]:
         """This process's kernel rows, one block per owned field vector."""
@@ -156,11 +170,16 @@ class DESFirstLayer(tf.keras.layers.Layer):
         self._penalties = list(owned_penalties)
         self.penalty_column = penalty_column
         self.widths = [op.width for op in self.ops]
+        # operators whose output is not reduce-scattered: the first Dense by moving rows (des_ops.rows)
+        self.by_rows = [getattr(op, "exchange", "partials") == "rows" for op in self.ops]
+        if any(self.by_rows) and not shard_rows:
+            raise ValueError("the first Dense by moving rows needs the data-parallel tail")
         # the fused allreduce's identity on every rank: from the operators' kinds and widths (the
         # graph), never from the fields a process owns or the op feeding it (see des_ops.comm)
         self.collective = (f"des_partials_{scope}" if scope else "des_partials") + "__" + "__".join(
             [f"{type(op).__name__.removesuffix('SubOp').lower()}{op.width}" for op in self.ops]
             + (["penalty1"] if penalty_column else []) + (["rows"] if shard_rows else [])
+            + [f"op{i}_by_rows" for i, rows in enumerate(self.by_rows) if rows]
             + ([f"wire{wire_dtype}"] if wire_dtype != "float32" else []))
         # of the last training batch: the replica check compares it across processes. Over the inputs
         # named in ``fingerprint_inputs`` (None: all), e.g. the ones every process reads
@@ -188,17 +207,31 @@ class DESFirstLayer(tf.keras.layers.Layer):
         vectors = self._field_vectors(inputs)
         flat = {t: tf.reshape(v, tf.stack([batch, -1])) for t, v in vectors.items()}
         if self.shard_rows:
-            parts = [op.partial([flat[t] for t in ids], batch) for op, ids in zip(self.ops, self._op_inputs)]
-            # each process gets its rows of the sum; the penalties (one number per process, not a
-            # row) are summed by their own allreduce with an identity gradient
-            if self.penalty_column:
-                self.add_loss(tf.reduce_sum(allreduce_sum(self.comm, tf.reshape(self._owned_penalty(), [1, 1]),
-                                                          self.collective + "_penalty")))
-            total = reduce_scatter_sum(self.comm, tf.concat(parts, axis=1)
-                                       + self.rows_anchor * variable_zero(self.comm), self.collective)
-        else:
-            total = self._sum_in_slices(flat, batch)
+            return self._own_rows(flat, batch)
+        total = self._sum_in_slices(flat, batch)
         return [op.combine(part) for op, part in zip(self.ops, tf.split(total, self.widths, axis=1))]
+
+    def _own_rows(self, flat: dict, batch: tf.Tensor) -> list[tf.Tensor]:
+        """The data-parallel tail's outputs: this process's rows of every operator's output, by a
+        reduce-scatter of the partials and, for a first Dense by rows, by des_ops.rows."""
+        summed = [i for i, rows in enumerate(self.by_rows) if not rows]
+        # the penalties (one number per process, not a row) are summed by their own allreduce with
+        # an identity gradient
+        if self.penalty_column:
+            self.add_loss(tf.reduce_sum(allreduce_sum(self.comm, tf.reshape(self._owned_penalty(), [1, 1]),
+                                                      self.collective + "_penalty")))
+        anchor = self.rows_anchor * variable_zero(self.comm)
+        out = {}
+        if summed:
+            parts = [self.ops[i].partial([flat[t] for t in self._op_inputs[i]], batch) for i in summed]
+            total = reduce_scatter_sum(self.comm, tf.concat(parts, axis=1) + anchor, self.collective)
+            for i, part in zip(summed, tf.split(total, [self.widths[i] for i in summed], axis=1)):
+                out[i] = self.ops[i].combine(part)
+        for i, rows in enumerate(self.by_rows):
+            if rows:
+                out[i] = self.ops[i].rows_output([flat[t] for t in self._op_inputs[i]], batch, self.comm,
+                                                 self.rows_anchor, f"{self.collective}_{i}")
+        return [out[i] for i in range(len(self.ops))]
 
     def _sum_in_slices(self, flat: dict, batch: tf.Tensor) -> tf.Tensor:
         """The replicated tail's sum: each slice's partials (and, in the last slice's first row, the
@@ -231,4 +264,6 @@ class DESFirstLayer(tf.keras.layers.Layer):
         return tf.add_n(terms) if terms else tf.constant(0.0)
 
     def floats_per_sample(self) -> int:
-        return int(sum(self.widths)) + int(self.penalty_column)
+        """Floats per sample of the fused allreduce (or reduce-scatter): the operators' partials
+        (not those of a first Dense by rows) and the penalty column."""
+        return int(sum(w for w, rows in zip(self.widths, self.by_rows) if not rows)) + int(self.penalty_column)

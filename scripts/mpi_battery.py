@@ -6,7 +6,8 @@ rank is most of what a small check costs, so checks that share a process count s
 
 Each job is KIND:ARGS and runs, in the order given, the ``main`` of scripts/mpi_KIND.py with
 its output in OUT_DIR/KIND (ps: OUT_DIR/ps/<ARGS with '-' for ':'>), exactly as that script
-run alone would write it: gallery:NAME, tail:NAME, subclassed:NAME (one model each),
+run alone would write it: gallery:NAME, tail:NAME, rows:NAME (the tail's run with the first Dense
+by rows, mpi_tail.py --first-dense rows), subclassed:NAME (one model each),
 equivalence:MODEL:OPTIMIZER:horovod:TABLES, ps:MODEL:OPTIMIZER:TABLES. Horovod only (mpi4py's
 communicator drives MPI itself: scripts/mpi_equivalence.py alone).
 """
@@ -22,7 +23,7 @@ import mpi_ps  # noqa: E402
 import mpi_subclassed  # noqa: E402
 import mpi_tail  # noqa: E402
 
-KINDS = ("gallery", "tail", "subclassed", "equivalence", "ps")
+KINDS = ("gallery", "tail", "rows", "subclassed", "equivalence", "ps")
 
 
 def run(out: str, job: str) -> None:
@@ -36,6 +37,8 @@ def run(out: str, job: str) -> None:
         mpi_gallery.main(where, [args])
     elif kind == "tail":
         mpi_tail.main(where, [args])
+    elif kind == "rows":
+        mpi_tail.main(where, [args], first_dense="rows")
     elif kind == "subclassed":
         mpi_subclassed.main(where, [args])
     elif kind == "equivalence":

@@ -1,6 +1,7 @@
 """One process of a data-parallel-tail run under mpirun (used by tests/test_mpi.py):
 
     mpirun -np 3 python scripts/mpi_tail.py OUT_DIR keras_deepfm deepctr_deepfm
+    mpirun -np 3 python scripts/mpi_tail.py --first-dense rows OUT_DIR keras_deepfm
 
 For each named model of tests/gallery.py: every rank builds it (its own random weights, seeded
 by its rank), des.transform(tail="data_parallel") gives every rank rank 0's weights and its
@@ -33,7 +34,7 @@ def tail_batches(model):
     return batches, batches_for(model, 1, 16, seed=99)[0][0]
 
 
-def main(out: str, names: list[str]) -> None:
+def main(out: str, names: list[str], first_dense: str = "partials") -> None:
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     comm = HorovodCommunicator()
@@ -42,7 +43,7 @@ def main(out: str, names: list[str]) -> None:
         model = BUILDERS[name]()
         initial = model.get_weights()
         batches, probe = tail_batches(model)
-        model, report = des.transform(model, comm=comm, tail="data_parallel")
+        model, report = des.transform(model, comm=comm, tail="data_parallel", first_dense=first_dense)
         before = comm.counted()
         snap = fit_and_snapshot(model, batches, probe, optimizer="sgd", learning_rate=0.5)
         after = comm.counted()
@@ -50,6 +51,8 @@ def main(out: str, names: list[str]) -> None:
         snap["floats_per_sample"] = report.floats_per_sample
         snap["tail_floats"] = sum(int(v.shape.num_elements()) for v in des.distributed(model).tail_variables)
         snap["owns_fields"] = bool(des.distributed(model).plan.fields_of(comm.rank))
+        layer = des.distributed(model).layer
+        snap["by_rows"] = [(op.rank_widths, op.width) for op, rows in zip(layer.ops, layer.by_rows) if rows]
         if comm.rank == 0:
             snap["initial"], snap["report"] = initial, str(report)
         with open(os.path.join(out, f"{name}.rank{comm.rank}.pkl"), "wb") as fh:
@@ -57,4 +60,7 @@ def main(out: str, names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    if sys.argv[1] == "--first-dense":
+        main(sys.argv[3], sys.argv[4:], first_dense=sys.argv[2])
+    else:
+        main(sys.argv[1], sys.argv[2:])

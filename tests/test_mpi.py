@@ -28,10 +28,11 @@ SUBCLASSED = ["tfrs_ranking", "subclassed_wdl", "tfrs_retrieval"]
 # Checks that share a process count share a launch (scripts/mpi_battery.py): a TensorFlow start and
 # Horovod's initialisation per rank cost more than most checks. N = 3's first REPEATED jobs run again
 # in a second launch, which must give the same bits; N = 5 is more processes than fields.
-REPEATED = ["gallery:deepctr_deepfm_defaults", "gallery:two_tower", "gallery:shared_table_deepfm", "tail:keras_deepfm"]
+REPEATED = ["gallery:deepctr_deepfm_defaults", "gallery:two_tower", "gallery:shared_table_deepfm", "tail:keras_deepfm",
+            "rows:keras_deepfm"]
 BATTERY = {2: [], 3: REPEATED + [f"gallery:{m}" for m in USERS if f"gallery:{m}" not in REPEATED]
            + [f"subclassed:{m}" for m in SUBCLASSED], 4: [],
-           5: ["gallery:two_tower", "gallery:shared_table_deepfm", "tail:deepctr_deepfm"]}
+           5: ["gallery:two_tower", "gallery:shared_table_deepfm", "tail:deepctr_deepfm", "rows:deepctr_deepfm"]}
 for _m, _o, _n, _c, _t in EQUIVALENCE:
     if _c == "horovod":
         BATTERY[_n].append(f"equivalence:{_m}:{_o}:horovod:{_t}")
@@ -347,7 +348,7 @@ def test_users_models_under_mpirun_equal_single_process(battery):
 @pytest.mark.mpi
 def test_same_mpirun_job_gives_the_same_bits_and_idle_processes_take_part(battery):
     """One job (DeepCTR's DeepFM with its defaults, the two-tower model, the shared-table DeepFM,
-    a Keras DeepFM with the data-parallel tail) launched twice on 3 processes: bitwise-identical
+    a Keras DeepFM with the data-parallel tail, with partials and with its first Dense by rows) launched twice on 3 processes: bitwise-identical
     predictions, rows and weights both times. On 5 processes (more than the fields or field
     groups) some own nothing at all: the jobs end on their own and equal one process too."""
     first, again = battery(3), battery(3, again=True)
@@ -448,4 +449,26 @@ def test_data_parallel_tail_under_mpirun(battery):
     assert not all(r["owns_fields"] for r in ranks)                          # a process owns no field
     diff = compare(reference("deepctr_deepfm", ranks[0]["initial"]), ranks)
     print(f"mpirun -np 5 deepctr_deepfm data-parallel tail: {diff}")
+    assert max(diff.values()) < 1e-6, diff
+
+    # the first Dense by rows (des_ops.rows): all-to-alls of rows and kernel gradients, an all-gather
+    # of the kernel; N = 3 with uneven and empty shards, N = 5 with a process that owns no field
+    from des_ops.rows import bytes_per_step
+    ranks = _ranks(battery(3) / "rows", "keras_deepfm", 3)
+    diff = compare(reference("keras_deepfm", ranks[0]["initial"]), ranks)
+    print(f"mpirun -np 3 keras_deepfm first Dense by rows: {diff}")
+    assert max(diff.values()) < 1e-6, diff
+    for r, snap in enumerate(ranks):
+        (widths, units), = snap["by_rows"]
+        w, t = snap["floats_per_sample"], snap["tail_floats"]
+        assert w == 6 and sum(widths) == 16 and units == 8               # linear 1 + FM 5 summed; 4 fields x 4 by rows
+        rows = lambda b: (lambda lo, hi: hi - lo)(*shard_rows(b, r, 3))
+        assert snap["counted"]["step"]["bytes"] == sum(4 * w * b + bytes_per_step(b, widths, units, r)[0]
+                                                       for b in sizes + [16])
+        assert snap["counted"]["tail"]["bytes"] == sum(4 * (rows(b) * (1 + w) + t) + bytes_per_step(b, widths, units, r)[1]
+                                                       for b in sizes) + 4 * rows(16)
+    ranks = _ranks(battery(5) / "rows", "deepctr_deepfm", 5)
+    assert [r["by_rows"][0][0] for r in ranks][0].count(0) >= 1             # a process sends rows of no field
+    diff = compare(reference("deepctr_deepfm", ranks[0]["initial"]), ranks)
+    print(f"mpirun -np 5 deepctr_deepfm first Dense by rows: {diff}")
     assert max(diff.values()) < 1e-6, diff

@@ -34,7 +34,7 @@ class DES(Mode):
         plan = (a.restore and checkpoint.load_plan(a.restore, self.world_size)) or a.plan
         model, self.report = des.transform(model, comm=self.comm, plan=plan, spec=self.run.spec,
                                            fuse_tables=a.tables != "per-field", join_linear=a.join_linear,
-                                           micro_batches=a.micro_batches,
+                                           micro_batches=a.micro_batches, first_dense=a.first_dense,
                                            wire_dtype=a.wire_dtype,
                                            tail=AutoTail(batch_size=a.batch,
                                                          bandwidth=a.network.link_bytes_per_second)

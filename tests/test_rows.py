@@ -1,0 +1,128 @@
+"""The first Dense layer by moving rows (des.transform(first_dense="rows"), des_ops/rows.py): each
+process sends its fields' rows to the processes of their samples, which multiply them by the
+all-gathered kernel; the model still computes what the untouched model computes on one process.
+Batches of 31 rows (not divisible by 2, 3 or 5) and a last batch of 2 (some processes hold no
+row); N = 5 > 4 fields (a process owns no field). Tolerances as in tests/test_tail.py."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import des
+from des.cost import choose_first_dense
+from des_ops.comm import InProcessWorld, shard_rows
+from des_ops.rows import bytes_per_step, rows_dense, wire_floats
+from des.verify import _on_every_rank, run_in_process_world
+from test_tail import BATCH, ROWS, _check, _reference_and_base
+
+
+def test_rows_dense_equals_the_product_of_the_whole_rows_and_kernel():
+    """Three simulated processes owning 3, 0 and 2 input columns of a [7, 5] x [5, 2] product:
+    each gets its rows of the product, and the gradients of its own columns and kernel rows."""
+    rng = np.random.default_rng(0)
+    x, w, dy = rng.normal(size=(7, 5)), rng.normal(size=(5, 2)), rng.normal(size=(7, 2))
+    widths, cols = [3, 0, 2], [slice(0, 3), slice(3, 3), slice(3, 5)]
+    world = InProcessWorld(3)
+
+    def work(r):
+        comm = world.communicator(r)
+        e, k = tf.constant(x[:, cols[r]], tf.float32), tf.constant(w[cols[r]], tf.float32)
+        lo, hi = shard_rows(7, r, 3)
+        with tf.GradientTape() as tape:
+            tape.watch([e, k])
+            y = rows_dense(comm, e, k, widths, tf.zeros([]), "t")
+            loss = tf.reduce_sum(y * tf.constant(dy[lo:hi], tf.float32))
+        de, dk = tape.gradient(loss, [e, k])
+        return y.numpy(), de.numpy(), dk.numpy(), comm.counted()
+    out = _on_every_rank(world, work)
+    for r, (y, de, dk, counted) in enumerate(out):
+        lo, hi = shard_rows(7, r, 3)
+        np.testing.assert_allclose(y, (x @ w)[lo:hi], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(de, (dy @ w.T)[:, cols[r]], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(dk, (x.T @ dy)[cols[r]], rtol=1e-5, atol=1e-6)
+        assert y.shape == (hi - lo, 2) and de.shape == (7, widths[r]) and dk.shape == (widths[r], 2)
+        assert (counted["step"]["bytes"], counted["tail"]["bytes"]) == bytes_per_step(7, widths, 2, r)
+        assert (counted["step"]["calls"], counted["tail"]["calls"]) == (1, 1)
+
+
+@pytest.mark.parametrize("name, worlds", [("keras_deepfm", (2, 3, 5)), ("deepctr_deepfm", (5,)),
+                                          ("regularized", (3,)), ("two_tower", (2,))])
+def test_first_dense_by_rows_equals_one_process(name, worlds):
+    """keras_deepfm: FM + first Dense + linear; deepctr_deepfm at N = 5: a process owns no field;
+    regularized: penalties on the kernel rows and the bias; two_tower: two first Dense layers."""
+    build, base, fit, ref = _reference_and_base(name, "sgd", 0.5)
+    for n in worlds:
+        ranks = run_in_process_world(n, build, lambda m: {**fit(m), "rows": list(des.distributed(m).layer.by_rows)},
+                                     init_from=base, tail="data_parallel", first_dense="rows")
+        assert all(any(r["rows"]) for r in ranks)
+        print(name, n, _check(ref, ranks, "sgd"))
+
+
+@pytest.mark.parametrize("optimizer, lr", [("adam", 0.02), ("adagrad", 0.05)])
+def test_first_dense_by_rows_with_adaptive_optimizers(optimizer, lr):
+    build, base, fit, ref = _reference_and_base("keras_deepfm", optimizer, lr)
+    ranks = run_in_process_world(3, build, fit, init_from=base, tail="data_parallel", first_dense="rows")
+    print(optimizer, _check(ref, ranks, optimizer))
+
+
+def test_same_bits_every_run_and_bytes_counted_equal_analytic():
+    """Two runs give the same bits on every rank. Per train step of b rows, rank r hands over
+    b x W floats of partials (linear and FM: reduce-scatter) and des_ops.rows.bytes_per_step
+    ("step"); the output all-gather, the backward all-gather of the partials, the rows' gradients
+    and the tail's gradients ("tail")."""
+    build, base, fit, _ = _reference_and_base("keras_deepfm", "sgd", 0.5)
+    n = 3
+
+    def work(m):
+        handle = des.distributed(m)
+        before = handle.layer.comm.counted()
+        snap = fit(m)
+        after = handle.layer.comm.counted()
+        rows_op = next(op for op, rows in zip(handle.layer.ops, handle.layer.by_rows) if rows)
+        return snap, {p: after[p]["bytes"] - before[p]["bytes"] for p in ("step", "tail")}, \
+            handle.layer.floats_per_sample(), sum(int(v.shape.num_elements()) for v in handle.tail_variables), \
+            (rows_op.rank_widths, rows_op.width)
+    runs = [run_in_process_world(n, build, work, init_from=base, tail="data_parallel", first_dense="rows")
+            for _ in range(2)]
+    for a, b in zip(*runs):
+        flat_a, flat_b = tf.nest.flatten(a[0]), tf.nest.flatten(b[0])
+        assert len(flat_a) == len(flat_b) > 3
+        for u, v in zip(flat_a, flat_b):
+            np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    sizes = [BATCH] * (ROWS // BATCH) + [ROWS % BATCH]
+    for r, (_, counted, w, t, (widths, units)) in enumerate(runs[0]):
+        assert w == 1 + (4 + 1) and widths == [8, 4, 4] and units == 8      # linear 1 + FM k+1 summed; rows: 4 fields x K
+        shard = lambda b: (lambda lo, hi: hi - lo)(*shard_rows(b, r, n))
+        step = sum(4 * b * w + bytes_per_step(b, widths, units, r)[0] for b in sizes) + 4 * 16 * w \
+            + bytes_per_step(16, widths, units, r)[0]                           # the probe's predict
+        tail = sum(4 * (shard(b) * 1 + shard(b) * w + t) + bytes_per_step(b, widths, units, r)[1] for b in sizes) \
+            + 4 * shard(16)
+        assert counted == {"step": step, "tail": tail}, (r, counted, step, tail)
+
+
+def test_choice_of_the_first_dense():
+    # by hand: B 4096, w 312, H 400, N 4: rows 2 x 3/4 x (4096 x 312/4 + 312 x 400) = 666,432 floats;
+    # partials 2 x 3/4 x 4096 x 400 = 2,457,600
+    assert wire_floats(4096, 312, 400, 4) == (666_432.0, 2_457_600.0)
+    assert choose_first_dense(4096, 312, 400, 4)[0] == "rows"
+    assert choose_first_dense(4096, 312, 128, 2)[0] == "partials"       # 2,723,328 vs 524,288... x 2 x 1/2
+    build, base, _, _ = _reference_and_base("keras_deepfm", "sgd", 0.5)
+    reports = run_in_process_world(2, build, lambda m: None, init_from=base)    # work: nothing
+    with pytest.raises(ValueError, match="needs the data-parallel tail"):
+        des.transform(build(), comm=InProcessWorld(1).communicator(0), first_dense="rows")
+    with pytest.raises(ValueError, match="first_dense='sideways'"):
+        des.transform(build(), first_dense="sideways")
+    assert reports == [None, None]
+
+
+def test_auto_picks_rows_for_a_wide_layer_and_says_why():
+    """keras_deepfm's first Dense: 4 fields x K 4 = 16 input floats, 8 units. At B = 4096 and N = 2,
+    rows move 2 x 1/2 x (4096 x 8 + 16 x 8) = 32,896 floats, partials 32,768: partials; at N = 3,
+    rows 2 x 2/3 x (4096 x 16/3 + 128) = 29,297 < 43,691: rows."""
+    build, base, _, _ = _reference_and_base("keras_deepfm", "sgd", 0.5)
+    for n, expected in ((2, False), (3, True)):
+        out = run_in_process_world(n, build, lambda m: list(des.distributed(m).layer.by_rows), init_from=base,
+                                   tail="data_parallel", first_dense="auto")
+        assert all(any(r) == expected for r in out), (n, out)
+    world = InProcessWorld(1)
+    _, report = des.transform(build(), comm=world.communicator(0), tail="data_parallel", first_dense="auto")
+    assert "first_dense='auto'" in str(report) and "MB of" in str(report)
