@@ -34,7 +34,8 @@ from des.netbed import Netbed  # noqa: E402
 
 
 SYSTEMS = {"tfra": "TFRA HvdAllToAllEmbedding", "des-replicated": "DES, replicated tail",
-           "des-data-parallel": "DES, data-parallel tail", "ps": "PS (this project)"}
+           "des-data-parallel": "DES, data-parallel tail", "des-rows": "DES, data-parallel tail, first Dense by rows",
+           "ps": "PS (this project)"}
 
 
 def peer(n, model, data, a, out, launcher=None):
@@ -103,6 +104,8 @@ def main():
                                                       launcher),
                     "des-data-parallel": lambda out: run(n, "des", model, data, a, out,
                                                          ("--tail", "data_parallel", *reader), launcher),
+                    "des-rows": lambda out: run(n, "des", model, data, a, out,
+                                                ("--tail", "data_parallel", "--first-dense", "rows", *reader), launcher),
                     "ps": lambda out: run(n, "ps", model, data, a, out, reader, launcher)}
                 systems = {SYSTEMS[key]: launchers[key] for key in SYSTEMS if key in chosen}
                 runs = {name: [] for name in systems}

@@ -1,5 +1,7 @@
-"""Benchmark the data-parallel tail against the replicated one: CPU seconds per step per process
-and samples/second of DES DeepFM under mpirun, for each (N, hidden) given. One run, medians of
+"""Benchmark the data-parallel tail against the replicated one (and, with ``--rows-variant``, the
+data-parallel tail with its first Dense by moving rows, des_ops.rows): CPU seconds per step per
+process and samples/second of DES DeepFM under mpirun, for each (N, hidden) given; on the netbed
+also the bytes each host sent per step. One run, medians of
 ``--repeats`` launches, and what ``--tail auto`` picks; prints a Markdown table and writes it to
 ``--report``. ``--netbed RATE``: on the emulated cluster (des.netbed: one host per process, each
 with a CPU budget of its own, ``--cpus``), else on this machine's shared cores.
@@ -30,7 +32,12 @@ def main():
     ap = config_parser("2:400,400,400;4:400,400,400;4:128,64", "tail.md")
     ap.add_argument("--netbed", default=None, metavar="RATE", help="run on the emulated cluster at this rate")
     ap.add_argument("--cpus", default="share", help="--netbed: each host's CPU budget")
+    ap.add_argument("--rows-variant", action="store_true",
+                    help="also the data-parallel tail with --first-dense rows (the 'data_parallel+rows' lines)")
     a = ap.parse_args()
+    variants = {"replicated": ("--tail", "replicated"), "data_parallel": ("--tail", "data_parallel")}
+    if a.rows_variant:
+        variants["data_parallel+rows"] = ("--tail", "data_parallel", "--first-dense", "rows")
     data = synth_data(a.rows)
     tmp = os.path.dirname(data)
     link = a.netbed or "10gbit"
@@ -39,12 +46,14 @@ def main():
     lines = [f"# Data-parallel vs replicated tail (DES DeepFM, criteo-like synthetic data, {a.rows} rows)", "",
              f"`scripts/bench_tail.py --rows {a.rows} --batch {a.batch} --steps {a.steps} --repeats {a.repeats} "
              f"--configs '{a.configs}'" + (f" --netbed {a.netbed} --cpus {a.cpus}" if a.netbed else "")
+             + (" --rows-variant" if a.rows_variant else "")
              + f"`, {time.strftime('%Y-%m-%d')}, {where}, --threads 1, {horovod_settings()}. Global batch {a.batch}, "
              f"dim {a.dim}; median "
              f"over launches of each launch's median step. 'auto picks': what `des.train --tail auto --link {link}` "
              f"chose (des.cost.choose_tail), with its reason below the table.", "",
-             "| N | hidden | tail | CPU s/step/process | samples/s | train AUC at the last step | CPU ratio dp/rep | samples/s ratio | auto picks |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| N | hidden | tail | CPU s/step/process | samples/s | wire B/step/host | train AUC at the last step | "
+             "CPU ratio vs replicated | samples/s ratio | auto picks |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     reasons = []
     print("\n".join(lines), flush=True)
     for config in a.configs.split(";"):
@@ -53,20 +62,24 @@ def main():
         got = {}
         bed = Netbed(int(n), rate=a.netbed, cpus=a.cpus) if a.netbed else contextlib.nullcontext()
         with bed:
-            launch = lambda tail, k, *more: run(int(n), "des", "deepfm", data, a, os.path.join(tmp, f"{n}_{tail}_{k}.json"),  # noqa: E731
-                                                 extra=("--tail", tail, "--link", link, *more),
+            launch = lambda name, k, *more: run(int(n), "des", "deepfm", data, a, os.path.join(tmp, f"{n}_{name}_{k}.json"),  # noqa: E731
+                                                 extra=("--link", link, *more),
                                                  launcher=bed.mpirun(int(n)) if a.netbed else None)
-            auto = launch("auto", 0, "--steps", "1")
+            auto = launch("auto", 0, "--tail", "auto", "--steps", "1")
             reasons.append(f"- N={n}, hidden {hidden}: {auto['tail_reason']}")
-            runs_by_tail = {tail: [launch(tail, k) for k in range(a.repeats)] for tail in ("replicated", "data_parallel")}
+            runs_by_tail = {name: [] for name in variants}
+            for k in range(a.repeats):          # round-robin: a drift in the machine's load hits every variant
+                for name, args in variants.items():
+                    runs_by_tail[name].append(launch(name, k, *args))
         for tail, runs in runs_by_tail.items():
             got[tail] = (statistics.median(r["cpu_seconds_per_step"] for r in runs),
-                         statistics.median(r["samples_per_second"] for r in runs), runs[0]["train_auc_by_step"][-1][1])
-        for tail, (cpu, sps, auc) in got.items():
-            ratio = (f"{got['data_parallel'][0] / got['replicated'][0]:.2f}x | "
-                     f"{got['data_parallel'][1] / got['replicated'][1]:.2f}x") if tail == "data_parallel" else " | "
-            line = (f"| {n} | {hidden} | {tail} | {cpu:.3f} | {sps:,.0f} | {auc:.4f} | {ratio} | "
-                    f"{'**yes**' if tail == auto['tail'] else ''} |")
+                         statistics.median(r["samples_per_second"] for r in runs), runs[0]["train_auc_by_step"][-1][1],
+                         statistics.median(r.get("wire_bytes_per_step", float("nan")) for r in runs))
+        for tail, (cpu, sps, auc, wire) in got.items():
+            ratio = (f"{cpu / got['replicated'][0]:.2f}x | {sps / got['replicated'][1]:.2f}x") \
+                if tail != "replicated" else " | "
+            line = (f"| {n} | {hidden} | {tail} | {cpu:.3f} | {sps:,.0f} | {'' if wire != wire else f'{wire:,.0f}'} | "
+                    f"{auc:.4f} | {ratio} | {'**yes**' if tail == auto['tail'] else ''} |")
             lines.append(line)
             print(line, flush=True)
     lines += ["", "What the cost model weighed (`--tail auto`):", "", *reasons]
