@@ -293,7 +293,8 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
               spec=None, release_unowned: bool = True, strict: bool = False, sync_weights: bool = True,
               seed: int = 0, sample=None, fuse_tables: bool = False, join_linear: bool = False,
               tail: str | AutoTail = "replicated", scope: str = "", micro_batches: int = 1,
-              wire_dtype: str = "float32", first_dense: str = "partials") -> tuple[tf.keras.Model, Report]:
+              wire_dtype: str = "float32", first_dense: str = "partials",
+              costs: AutoTail | None = None) -> tuple[tf.keras.Model, Report]:
     """Return (DES model for this process, report). ``plan``: 'balanced', 'mod' or a FieldPlan.
 
     ``spec`` (a FeatureSpec) gives expected cardinalities to the balanced plan. Every process
@@ -318,7 +319,10 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     data-parallel tail): ``"partials"`` (each process multiplies its fields' rows by its kernel rows
     and the [B, units] sums are reduce-scattered) or ``"rows"`` (each process sends its fields' rows
     to the processes of their samples, which multiply them by the all-gathered kernel: fewer bytes
-    when the layer is wide; exact; des_ops.rows); ``"auto"``: the byte model picks per layer.
+    when the layer is wide; exact; des_ops.rows); ``"auto"``: the cost model picks per layer
+    (des.cost.choose_first_dense), and ``tail="auto"`` then weighs the data-parallel tail with it.
+    ``costs``: the batch size, FLOP rate, bandwidth and per-collective cost the auto choices
+    assume (default: ``tail`` when it is a ``des.AutoTail``, else ``des.AutoTail()``).
 
     A subclassed model (a ``tf.keras.Model`` or ``tfrs.models.Model`` with its own ``call``) is
     traced: its ``call`` runs on symbolic inputs shaped like ``sample`` (a batch of its inputs;
@@ -335,13 +339,16 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
         return _transform_subclassed(model, sample, comm=comm, plan=plan, spec=spec, release_unowned=release_unowned,
                                      strict=strict, sync_weights=sync_weights, seed=seed, fuse_tables=fuse_tables,
                                      join_linear=join_linear, tail=tail, scope=scope, micro_batches=micro_batches,
-                                     wire_dtype=wire_dtype, first_dense=first_dense)
+                                     wire_dtype=wire_dtype, first_dense=first_dense, costs=costs)
     if not isinstance(tail, AutoTail) and tail not in TAILS:
         raise ValueError(f"des.transform: tail={tail!r}; choose from {', '.join(TAILS)}")
     if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
         raise ValueError(f"des.transform: micro_batches={micro_batches!r}; a whole number >= 1")
     if first_dense not in FIRST_DENSE:
         raise ValueError(f"des.transform: first_dense={first_dense!r}; choose from {', '.join(FIRST_DENSE)}")
+    if first_dense == "rows" and tail != "data_parallel":
+        raise ValueError(f"des.transform(first_dense='rows'): needs the data-parallel tail (tail='data_parallel', "
+                         f"not {tail!r})")
     if wire_dtype not in WIRE_DTYPES:
         raise ValueError(f"des.transform: wire_dtype={wire_dtype!r}; choose from {', '.join(WIRE_DTYPES)}")
     if wire_dtype not in comm.wire_dtypes:
@@ -363,13 +370,14 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     return _substitute(model, graph, fields, matches, report, comm, plan=plan, spec=spec, seed=seed,
                        release_unowned=release_unowned, sync_weights=sync_weights, fuse_tables=fuse_tables,
                        join_linear=join_linear, tail=tail, scope=scope, micro_batches=micro_batches,
-                       wire_dtype=wire_dtype, first_dense=first_dense)
+                       wire_dtype=wire_dtype, first_dense=first_dense, costs=costs)
 
 
 def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matches: list[Match], report: Report,
                 comm: Communicator, *, plan, spec, seed: int, release_unowned: bool, sync_weights: bool,
                 fuse_tables: bool, join_linear: bool, tail, scope: str, micro_batches: int,
-                wire_dtype: str, first_dense: str = "partials") -> tuple[tf.keras.Model, Report]:
+                wire_dtype: str, first_dense: str = "partials",
+                costs: AutoTail | None = None) -> tuple[tf.keras.Model, Report]:
     """transform's second half: the same rows everywhere, the field plan, this process's DES
     layer in place of the matches, the model replayed around it (see transform)."""
     for n in graph.nodes:
@@ -396,13 +404,15 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
         skip |= m.internal
         for v in m.vectors:
             skip |= v.chain
-    tail_batch = tail.batch_size if isinstance(tail, AutoTail) else AutoTail().batch_size
-    tail, tail_reason = _tail_choice(graph, model, skip, tail, comm)
+    costs = costs or (tail if isinstance(tail, AutoTail) else AutoTail())
+    dense_shapes = [(sum(v.width for v in m.vectors), int(m.data["kernel"].shape[1])) for m in matches
+                    if "parts" in m.data] if first_dense == "auto" else []
+    tail, tail_reason = _tail_choice(graph, model, skip, costs if tail == "auto" or isinstance(tail, AutoTail) else tail,
+                                     comm, dense_shapes)
     if tail == "data_parallel" and (micro_batches > 1 or wire_dtype != "float32"):
         raise ValueError("des.transform: micro_batches and a 16-bit wire_dtype are for the replicated tail; the "
                          "data-parallel tail reduce-scatters the whole batch in float32")
-    report.by_rows, report.first_dense_reason = _by_rows(matches, own, field_plan, comm, tail, first_dense,
-                                                         tail_batch)
+    report.by_rows, report.first_dense_reason = _by_rows(matches, own, field_plan, comm, tail, first_dense, costs)
     first = _first_layer(chains, fused, own, comm, tail, scope, forced, micro_batches, wire_dtype)
     names_in = sorted({graph.nodes[i].layer.name for m in matches for v in m.vectors for i in v.chain | fields.cone(v.tensor)
                        if graph.nodes[i].kind == "input"})
@@ -488,8 +498,9 @@ def _release_unowned(matches: list[Match], mine: set[str]) -> bool:
 
 
 def _tail_choice(graph: Graph, model: tf.keras.Model, skip: set[int], tail: str | AutoTail,
-                 comm: Communicator) -> tuple[str, str]:
-    """("replicated" or "data_parallel", why): the asked tail, or the cost model's choice for "auto"."""
+                 comm: Communicator, dense_shapes: list[tuple[int, int]] = ()) -> tuple[str, str]:
+    """("replicated" or "data_parallel", why): the asked tail, or the cost model's choice for an
+    AutoTail (``dense_shapes``: first Dense layers that may go by rows, des.cost.choose_tail)."""
     if tail == "replicated":
         return tail, ""
     tail_nodes = [n for n in graph.nodes if n.index not in skip and n.kind != "input"]
@@ -500,7 +511,7 @@ def _tail_choice(graph: Graph, model: tf.keras.Model, skip: set[int], tail: str 
             sum(int(l.kernel.shape.num_elements()) for l in tail_layers if isinstance(l, tf.keras.layers.Dense)),
             sum(int(w.shape.num_elements()) for l in tail_layers for w in l.trainable_weights),
             sum(int(t.shape[-1] or 1) for t in model.outputs), comm.world_size,
-            tail if isinstance(tail, AutoTail) else AutoTail(), obstacles)
+            tail if isinstance(tail, AutoTail) else AutoTail(), obstacles, dense_shapes)
     if obstacles:
         raise ValueError("des.transform(tail='data_parallel'): the tail cannot run data-parallel: "
                          + "; ".join(obstacles))
@@ -508,7 +519,7 @@ def _tail_choice(graph: Graph, model: tf.keras.Model, skip: set[int], tail: str 
 
 
 def _by_rows(matches: list[Match], own: _OwnedPart, field_plan: FieldPlan, comm: Communicator, tail: str,
-             first_dense: str, batch: int) -> tuple[dict, str]:
+             first_dense: str, costs: AutoTail) -> tuple[dict, str]:
     """Which first Dense layers go by moving rows ({layer name: (widths by rank, units)}), and
     why when the byte model chose; marks their sub-operators (des_ops.rows)."""
     dense = [(m, op) for m, op in zip(matches, own.ops) if "parts" in m.data]
@@ -523,7 +534,7 @@ def _by_rows(matches: list[Match], own: _OwnedPart, field_plan: FieldPlan, comm:
         widths = [sum(v.width for v in m.vectors if field_plan.owner[v.field] == r) for r in range(comm.world_size)]
         units = int(m.data["kernel"].shape[1])
         if first_dense == "auto":
-            choice, why = choose_first_dense(batch, sum(widths), units, comm.world_size)
+            choice, why = choose_first_dense(costs.batch_size, sum(widths), units, comm.world_size, costs)
             reasons.append(f"{m.root.layer.name!r}: {why}")
             if choice != "rows":
                 continue

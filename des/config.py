@@ -262,7 +262,8 @@ OPTIONS: list[Option] = [
        help="des with --tail data_parallel: the first Dense layer by partials (each process multiplies its "
             "fields' rows by its kernel rows; the [B, units] sums are reduce-scattered) or by rows (each process "
             "sends its fields' rows to the processes of their samples, which multiply them by the all-gathered "
-            "kernel: fewer bytes for a wide layer and many processes; the same results); auto: the fewer bytes"),
+            "kernel: fewer bytes for a wide layer and many processes; the same results); auto: the cost model picks "
+            "for --batch and --link (with --tail auto it weighs the data-parallel tail with it)"),
     _o("--micro-batches", type=int, default=1, metavar="K",
        help="des: cut each batch into K slices after the lookups and allreduce each slice's partials while the "
             "next slice's are computed (the same results; K collectives per step instead of one)"),
@@ -271,7 +272,8 @@ OPTIONS: list[Option] = [
             "collective (NOT exact; float32 is); ps: the type rows and gradient rows travel in (float16: half "
             "their bytes, rounded to 16 bits; ids and dense gradients unchanged)"),
     _o("--link", "network.link", default="10gbit",
-       help="--tail auto: each process's network rate (tc units, e.g. 100mbit) the cost model assumes"),
+       help="--tail auto, --first-dense auto: each process's network rate (tc units, e.g. 100mbit) the cost model "
+            "assumes"),
     _o("--comm", "network.comm", default="auto",
        choices=["auto", "horovod", "mpi4py", "local", "noop", "sync", "meet"],
        help="noop: the launcher's rank and size but no collective (times the computation "

@@ -108,18 +108,22 @@ class AutoTail:
 
 
 def choose_tail(dense_weights: int, tail_weights: int, output_floats: int, world_size: int,
-                auto: AutoTail, obstacles: list[str] = ()) -> tuple[str, str]:
+                auto: AutoTail, obstacles: list[str] = (), first_dense: list[tuple[int, int]] = ()) -> tuple[str, str]:
     """("replicated" | "data_parallel", why). The data-parallel tail saves each process
     (N-1)/N of the tail's matrix products, 6 x ``dense_weights`` operations per sample (forward
     2, backward 4), and costs three collectives more per step: the all-gather of the outputs
     (``output_floats`` per sample), the allreduce of the tail's ``tail_weights`` gradients, the
     backward all-gather of the partials (whose bytes the reduce-scatter saves against the
-    allreduce it replaces).
+    allreduce it replaces). ``first_dense``: (input width, units) of each first Dense layer that
+    may go by rows under the data-parallel tail (des_ops.rows; ``choose_first_dense`` decides per
+    layer): where rows win, their time replaces the partials' in the data-parallel tail's cost.
 
     >>> choose_tail(320_400, 320_401, 1, 4, AutoTail())[0]      # DeepFM, hidden 400,400,400
     'data_parallel'
     >>> print(choose_tail(8_256, 8_257, 1, 4, AutoTail())[1])   # hidden 128,64
     replicated: the tail's products would save 3.0 ms per step (6 x 8,256 weights x B 4,096 x 3/4 at 5e+10 FLOP/s), 3 more collectives cost 9.0 ms (3 x 3.0 ms + 0.1 MB at 1.2e+09 B/s)
+    >>> print(choose_tail(320_400, 320_401, 1, 4, AutoTail(bandwidth=1.25e7), first_dense=[(312, 400)])[1])  # 100 Mbit/s
+    data_parallel: the tail's products would save 118.1 ms per step (6 x 320,400 weights x B 4,096 x 3/4 at 5e+10 FLOP/s), 3 more collectives cost 163.8 ms (3 x 3.0 ms + 1.9 MB at 1.2e+07 B/s); the first Dense by rows adds -561.2 ms to that (rows: 2.67 MB against 9.83 MB of partials, 4 more collectives)
     """
     n = world_size
     if n <= 1:
@@ -130,26 +134,37 @@ def choose_tail(dense_weights: int, tail_weights: int, output_floats: int, world
     saved = 6.0 * dense_weights * b * (n - 1) / n / auto.flops
     extra_bytes = ring_share(n) / 2 * 4 * b * output_floats + ring_share(n) * 4 * tail_weights
     extra = 3 * auto.per_collective + extra_bytes / auto.bandwidth
-    choice = "data_parallel" if saved > extra else "replicated"
+    by_rows, rows_bytes, partial_bytes = 0.0, 0.0, 0.0
+    for width, units in first_dense:
+        if choose_first_dense(b, width, units, n, auto)[0] == "rows":
+            rows, partials = (4 * f for f in wire_floats(b, width, units, n))
+            by_rows += 4 * auto.per_collective + (rows - partials) / auto.bandwidth
+            rows_bytes, partial_bytes = rows_bytes + rows, partial_bytes + partials
+    choice = "data_parallel" if saved > extra + by_rows else "replicated"
     return choice, (f"{choice}: the tail's products would save {saved * 1e3:.1f} ms per step (6 x {dense_weights:,} "
                     f"weights x B {b:,} x {n - 1}/{n} at {auto.flops:.0e} FLOP/s), 3 more collectives cost "
                     f"{extra * 1e3:.1f} ms (3 x {auto.per_collective * 1e3:.1f} ms + {extra_bytes / 1e6:.1f} MB at "
-                    f"{auto.bandwidth:.1e} B/s)")
+                    f"{auto.bandwidth:.1e} B/s)"
+                    + (f"; the first Dense by rows adds {by_rows * 1e3:+.1f} ms to that (rows: {rows_bytes / 1e6:.2f} MB "
+                       f"against {partial_bytes / 1e6:.2f} MB of partials, 4 more collectives)" if rows_bytes else ""))
 
 
-def choose_first_dense(batch_size: int, width: int, units: int, world_size: int) -> tuple[str, str]:
+def choose_first_dense(batch_size: int, width: int, units: int, world_size: int,
+                       auto: AutoTail | None = None) -> tuple[str, str]:
     """("rows" | "partials", why) for a first Dense layer of ``width`` input floats (the fields'
-    rows) and ``units`` outputs under the data-parallel tail: the one that sends fewer bytes per
-    process and step (des_ops.rows.wire_floats; both are exact).
+    rows) and ``units`` outputs under the data-parallel tail: the one whose bytes per process and
+    step (des_ops.rows.wire_floats) take less time at ``auto``'s bandwidth, rows paying for their 4
+    more collectives (``auto.per_collective`` each). Both are exact.
 
-    >>> choose_first_dense(4096, 39 * 8, 400, 4)[0]     # criteo-like DeepFM, hidden 400,...
+    >>> choose_first_dense(4096, 39 * 8, 400, 4, AutoTail(bandwidth=1.25e7))[0]   # criteo-like DeepFM at 100 Mbit/s
     'rows'
-    >>> print(choose_first_dense(4096, 39 * 8, 128, 2)[1])
-    partials: 2.10 MB of partials per process and step against 2.72 MB of rows (B 4,096, 312 input floats, 128 units, N 2)
+    >>> print(choose_first_dense(4096, 39 * 8, 400, 4)[1])                        # at 10 Gbit/s
+    partials: 9.83 MB of partials take 7.9 ms per step, 2.67 MB of rows 14.1 ms with 4 more collectives (B 4,096, 312 input floats, 400 units, N 4, 1.2e+09 B/s)
     """
-    rows, partials = wire_floats(batch_size, width, units, world_size)
-    choice = "rows" if rows < partials else "partials"
-    a, b = (rows, partials) if choice == "rows" else (partials, rows)
-    return choice, (f"{choice}: {4 * a / 1e6:.2f} MB of {choice} per process and step against {4 * b / 1e6:.2f} MB "
-                    f"of {'partials' if choice == 'rows' else 'rows'} (B {batch_size:,}, {width} input floats, "
-                    f"{units} units, N {world_size})")
+    auto = auto or AutoTail()
+    rows, partials = (4 * f for f in wire_floats(batch_size, width, units, world_size))
+    t_rows, t_partials = 4 * auto.per_collective + rows / auto.bandwidth, partials / auto.bandwidth
+    choice = "rows" if t_rows < t_partials else "partials"
+    return choice, (f"{choice}: {partials / 1e6:.2f} MB of partials take {t_partials * 1e3:.1f} ms per step, "
+                    f"{rows / 1e6:.2f} MB of rows {t_rows * 1e3:.1f} ms with 4 more collectives (B {batch_size:,}, "
+                    f"{width} input floats, {units} units, N {world_size}, {auto.bandwidth:.1e} B/s)")

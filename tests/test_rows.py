@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import des
-from des.cost import choose_first_dense
+from des.cost import AutoTail, choose_first_dense, choose_tail
 from des_ops.comm import InProcessWorld, shard_rows
 from des_ops.rows import bytes_per_step, rows_dense, wire_floats
 from des.verify import _on_every_rank, run_in_process_world
@@ -100,29 +100,44 @@ def test_same_bits_every_run_and_bytes_counted_equal_analytic():
 
 
 def test_choice_of_the_first_dense():
-    # by hand: B 4096, w 312, H 400, N 4: rows 2 x 3/4 x (4096 x 312/4 + 312 x 400) = 666,432 floats;
-    # partials 2 x 3/4 x 4096 x 400 = 2,457,600
+    """By hand: B 4096, w 312, H 400, N 4: rows 2 x 3/4 x (4096 x 312/4 + 312 x 400) = 666,432 floats
+    (2.67 MB), partials 2 x 3/4 x 4096 x 400 = 2,457,600 (9.83 MB). At 100 Mbit/s (1.25e7 B/s) rows
+    take 4 x 3 ms + 213 ms against 786 ms: rows; at 10 Gbit/s 12 + 2.1 ms against 7.9 ms: partials."""
     assert wire_floats(4096, 312, 400, 4) == (666_432.0, 2_457_600.0)
-    assert choose_first_dense(4096, 312, 400, 4)[0] == "rows"
-    assert choose_first_dense(4096, 312, 128, 2)[0] == "partials"       # 2,723,328 vs 524,288... x 2 x 1/2
+    slow, fast = AutoTail(bandwidth=1.25e7), AutoTail(bandwidth=1.25e9)
+    assert choose_first_dense(4096, 312, 400, 4, slow)[0] == "rows"
+    assert choose_first_dense(4096, 312, 400, 4, fast)[0] == "partials"
+    assert choose_first_dense(4096, 312, 128, 2, slow)[0] == "partials"     # rows 2.72 MB > partials 2.10 MB
+    # the tail: at 100 Mbit/s a 400,400,400 tail stays replicated unless the first Dense goes by rows
+    dense, n = 400 * 400 * 2 + 400, 4              # the tail's kernels after the first Dense: 400x400 twice, 400x1
+    assert choose_tail(dense, dense + 801, 1, n, slow)[0] == "replicated"
+    tail, why = choose_tail(dense, dense + 801, 1, n, slow, first_dense=[(312, 400)])
+    assert tail == "data_parallel" and "first Dense by rows" in why
+    assert choose_tail(dense, dense + 801, 1, n, fast, first_dense=[(312, 400)])[1] == \
+        choose_tail(dense, dense + 801, 1, n, fast)[1]                     # partials win: nothing changes
     build, base, _, _ = _reference_and_base("keras_deepfm", "sgd", 0.5)
-    reports = run_in_process_world(2, build, lambda m: None, init_from=base)    # work: nothing
     with pytest.raises(ValueError, match="needs the data-parallel tail"):
         des.transform(build(), comm=InProcessWorld(1).communicator(0), first_dense="rows")
+    with pytest.raises(ValueError, match="needs the data-parallel tail"):
+        des.transform(build(), comm=InProcessWorld(1).communicator(0), first_dense="rows", tail="auto")
     with pytest.raises(ValueError, match="first_dense='sideways'"):
         des.transform(build(), first_dense="sideways")
-    assert reports == [None, None]
 
 
-def test_auto_picks_rows_for_a_wide_layer_and_says_why():
-    """keras_deepfm's first Dense: 4 fields x K 4 = 16 input floats, 8 units. At B = 4096 and N = 2,
-    rows move 2 x 1/2 x (4096 x 8 + 16 x 8) = 32,896 floats, partials 32,768: partials; at N = 3,
-    rows 2 x 2/3 x (4096 x 16/3 + 128) = 29,297 < 43,691: rows."""
+def test_auto_picks_rows_where_they_take_less_time_and_says_why():
+    """keras_deepfm's first Dense: 4 fields x K 4 = 16 input floats, 8 units, at B = 4096 and a slow
+    link (1e5 B/s, so that bytes decide). N = 2: rows move 2 x 1/2 x (4096 x 8 + 16 x 8) = 32,896
+    floats, partials 32,768: partials; N = 3: rows 2 x 2/3 x (4096 x 16/3 + 128) = 29,298 < 43,691:
+    rows. With tail='auto' too, the tail goes data-parallel only with the rows."""
     build, base, _, _ = _reference_and_base("keras_deepfm", "sgd", 0.5)
+    slow = AutoTail(batch_size=4096, bandwidth=1e5)
     for n, expected in ((2, False), (3, True)):
         out = run_in_process_world(n, build, lambda m: list(des.distributed(m).layer.by_rows), init_from=base,
-                                   tail="data_parallel", first_dense="auto")
+                                   tail="data_parallel", first_dense="auto", costs=slow)
         assert all(any(r) == expected for r in out), (n, out)
+    out = run_in_process_world(3, build, lambda m: (des.distributed(m).tail, any(des.distributed(m).layer.by_rows)),
+                               init_from=base, tail="auto", first_dense="auto", costs=slow)
+    assert out == [("data_parallel", True)] * 3
     world = InProcessWorld(1)
     _, report = des.transform(build(), comm=world.communicator(0), tail="data_parallel", first_dense="auto")
-    assert "first_dense='auto'" in str(report) and "MB of" in str(report)
+    assert "first_dense='auto'" in str(report) and "MB of partials" in str(report)

@@ -36,9 +36,8 @@ class DES(Mode):
                                            fuse_tables=a.tables != "per-field", join_linear=a.join_linear,
                                            micro_batches=a.micro_batches, first_dense=a.first_dense,
                                            wire_dtype=a.wire_dtype,
-                                           tail=AutoTail(batch_size=a.batch,
-                                                         bandwidth=a.network.link_bytes_per_second)
-                                           if a.tail == "auto" else a.tail)
+                                           tail=a.tail, costs=AutoTail(batch_size=a.batch,
+                                                                       bandwidth=a.network.link_bytes_per_second))
         first = {k: v.numpy() for k, v in self.run.first_batch().items()}
         self.report.estimate_costs(a.batch, unique_ids_per_slice(first, self.run.spec, self.world_size))
         self.run.log(self.report)
