@@ -49,8 +49,9 @@ def main():
              + (" --rows-variant" if a.rows_variant else "")
              + f"`, {time.strftime('%Y-%m-%d')}, {where}, --threads 1, {horovod_settings()}. Global batch {a.batch}, "
              f"dim {a.dim}; median "
-             f"over launches of each launch's median step. 'auto picks': what `des.train --tail auto --link {link}` "
-             f"chose (des.cost.choose_tail), with its reason below the table.", "",
+             f"over launches of each launch's median step. 'auto picks': what `des.train --tail auto --link {link}`"
+             + (" --first-dense auto" if a.rows_variant else "") + " chose (des.cost.choose_tail"
+             + (", choose_first_dense" if a.rows_variant else "") + "), with its reason below the table.", "",
              "| N | hidden | tail | CPU s/step/process | samples/s | wire B/step/host | train AUC at the last step | "
              "CPU ratio vs replicated | samples/s ratio | auto picks |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -65,8 +66,11 @@ def main():
             launch = lambda name, k, *more: run(int(n), "des", "deepfm", data, a, os.path.join(tmp, f"{n}_{name}_{k}.json"),  # noqa: E731
                                                  extra=("--link", link, *more),
                                                  launcher=bed.mpirun(int(n)) if a.netbed else None)
-            auto = launch("auto", 0, "--tail", "auto", "--steps", "1")
-            reasons.append(f"- N={n}, hidden {hidden}: {auto['tail_reason']}")
+            auto = launch("auto", 0, "--tail", "auto", "--steps", "1",
+                          *(("--first-dense", "auto") if a.rows_variant else ()))
+            picked = auto["tail"] + ("+rows" if auto.get("first_dense_by_rows") else "")
+            reasons.append(f"- N={n}, hidden {hidden}: {auto['tail_reason']}"
+                           + (f"; first Dense: {auto['first_dense_reason']}" if auto.get("first_dense_reason") else ""))
             runs_by_tail = {name: [] for name in variants}
             for k in range(a.repeats):          # round-robin: a drift in the machine's load hits every variant
                 for name, args in variants.items():
@@ -79,7 +83,7 @@ def main():
             ratio = (f"{cpu / got['replicated'][0]:.2f}x | {sps / got['replicated'][1]:.2f}x") \
                 if tail != "replicated" else " | "
             line = (f"| {n} | {hidden} | {tail} | {cpu:.3f} | {sps:,.0f} | {'' if wire != wire else f'{wire:,.0f}'} | "
-                    f"{auc:.4f} | {ratio} | {'**yes**' if tail == auto['tail'] else ''} |")
+                    f"{auc:.4f} | {ratio} | {'**yes**' if tail == picked else ''} |")
             lines.append(line)
             print(line, flush=True)
     lines += ["", "What the cost model weighed (`--tail auto`):", "", *reasons]
