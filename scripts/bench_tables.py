@@ -4,7 +4,9 @@ multi-valued ones, ~950 ids a sample), for the single process, DES and the PS on
 each table layout (per-field; fused: one table per width; joined: fused, each field's linear weight
 in its embedding's row, des.train's default), and the cache mode on 2 processes (per-field, fused). Medians of ``--repeats`` runs;
 writes reports/tables.md (criteo-like) or reports/tables_wide.md; ``--modes`` runs some modes only
-(then give ``--out``, e.g. reports/tables_cache.md).
+(then give ``--out``, e.g. reports/tables_cache.md). ``--columnar``: every run reads a columnar copy
+of the data (des.data.convert; a DES process then reads its own fields' columns only, where from
+text it checks every line in full), so the table layout, not the text parser, sets the pace.
 
     .venv/bin/python scripts/bench_tables.py --rows 100000 --batch 4096 --steps 20 --repeats 3 --threads 1
     .venv/bin/python scripts/bench_tables.py --preset wide --rows 20000 --batch 1024 --steps 10 --repeats 3 --threads 1
@@ -36,6 +38,7 @@ DATA = {"criteo-like": "39 one-id fields", "wide": "26 one-id and 20 multi-value
 
 def train(mode: str, n: int, tables: str, data: str, a, out: str) -> dict:
     args = [sys.executable, "-m", "des.train", "--mode", mode, "--model", a.model, "--data", data,
+            *(("--format", "columnar") if a.columnar else ()),
             "--batch", str(a.batch), "--steps", str(a.steps), "--holdout", "2000", "--dim", str(a.dim),
             "--hidden", a.hidden, "--threads", str(a.threads), "--summary-json", out, "--tables", tables,
             "--check-bytes", "2"]    # the PS's and the cache's byte check on 2 steps (scripts/bench_des.py says why)
@@ -61,17 +64,23 @@ def main() -> None:
                     "TF's default oversubscribe 2 cores)")
     ap.add_argument("--modes", default=",".join(MODES), help="which modes to run, comma-separated")
     ap.add_argument("--out", help="default: reports/tables.md, reports/tables_wide.md for --preset wide")
+    ap.add_argument("--columnar", action="store_true", help="read a columnar copy of the data (then give --out)")
     a = ap.parse_args()
     modes = a.modes.split(",")
     if set(modes) - set(MODES):
         raise SystemExit(f"--modes {a.modes}: a comma-separated subset of {','.join(MODES)}")
-    if set(modes) != set(MODES) and not a.out:
-        raise SystemExit("--modes runs some modes only: give --out, so that the full report is not overwritten")
+    if (set(modes) != set(MODES) or a.columnar) and not a.out:
+        raise SystemExit("--modes (some modes only) or --columnar: give --out, so that the text report is not "
+                         "overwritten")
     a.out = a.out or os.path.join(ROOT, "reports", "tables.md" if a.preset == "criteo-like" else "tables_wide.md")
     tmp = tempfile.mkdtemp()
     data = os.path.join(tmp, "train.txt" if a.preset == "criteo-like" else "train.ffm")
     subprocess.run([sys.executable, "-m", "des.data.synth", "--preset", a.preset, "--rows", str(a.rows),
                     "--out", data], env=ENV, cwd=ROOT, check=True, capture_output=True)
+    if a.columnar:
+        subprocess.run([sys.executable, "-m", "des.data.convert", "--data", data, "--out", data + ".cols"],
+                       env=ENV, cwd=ROOT, check=True, capture_output=True)
+        data += ".cols"
     rows, began = [], time.time()
     for mode, n, tables in [r for r in RUNS if r[0] in modes]:
         got = [train(mode, n, tables, data, a, os.path.join(tmp, f"{mode}{n}{tables}{r}.json"))
@@ -85,10 +94,12 @@ def main() -> None:
              f"global batch {a.batch}",
              "",
              f"Written by `scripts/bench_tables.py --preset {a.preset} --rows {a.rows} --batch {a.batch} --steps {a.steps} "
-             f"--repeats {a.repeats} --threads {a.threads} --modes {a.modes}` on {platform.node()} "
+             f"--repeats {a.repeats} --threads {a.threads} --modes {a.modes}" + (" --columnar" if a.columnar else "")
+             + f" --out {os.path.relpath(a.out, ROOT)}` on {platform.node()} "
              f"({os.cpu_count()} cores, shared), "
              f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(began))} UTC. Medians of {a.repeats} runs; "
-             f"first step = from des.train's start to the end of its first training step.",
+             f"first step = from des.train's start to the end of its first training step."
+             + (" Every run reads a columnar copy of the data (des.data.convert)." if a.columnar else ""),
              "",
              "| mode | N | tables | first step (s) | samples/s | first step vs per-field | samples/s vs per-field "
              "| held-out AUC | log loss |",
