@@ -8,8 +8,11 @@ with a CPU budget of its own, ``--cpus``), else on this machine's shared cores.
 
     .venv/bin/python scripts/bench_tail.py --rows 60000 --batch 4096 --steps 12 --repeats 2
     .venv/bin/python scripts/bench_tail.py --netbed 100mbit --configs '4:400,400,400;4:128,64' --report reports/tail_netbed.md
+
+``--preset wide`` (~950 features per sample) reads a columnar copy of the data (as bench_peer).
 """
 import contextlib
+import json
 import os
 import statistics
 import sys
@@ -18,6 +21,7 @@ import time
 from bench_des import ROOT, config_parser, run, synth_data, write_report
 
 sys.path.insert(0, ROOT)
+from des.compare import ensure_columnar, ensure_data  # noqa: E402
 from des.netbed import Netbed  # noqa: E402
 
 
@@ -32,19 +36,30 @@ def main():
     ap = config_parser("2:400,400,400;4:400,400,400;4:128,64", "tail.md")
     ap.add_argument("--netbed", default=None, metavar="RATE", help="run on the emulated cluster at this rate")
     ap.add_argument("--cpus", default="share", help="--netbed: each host's CPU budget")
+    ap.add_argument("--preset", default="criteo-like", choices=["criteo-like", "wide"])
     ap.add_argument("--rows-variant", action="store_true",
                     help="also the data-parallel tail with --first-dense rows (the 'data_parallel+rows' lines)")
     a = ap.parse_args()
     variants = {"replicated": ("--tail", "replicated"), "data_parallel": ("--tail", "data_parallel")}
     if a.rows_variant:
         variants["data_parallel+rows"] = ("--tail", "data_parallel", "--first-dense", "rows")
-    data = synth_data(a.rows)
-    tmp = os.path.dirname(data)
+    reader = ()
+    if a.preset == "wide":
+        text = ensure_data("wide", a.rows, 0, os.path.join(ROOT, "reports", "compare", "data"))
+        data, _ = ensure_columnar([text], "libffm", None, json.load(open(text + ".meta.json")))
+        reader = ("--format", "columnar")
+        tmp = os.path.join(ROOT, "reports", "compare", "tail_runs")
+        os.makedirs(tmp, exist_ok=True)
+    else:
+        data = synth_data(a.rows)
+        tmp = os.path.dirname(data)
+    data_name = ("wide synthetic data, ~950 features per sample, read from a columnar copy" if a.preset == "wide"
+                 else "criteo-like synthetic data")
     link = a.netbed or "10gbit"
     where = (f"the netbed (des.netbed: one host per process at {a.netbed}, CPU budget {a.cpus} each)" if a.netbed
              else "this machine (2 shared cores; N processes oversubscribe them)")
-    lines = [f"# Data-parallel vs replicated tail (DES DeepFM, criteo-like synthetic data, {a.rows} rows)", "",
-             f"`scripts/bench_tail.py --rows {a.rows} --batch {a.batch} --steps {a.steps} --repeats {a.repeats} "
+    lines = [f"# Data-parallel vs replicated tail (DES DeepFM, {data_name}, {a.rows} rows)", "",
+             f"`scripts/bench_tail.py --preset {a.preset} --rows {a.rows} --batch {a.batch} --steps {a.steps} --repeats {a.repeats} "
              f"--configs '{a.configs}'" + (f" --netbed {a.netbed} --cpus {a.cpus}" if a.netbed else "")
              + (" --rows-variant" if a.rows_variant else "")
              + f"`, {time.strftime('%Y-%m-%d')}, {where}, --threads 1, {horovod_settings()}. Global batch {a.batch}, "
@@ -64,7 +79,7 @@ def main():
         bed = Netbed(int(n), rate=a.netbed, cpus=a.cpus) if a.netbed else contextlib.nullcontext()
         with bed:
             launch = lambda name, k, *more: run(int(n), "des", "deepfm", data, a, os.path.join(tmp, f"{n}_{name}_{k}.json"),  # noqa: E731
-                                                 extra=("--link", link, *more),
+                                                 extra=("--link", link, *reader, *more),
                                                  launcher=bed.mpirun(int(n)) if a.netbed else None)
             auto = launch("auto", 0, "--tail", "auto", "--steps", "1",
                           *(("--first-dense", "auto") if a.rows_variant else ()))
