@@ -528,7 +528,7 @@ def _by_rows(matches: list[Match], own: _OwnedPart, field_plan: FieldPlan, comm:
     if tail != "data_parallel":
         if first_dense == "rows":
             raise ValueError("des.transform(first_dense='rows'): needs the data-parallel tail (tail='data_parallel')")
-        return {}, "partials: the tail is replicated (every process needs the whole batch's output)"
+        return {}, ""           # auto: partials, as every process needs the whole batch's output
     out, reasons = {}, []
     for m, op in dense:
         widths = [sum(v.width for v in m.vectors if field_plan.owner[v.field] == r) for r in range(comm.world_size)]

@@ -83,7 +83,7 @@ class RunConfig:
     plan: str = "balanced"
     tables: Optional[str] = None
     tail: str = "replicated"
-    first_dense: str = "partials"
+    first_dense: str = "auto"
     micro_batches: int = 1
     wire_dtype: str = "float32"
     replica_check: int = 100
@@ -258,12 +258,12 @@ OPTIONS: list[Option] = [
             "or on its own rows of it (data_parallel: less computation per process, two all-gathers "
             "and one gradient allreduce more; the same results); auto: the cost model picks one for "
             "--batch and the report says why"),
-    _o("--first-dense", default="partials", choices=["partials", "rows", "auto"],
+    _o("--first-dense", default="auto", choices=["partials", "rows", "auto"],
        help="des with --tail data_parallel: the first Dense layer by partials (each process multiplies its "
             "fields' rows by its kernel rows; the [B, units] sums are reduce-scattered) or by rows (each process "
             "sends its fields' rows to the processes of their samples, which multiply them by the all-gathered "
-            "kernel: fewer bytes for a wide layer and many processes; the same results); auto: the cost model picks "
-            "for --batch and --link (with --tail auto it weighs the data-parallel tail with it)"),
+            "kernel: fewer bytes for a wide layer and many processes; the same results); auto (the default): the cost "
+            "model picks for --batch and --link (with --tail auto it weighs the data-parallel tail with it)"),
     _o("--micro-batches", type=int, default=1, metavar="K",
        help="des: cut each batch into K slices after the lookups and allreduce each slice's partials while the "
             "next slice's are computed (the same results; K collectives per step instead of one)"),

@@ -103,7 +103,8 @@ def main():
                     "des-replicated": lambda out: run(n, "des", model, data, a, out, ("--tail", "replicated", *reader),
                                                       launcher),
                     "des-data-parallel": lambda out: run(n, "des", model, data, a, out,
-                                                         ("--tail", "data_parallel", *reader), launcher),
+                                                         ("--tail", "data_parallel", "--first-dense", "partials",
+                                                          *reader), launcher),
                     "des-rows": lambda out: run(n, "des", model, data, a, out,
                                                 ("--tail", "data_parallel", "--first-dense", "rows", *reader), launcher),
                     "ps": lambda out: run(n, "ps", model, data, a, out, reader, launcher)}

@@ -40,7 +40,8 @@ def main():
     ap.add_argument("--rows-variant", action="store_true",
                     help="also the data-parallel tail with --first-dense rows (the 'data_parallel+rows' lines)")
     a = ap.parse_args()
-    variants = {"replicated": ("--tail", "replicated"), "data_parallel": ("--tail", "data_parallel")}
+    variants = {"replicated": ("--tail", "replicated"), "data_parallel": ("--tail", "data_parallel", "--first-dense",
+                                                                          "partials")}
     if a.rows_variant:
         variants["data_parallel+rows"] = ("--tail", "data_parallel", "--first-dense", "rows")
     reader = ()
@@ -82,7 +83,7 @@ def main():
                                                  extra=("--link", link, *reader, *more),
                                                  launcher=bed.mpirun(int(n)) if a.netbed else None)
             auto = launch("auto", 0, "--tail", "auto", "--steps", "1",
-                          *(("--first-dense", "auto") if a.rows_variant else ()))
+                          "--first-dense", "auto" if a.rows_variant else "partials")
             picked = auto["tail"] + ("+rows" if auto.get("first_dense_by_rows") else "")
             reasons.append(f"- N={n}, hidden {hidden}: {auto['tail_reason']}"
                            + (f"; first Dense: {auto['first_dense_reason']}" if auto.get("first_dense_reason") else ""))
