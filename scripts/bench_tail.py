@@ -65,8 +65,8 @@ def main():
              + (" --rows-variant" if a.rows_variant else "")
              + f"`, {time.strftime('%Y-%m-%d')}, {where}, --threads 1, {horovod_settings()}. Global batch {a.batch}, "
              f"dim {a.dim}; median "
-             f"over launches of each launch's median step. 'auto picks': what `des.train --tail auto --link {link}`"
-             + (" --first-dense auto" if a.rows_variant else "") + " chose (des.cost.choose_tail"
+             f"over launches of each launch's median step. 'auto picks': what `des.train --tail auto --link {link}"
+             + (" --first-dense auto" if a.rows_variant else "") + "` chose (des.cost.choose_tail"
              + (", choose_first_dense" if a.rows_variant else "") + "), with its reason below the table.", "",
              "| N | hidden | tail | CPU s/step/process | samples/s | wire B/step/host | train AUC at the last step | "
              "CPU ratio vs replicated | samples/s ratio | auto picks |",
