@@ -65,6 +65,23 @@ def synth_data(rows: int) -> str:
     return data
 
 
+def preset_data(preset: str, rows: int, runs: str) -> tuple[str, tuple, str]:
+    """(data, des.train's reader arguments, a folder for the runs' summaries) of a benchmark:
+    criteo-like text in a new temporary folder, or the wide preset's columnar copy (written once
+    under reports/compare/data; a text parser reading the global batch would decide DES's speed
+    there), its summaries under reports/compare/``runs``."""
+    if preset != "wide":
+        data = synth_data(rows)
+        return data, (), os.path.dirname(data)
+    sys.path.insert(0, ROOT)
+    from des.compare import ensure_columnar, ensure_data
+    text = ensure_data("wide", rows, 0, os.path.join(ROOT, "reports", "compare", "data"))
+    data, _ = ensure_columnar([text], "libffm", None, json.load(open(text + ".meta.json")))
+    tmp = os.path.join(ROOT, "reports", "compare", runs)
+    os.makedirs(tmp, exist_ok=True)
+    return data, ("--format", "columnar"), tmp
+
+
 def write_report(path: str, lines: list[str]) -> None:
     """The Markdown lines a benchmark printed, written to ``path`` (its committed report)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)

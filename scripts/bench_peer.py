@@ -26,10 +26,9 @@ import statistics
 import sys
 import time
 
-from bench_des import ROOT, config_parser, launch, run, synth_data, write_report
+from bench_des import ROOT, config_parser, launch, preset_data, run, write_report
 
 sys.path.insert(0, ROOT)
-from des.compare import ensure_columnar, ensure_data  # noqa: E402
 from des.netbed import Netbed  # noqa: E402
 
 
@@ -61,16 +60,7 @@ def main():
     models = a.models.split(",")
     if set(models) - {"deepfm", "wdl"}:
         raise SystemExit(f"--models {a.models}: deepfm and/or wdl")
-    reader = ()
-    if a.preset == "wide":
-        text = ensure_data("wide", a.rows, 0, os.path.join(ROOT, "reports", "compare", "data"))
-        data, _ = ensure_columnar([text], "libffm", None, json.load(open(text + ".meta.json")))
-        reader = ("--format", "columnar")
-        tmp = os.path.join(ROOT, "reports", "compare", "peer_runs")
-        os.makedirs(tmp, exist_ok=True)
-    else:
-        data = synth_data(a.rows)
-        tmp = os.path.dirname(data)
+    data, reader, tmp = preset_data(a.preset, a.rows, "peer_runs")
     where = (f"the netbed (des.netbed: one host per process at {a.netbed}, CPU budget {a.cpus} each; "
              f"wire = bytes a host sent on its interface per step, median, rank 0's host)" if a.netbed else
              "this machine (2 shared cores; N processes oversubscribe them, one TF thread each)")

@@ -12,16 +12,14 @@ with a CPU budget of its own, ``--cpus``), else on this machine's shared cores.
 ``--preset wide`` (~950 features per sample) reads a columnar copy of the data (as bench_peer).
 """
 import contextlib
-import json
 import os
 import statistics
 import sys
 import time
 
-from bench_des import ROOT, config_parser, run, synth_data, write_report
+from bench_des import ROOT, config_parser, preset_data, run, write_report
 
 sys.path.insert(0, ROOT)
-from des.compare import ensure_columnar, ensure_data  # noqa: E402
 from des.netbed import Netbed  # noqa: E402
 
 
@@ -44,16 +42,7 @@ def main():
                                                                           "partials")}
     if a.rows_variant:
         variants["data_parallel+rows"] = ("--tail", "data_parallel", "--first-dense", "rows")
-    reader = ()
-    if a.preset == "wide":
-        text = ensure_data("wide", a.rows, 0, os.path.join(ROOT, "reports", "compare", "data"))
-        data, _ = ensure_columnar([text], "libffm", None, json.load(open(text + ".meta.json")))
-        reader = ("--format", "columnar")
-        tmp = os.path.join(ROOT, "reports", "compare", "tail_runs")
-        os.makedirs(tmp, exist_ok=True)
-    else:
-        data = synth_data(a.rows)
-        tmp = os.path.dirname(data)
+    data, reader, tmp = preset_data(a.preset, a.rows, "tail_runs")
     data_name = ("wide synthetic data, ~950 features per sample, read from a columnar copy" if a.preset == "wide"
                  else "criteo-like synthetic data")
     link = a.netbed or "10gbit"
