@@ -37,6 +37,7 @@ as before, so a restored model continues exactly as the model that wrote it woul
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -51,6 +52,7 @@ from des.data.hashing import ID_MASK
 from des.handle import distributed
 from des.plan import FieldPlan
 from des.state import create_slots, export_rows, load_rows, optimizer_parts, pieces
+from des_ops.fused import FusedTable
 
 FORMAT = 3          # 3: ids of 55 bits (des.data.hashing); 2 (63-bit ids) is read by keeping the low 55 bits
 
@@ -249,7 +251,10 @@ def restore(directory: str, model, optimizer=None, rank: int = 0, world_size: in
             return None
         return lambda keys: np.mod(keys, ex.world_size) == ex.rank
     try:
-        missing = load_rows(model, optimizer, shards, keep_key)
+        with contextlib.ExitStack() as loading:       # a fused table: one export per table, not per field
+            for table in {id(m): m for m in model.submodules if isinstance(m, FusedTable)}.values():
+                loading.enter_context(table.loading())
+            missing = load_rows(model, optimizer, shards, keep_key)
     except KeyError as e:          # a slot the optimizer has and the checkpoint lacks
         raise CheckpointError(f"{path}: {e.args[0]}") from None
     if missing:

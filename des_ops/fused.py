@@ -32,6 +32,8 @@ such a table.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import tensorflow as tf
 
@@ -265,9 +267,29 @@ class FusedTable(FieldEmbedding):
                              f"fuse_tables=False")
         return ids | np.int64(self._slot[member] << ID_BITS)
 
+    @contextlib.contextmanager
+    def loading(self):
+        """Within it, the keys each slot of ``params`` holds are exported once per table (rows or
+        optimizer slot) and kept up to date by ``load_member``, instead of once per member:
+        restoring F members was F exports of the whole table. Nothing else may write the table
+        meanwhile (des.checkpoint.restore holds it around its loads)."""
+        self._held = {}
+        try:
+            yield self
+        finally:
+            self._held = None
+
     def _keys_of(self, params, member: int) -> np.ndarray:
-        keys = params.export()[0].numpy()
-        return keys[(keys >= 0) & ((keys >> ID_BITS) == self._slot[member])]
+        held = getattr(self, "_held", None)
+        if held is None:
+            keys = params.export()[0].numpy()
+            return keys[(keys >= 0) & ((keys >> ID_BITS) == self._slot[member])]
+        if id(params) not in held:
+            keys = params.export()[0].numpy()
+            keys = keys[keys >= 0]
+            slots = keys >> ID_BITS
+            held[id(params)] = {int(slot): keys[slots == slot] for slot in np.unique(slots)}
+        return held[id(params)].get(int(self._slot[member]), np.zeros([0], np.int64))
 
     def _columns(self, member: int) -> slice:
         return slice(self._start[member], self._start[member] + self._width[member])
@@ -300,6 +322,9 @@ class FusedTable(FieldEmbedding):
             self._write_columns(params, gone, cols, None, rows)
         if len(keys):
             self._write_columns(params, keys, cols, np.asarray(values, np.float32).reshape(len(keys), -1), rows)
+        if getattr(self, "_held", None) is not None:   # the slot now holds ``keys`` (first member) or both
+            self._held[id(params)][int(self._slot[member])] = keys if self._start[member] == 0 else \
+                np.union1d(held, keys)
 
     def _write_columns(self, params, keys: np.ndarray, cols: slice, values, rows: bool) -> None:
         """Upsert ``keys`` with ``values`` in columns ``cols`` (None: the columns' start value), the

@@ -148,6 +148,30 @@ def test_checkpoint_rows_and_slots_cross_between_fused_and_per_field(direction, 
     np.testing.assert_allclose(src.predict_on_batch(PROBE), dst.predict_on_batch(PROBE), rtol=0, atol=1e-6)
 
 
+def test_a_restore_exports_each_fused_table_once_not_once_per_field(tmp_path, monkeypatch):
+    """Restoring a joined model (4 fields: 8 members in one TFRA table, Adam's 2 slots) reads the
+    keys each table holds by one export of the rows and one of each slot, not one per member (24);
+    the rows and slots restored are those saved (row by row: the test above)."""
+    from tensorflow_recommenders_addons import dynamic_embedding as de
+
+    from des import checkpoint
+    src, src_opt = _trained(True, join=True)
+    checkpoint.save(str(tmp_path / "ck"), src, src_opt, des.distributed(src).plan, 0, 1)
+    dst, dst_opt = _trained(True, steps=1, join=True)
+    tables = fused_tables(dst)
+    assert len(tables) == 1 and len(tables[0].member_names) == 8
+    calls = []
+    export = de.Variable.export
+    monkeypatch.setattr(de.Variable, "export", lambda self, *a, **k: calls.append(self.name) or export(self, *a, **k))
+    checkpoint.restore(str(tmp_path / "ck"), dst, dst_opt, 0, 1)
+    assert len(calls) == 3 == len(set(calls)), calls                  # the rows, Adam's m and v
+    a, b = state.export_rows(src, src_opt), state.export_rows(dst, dst_opt)
+    for k in a:
+        order_a, order_b = (np.argsort(a[k]["keys"]), np.argsort(b[k]["keys"])) if k[0] == "table" else (..., ...)
+        for part in a[k]:
+            np.testing.assert_array_equal(np.asarray(a[k][part])[order_a], np.asarray(b[k][part])[order_b])
+
+
 def test_an_id_outside_the_key_rule_names_the_field():
     model, _ = des.transform(build("lr")(), comm=LocalCommunicator(), fuse_tables=True)
     x = {k: np.array(v) for k, v in PROBE.items()}
