@@ -521,14 +521,12 @@ def _tail_choice(graph: Graph, model: tf.keras.Model, skip: set[int], tail: str 
 def _by_rows(matches: list[Match], own: _OwnedPart, field_plan: FieldPlan, comm: Communicator, tail: str,
              first_dense: str, costs: AutoTail) -> tuple[dict, str]:
     """Which first Dense layers go by moving rows ({layer name: (widths by rank, units)}), and
-    why when the byte model chose; marks their sub-operators (des_ops.rows)."""
+    why when the cost model chose; marks their sub-operators (des_ops.rows). ``first_dense="rows"``
+    comes with the data-parallel tail (transform checks it); "auto" with the replicated tail keeps
+    partials, as every process needs the whole batch's output."""
     dense = [(m, op) for m, op in zip(matches, own.ops) if "parts" in m.data]
-    if first_dense == "partials" or not dense:
+    if first_dense == "partials" or not dense or tail != "data_parallel":
         return {}, ""
-    if tail != "data_parallel":
-        if first_dense == "rows":
-            raise ValueError("des.transform(first_dense='rows'): needs the data-parallel tail (tail='data_parallel')")
-        return {}, ""           # auto: partials, as every process needs the whole batch's output
     out, reasons = {}, []
     for m, op in dense:
         widths = [sum(v.width for v in m.vectors if field_plan.owner[v.field] == r) for r in range(comm.world_size)]
