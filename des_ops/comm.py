@@ -86,7 +86,7 @@ class Communicator:
     def allreduce_counted(self, x: tf.Tensor, purpose: str) -> tf.Tensor:
         """``allreduce`` of ``x`` (no gradient) named ``des_<purpose>``, counted under ``purpose``."""
         x = tf.convert_to_tensor(x)
-        with tf.control_dependencies([self.count(purpose, tf.size(x, tf.int64) * x.dtype.size)]):
+        with tf.control_dependencies([self.count(purpose, nbytes(x))]):
             return self.allreduce(x, f"des_{purpose}")
 
     def counted(self) -> dict[str, dict[str, int]]:
@@ -502,6 +502,11 @@ def allreduce_sum(comm: Communicator, x: tf.Tensor, name: str = "des_partials",
         return y, grad
 
     return _allreduce(x)
+
+
+def nbytes(x: tf.Tensor) -> tf.Tensor:
+    """Bytes of ``x`` (an int64 scalar tensor): what a collective is handed, for the counters."""
+    return tf.cast(tf.size(x), tf.int64) * x.dtype.size
 
 
 def variable_zero(comm: Communicator, dtype=tf.float32) -> tf.Tensor:

@@ -267,6 +267,8 @@ class FusedTable(FieldEmbedding):
                              f"fuse_tables=False")
         return ids | np.int64(self._slot[member] << ID_BITS)
 
+    _held: dict | None = None     # within ``loading``: {id(params): {slot: keys held}}
+
     @contextlib.contextmanager
     def loading(self):
         """Within it, the keys each slot of ``params`` holds are exported once per table (rows or
@@ -280,7 +282,7 @@ class FusedTable(FieldEmbedding):
             self._held = None
 
     def _keys_of(self, params, member: int) -> np.ndarray:
-        held = getattr(self, "_held", None)
+        held = self._held
         if held is None:
             keys = params.export()[0].numpy()
             return keys[(keys >= 0) & ((keys >> ID_BITS) == self._slot[member])]
@@ -322,7 +324,7 @@ class FusedTable(FieldEmbedding):
             self._write_columns(params, gone, cols, None, rows)
         if len(keys):
             self._write_columns(params, keys, cols, np.asarray(values, np.float32).reshape(len(keys), -1), rows)
-        if getattr(self, "_held", None) is not None:   # the slot now holds ``keys`` (first member) or both
+        if self._held is not None:     # the slot now holds ``keys`` (first member) or both
             self._held[id(params)][int(self._slot[member])] = keys if self._start[member] == 0 else \
                 np.union1d(held, keys)
 

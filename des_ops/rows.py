@@ -27,16 +27,13 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from des_ops.comm import Communicator, not_folded, shard_rows, variable_zero
+from des_ops.comm import Communicator, nbytes, not_folded, shard_rows, variable_zero
 
 
 def _shard_sizes(batch: tf.Tensor, n: int) -> tf.Tensor:
     """[n] int32: rows of a batch of ``batch`` rows on each process (des_ops.comm.shard_rows)."""
     return tf.stack([tf.cast(hi - lo, tf.int32) for lo, hi in (shard_rows(batch, r, n) for r in range(n))])
 
-
-def _nbytes(x: tf.Tensor) -> tf.Tensor:
-    return tf.cast(tf.size(x), tf.int64) * x.dtype.size
 
 
 def rows_dense(comm: Communicator, e: tf.Tensor, kernel: tf.Tensor, rank_widths: list[int], anchor: tf.Tensor,
@@ -62,7 +59,7 @@ def rows_dense(comm: Communicator, e: tf.Tensor, kernel: tf.Tensor, rank_widths:
         sizes = _shard_sizes(batch, n)
         mine = sizes[r]
         flat = tf.reshape(e_p, [-1])                      # rows in batch order = grouped by destination
-        with tf.control_dependencies([comm.count("step", _nbytes(flat) + _nbytes(w_p))]):
+        with tf.control_dependencies([comm.count("step", nbytes(flat) + nbytes(w_p))]):
             got, _ = comm.alltoall(not_folded(comm, flat), sizes * widths[r], f"{name}_rows")
             kernel_all = tf.ensure_shape(comm.allgather(not_folded(comm, w_p), f"{name}_kernel"), [sum(widths), units])
         pieces = tf.split(got, tf.stack([mine * w for w in widths]), num=n)
@@ -74,7 +71,7 @@ def rows_dense(comm: Communicator, e: tf.Tensor, kernel: tf.Tensor, rank_widths:
             dx_flat = tf.concat([tf.reshape(p, [-1]) for p in tf.split(dx, widths, axis=1)], 0)
             dk = tf.matmul(x, dy, transpose_a=True)                            # [w, H], every process's share
             dk_flat = tf.reshape(dk, [-1])                                    # blocks in rank order
-            with tf.control_dependencies([comm.count("tail", _nbytes(dx_flat) + _nbytes(dk_flat))]):
+            with tf.control_dependencies([comm.count("tail", nbytes(dx_flat) + nbytes(dk_flat))]):
                 back, _ = comm.alltoall(not_folded(comm, dx_flat), tf.stack([mine * w for w in widths]),
                                         f"{name}_rows_grad")
                 shares, _ = comm.alltoall(not_folded(comm, dk_flat), tf.constant([w * units for w in widths], tf.int32),

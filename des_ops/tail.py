@@ -26,12 +26,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from des_ops.comm import Communicator, not_folded, shard_rows
+from des_ops.comm import Communicator, nbytes, not_folded, shard_rows
 from des_ops.keras_internals import stop_penalty_gradients
 
-
-def _nbytes(x: tf.Tensor) -> tf.Tensor:
-    return tf.cast(tf.size(x), tf.int64) * x.dtype.size
 
 
 def reduce_scatter_sum(comm: Communicator, x: tf.Tensor, name: str) -> tf.Tensor:
@@ -40,11 +37,11 @@ def reduce_scatter_sum(comm: Communicator, x: tf.Tensor, name: str) -> tf.Tensor
     under ``step`` (the whole ``x`` handed over), the all-gather under ``tail``."""
     @tf.custom_gradient
     def _scatter(v):
-        with tf.control_dependencies([comm.count("step", _nbytes(v))]):
+        with tf.control_dependencies([comm.count("step", nbytes(v))]):
             y = comm.reducescatter(not_folded(comm, v), name)
 
         def grad(dy):
-            with tf.control_dependencies([comm.count("tail", _nbytes(dy))]):
+            with tf.control_dependencies([comm.count("tail", nbytes(dy))]):
                 return tf.ensure_shape(comm.allgather(not_folded(comm, dy), f"{name}_grad"), v.shape)
         return y, grad
 
@@ -56,7 +53,7 @@ def gather_rows(comm: Communicator, x: tf.Tensor, name: str) -> tf.Tensor:
     rows of the upstream gradient, which every process computed alike from the whole batch."""
     @tf.custom_gradient
     def _gather(v):
-        with tf.control_dependencies([comm.count("tail", _nbytes(v))]):
+        with tf.control_dependencies([comm.count("tail", nbytes(v))]):
             y = comm.allgather(not_folded(comm, v), name)
 
         def grad(dy):
