@@ -243,7 +243,9 @@ OPTIONS: list[Option] = [
     _o("--dim", type=int, default=8),
     _o("--hidden", default="128,64"),
     _o("--seed", type=int, default=0),
-    _o("--shuffle-buffer", type=int, default=50_000),
+    _o("--shuffle-buffer", type=int, default=50_000,
+       help="each epoch's lines are shuffled within consecutive windows of this many lines, a seeded order "
+            "per window (des.data.readers.order); 0: in file order"),
     _o("--skip-bad-lines", action="store_true", help="drop and count malformed lines"),
     _o("--plan", default="balanced", choices=["balanced", "mod"]),
     _o("--tables", default=None, choices=["joined", "fused", "per-field"],

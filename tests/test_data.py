@@ -309,3 +309,27 @@ def test_a_reader_hashes_only_the_wanted_inputs_but_checks_every_column(tmp_path
         list(make_dataset(bad, fmt, spec, 4, inputs=wanted))
     with pytest.raises(ValueError, match="not in the spec"):
         make_dataset(p, fmt, spec, 4, inputs=["nope"])
+
+
+def test_order_shuffles_each_window_of_each_epoch_once_and_the_same_everywhere():
+    """des.data.readers.order: every line once an epoch, each inside its own window of
+    shuffle_buffer lines, a new order every epoch and window, the same for the same seed."""
+    from des.data.readers import order
+
+    def run(**kw):
+        return np.concatenate([b.numpy() for b in order(1000, batch_size=64, **kw)])
+
+    got = run(shuffle_buffer=300, seed=4, skip_lines=50, take_lines=900, epochs=2)
+    assert got.size == 1800 and np.array_equal(got, run(shuffle_buffer=300, seed=4, skip_lines=50,
+                                                            take_lines=900, epochs=2))
+    one, two = got[:900], got[900:]
+    for epoch in (one, two):
+        for w in range(3):                        # windows [50, 350), [350, 650), [650, 950)
+            part = epoch[300 * w: 300 * (w + 1)]
+            assert sorted(part.tolist()) == list(range(50 + 300 * w, 350 + 300 * w))
+            assert not np.array_equal(part, np.sort(part))
+    assert not np.array_equal(one, two)
+    assert not np.array_equal(one, run(shuffle_buffer=300, seed=5, skip_lines=50, take_lines=900))
+    assert np.array_equal(run(skip_lines=50, take_lines=900, epochs=2), np.tile(np.arange(50, 950), 2))
+    sizes = [int(b.shape[0]) for b in order(1000, batch_size=64, shuffle_buffer=300, drop_remainder=True)]
+    assert sizes == [64] * 15                     # across windows, the last short batch dropped

@@ -25,8 +25,8 @@ just the requested columns of each batch from memory-mapped files.
     (True, True)
     >>> shutil.rmtree(tmp)
 
-Same arguments, same batches: the row order is a shuffle of row numbers with tf.data's seeded
-shuffle, the very permutation the text reader applies to lines, so a columnar run sees the batches
+Same arguments, same batches: the row order is ``des.data.readers.order`` of the row numbers,
+the very order the text reader gives lines, so a columnar run sees the batches
 a text run sees (tests/test_columnar.py checks it batch by batch). Inputs not requested are filled
 with padding (ids ``PAD_ID``, weights and numbers 0) and must not be read by the model on this
 process.
@@ -180,8 +180,8 @@ def make_dataset(folder: str, spec: FeatureSpec, batch_size: int, *, shuffle_buf
             out[n] = tf.ensure_shape(t, [None, *col["shape"]])
         return out, tf.ensure_shape(got[-1], [None])
 
-    ds = order(tf.data.Dataset.range(rows), skip_lines=skip_lines, take_lines=take_lines, epochs=epochs,
-               shuffle_buffer=shuffle_buffer, seed=seed).batch(batch_size, drop_remainder=drop_remainder)
+    ds = order(rows, batch_size=batch_size, drop_remainder=drop_remainder, skip_lines=skip_lines,
+               take_lines=take_lines, epochs=epochs, shuffle_buffer=shuffle_buffer, seed=seed)
     allocated = shard is not None and hasattr(shard, "take")
     if shard is not None and not allocated:
         rank, world = shard
