@@ -268,10 +268,26 @@ class HorovodCommunicator(Communicator):
     name = "horovod"
 
     def __init__(self) -> None:
-        hvd = init_horovod()
-        self._hvd = hvd
-        self.rank, self.world_size = hvd.rank(), hvd.size()
+        self.rank, self.world_size = launcher_rank()
+        self._started = None
         super().__init__()
+
+    @property
+    def _hvd(self):
+        return self.start()
+
+    def start(self):
+        """horovod.tensorflow, started (``init_horovod``) at this communicator's first collective,
+        not at its creation: Horovod's background thread polls every cycle from then on, and
+        before the first collective it would take the CPU that building and transforming the
+        model needs (both processes of a 2-core machine build at once)."""
+        if self._started is None:
+            hvd = init_horovod()
+            if (hvd.rank(), hvd.size()) != (self.rank, self.world_size):
+                raise RuntimeError(f"Horovod's rank {hvd.rank()} of {hvd.size()} is not the launcher's "
+                                   f"{self.rank} of {self.world_size}")
+            self._started = hvd
+        return self._started
 
     def allreduce(self, x, name="des_allreduce"):
         return self._hvd.allreduce(x, op=self._hvd.Sum, name=op_name(name))
@@ -292,6 +308,7 @@ class HorovodCommunicator(Communicator):
 
     def broadcast(self, a, root=0):
         self.count("broadcast", np.asarray(a).nbytes)
+        self.start()
         return horovod_broadcast(self, a, root)
 
 

@@ -442,12 +442,13 @@ def fuse_nodes(graph, nodes: list, suffix: str, join_linear: bool = False) -> tu
                     slots=slots, same_as=same_as)
         if len(widths) > 1:
             table.shadow.des_joins_linear = True       # models.optim.LinearAndRestOptimizer refuses it
-        for member, layer in enumerate(layers):
-            source = next(m.attrs["source"] for m in members if m.layer is layer)
-            keys, values = source.export(layer)
-            source.release(layer)
-            layer.des_fused = (table, member)
-            source.load(layer, keys, values)           # into the fused table, under packed keys
+        with table.loading():                          # the new table's keys exported once, not per member
+            for member, layer in enumerate(layers):
+                source = next(m.attrs["source"] for m in members if m.layer is layer)
+                keys, values = source.export(layer)
+                source.release(layer)
+                layer.des_fused = (table, member)
+                source.load(layer, keys, values)       # into the fused table, under packed keys
         fused.append((table, members))
         names = [l.name for l in layers]
         what = (f"the rows of {len(layers)} table(s) of width {dim}" if len(widths) == 1 else

@@ -168,7 +168,8 @@ class Bias(tf.keras.layers.Layer):
         self.b = self.add_weight("b", shape=(1,), initializer="zeros")
         self.b.des_linear_part = True  # see models.optim
 
-    def call(self, x):
+    @tf.autograph.experimental.do_not_convert   # plain TF ops: autograph would only slow tracing
+    def call(self, x, training=None):   # ``training``: Keras passes it through the decorator
         return x + self.b
 
 
@@ -180,7 +181,8 @@ class FMInteraction(tf.keras.layers.Layer):
 
     des_substitute = "fm_interaction"
 
-    def call(self, stacked):
+    @tf.autograph.experimental.do_not_convert   # plain TF ops: autograph would only slow tracing
+    def call(self, stacked, training=None):   # ``training``: Keras passes it through the decorator
         s = tf.reduce_sum(stacked, axis=1)
         return 0.5 * tf.reduce_sum(tf.square(s) - tf.reduce_sum(tf.square(stacked), axis=1),
                                    axis=1, keepdims=True)

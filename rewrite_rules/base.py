@@ -87,7 +87,8 @@ class Reshaped(tf.keras.layers.Layer):
         super().__init__(**kwargs)
         self.shape = tuple(shape)
 
-    def call(self, x):
+    @tf.autograph.experimental.do_not_convert   # plain TF ops: autograph would only slow tracing
+    def call(self, x, training=None):   # ``training``: Keras passes it through the decorator
         return tf.reshape(x, tf.concat([tf.shape(x)[:1], tf.constant(self.shape, tf.int32)], 0)) \
             if tuple(x.shape[1:]) != self.shape else x
 

@@ -99,6 +99,13 @@ class DenseTail(tf.keras.layers.Layer):
             self.add_loss(lambda: bias_regularizer(self.bias))
 
     def call(self, inputs, training=None):
+        y = self._dense(inputs)
+        if self.rest is not None:                         # [B, units] into the rest of the layer
+            return self.rest(y, training=training)        # (a user's layer: Keras converts it with autograph)
+        return tf.reshape(y, tf.concat([tf.shape(y)[:1], tf.constant(self.shape, tf.int32)], 0))
+
+    @tf.autograph.experimental.do_not_convert   # plain TF ops, as Keras's Dense: autograph only slowed tracing
+    def _dense(self, inputs):
         total, others = inputs[0], inputs[1:]
         y = total
         if self.other_kernel is not None:
@@ -109,6 +116,4 @@ class DenseTail(tf.keras.layers.Layer):
             y = y + self.bias
         if self.activation is not None:
             y = self.activation(y)
-        if self.rest is not None:                         # [B, units] into the rest of the layer
-            return self.rest(y, training=training)
-        return tf.reshape(y, tf.concat([tf.shape(y)[:1], tf.constant(self.shape, tf.int32)], 0))
+        return y

@@ -106,7 +106,8 @@ class LinearTail(tf.keras.layers.Layer):
         if dense is not None and kernel_regularizer is not None:
             self.add_loss(lambda: kernel_regularizer(self.kernel))
 
-    def call(self, inputs):
+    @tf.autograph.experimental.do_not_convert   # plain TF ops: autograph would only slow tracing
+    def call(self, inputs, training=None):   # ``training``: Keras passes it through the decorator
         total, others = inputs[0], list(inputs[1:])
         y = tf.reshape(total, tf.concat([tf.shape(total)[:1], tf.constant(self.shape, tf.int32)], 0))
         if self.kernel is not None:

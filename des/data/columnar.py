@@ -165,6 +165,7 @@ def make_dataset(folder: str, spec: FeatureSpec, batch_size: int, *, shuffle_buf
     def gather(idx):
         return [np.asarray(a[idx]) for a in arrays]
 
+    @tf.autograph.experimental.do_not_convert   # plain TF ops: autograph would only slow the start
     def load(idx):
         got = tf.numpy_function(gather, [idx], dtypes, stateful=False)
         b = tf.shape(idx)[0]
@@ -185,7 +186,7 @@ def make_dataset(folder: str, spec: FeatureSpec, batch_size: int, *, shuffle_buf
     allocated = shard is not None and hasattr(shard, "take")
     if shard is not None and not allocated:
         rank, world = shard
-        ds = ds.map(lambda idx: _slice(idx, rank, world))
+        ds = ds.map(tf.autograph.experimental.do_not_convert(lambda idx: _slice(idx, rank, world)))
     ds = ds.map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     if allocated:          # an allocator reads the whole batch's ids, then keeps this process's rows
         ds = ds.map(shard.take)

@@ -33,6 +33,7 @@ from des.data.formats import FORMATS
 from models.spec import FeatureSpec
 
 PARSE_CHUNK = 2048  # lines validated and parsed per vectorised call in skip mode
+_plain = tf.autograph.experimental.do_not_convert   # dataset functions of plain TF ops: autograph would only slow the start
 
 
 def make_dataset(paths: Sequence[str] | str, fmt: str, spec: FeatureSpec, batch_size: int, *,
@@ -114,8 +115,8 @@ def make_dataset(paths: Sequence[str] | str, fmt: str, spec: FeatureSpec, batch_
         if shard is not None and not hasattr(shard, "take"):
             # a contiguous slice: cut the global batch's LINES, so a process parses only its own
             # (each line still read by every process: the same batches everywhere)
-            ds, shard = ds.map(lambda p, n, l: _slice_rows((p, n, l), *shard)), None
-        ds = ds.map(lambda p, n, l: parse(p, n, l)[:2], num_parallel_calls=tf.data.AUTOTUNE,
+            ds, shard = ds.map(_plain(lambda p, n, l: _slice_rows((p, n, l), *shard))), None
+        ds = ds.map(_plain(lambda p, n, l: parse(p, n, l)[:2]), num_parallel_calls=tf.data.AUTOTUNE,
                     deterministic=True)
     if shard is not None:
         ds = ds.map(share(shard))
@@ -182,8 +183,7 @@ def order(lines: tf.data.Dataset | int, *, batch_size: int, drop_remainder: bool
     if isinstance(lines, int):
         lo = min(skip_lines, lines)
         hi = lines if take_lines is None else min(lines, lo + take_lines)
-        windows = tf.data.Dataset.range(lo, hi, window).map(
-            lambda s: tf.range(s, tf.minimum(s + window, hi)))
+        windows = tf.data.Dataset.range(lo, hi, window).map(_plain(lambda s: tf.range(s, tf.minimum(s + window, hi))))
     else:
         if skip_lines:
             lines = lines.skip(skip_lines)
@@ -193,10 +193,11 @@ def order(lines: tf.data.Dataset | int, *, batch_size: int, drop_remainder: bool
     if epochs != 1:
         windows = windows.repeat(None if epochs < 0 else epochs)
     if shuffle_buffer > 1:
-        windows = windows.enumerate().map(lambda k, w: _permuted(w, seed, k))
+        windows = windows.enumerate().map(_plain(lambda k, w: _permuted(w, seed, k)))
     return windows.rebatch(batch_size, drop_remainder=drop_remainder)
 
 
+@_plain
 def _permuted(window, seed: int, k):
     """``window`` (a structure of tensors with one leading length) in the random order of
     (seed, k): the argsort of stateless random 64-bit keys, the same on every process."""
