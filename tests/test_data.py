@@ -333,3 +333,27 @@ def test_order_shuffles_each_window_of_each_epoch_once_and_the_same_everywhere()
     assert np.array_equal(run(skip_lines=50, take_lines=900, epochs=2), np.tile(np.arange(50, 950), 2))
     sizes = [int(b.shape[0]) for b in order(1000, batch_size=64, shuffle_buffer=300, drop_remainder=True)]
     assert sizes == [64] * 15                     # across windows, the last short batch dropped
+
+
+def test_text_read_in_chunks_keeps_line_numbers_and_line_ranges(tmp_path, monkeypatch):
+    """Lines are read, numbered and cut to a line range a chunk at a time (des.data.readers.LINE_CHUNK,
+    64 here): a bad line past the first chunks of the second file is still named by its own number,
+    and every line range equals that slice of the whole read, across chunk and file boundaries."""
+    import des.data.readers as readers
+    monkeypatch.setattr(readers, "LINE_CHUNK", 64)
+    a, b = str(tmp_path / "a.txt"), str(tmp_path / "b.txt")
+    write_criteo(a, 100, "tiny", seed=1, quiet=True)
+    write_criteo(b, 300, "tiny", seed=2, quiet=True)
+    spec = criteo_spec()
+    full = np.concatenate([x["C1"].numpy() for x, _ in make_dataset([a, b], "criteo", spec, 50)])
+    assert full.size == 400
+    for skip, take in [(0, 64), (30, 100), (100, 300), (163, None), (399, 10), (400, 5)]:
+        got = [x["C1"].numpy() for x, _ in make_dataset([a, b], "criteo", spec, 50, skip_lines=skip, take_lines=take)]
+        want = full[skip: None if take is None else skip + take]
+        assert np.array_equal(np.concatenate(got) if got else np.zeros(0, np.int64), want), (skip, take)
+    lines = open(b).read().splitlines(True)
+    lines[200] = "x" + lines[200]
+    open(b, "w").writelines(lines)
+    with pytest.raises(Exception, match=r"b\.txt:201: label 'x"):
+        for _ in make_dataset([a, b], "criteo", spec, 50, shuffle_buffer=128, seed=3):
+            pass
