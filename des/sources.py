@@ -60,7 +60,8 @@ class TableSource:
         if fused:
             return fused[0].field_rows(fused[1])
         if int(layer.params.size()) == 0:             # a new table (a model just built): no export
-            return np.zeros([0], layer.params.key_dtype.as_numpy_dtype), np.zeros([0, self.dim(layer)], layer.params.value_dtype.as_numpy_dtype)
+            return (np.zeros([0], layer.params.key_dtype.as_numpy_dtype),
+                    np.zeros([0, self.dim(layer)], layer.params.value_dtype.as_numpy_dtype))
         keys, values = layer.params.export()
         return keys.numpy(), values.numpy()
 

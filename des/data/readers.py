@@ -34,7 +34,7 @@ from models.spec import FeatureSpec
 
 PARSE_CHUNK = 2048  # lines validated and parsed per vectorised call in skip mode
 LINE_CHUNK = 8192   # lines read, numbered and tagged per dataset step
-_plain = tf.autograph.experimental.do_not_convert   # dataset functions of plain TF ops: autograph would only slow the start
+_plain = tf.autograph.experimental.do_not_convert   # dataset functions of plain TF ops: autograph only slows the start
 
 
 def make_dataset(paths: Sequence[str] | str, fmt: str, spec: FeatureSpec, batch_size: int, *,
