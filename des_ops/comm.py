@@ -272,10 +272,6 @@ class HorovodCommunicator(Communicator):
         self._started = None
         super().__init__()
 
-    @property
-    def _hvd(self):
-        return self.start()
-
     def start(self):
         """horovod.tensorflow, started (``init_horovod``) at this communicator's first collective,
         not at its creation: Horovod's background thread polls every cycle from then on, and
@@ -290,21 +286,23 @@ class HorovodCommunicator(Communicator):
         return self._started
 
     def allreduce(self, x, name="des_allreduce"):
-        return self._hvd.allreduce(x, op=self._hvd.Sum, name=op_name(name))
+        hvd = self.start()
+        return hvd.allreduce(x, op=hvd.Sum, name=op_name(name))
 
     def allgather(self, x, name="des_allgather"):
-        return self._hvd.allgather(x, name=op_name(name))
+        return self.start().allgather(x, name=op_name(name))
 
     def reducescatter(self, x, name="des_reducescatter"):
         # Horovod splits dim 0 as shard_rows does (the first B % N ranks one row more); checked
-        y = self._hvd.reducescatter(x, op=self._hvd.Sum, name=op_name(name))
+        hvd = self.start()
+        y = hvd.reducescatter(x, op=hvd.Sum, name=op_name(name))
         lo, hi = shard_rows(tf.shape(x)[0], self.rank, self.world_size)
         with tf.control_dependencies([tf.debugging.assert_equal(tf.shape(y)[0], hi - lo, message=(
                 f"rank {self.rank}: Horovod's reducescatter split the batch unlike des_ops.comm.shard_rows"))]):
             return tf.identity(y)
 
     def alltoall(self, x, splits, name="des_alltoall"):
-        return self._hvd.alltoall(x, splits=splits, name=op_name(name))
+        return self.start().alltoall(x, splits=splits, name=op_name(name))
 
     def broadcast(self, a, root=0):
         self.count("broadcast", np.asarray(a).nbytes)
