@@ -35,7 +35,6 @@ def _shard_sizes(batch: tf.Tensor, n: int) -> tf.Tensor:
     return tf.stack([tf.cast(hi - lo, tf.int32) for lo, hi in (shard_rows(batch, r, n) for r in range(n))])
 
 
-
 def rows_dense(comm: Communicator, e: tf.Tensor, kernel: tf.Tensor, rank_widths: list[int], anchor: tf.Tensor,
                name: str) -> tf.Tensor:
     """This process's rows (``shard_rows``) of concat_p(E_p) @ concat_p(W_p) over all processes p.

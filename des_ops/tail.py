@@ -30,7 +30,6 @@ from des_ops.comm import Communicator, nbytes, not_folded, shard_rows
 from des_ops.keras_internals import stop_penalty_gradients
 
 
-
 def reduce_scatter_sum(comm: Communicator, x: tf.Tensor, name: str) -> tf.Tensor:
     """This process's rows (``shard_rows``) of the sum of ``x`` over processes. Gradient: the
     all-gather of every process's rows of the upstream gradient. Counted: the reduce-scatter

@@ -204,33 +204,34 @@ def order(lines: tf.data.Dataset | int, *, batch_size: int, drop_remainder: bool
     return windows.rebatch(batch_size, drop_remainder=drop_remainder)
 
 
+def _rows(chunk) -> tf.Tensor:
+    """The leading length (lines) of a chunk: a structure of tensors with one leading length."""
+    return tf.shape(tf.nest.flatten(chunk)[0], out_type=tf.int64)[0]
+
+
 def _line_range(chunks: tf.data.Dataset, skip: int, take: int | None) -> tf.data.Dataset:
     """Lines [skip, skip + take) of a dataset of chunks of lines, in chunks; reading stops at
     the chunk that holds the range's last line."""
     end = None if take is None else skip + take
 
-    def rows(chunk):
-        return tf.shape(tf.nest.flatten(chunk)[0], out_type=tf.int64)[0]
-
     @_plain
     def cut(at, chunk):
-        n = rows(chunk)
+        n = _rows(chunk)
         lo = tf.clip_by_value(skip - at, 0, n)
         hi = n if end is None else tf.clip_by_value(end - at, 0, n)
         return tf.nest.map_structure(lambda t: t[lo:hi], chunk)
 
-    ds = chunks.scan(tf.constant(0, tf.int64), _plain(lambda at, chunk: (at + rows(chunk), (at, chunk))))
+    ds = chunks.scan(tf.constant(0, tf.int64), _plain(lambda at, chunk: (at + _rows(chunk), (at, chunk))))
     if end is not None:
         ds = ds.take_while(_plain(lambda at, chunk: at < end))
-    return ds.map(cut).filter(_plain(lambda *chunk: rows(chunk) > 0))
+    return ds.map(cut).filter(_plain(lambda *chunk: _rows(chunk) > 0))
 
 
 @_plain
 def _permuted(window, seed: int, k):
     """``window`` (a structure of tensors with one leading length) in the random order of
     (seed, k): the argsort of stateless random 64-bit keys, the same on every process."""
-    n = tf.shape(tf.nest.flatten(window)[0])[0]
-    keys = tf.random.stateless_uniform(tf.reshape(n, [1]), seed=tf.stack([tf.constant(seed, tf.int64), k]),
+    keys = tf.random.stateless_uniform(tf.reshape(_rows(window), [1]), seed=tf.stack([tf.constant(seed, tf.int64), k]),
                                        minval=None, maxval=None, dtype=tf.int64)
     perm = tf.argsort(keys, stable=True)
     return tf.nest.map_structure(lambda t: tf.gather(t, perm), window)
