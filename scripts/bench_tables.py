@@ -29,6 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
            OMPI_MCA_mpi_yield_when_idle="1", TF_CPP_MIN_LOG_LEVEL="2")
 RUNS = [("single", 1, "per-field"), ("single", 1, "fused"), ("single", 1, "joined"),
+        ("single", 2, "joined"),   # the control: two single processes at once (see ``train``)
         ("des", 2, "per-field"), ("des", 2, "fused"), ("des", 2, "joined"),
         ("ps", 2, "per-field"), ("ps", 2, "fused"), ("ps", 2, "joined"),
         ("cache", 2, "per-field"), ("cache", 2, "fused")]
@@ -37,11 +38,22 @@ DATA = {"criteo-like": "39 one-id fields", "wide": "26 one-id and 20 multi-value
 
 
 def train(mode: str, n: int, tables: str, data: str, a, out: str) -> dict:
-    args = [sys.executable, "-m", "des.train", "--mode", mode, "--model", a.model, "--data", data,
-            *(("--format", "columnar") if a.columnar else ()),
-            "--batch", str(a.batch), "--steps", str(a.steps), "--holdout", "2000", "--dim", str(a.dim),
-            "--hidden", a.hidden, "--threads", str(a.threads), "--summary-json", out, "--tables", tables,
-            "--check-bytes", "2"]    # the PS's and the cache's byte check on 2 steps (scripts/bench_des.py says why)
+    def command(out: str) -> list[str]:
+        return [sys.executable, "-m", "des.train", "--mode", mode, "--model", a.model, "--data", data,
+                *(("--format", "columnar") if a.columnar else ()),
+                "--batch", str(a.batch), "--steps", str(a.steps), "--holdout", "2000", "--dim", str(a.dim),
+                "--hidden", a.hidden, "--threads", str(a.threads), "--summary-json", out, "--tables", tables,
+                "--check-bytes", "2"]    # the PS's and the cache's byte check on 2 steps (scripts/bench_des.py says why)
+    args = command(out)
+    if mode == "single" and n > 1:     # n single processes at once, each alone: what sharing the cores costs
+        procs = [subprocess.Popen(command(out + f".{k}"), env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True) for k in range(n)]
+        for p in procs:
+            if p.wait():
+                raise SystemExit(f"{' '.join(p.args)} failed:\n{p.stderr.read()[-2000:]}")
+        got = [json.load(open(out + f".{k}")) for k in range(n)]
+        return dict(got[0], seconds_to_first_step=max(g["seconds_to_first_step"] for g in got),
+                    samples_per_second=min(g["samples_per_second"] for g in got))
     if n > 1:
         args = ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none"] + args
     p = subprocess.run(args, env=ENV, cwd=ROOT, capture_output=True, text=True)
@@ -82,13 +94,20 @@ def main() -> None:
                        env=ENV, cwd=ROOT, check=True, capture_output=True)
         data += ".cols"
     rows, began = [], time.time()
-    for mode, n, tables in [r for r in RUNS if r[0] in modes]:
-        got = [train(mode, n, tables, data, a, os.path.join(tmp, f"{mode}{n}{tables}{r}.json"))
-               for r in range(a.repeats)]
-        first = statistics.median(g["seconds_to_first_step"] for g in got)
-        speed = statistics.median(g["samples_per_second"] for g in got)
-        rows.append((mode, n, tables, first, speed, got[0]["auc"], got[0]["logloss"]))
-        print(f"{mode} N={n} {tables}: first step {first:.1f} s, {speed:.0f} samples/s", flush=True)
+    runs = [r for r in RUNS if r[0] in modes]
+    got: dict[tuple, list[dict]] = {run: [] for run in runs}
+    for r in range(a.repeats):        # round by round, every layout once a round: a slow spell of the
+        for mode, n, tables in runs:  # shared machine hits all layouts alike, not one layout's repeats
+            got[(mode, n, tables)].append(train(mode, n, tables, data, a, os.path.join(tmp, f"{mode}{n}{tables}{r}.json")))
+            print(f"round {r + 1}: {mode} N={n} {tables}: {got[(mode, n, tables)][-1]['samples_per_second']:.0f} "
+                  f"samples/s", flush=True)
+    for mode, n, tables in runs:
+        g = got[(mode, n, tables)]
+        first = statistics.median(x["seconds_to_first_step"] for x in g)
+        speed = statistics.median(x["samples_per_second"] for x in g)
+        base = got[(mode, n, "per-field")] if (mode, n, "per-field") in got else None
+        spread = [x["samples_per_second"] / b["samples_per_second"] for x, b in zip(g, base)] if base else []
+        rows.append((mode, n, tables, first, speed, g[0]["auc"], g[0]["logloss"], spread))
     base = {(m, n): (f, s) for m, n, t, f, s, *_ in rows if t == "per-field"}
     lines = [f"# Fused vs per-field tables: {a.model}, {a.preset} ({DATA[a.preset]}), dim {a.dim}, hidden {a.hidden}, "
              f"global batch {a.batch}",
@@ -97,18 +116,26 @@ def main() -> None:
              f"--repeats {a.repeats} --threads {a.threads} --modes {a.modes}" + (" --columnar" if a.columnar else "")
              + f" --out {os.path.relpath(a.out, ROOT)}` on {platform.node()} "
              f"({os.cpu_count()} cores, shared), "
-             f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(began))} UTC. Medians of {a.repeats} runs; "
+             f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(began))} UTC. Medians of {a.repeats} runs, run round by "
+             f"round (every layout once a round, so that a slow spell of the shared machine hits all alike); "
              f"first step = from des.train's start to the end of its first training step."
              + (" Every run reads a columnar copy of the data (des.data.convert)." if a.columnar else ""),
              "",
              "| mode | N | tables | first step (s) | samples/s | first step vs per-field | samples/s vs per-field "
-             "| held-out AUC | log loss |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for mode, n, tables, first, speed, auc, loss in rows:
+             "| same round's ratio, min-max | held-out AUC | log loss |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for mode, n, tables, first, speed, auc, loss, spread in rows:
         ref = base.get((mode, n))
         vs = (f"{ref[0] / first:.2f}x faster", f"{speed / ref[1]:.2f}x") if ref and tables != "per-field" else ("", "")
-        lines.append(f"| {mode} | {n} | {tables} | {first:.1f} | {speed:.0f} | {vs[0]} | {vs[1]} | {auc:.6f} | "
+        rng = f"{min(spread):.2f}-{max(spread):.2f}" if spread and tables != "per-field" else ""
+        label = f"{mode}, {n} at once" if mode == "single" and n > 1 else mode
+        lines.append(f"| {label} | {n} | {tables} | {first:.1f} | {speed:.0f} | {vs[0]} | {vs[1]} | {rng} | {auc:.6f} | "
                      f"{loss:.6f} |")
+    if any(m == "single" and n > 1 for m, n, *_ in rows):
+        lines += ["", "single, 2 at once: the control. Two single processes started together, each training "
+                  "its own copy alone (its first step: the later of the two; samples/s: the slower): what two "
+                  "processes sharing the machine's cores cost with no collective at all, the floor under the "
+                  "2-process modes' first step."]
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as fh:
         fh.write("\n".join(lines) + "\n")
