@@ -2,7 +2,10 @@
 39-field criteo-like file (one id per field) or on the wide preset (26 one-id fields and 20
 multi-valued ones, ~950 ids a sample), for the single process, DES and the PS on 2 processes with
 each table layout (per-field; fused: one table per width; joined: fused, each field's linear weight
-in its embedding's row, des.train's default), and the cache mode on 2 processes (per-field, fused). Medians of ``--repeats`` runs;
+in its embedding's row, des.train's default), and the cache mode on 2 processes (per-field, fused); with the
+single process, a control: two single processes started at once (what sharing the cores costs). Medians
+of ``--repeats`` rounds, each running every layout once (a slow spell of the shared machine then
+hits all layouts alike), and per layout the lowest and highest ratio to per-field within a round;
 writes reports/tables.md (criteo-like) or reports/tables_wide.md; ``--modes`` runs some modes only
 (then give ``--out``, e.g. reports/tables_cache.md). ``--columnar``: every run reads a columnar copy
 of the data (des.data.convert; a DES process then reads its own fields' columns only, where from
@@ -46,11 +49,13 @@ def train(mode: str, n: int, tables: str, data: str, a, out: str) -> dict:
                 "--check-bytes", "2"]    # the PS's and the cache's byte check on 2 steps (scripts/bench_des.py says why)
     args = command(out)
     if mode == "single" and n > 1:     # n single processes at once, each alone: what sharing the cores costs
+        logs = [open(out + f".{k}.log", "w+") for k in range(n)]    # a file, not a pipe nobody reads
         procs = [subprocess.Popen(command(out + f".{k}"), env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, text=True) for k in range(n)]
-        for p in procs:
+                                  stderr=log) for k, log in enumerate(logs)]
+        for p, log in zip(procs, logs):
             if p.wait():
-                raise SystemExit(f"{' '.join(p.args)} failed:\n{p.stderr.read()[-2000:]}")
+                log.seek(0)
+                raise SystemExit(f"{' '.join(p.args)} failed:\n{log.read()[-2000:]}")
         got = [json.load(open(out + f".{k}")) for k in range(n)]
         return dict(got[0], seconds_to_first_step=max(g["seconds_to_first_step"] for g in got),
                     samples_per_second=min(g["samples_per_second"] for g in got))
@@ -105,8 +110,8 @@ def main() -> None:
         g = got[(mode, n, tables)]
         first = statistics.median(x["seconds_to_first_step"] for x in g)
         speed = statistics.median(x["samples_per_second"] for x in g)
-        base = got[(mode, n, "per-field")] if (mode, n, "per-field") in got else None
-        spread = [x["samples_per_second"] / b["samples_per_second"] for x, b in zip(g, base)] if base else []
+        per_field = got.get((mode, n, "per-field"), [])
+        spread = [x["samples_per_second"] / b["samples_per_second"] for x, b in zip(g, per_field)]
         rows.append((mode, n, tables, first, speed, g[0]["auc"], g[0]["logloss"], spread))
     base = {(m, n): (f, s) for m, n, t, f, s, *_ in rows if t == "per-field"}
     lines = [f"# Fused vs per-field tables: {a.model}, {a.preset} ({DATA[a.preset]}), dim {a.dim}, hidden {a.hidden}, "
