@@ -38,6 +38,7 @@ as before, so a restored model continues exactly as the model that wrote it woul
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -65,15 +66,38 @@ def _shard_name(rank: int, world_size: int) -> str:
     return f"rank{rank}-of-{world_size}.npz"
 
 
-def _write_npz(path: str, entries: dict) -> None:
+def _npz(fh, entries: dict) -> None:
+    """Write ``entries`` ({(kind, key): {name: array}}, des.state.export_rows) as one npz to ``fh``."""
     index, arrays = [], {}
     for (kind, key), entry in entries.items():
         for name, value in entry.items():
             arrays[f"a{len(index)}"] = np.asarray(value)
             index.append([kind, key, name])
     arrays["index"] = np.array(json.dumps(index))
+    np.savez(fh, **arrays)
+
+
+def shard_bytes(entries: dict) -> bytes:
+    """``entries`` as the bytes of one checkpoint shard (what des.saving gathers on rank 0)."""
+    buf = io.BytesIO()
+    _npz(buf, entries)
+    return buf.getvalue()
+
+
+def shard_kinds(model, rank: int) -> tuple[str, ...]:
+    """What process ``rank`` contributes to a save: under DES the tables and kernel rows of its
+    fields, under the PS its key shard of every table, rank 0 also the replicated weights (and
+    everything of a replicated model)."""
+    kinds = {"table", "owned", "weight"} if rank == 0 else set()
+    des_model = distributed(model) is not None
+    if rank != 0 and (des_model or _sharded(model)):
+        kinds |= {"table", "owned"} if des_model else {"table"}
+    return tuple(sorted(kinds))
+
+
+def _write_npz(path: str, entries: dict) -> None:
     with open(path + ".tmp", "wb") as fh:
-        np.savez(fh, **arrays)
+        _npz(fh, entries)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(path + ".tmp", path)
@@ -90,13 +114,8 @@ def save(directory: str, model, optimizer, plan: FieldPlan | None = None, rank: 
         shutil.rmtree(incoming, ignore_errors=True)
         os.makedirs(incoming)
     barrier()
-    # DES: each process its tables and kernel rows; PS: each its key shard of every table;
-    # replicated weights (and everything of a replicated model): rank 0.
-    des_model = distributed(model) is not None
-    kinds = {"table", "owned", "weight"} if rank == 0 else set()
-    if rank != 0 and (des_model or _sharded(model)):
-        kinds |= {"table", "owned"} if des_model else {"table"}
-    entries = export_rows(model, optimizer, kinds=tuple(kinds)) if kinds else {}
+    kinds = shard_kinds(model, rank)
+    entries = export_rows(model, optimizer, kinds=kinds) if kinds else {}
     _write_npz(os.path.join(incoming, _shard_name(rank, world_size)), entries)
     barrier()
     if rank == 0:
@@ -175,18 +194,20 @@ def check_config(directory: str, config: dict) -> None:
                               f"restore with the same settings")
 
 
-class _Shards:
-    """All shards of one checkpoint, read lazily: entries(kind, key) -> [{name: array}]."""
+class Shards:
+    """All shards of one checkpoint (files of a folder, or bytes gathered from every process),
+    read lazily: entries(kind, key) -> [{name: array}]."""
 
-    def __init__(self, path: str, world_size: int):
+    def __init__(self, path: str | None = None, world_size: int = 0, blobs: list[bytes] = ()):
         self.files, self.where = [], {}
-        for r in range(world_size):
-            name = os.path.join(path, _shard_name(r, world_size))
-            if not os.path.exists(name):
+        sources = [(os.path.join(path, _shard_name(r, world_size)), None) for r in range(world_size)] if path else \
+            [(f"rank {r}'s rows", io.BytesIO(b)) for r, b in enumerate(blobs)]
+        for r, (name, data) in enumerate(sources):
+            if data is None and not os.path.exists(name):
                 raise CheckpointError(f"{name}: missing (the checkpoint was written by {world_size} "
                                       f"processes; this shard is gone)")
             try:
-                npz = np.load(name, allow_pickle=False)
+                npz = np.load(name if data is None else data, allow_pickle=False)
                 index = json.loads(str(npz["index"]))
             except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as e:
                 raise CheckpointError(f"{name}: truncated or not a checkpoint shard ({e})") from None
@@ -203,7 +224,7 @@ class _Shards:
                 raise CheckpointError(f"{name}: truncated or corrupt ({e})") from None
 
 
-def _with_55_bit_ids(shards: "_Shards", path: str):
+def _with_55_bit_ids(shards: "Shards", path: str):
     """Entries of a format-2 checkpoint with its table ids as this version's readers make them: the
     low 55 bits of the 63-bit ids (des.data.hashing). Two ids of one table that meet stop the restore."""
 
@@ -239,7 +260,7 @@ def restore(directory: str, model, optimizer=None, rank: int = 0, world_size: in
     fmt = config.get("checkpoint_format")
     if fmt not in (2, FORMAT):
         raise CheckpointError(f"{path}: checkpoint format {fmt}, this version reads 2 and {FORMAT}")
-    shards = _Shards(path, int(config["world_size"]))
+    shards = Shards(path, int(config["world_size"]))
     if fmt == 2:
         shards = _with_55_bit_ids(shards, path)
     if optimizer is not None:

@@ -26,7 +26,7 @@ import os
 
 import tensorflow as tf
 
-from des import state
+from des import saving, state
 from des.cost import AutoTail, choose_first_dense, choose_tail, estimate
 from des.fields import GLUE, FieldAnalysis, FieldVector
 from des.handle import Distributed, attach, distributed
@@ -420,7 +420,9 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     given = {m.root.output: _finisher(graph, m, o) for m, o in zip(matches, outs)}
     new_model, tail_variables = _replay(graph, skip, given, model, comm, first, tail == "data_parallel")
     attach(new_model, Distributed(first, field_plan, state.StateKeys.of_transform(
-        graph, matches, first, [m.layer for _, members in fused for m in members]), tail, tail_variables))
+        graph, matches, first, [m.layer for _, members in fused for m in members]), tail, tail_variables,
+        source=model))
+    saving.install(new_model)
     report.tables += fused_lines
     report.plan, report.floats_per_sample, report.widths = field_plan, first.floats_per_sample(), own.widths
     report.penalty_column = own.penalty_column

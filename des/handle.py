@@ -28,6 +28,7 @@ class Distributed:
     state: Any                  # des.state.StateKeys: how rows and weights are keyed in checkpoints
     tail: str = "replicated"    # or "data_parallel" (des_ops.tail)
     tail_variables: list = dataclasses.field(default_factory=list)   # data-parallel tail: summed gradients
+    source: Any = None          # the model des.transform was given: the architecture a save writes (des.saving)
 
     @property
     def comm(self):

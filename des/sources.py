@@ -80,6 +80,10 @@ class TableSource:
         fused = fused_of(layer)
         self.clear_rows(layer, fused[0].params if fused else layer.params)
 
+    def reacquire(self, layer) -> None:
+        """Give a released table its storage back (empty), so that rows can be loaded into it
+        (des.saving gathers a whole model on rank 0). A dynamic table keeps its storage."""
+
     def trainable(self, layer):
         """The variable the optimizer updates for this table's rows (TFRA: a shadow, maybe of the
         fused table that holds them; Keras: the matrix)."""
@@ -199,6 +203,11 @@ class _KerasEmbedding(TableSource):
 
     def release(self, layer):
         release_variables(layer, ["embeddings"])
+
+    def reacquire(self, layer):
+        if layer.embeddings is None:
+            layer.embeddings = layer.add_weight(shape=(layer.input_dim, layer.output_dim), initializer="zeros",
+                                                name="embeddings", dtype=layer.dtype)
 
     def trainable(self, layer):
         return layer.embeddings

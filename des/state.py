@@ -252,7 +252,10 @@ def create_slots(model: tf.keras.Model, optimizer) -> None:
     optimizer.iterations  # noqa: B018 - creates the step counter
     for part in optimizer_parts(optimizer):
         mine = [v for v in model.trainable_variables if _part_of(optimizer, v) is part]
-        create_optimizer_weights(part, mine)
+        if creates_weights_ahead(part):
+            create_optimizer_weights(part, mine)
+        else:                               # Keras 2.11+ optimizers: their public build
+            part.build(mine)
 
 
 def trace_once(model: tf.keras.Model) -> tf.keras.Model:
@@ -290,9 +293,54 @@ def _trainable_of(layer, source):
     return source.trainable(layer)
 
 
-def _slot_names(optimizer, var) -> list[str]:
+class SlotError(ValueError):
+    """An optimizer whose slots cannot be read or matched to the variables they belong to."""
+
+
+def optimizer_slots(optimizer, var) -> dict:
+    """{slot name: slot variable} of ``var`` in ``optimizer`` (the part that updates it): legacy
+    Keras optimizers through ``get_slot``; the new ones (Keras 2.11+: Adam, Adagrad, SGD, Ftrl,
+    RMSprop, ..., TFRA's DynamicEmbeddingOptimizer around them) through their public
+    ``variables``, which name each slot ``[<optimizer>/]<slot>/<variable>`` (a TFRA table's slot:
+    its table named ``<table>/<variable>/<slot>``). Empty before the optimizer's first step or
+    ``create_slots``.
+
+        >>> v = tf.Variable(tf.ones([2]), name="w")
+        >>> opt = tf.keras.optimizers.Adam(); opt.build([v])
+        >>> sorted(optimizer_slots(opt, v))
+        ['m', 'v']
+    """
     part = _part_of(optimizer, var)
-    return [] if part is None else list(part.get_slot_names())
+    if part is None:
+        return {}
+    if hasattr(part, "get_slot_names"):                       # legacy Keras (optimizer_v2)
+        return {name: part.get_slot(var, name) for name in part.get_slot_names()}
+    if not hasattr(part, "variables"):
+        raise SlotError(f"optimizer {type(part).__name__}: its slots cannot be read (it has neither "
+                        f"get_slot_names nor variables)")
+    variables = part.variables() if callable(part.variables) else part.variables
+    shared = var._shared_name
+    params = getattr(getattr(var, "params", None), "name", None)
+    out = {}
+    for slot in variables:
+        slot_params = getattr(getattr(slot, "params", None), "name", None)
+        name = None
+        if params is not None and slot_params is not None:      # a TFRA table's slot table
+            prefix = f"{params}/{shared}/"
+            name = slot_params[len(prefix):] if slot_params.startswith(prefix) else None
+        elif params is None and slot_params is None:
+            full = slot.name[:-2] if slot.name.endswith(":0") else slot.name
+            if full.endswith(f"/{shared}"):
+                name = full[:-len(shared) - 1]
+                if name.startswith(f"{part.name}/"):
+                    name = name[len(part.name) + 1:]
+        if not name or "/" in name:
+            continue
+        if name in out:
+            raise SlotError(f"optimizer {part.name!r}: two slots {name!r} match the variable {var.name!r} (two model "
+                            f"variables of one name?): give the layers distinct names")
+        out[name] = slot
+    return out
 
 
 def _rows(value: np.ndarray, ranges) -> np.ndarray:
@@ -338,16 +386,15 @@ def export_rows(model: tf.keras.Model, optimizer, kinds=("table", "owned", "weig
             keys, values = source.export(var)
             entry = {"keys": np.asarray(keys, np.int64), "value": np.asarray(values, np.float32)}
             trainable = _trainable_of(var, source)
-            for name in _slot_names(optimizer, trainable):
-                slot = _part_of(optimizer, trainable).get_slot(trainable, name)
+            for name, slot in optimizer_slots(optimizer, trainable).items():
                 if source.dynamic:
                     entry[f"slot:{name}"], entry[f"has:{name}"] = source.slot_rows(var, slot.params, entry["keys"])
                 else:
                     entry[f"slot:{name}"] = slot.numpy()
         else:
             entry = {"value": _rows(var.numpy(), ranges)}
-            for name in _slot_names(optimizer, var):
-                entry[f"slot:{name}"] = _rows(_part_of(optimizer, var).get_slot(var, name).numpy(), ranges)
+            for name, slot in optimizer_slots(optimizer, var).items():
+                entry[f"slot:{name}"] = _rows(slot.numpy(), ranges)
         out[(kind, key)] = entry
     return out
 
@@ -374,8 +421,7 @@ def load_rows(model: tf.keras.Model, optimizer, entries, keep_key=None) -> list[
             keys = cat("keys")
             source.load(var, keys, cat("value"))
             trainable = _trainable_of(var, source)
-            for name in _slot_names(optimizer, trainable):
-                slot = _part_of(optimizer, trainable).get_slot(trainable, name)
+            for name, slot in optimizer_slots(optimizer, trainable).items():
                 if f"slot:{name}" not in saved[0]:
                     raise KeyError(f"table {key}: the checkpoint has no optimizer slot {name!r}")
                 if source.dynamic:
@@ -386,10 +432,9 @@ def load_rows(model: tf.keras.Model, optimizer, entries, keep_key=None) -> list[
             continue
         entry = saved[0]
         var.assign(_put_rows(var.numpy(), ranges, entry["value"]))
-        for name in _slot_names(optimizer, var):
+        for name, slot in optimizer_slots(optimizer, var).items():
             if f"slot:{name}" not in entry:
                 raise KeyError(f"{kind} {key}: the checkpoint has no optimizer slot {name!r}")
-            slot = _part_of(optimizer, var).get_slot(var, name)
             slot.assign(_put_rows(slot.numpy(), ranges, entry[f"slot:{name}"]))
     return missing
 

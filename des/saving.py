@@ -1,0 +1,146 @@
+"""Keras's own saving for a model des.transform returned: ``model.save(path)``,
+``model.save_weights(path)`` and ``tf.keras.callbacks.ModelCheckpoint`` write the UNTOUCHED
+architecture (the model the user passed to des.transform) with every trained weight.
+
+Every process calls the save (as it calls ``fit``); each hands its rows, kernel rows and, on
+rank 0, the replicated weights to rank 0 (des.checkpoint's shard format, gathered in pieces of
+``CHUNK`` bytes), rank 0 loads them into the untouched model and lets Keras write it; the other
+processes write nothing. The processes first check that they save the same thing to the same
+path: a disagreement ends every process at once with one line naming the ranks. A save that
+some processes never call is a collective that never completes: Horovod's stall check ends the
+job (des_ops.comm: after ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``, 60 s by default), naming
+the missing ranks. Nothing is ever written from one process's share alone.
+
+    >>> import des, models, tempfile, numpy as np, tensorflow as tf
+    >>> from des.verify import random_batches, small_spec
+    >>> spec = small_spec(n_fields=2, dim=4)
+    >>> model, _ = des.transform(models.deepfm(spec, hidden=(8,)))
+    >>> model.compile(tf.keras.optimizers.Adam(0.01), "binary_crossentropy")
+    >>> x, y = random_batches(spec, steps=1, batch=16)[0]
+    >>> _ = model.fit(x, y, verbose=0)
+    >>> path = os.path.join(tempfile.mkdtemp(), "model.keras")
+    >>> model.save(path)                        # the untouched DeepFM, trained weights
+    >>> again = tf.keras.models.load_model(path, custom_objects=models.CUSTOM_OBJECTS, compile=False)
+    >>> bool(np.allclose(again.predict_on_batch(x), model.predict_on_batch(x), atol=1e-6))
+    True
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from typing import Iterator
+
+import numpy as np
+import tensorflow as tf
+
+from des.checkpoint import Shards, shard_bytes, shard_kinds
+from des.handle import distributed
+from des.state import StateKeys, export_rows, keep_state_keys, load_rows
+from des_ops.comm import Communicator
+
+CHUNK = 64 << 20        # bytes a process hands to one all-gather of a save
+
+
+class SaveError(RuntimeError):
+    """A save the processes cannot complete together (they disagree on it)."""
+
+
+def allgather_bytes(comm: Communicator, data: bytes, name: str) -> list[bytes]:
+    """Every process's ``data``, in rank order, on every process: all-gathers of at most
+    ``CHUNK`` bytes a process, the same number on every process whatever each holds."""
+    if comm.world_size == 1:
+        return [data]
+    sizes = comm.allgather(tf.constant([len(data)], tf.int64), f"{name}_sizes").numpy()
+    parts: list[list[bytes]] = [[] for _ in sizes]
+    for i in range(int(-(-max(sizes) // CHUNK))):
+        mine = np.frombuffer(data[i * CHUNK:(i + 1) * CHUNK], np.uint8)
+        got = comm.allgather(tf.constant(mine, tf.uint8), f"{name}_part").numpy()
+        at = 0
+        for r, size in enumerate(sizes):
+            n = int(min(CHUNK, max(0, size - i * CHUNK)))
+            parts[r].append(got[at:at + n].tobytes())
+            at += n
+    return [b"".join(p) for p in parts]
+
+
+def agree_on(comm: Communicator, what: str, text: str) -> None:
+    """Raise SaveError on EVERY process unless all of them pass the same ``text``; the message
+    names the ranks of each value. One small all-gather: no process goes on alone."""
+    texts = [t.decode() for t in allgather_bytes(comm, text.encode(), "des_save_agree")]
+    if len(set(texts)) > 1:
+        by: dict[str, list[int]] = {}
+        for r, t in enumerate(texts):
+            by.setdefault(t, []).append(r)
+        raise SaveError(f"{what}: the processes disagree: " + "; ".join(
+            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {t!r}" for t, rs in by.items()))
+
+
+@contextlib.contextmanager
+def untouched(model: tf.keras.Model, what: str = "save") -> Iterator[tf.keras.Model | None]:
+    """On rank 0, the model des.transform was given, holding every process's trained rows and
+    weights (None elsewhere). Every process must enter it; afterwards rank 0 drops again the
+    rows it does not own. A model des.transform did not change is yielded as it is."""
+    handle = distributed(model)
+    if handle is None:
+        yield model
+        return
+    comm, source = handle.comm, handle.source
+    if source is None:
+        raise SaveError(f"{what}: {model.name!r} keeps no untouched architecture (a subclassed or tower "
+                        f"model): save with des.checkpoint.save(folder, model, optimizer) on every process")
+    blobs = allgather_bytes(comm, shard_bytes(export_rows(model, None, shard_kinds(model, comm.rank))),
+                            "des_save_rows")
+    if comm.rank != 0:
+        yield None
+        return
+    keys = StateKeys.of_model(source)
+    kept = {key for key in handle.state.tables}
+    consumed = source.__dict__.get("call")          # des.compiler marked the model consumed
+    for layer, src in keys.tables.values():
+        src.reacquire(layer)
+    try:
+        if consumed is not None:
+            del source.call
+        keep_state_keys(source, keys)
+        missing = load_rows(source, None, Shards(blobs=blobs))
+        if missing:
+            raise SaveError(f"{what}: no process holds {', '.join(missing[:3])}: the model's state is incomplete")
+        yield source
+    finally:
+        for key, (layer, src) in keys.tables.items():
+            if key not in kept:
+                src.release(layer)
+        if consumed is not None:
+            source.call = consumed
+
+
+def _check(model: tf.keras.Model, what: str, filepath) -> None:
+    path = os.fspath(filepath) if not isinstance(filepath, str) else filepath
+    agree_on(distributed(model).comm, f"{what}({path!r})", f"{what} to {path}")
+
+
+def save(model: tf.keras.Model, filepath, *args, **kwargs) -> None:
+    """``model.save`` of a DES model: every process calls it, rank 0 writes the untouched model."""
+    _check(model, "model.save", filepath)
+    with untouched(model, "model.save") as full:
+        if full is not None:
+            full.save(filepath, *args, **kwargs)
+
+
+def save_weights(model: tf.keras.Model, filepath, *args, **kwargs) -> None:
+    """``model.save_weights`` of a DES model: the untouched model's weights, written by rank 0."""
+    _check(model, "model.save_weights", filepath)
+    with untouched(model, "model.save_weights") as full:
+        if full is not None:
+            full.save_weights(filepath, *args, **kwargs)
+
+
+def install(model: tf.keras.Model) -> None:
+    """Make ``model.save`` and ``model.save_weights`` (and so ModelCheckpoint) gather and write
+    the untouched model (des.compiler does, for every model des.transform returns)."""
+    object.__setattr__(model, "save", lambda filepath, *a, **k: save(model, filepath, *a, **k))
+    object.__setattr__(model, "save_weights", lambda filepath, *a, **k: save_weights(model, filepath, *a, **k))
+
+
+__all__ = ["save", "save_weights", "untouched", "allgather_bytes", "agree_on", "SaveError"]
