@@ -50,6 +50,9 @@ def __getattr__(name):
     if name == "TransformError":
         from des.compiler import TransformError
         return TransformError
+    if name == "export":                 # des.export(model, out) / des.export(checkpoint, out): a callable module
+        import importlib
+        return importlib.import_module("des.export")
     if name == "make_keyed":
         from des.state import make_keyed
         return make_keyed

@@ -638,6 +638,9 @@ def _transform_subclassed(model: tf.keras.Model, sample, comm: Communicator, str
     model.call = call
     handle = distributed(rewritten)
     attach(model, handle)                           # the same handle: plan, DES layer, state keys, tail
+    frozen = [m.root.layer for m in report.substitutions if type(m.root.layer) is tf.keras.layers.Dense]
+    handle.written = lambda: saving.as_written(model, frozen)       # a save writes the user's own class
+    saving.install(model)
     if handle.tail == "data_parallel":
         sum_tail_gradients(model, comm, handle.tail_variables)     # the user compiles this model
     return model, report

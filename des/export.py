@@ -47,6 +47,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 
 import tensorflow as tf
 
@@ -107,27 +108,68 @@ def _static_embedding_class():
             rows = tf.where((uniq == PAD_ID)[:, None], tf.zeros_like(rows), rows)
             return pool(tf.gather(rows, idx), ids, weights, self.dim)
 
-    return StaticFieldEmbedding
+    class StaticTFRAEmbedding(tf.keras.layers.Layer):
+        """A TFRA (Squashed)Embedding made key-deterministic by des.transform / des.make_keyed,
+        frozen into core TensorFlow: what its inference call computes, with a hash table of
+        key -> row and a matrix, and key_init's row for a key it does not hold."""
+
+        def __init__(self, keys, values, dim: int, salt: int, init_scale: float, combiner: str | None, **kwargs):
+            super().__init__(**kwargs)
+            self.dim, self.salt, self.init_scale, self.combiner = int(dim), int(salt), float(init_scale), combiner
+            self.rows = len(keys)
+            self.index = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, default_value=-1)
+            if len(keys):
+                self.index.insert(tf.constant(keys, tf.int64), tf.range(len(keys), dtype=tf.int64))
+            rows = (tf.constant(values, tf.float32, shape=[len(keys), self.dim]) if len(keys)
+                    else tf.zeros([1, self.dim]))
+            self.matrix = tf.Variable(rows, trainable=False, name="rows")
+
+        def call(self, ids):
+            ids = tf.convert_to_tensor(ids)
+            uniq, idx = tf.unique(tf.cast(tf.reshape(ids, [-1]), tf.int64))
+            at = self.index.lookup(uniq)
+            rows = tf.where((at >= 0)[:, None], tf.gather(self.matrix, tf.maximum(at, 0)),
+                            key_init(uniq, self.salt, self.dim, self.init_scale))
+            out = tf.reshape(tf.gather(rows, idx), tf.concat([tf.shape(ids), [self.dim]], 0))
+            if self.combiner is None:
+                return out
+            reduce = getattr(tf.math, f"reduce_{self.combiner}")      # TFRA's reduce_pooling
+            if out.shape.ndims == 2:
+                return reduce(out, 0)
+            for _ in range(out.shape.ndims - 2):
+                out = reduce(out, 1)
+            return out
+
+    return StaticFieldEmbedding, StaticTFRAEmbedding
+
+
+def _has_dynamic_tables(model) -> bool:
+    return any(src.dynamic for _, src in state_keys(model).tables.values())
 
 
 def serving_model(model):
-    """A copy of a single-process reference model whose FieldEmbedding tables are static lookups."""
-
-    static = _static_embedding_class()
+    """A copy of a single-process model whose dynamic tables (this project's FieldEmbedding,
+    TFRA's made key-deterministic) are static lookups; a model without them is served as it is."""
+    if not _has_dynamic_tables(model):
+        return model
+    static, static_tfra = _static_embedding_class()
     tables = {id(layer): src for layer, src in state_keys(model).tables.values()}
 
     def clone(layer):
-        if id(layer) in tables:
-            if not hasattr(layer, "salt"):
-                raise ValueError(f"export handles this project's FieldEmbedding tables; {layer.name!r} is "
-                                 f"a {tables[id(layer)].name}")
+        if id(layer) in tables and tables[id(layer)].dynamic:
             keys, values = tables[id(layer)].export(layer)
-            return static(keys, values, layer.dim, layer.salt, layer.init_scale, name=layer.name)
+            if hasattr(layer, "salt"):
+                return static(keys, values, layer.dim, layer.salt, layer.init_scale, name=layer.name)
+            if not hasattr(layer, "des_salt"):
+                raise ValueError(f"{layer.name!r} ({tables[id(layer)].name}): a key it does not hold would read a random "
+                                 f"row; des.transform (or des.make_keyed) makes its new rows key-deterministic first")
+            return static_tfra(keys, values, layer.embedding_size, layer.des_salt, layer.des_scale,
+                               layer.combiner if layer.des_squashed else None, name=layer.name)
         return layer.__class__.from_config(layer.get_config())
     copy = tf.keras.models.clone_model(model, clone_function=clone)
     by_name = {l.name: l for l in copy.layers}
     for layer in model.layers:
-        if id(layer) not in tables and layer.weights:
+        if not (id(layer) in tables and tables[id(layer)].dynamic) and layer.weights:
             by_name[layer.name].set_weights(layer.get_weights())
     return copy
 
@@ -157,6 +199,49 @@ def export(checkpoint_dir: str, out: str) -> dict:
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
     rows = sum(layer.rows for layer in served.layers if hasattr(layer, "matrix"))
     return {"bytes": size, "rows": rows}
+
+
+def _input_specs(model) -> dict:
+    """{name: TensorSpec} of ``model``'s inputs, batch dimension free (names: the dict's keys or
+    the Input layers' names)."""
+    named = model.input.items() if isinstance(model.input, dict) else \
+        [(t.name.split(":")[0], t) for t in tf.nest.flatten(model.input)]
+    return {k: tf.TensorSpec([None] + list(t.shape[1:]), t.dtype, name=k) for k, t in named}
+
+
+def export_model(model, out: str) -> dict | None:
+    """Write ``model`` (one des.transform returned, on every process at once, or any single-process
+    Keras model) as one SavedModel in ``out`` with a ``serving_default`` signature over the model's
+    own inputs and outputs (named as Keras names them). Dynamic tables become ``tf.lookup``
+    tables: it loads with ``tf.saved_model.load`` or ``tf.keras.models.load_model`` where neither
+    des nor TFRA is imported. Every process calls it; rank 0 writes and returns {"bytes", "rows"},
+    the others None. ``out`` must not exist or be empty (checked on every process first)."""
+    from des import saving
+    from des.handle import distributed
+    handle = distributed(model)
+    if handle is not None:
+        saving.agree_on(handle.comm, f"des.export(model, {out!r})", f"export to {out}")
+    if os.path.exists(out) and os.listdir(out):
+        raise ValueError(f"{out}: exists and is not empty; nothing was written (choose another path)")
+    with saving.untouched(model, "des.export") as full:
+        if full is None:
+            return None
+        served = serving_model(full)
+        specs = _input_specs(served)
+        keyed, names = isinstance(served.input, dict), served.output_names
+
+        def serve(**x):
+            args = x if keyed else [x[k] for k in specs] if len(specs) > 1 else x[next(iter(specs))]
+            return dict(zip(names, tf.nest.flatten(served(args, training=False))))
+        tmp = out.rstrip("/") + ".tmp-export"
+        shutil.rmtree(tmp, ignore_errors=True)
+        signature = tf.function(serve).get_concrete_function(**specs)
+        served.save(tmp, save_format="tf", include_optimizer=False, signatures={"serving_default": signature})
+    if os.path.isdir(out):
+        os.rmdir(out)
+    os.rename(tmp, out)
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
+    return {"bytes": size, "rows": sum(getattr(layer, "rows", 0) for layer in served.layers if hasattr(layer, "matrix"))}
 
 
 LOAD_CHECK = """
@@ -203,5 +288,19 @@ def main(argv=None) -> int:
     return 0
 
 
+class _ExportModule(types.ModuleType):
+    """``des.export(model, out)`` (every process of a DES model, or one process) and
+    ``des.export(checkpoint_folder, out)``: this module is callable."""
+
+    def __call__(self, model_or_checkpoint, out: str):
+        if isinstance(model_or_checkpoint, (str, os.PathLike)):
+            return export(os.fspath(model_or_checkpoint), out)
+        return export_model(model_or_checkpoint, out)
+
+
+sys.modules[__name__].__class__ = _ExportModule
+
+
 if __name__ == "__main__":
     sys.exit(main())
+

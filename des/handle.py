@@ -29,6 +29,7 @@ class Distributed:
     tail: str = "replicated"    # or "data_parallel" (des_ops.tail)
     tail_variables: list = dataclasses.field(default_factory=list)   # data-parallel tail: summed gradients
     source: Any = None          # the model des.transform was given: the architecture a save writes (des.saving)
+    written: Any = None         # a subclassed model: () -> context giving the user's object as Keras writes it
 
     @property
     def comm(self):

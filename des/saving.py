@@ -36,8 +36,10 @@ import tensorflow as tf
 
 from des.checkpoint import Shards, shard_bytes, shard_kinds
 from des.handle import distributed
+from des.sources import source_of
 from des.state import StateKeys, export_rows, keep_state_keys, load_rows
 from des_ops.comm import Communicator
+from des_ops.keras_internals import untrack
 
 CHUNK = 64 << 20        # bytes a process hands to one all-gather of a save
 
@@ -86,33 +88,54 @@ def untouched(model: tf.keras.Model, what: str = "save") -> Iterator[tf.keras.Mo
         yield model
         return
     comm, source = handle.comm, handle.source
-    if source is None:
-        raise SaveError(f"{what}: {model.name!r} keeps no untouched architecture (a subclassed or tower "
-                        f"model): save with des.checkpoint.save(folder, model, optimizer) on every process")
     blobs = allgather_bytes(comm, shard_bytes(export_rows(model, None, shard_kinds(model, comm.rank))),
                             "des_save_rows")
     if comm.rank != 0:
         yield None
         return
+    for layer in source.submodules:                 # released tables (a nested model's too) get storage back
+        if getattr(layer, "des_released", False):
+            source_of(layer).reacquire(layer)
     keys = StateKeys.of_model(source)
-    kept = {key for key in handle.state.tables}
+    kept = set(handle.state.tables)
     consumed = source.__dict__.get("call")          # des.compiler marked the model consumed
-    for layer, src in keys.tables.values():
-        src.reacquire(layer)
     try:
         if consumed is not None:
             del source.call
         keep_state_keys(source, keys)
-        missing = load_rows(source, None, Shards(blobs=blobs))
+        try:
+            missing = load_rows(source, None, Shards(blobs=blobs))
+        except KeyError as e:
+            raise SaveError(f"{what}: {e.args[0]}") from None
         if missing:
             raise SaveError(f"{what}: no process holds {', '.join(missing[:3])}: the model's state is incomplete")
-        yield source
+        with handle.written() if handle.written else contextlib.nullcontext(source) as full:
+            yield full
     finally:
         for key, (layer, src) in keys.tables.items():
             if key not in kept:
                 src.release(layer)
         if consumed is not None:
             source.call = consumed
+
+
+@contextlib.contextmanager
+def as_written(model: tf.keras.Model, frozen: list) -> Iterator[tf.keras.Model]:
+    """A subclassed model des.transform rewrote in place, as its own class writes it: its own
+    ``call`` (not the DES forward pass), without the DES model it holds, the substituted Dense
+    layers trainable again (des.compiler froze them: their kernels live in the owners' blocks)."""
+    call, forward = model.__dict__.get("call"), model.__dict__.get("des_forward")
+    del model.call
+    untrack(model, "des_forward")
+    for layer in frozen:
+        layer.trainable = True
+    try:
+        yield model
+    finally:
+        for layer in frozen:
+            layer.trainable = False
+        model.des_forward = forward
+        model.call = call
 
 
 def _check(model: tf.keras.Model, what: str, filepath) -> None:
@@ -125,7 +148,7 @@ def save(model: tf.keras.Model, filepath, *args, **kwargs) -> None:
     _check(model, "model.save", filepath)
     with untouched(model, "model.save") as full:
         if full is not None:
-            full.save(filepath, *args, **kwargs)
+            type(full).save(full, filepath, *args, **kwargs)
 
 
 def save_weights(model: tf.keras.Model, filepath, *args, **kwargs) -> None:
@@ -133,7 +156,7 @@ def save_weights(model: tf.keras.Model, filepath, *args, **kwargs) -> None:
     _check(model, "model.save_weights", filepath)
     with untouched(model, "model.save_weights") as full:
         if full is not None:
-            full.save_weights(filepath, *args, **kwargs)
+            type(full).save_weights(full, filepath, *args, **kwargs)
 
 
 def install(model: tf.keras.Model) -> None:

@@ -418,8 +418,12 @@ def load_rows(model: tf.keras.Model, optimizer, entries, keep_key=None) -> list[
             every_key = np.concatenate([e["keys"] for e in saved])
             mask = keep(every_key) if keep is not None else slice(None)
             cat = lambda name: np.concatenate([e[name] for e in saved])[mask]  # noqa: E731
-            keys = cat("keys")
-            source.load(var, keys, cat("value"))
+            keys, values = cat("keys"), cat("value")
+            dim = source.dim(var)
+            if values.ndim != 2 or values.shape[1] != dim:
+                raise KeyError(f"table {key} ({var.name}): rows of width {values.shape[1:]} in the checkpoint, {dim} in "
+                               f"this model")
+            source.load(var, keys, values)
             trainable = _trainable_of(var, source)
             for name, slot in optimizer_slots(optimizer, trainable).items():
                 if f"slot:{name}" not in saved[0]:
@@ -431,6 +435,10 @@ def load_rows(model: tf.keras.Model, optimizer, entries, keep_key=None) -> list[
                     slot.assign(cat(f"slot:{name}"))
             continue
         entry = saved[0]
+        want = _rows(np.zeros(var.shape, np.float32), ranges).shape if ranges is not None else tuple(var.shape)
+        if tuple(entry["value"].shape) != tuple(want):
+            raise KeyError(f"{kind} {key} ({var.name}): shape {tuple(entry['value'].shape)} in the checkpoint, "
+                           f"{tuple(want)} in this model")
         var.assign(_put_rows(var.numpy(), ranges, entry["value"]))
         for name, slot in optimizer_slots(optimizer, var).items():
             if f"slot:{name}" not in entry:

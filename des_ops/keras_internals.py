@@ -49,6 +49,14 @@ def release_variables(layer, names: list[str]) -> None:
 
 
 
+def untrack(layer, name: str) -> None:
+    """Delete ``layer.<name>`` and its checkpoint/SavedModel dependency (``del`` alone leaves
+    TensorFlow's tracking of it, and a SavedModel would still serialize it)."""
+    delattr(layer, name)
+    if name in getattr(layer, "_self_unconditional_dependency_names", {}):
+        layer._delete_tracking(name)
+
+
 def compile_args(model) -> dict | None:
     """The arguments ``model`` was compiled with (optimizer, loss, metrics, ...), or None."""
     if not getattr(model, "_is_compiled", False) or getattr(model, "optimizer", None) is None:

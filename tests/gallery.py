@@ -315,3 +315,29 @@ def batches_for(model: tf.keras.Model, steps: int, batch: int, seed: int = 0) ->
         y = (score + rng.normal(0, 1, batch) > 0).astype(np.float32).reshape(batch, 1)
         out.append((x, tf.constant(y)))
     return out
+
+
+# Every optimizer Keras 2.15 ships for these models, new and legacy, as the tests of saving,
+# checkpoints and export train them (des.saving, des.checkpoint, des.export).
+OPTIMIZERS = {
+    "adam": lambda: tf.keras.optimizers.Adam(0.02),
+    "adagrad": lambda: tf.keras.optimizers.Adagrad(0.05),
+    "ftrl": lambda: tf.keras.optimizers.Ftrl(0.05),
+    "rmsprop": lambda: tf.keras.optimizers.RMSprop(0.01, momentum=0.5, centered=True),
+    "sgd": lambda: tf.keras.optimizers.SGD(0.05, momentum=0.9),
+    "legacy_adam": lambda: tf.keras.optimizers.legacy.Adam(0.02),
+    "legacy_adagrad": lambda: tf.keras.optimizers.legacy.Adagrad(0.05),
+    "legacy_ftrl": lambda: tf.keras.optimizers.legacy.Ftrl(0.05),
+    "legacy_rmsprop": lambda: tf.keras.optimizers.legacy.RMSprop(0.01, momentum=0.5, centered=True),
+    "legacy_sgd": lambda: tf.keras.optimizers.legacy.SGD(0.05, momentum=0.9),
+}
+
+
+def optimizer_for(model: tf.keras.Model, name: str):
+    """A new optimizer ``name`` for ``model``; TFRA's DynamicEmbeddingOptimizer around it when the
+    model has TFRA tables (as TFRA requires)."""
+    from tensorflow_recommenders_addons import dynamic_embedding as de
+    opt = OPTIMIZERS[name]()
+    if any(isinstance(m, de.keras.layers.Embedding) for m in model.submodules):
+        opt = de.DynamicEmbeddingOptimizer(opt)
+    return opt

@@ -1,0 +1,192 @@
+"""Getting a user's model out in the simulated world (des.saving, des.checkpoint, des.export):
+optimizer slots read through the optimizers' public variables, ``model.save`` and
+ModelCheckpoint on every process, disagreeing saves, resume on another N, bad checkpoints.
+The same under a real mpirun, every optimizer: tests/test_mpi_saving.py."""
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import des
+import models
+from des import checkpoint
+from des.checkpoint import CheckpointError
+from des.saving import SaveError
+from des.state import optimizer_slots
+from des.verify import _on_every_rank, copy_state
+from des_ops.comm import InProcessWorld
+from gallery import BUILDERS, batches_for, optimizer_for
+
+G = np.array([0.5, -2.0], np.float32)     # the gradient of the one step below
+# slot -> its value after one step from zeros with gradient G, by each optimizer's published update
+# rule (Keras 2.15: Adagrad's and Ftrl's accumulators start at 0.1, rho 0.9, betas 0.9 / 0.999)
+AFTER_ONE_STEP = {
+    "adam": {"m": 0.1 * G, "v": 0.001 * G * G},
+    "adagrad": {"accumulator": 0.1 + G * G},
+    "sgd": {"momentum": -0.05 * G},
+    "rmsprop": {"velocity": 0.1 * G * G, "average_gradient": 0.1 * G},
+    "ftrl": {"accumulator": 0.1 + G * G},
+    "legacy_adam": {"m": 0.1 * G, "v": 0.001 * G * G},
+    "legacy_adagrad": {"accumulator": 0.1 + G * G},
+    "legacy_sgd": {"momentum": -0.05 * G},
+    "legacy_rmsprop": {"rms": 0.1 * G * G, "mg": 0.1 * G},
+    "legacy_ftrl": {"accumulator": 0.1 + G * G},
+}
+SLOTS = {"adam": {"m", "v"}, "adagrad": {"accumulator"}, "sgd": {"momentum"}, "ftrl": {"accumulator", "linear"},
+         "rmsprop": {"velocity", "momentum", "average_gradient"}, "legacy_adam": {"m", "v"},
+         "legacy_adagrad": {"accumulator"}, "legacy_sgd": {"momentum"}, "legacy_ftrl": {"accumulator", "linear"},
+         "legacy_rmsprop": {"rms", "momentum", "mg"}}
+
+
+@pytest.mark.parametrize("name", sorted(AFTER_ONE_STEP))
+def test_optimizer_slots_are_found_by_name_with_their_values(name):
+    from gallery import OPTIMIZERS
+    w = tf.Variable(tf.zeros([2]), name=f"w_{name}")
+    other = tf.Variable(tf.zeros([2]), name=f"x/w_{name}")        # a name that ends like w's
+    opt = OPTIMIZERS[name]()
+    opt.apply_gradients([(tf.constant(G), w), (tf.constant(G), other)])
+    slots = optimizer_slots(opt, w)
+    assert set(slots) == SLOTS[name]
+    for slot, want in AFTER_ONE_STEP[name].items():
+        np.testing.assert_allclose(slots[slot].numpy(), want, rtol=1e-6, err_msg=slot)
+    assert not any(s is t for s in slots.values() for t in optimizer_slots(opt, other).values())
+
+
+def _world(n: int, name: str, init, **transform_kwargs) -> tuple[InProcessWorld, list]:
+    world, out = InProcessWorld(n), []
+    for r in range(n):
+        m = BUILDERS[name]()
+        if r == 0:
+            copy_state(init, m)
+        out.append(des.transform(m, comm=world.communicator(r), **transform_kwargs)[0])
+    return world, out
+
+
+def _case(name: str, steps: int = 6):
+    tf.keras.utils.set_random_seed(0)
+    init = BUILDERS[name]()
+    return init, batches_for(init, steps, 32, seed=4), batches_for(init, 1, 16, seed=99)[0][0]
+
+
+def _reference(name, init, batches, probe, opt="adam"):
+    ref = BUILDERS[name]()
+    copy_state(init, ref)
+    des.make_keyed(ref, seed=0)
+    ref.compile(optimizer_for(ref, opt), "binary_crossentropy")
+    for x, y in batches:
+        ref.train_on_batch(x, y)
+    return np.asarray(ref.predict_on_batch(probe))
+
+
+def test_model_save_and_model_checkpoint_on_every_process_write_the_untouched_model(tmp_path):
+    """5 processes, 4 fields (rank 4 owns nothing): fit with ModelCheckpoint (whole model and
+    weights only) on every process, then model.save in three formats. Each file is the untouched
+    Keras DeepFM with the trained weights."""
+    init, batches, probe = _case("keras_deepfm")
+    ref = _reference("keras_deepfm", init, batches, probe)
+    world, ranks = _world(5, "keras_deepfm", init)
+    xs = {k: tf.concat([x[k] for x, _ in batches], 0) for k in batches[0][0]}
+    ys = tf.concat([y for _, y in batches], 0)
+
+    def work(r):
+        m = ranks[r]
+        m.compile(optimizer_for(m, "adam"), "binary_crossentropy")
+        m.fit(xs, ys, batch_size=32, shuffle=False, verbose=0, callbacks=[
+            tf.keras.callbacks.ModelCheckpoint(str(tmp_path / "cb.keras")),
+            tf.keras.callbacks.ModelCheckpoint(str(tmp_path / "cb_weights.h5"), save_weights_only=True)])
+        for path in ("m.keras", "m.h5", "m_tf"):
+            m.save(str(tmp_path / path))
+        m.save_weights(str(tmp_path / "w.h5"))
+        return np.asarray(m.predict_on_batch(probe))
+    preds = _on_every_rank(world, work)
+    assert max(np.abs(p - ref).max() for p in preds) < 2e-6
+    assert all(p.tobytes() == preds[0].tobytes() for p in preds)
+    for path in ("cb.keras", "m.keras", "m.h5", "m_tf"):
+        again = tf.keras.models.load_model(str(tmp_path / path), compile=False)
+        assert not any("des" in type(layer).__module__ for layer in again.submodules), path
+        assert np.abs(again.predict_on_batch(probe) - preds[0]).max() <= 1e-6, path
+    for path in ("cb_weights.h5", "w.h5"):
+        fresh = BUILDERS["keras_deepfm"]()
+        fresh.load_weights(str(tmp_path / path))
+        assert np.abs(fresh.predict_on_batch(probe) - preds[0]).max() <= 1e-6, path
+
+
+def test_a_save_the_processes_disagree_on_ends_every_process_naming_the_ranks(tmp_path):
+    init, _, _ = _case("keras_deepfm", 1)
+    world, ranks = _world(3, "keras_deepfm", init)
+    errors = []
+
+    def work(r):
+        try:
+            ranks[r].save(str(tmp_path / ("b.keras" if r == 2 else "a.keras")))
+        except SaveError as e:
+            errors.append(str(e))
+    _on_every_rank(world, work)
+    assert len(errors) == 3 and len(set(errors)) == 1 and "\n" not in errors[0]
+    assert "ranks 0, 1: " in errors[0] and "rank 2: " in errors[0], errors[0]
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("name, opt, fuse", [("keras_deepfm", "rmsprop", False), ("deepctr_deepfm", "adam", False),
+                                             ("tfra_deepfm", "adam", True)])
+def test_checkpoint_of_des_2_resumes_exactly_on_des_3_and_one_process(tmp_path, name, opt, fuse):
+    """Save after 4 of 8 steps on 2 processes; restore on 3 and on a plain model of one process
+    (step counts, Adam's bias correction, rows with their slots) and train the other 4: both
+    equal the uninterrupted single process."""
+    init, batches, probe = _case(name, 8)
+    ref = _reference(name, init, batches, probe, opt)
+    ckpt = str(tmp_path / "ckpt")
+
+    def run(n, work):
+        world, ranks = _world(n, name, init, fuse_tables=fuse)
+        for m in ranks:
+            m.compile(optimizer_for(m, opt), "binary_crossentropy")
+        return _on_every_rank(world, lambda r: work(ranks[r], world.communicator(r)))
+
+    def first_half(m, comm):
+        for x, y in batches[:4]:
+            m.train_on_batch(x, y)
+        checkpoint.save(ckpt, m, m.optimizer, rank=comm.rank, world_size=comm.world_size,
+                        barrier=lambda: comm.allreduce_counted(tf.zeros([1]), "barrier"))
+
+    def second_half(m, comm):
+        checkpoint.restore(ckpt, m, m.optimizer, rank=comm.rank, world_size=comm.world_size)
+        for x, y in batches[4:]:
+            m.train_on_batch(x, y)
+        return np.asarray(m.predict_on_batch(probe))
+    run(2, first_half)
+    got = run(3, second_half)
+    one = BUILDERS[name]()
+    copy_state(init, one)
+    des.make_keyed(one, seed=0)
+    one.compile(optimizer_for(one, opt), "binary_crossentropy")
+    got.append(second_half(one, type("One", (), {"rank": 0, "world_size": 1})()))
+    assert max(np.abs(p - ref).max() for p in got) < 2e-6
+
+
+def test_export_of_a_tfra_model_serves_what_des_predicts(tmp_path):
+    init, batches, probe = _case("tfra_deepfm")
+    world, ranks = _world(2, "tfra_deepfm", init)
+
+    def work(r):
+        m = ranks[r]
+        m.compile(optimizer_for(m, "adam"), "binary_crossentropy")
+        for x, y in batches:
+            m.train_on_batch(x, y)
+        return des.export(m, str(tmp_path / "served")), np.asarray(m.predict_on_batch(probe))
+    (info, pred), (other, _) = _on_every_rank(world, work)
+    assert other is None and info["rows"] > 0
+    sig = tf.saved_model.load(str(tmp_path / "served")).signatures["serving_default"]
+    got = sig(**{k: tf.constant(probe[k]) for k in sig.structured_input_signature[1]})
+    assert np.abs(list(got.values())[0].numpy().reshape(pred.shape) - pred).max() <= 1e-6
+
+
+def test_a_checkpoint_of_another_architecture_is_one_line_naming_the_piece(tmp_path):
+    spec = models.spec.FeatureSpec((models.spec.Field("a", dim=4), models.spec.Field("b", dim=4)))
+    small, wide = models.deepfm(spec, hidden=(8,)), models.deepfm(spec, hidden=(16,))
+    small.compile(tf.keras.optimizers.Adam(), "binary_crossentropy")
+    checkpoint.save(str(tmp_path / "c"), small, small.optimizer)
+    with pytest.raises(CheckpointError) as e:
+        checkpoint.restore(str(tmp_path / "c"), wide)
+    assert "\n" not in str(e.value) and "dnn_0/kernel" in str(e.value) and "in this model" in str(e.value), str(e.value)
