@@ -220,7 +220,7 @@ def export_model(model, out: str) -> dict | None:
     from des.handle import distributed
     handle = distributed(model)
     if handle is not None:
-        saving.agree_on(handle.comm, f"des.export(model, {out!r})", f"export to {out}")
+        saving.agree_on(handle.comm, "des.export(model, out)", f"export to {out}")
     if os.path.exists(out) and os.listdir(out):
         raise ValueError(f"{out}: exists and is not empty; nothing was written (choose another path)")
     with saving.untouched(model, "des.export") as full:

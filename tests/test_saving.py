@@ -19,21 +19,22 @@ from des_ops.comm import InProcessWorld
 from gallery import BUILDERS, batches_for, optimizer_for
 
 G = np.array([0.5, -2.0], np.float32)     # the gradient of the one step below
+ONE_MINUS_BETA2 = np.float32(1) - np.float32(0.999)      # as legacy Adam computes it (new Adam: in Python)
 # slot -> its value after one step from zeros with gradient G, by each optimizer's published update
 # rule (Keras 2.15: Adagrad's and Ftrl's accumulators start at 0.1, rho 0.9, betas 0.9 / 0.999)
 AFTER_ONE_STEP = {
-    "adam": {"m": 0.1 * G, "v": 0.001 * G * G},
+    "adam": {"m": 0.1 * G, "v": (1 - 0.999) * G * G},
     "adagrad": {"accumulator": 0.1 + G * G},
-    "sgd": {"momentum": -0.05 * G},
+    "sgd": {"m": -0.05 * G},
     "rmsprop": {"velocity": 0.1 * G * G, "average_gradient": 0.1 * G},
     "ftrl": {"accumulator": 0.1 + G * G},
-    "legacy_adam": {"m": 0.1 * G, "v": 0.001 * G * G},
+    "legacy_adam": {"m": 0.1 * G, "v": ONE_MINUS_BETA2 * G * G},
     "legacy_adagrad": {"accumulator": 0.1 + G * G},
     "legacy_sgd": {"momentum": -0.05 * G},
     "legacy_rmsprop": {"rms": 0.1 * G * G, "mg": 0.1 * G},
     "legacy_ftrl": {"accumulator": 0.1 + G * G},
 }
-SLOTS = {"adam": {"m", "v"}, "adagrad": {"accumulator"}, "sgd": {"momentum"}, "ftrl": {"accumulator", "linear"},
+SLOTS = {"adam": {"m", "v"}, "adagrad": {"accumulator"}, "sgd": {"m"}, "ftrl": {"accumulator", "linear"},
          "rmsprop": {"velocity", "momentum", "average_gradient"}, "legacy_adam": {"m", "v"},
          "legacy_adagrad": {"accumulator"}, "legacy_sgd": {"momentum"}, "legacy_ftrl": {"accumulator", "linear"},
          "legacy_rmsprop": {"rms", "momentum", "mg"}}
