@@ -51,8 +51,9 @@ import types
 
 import tensorflow as tf
 
-from des import checkpoint
+from des import checkpoint, saving
 from des.checkpoint import CheckpointError
+from des.handle import distributed
 from des.state import state_keys
 from models.layers import key_init, pool
 from models.spec import PAD_ID
@@ -216,8 +217,6 @@ def export_model(model, out: str) -> dict | None:
     tables: it loads with ``tf.saved_model.load`` or ``tf.keras.models.load_model`` where neither
     des nor TFRA is imported. Every process calls it; rank 0 writes and returns {"bytes", "rows"},
     the others None. ``out`` must not exist or be empty (checked on every process first)."""
-    from des import saving
-    from des.handle import distributed
     handle = distributed(model)
     if handle is not None:
         saving.agree_on(handle.comm, "des.export(model, out)", f"export to {out}")

@@ -15,7 +15,7 @@ the missing ranks. Nothing is ever written from one process's share alone.
     >>> from des.verify import random_batches, small_spec
     >>> spec = small_spec(n_fields=2, dim=4)
     >>> model, _ = des.transform(models.deepfm(spec, hidden=(8,)))
-    >>> model.compile(tf.keras.optimizers.Adam(0.01), "binary_crossentropy")
+    >>> model.compile(models.make_optimizer("adam", 0.01), "binary_crossentropy")
     >>> x, y = random_batches(spec, steps=1, batch=16)[0]
     >>> _ = model.fit(x, y, verbose=0)
     >>> path = os.path.join(tempfile.mkdtemp(), "model")
