@@ -12,6 +12,9 @@ checkpoint after step 15 (des.checkpoint.save, every rank), then after step 30 `
 its predictions. ``resume``: builds and transforms the model on this many processes, restores
 the checkpoint of step 15, fits steps 16-30 and writes the predictions (rank 0) and a
 ``model.save`` of its own (every rank takes part, a process that owns no field too).
+``rank0`` (the Horovod habit of saving on rank 0 only): after 2 steps rank 0 alone calls
+``model.save`` while the others train on; the job must end (Horovod's stall shutdown) with
+nothing written.
 """
 import os
 import pickle
@@ -48,7 +51,14 @@ def main(phase: str, out: str, cases: list[str]) -> None:
         initial = model.get_weights()
         model, _ = des.transform(model, comm=comm)
         model.compile(optimizer_for(model, opt), "binary_crossentropy")
-        if phase == "train":
+        if phase == "rank0":
+            for x, y in batches[:2]:
+                model.train_on_batch(x, y)
+            if comm.rank == 0:
+                model.save(base + ".rank0only")
+            for x, y in batches[2:]:
+                model.train_on_batch(x, y)
+        elif phase == "train":
             for step, (x, y) in enumerate(batches, 1):
                 model.train_on_batch(x, y)
                 if step == HALF:

@@ -8,6 +8,7 @@ cannot create slots of the Keras 2.11+ Adagrad and Ftrl for its tables: an untou
 fails with them too.)"""
 import os
 import pickle
+import re
 import subprocess
 import sys
 
@@ -122,3 +123,17 @@ def test_users_models_saved_resumed_and_served_from_mpirun(tmp_path):
         fresh.load_weights(f"{base}.weights.h5")
         got = np.asarray(fresh.predict_on_batch(batches_for(fresh, 1, 16, seed=99)[0][0]))
         assert np.abs(got - refs[base]).max() < TOL, case
+
+
+@pytest.mark.mpi
+def test_a_save_on_rank_0_alone_ends_the_job_and_writes_nothing(tmp_path):
+    """Horovod's habit (save on rank 0 only) with a DES model: rank 0's save waits for rows the
+    others never send; Horovod's stall shutdown (here 10 s) ends the job naming the missing rank
+    (its eager all-gather shows as HorovodAllgather; the error names it: des_save_agree_sizes).
+    No partial model is written."""
+    run = mpirun(2, "scripts/mpi_saving.py", "rank0", str(tmp_path), "keras_deepfm:adam", timeout=600,
+                 env={"HOROVOD_STALL_CHECK_TIME_SECONDS": "5", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "10"})
+    out = run.stdout + run.stderr
+    assert run.returncode != 0 and re.search(r"Missing ranks:\s+1: \[HorovodAllgather\]", out), out[-3000:]
+    assert "name: des_save_agree_sizes" in out, out[-3000:]
+    assert not os.path.exists(os.path.join(tmp_path, "keras_deepfm-adam.rank0only"))
