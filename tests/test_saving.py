@@ -191,3 +191,36 @@ def test_a_checkpoint_of_another_architecture_is_one_line_naming_the_piece(tmp_p
     with pytest.raises(CheckpointError) as e:
         checkpoint.restore(str(tmp_path / "c"), wide)
     assert "\n" not in str(e.value) and "dnn_0/kernel" in str(e.value) and "in this model" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("name", ["subclassed_wdl", "tfrs_ranking"])
+def test_a_subclassed_model_saves_as_its_own_class(tmp_path, name):
+    """A subclassed Wide & Deep and TFRS's ranking model, transformed in place on 2 simulated
+    processes: model.save writes the user's class with its own call and every trained weight,
+    and the object goes on training as the DES model afterwards."""
+    import subclassed_models as S
+    tf.keras.utils.set_random_seed(0)
+    batches, probe = S.batches_for(name, 4, 32, seed=3), S.probe_of(name)
+    ref = S.BUILDERS[name]()
+    ref(probe)
+    world, ranks = InProcessWorld(2), []
+    for r in range(2):
+        m = S.BUILDERS[name]()
+        m(probe)
+        if r == 0:
+            m.set_weights(ref.get_weights())
+        ranks.append(des.transform(m, comm=world.communicator(r))[0])
+    want = S.train(name, ref, batches, probe)["predictions"]
+
+    def work(r):
+        got = S.train(name, ranks[r], batches, probe)["predictions"]
+        ranks[r].save(str(tmp_path / "saved"))
+        again = S.train(name, ranks[r], batches[:1], probe)["predictions"]      # still the DES model
+        return got, again
+    (got, again), _ = _on_every_rank(world, work)
+    assert np.abs(got - want).max() < 2e-6
+    loaded = tf.keras.models.load_model(str(tmp_path / "saved"), compile=False)
+    assert type(loaded).__name__ == type(ref).__name__
+    assert np.abs(np.asarray(loaded.predict_on_batch(probe)) - got).max() <= 1e-6
+    S.train(name, ref, batches[:1], probe)
+    assert np.abs(again - np.asarray(ref.predict_on_batch(probe))).max() < 2e-6
