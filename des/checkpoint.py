@@ -103,12 +103,29 @@ def _write_npz(path: str, entries: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
-def save(directory: str, model, optimizer, plan: FieldPlan | None = None, rank: int = 0,
-         world_size: int = 1, config: dict | None = None, position: dict | None = None,
+def _world(model, rank: int | None, world_size: int | None, barrier=None):
+    """(rank, world size, barrier): as given, else those of the DES model's communicator (a
+    small allreduce as the barrier), else one process."""
+    handle = distributed(model)
+    if handle is None:
+        return rank or 0, world_size or 1, barrier or (lambda: None)
+    comm = handle.comm
+    if barrier is None and comm.world_size > 1:
+        barrier = lambda: comm.allreduce_counted(np.zeros([1], np.float32), "barrier")  # noqa: E731
+    return (comm.rank if rank is None else rank, comm.world_size if world_size is None else world_size,
+            barrier or (lambda: None))
+
+
+def save(directory: str, model, optimizer, plan: FieldPlan | None = None, rank: int | None = None,
+         world_size: int | None = None, config: dict | None = None, position: dict | None = None,
          barrier: Callable[[], None] | None = None) -> str:
     """Every process calls it at the same step (``barrier`` waits for all, as allreduce does).
-    A crash before the swap leaves the previous checkpoint as it was."""
-    barrier = barrier or (lambda: None)
+    A crash before the swap leaves the previous checkpoint as it was. For a model des.transform
+    returned, ``rank``, ``world_size`` and ``barrier`` default to its communicator's:
+    ``des.checkpoint.save(folder, model, model.optimizer)`` on every process."""
+    rank, world_size, barrier = _world(model, rank, world_size, barrier)
+    if plan is None and distributed(model) is not None:
+        plan = distributed(model).plan
     incoming, final = os.path.join(directory, ".incoming"), os.path.join(directory, "state")
     if rank == 0:
         shutil.rmtree(incoming, ignore_errors=True)
@@ -252,9 +269,10 @@ def reference_model(config: dict):
     return models.build(config["model"], spec, seed=config["seed"], hidden=hidden), spec
 
 
-def restore(directory: str, model, optimizer=None, rank: int = 0, world_size: int = 1) -> str:
+def restore(directory: str, model, optimizer=None, rank: int | None = None, world_size: int | None = None) -> str:
     """Read the rows, weights and (given ``optimizer``) slots and step counts this process holds;
-    the checkpoint may come from any mode and any number of processes. Returns the folder read."""
+    the checkpoint may come from any mode and any number of processes. Returns the folder read.
+    (``rank`` and ``world_size`` are not needed: each process keeps what its model holds.)"""
     path = _require(directory)
     config = load_config(directory)
     fmt = config.get("checkpoint_format")

@@ -182,6 +182,10 @@ def export(checkpoint_dir: str, out: str) -> dict:
     if os.path.exists(out) and os.listdir(out):
         raise ValueError(f"{out}: exists and is not empty; nothing was written (choose another --out)")
     config = checkpoint.load_config(checkpoint_dir)
+    if not {"model", "spec", "hidden", "seed"} <= set(config):
+        raise CheckpointError(f"{checkpoint_dir}: a checkpoint of your own model (des.checkpoint.save): it holds its rows "
+                              f"and weights, not its architecture; build the model, des.transform it, "
+                              f"des.checkpoint.restore into it and call des.export(model, out) on every process")
     model, _ = checkpoint.reference_model(config)
     checkpoint.restore(checkpoint_dir, model)
     served = serving_model(model)

@@ -148,11 +148,10 @@ def test_checkpoint_of_des_2_resumes_exactly_on_des_3_and_one_process(tmp_path, 
     def first_half(m, comm):
         for x, y in batches[:4]:
             m.train_on_batch(x, y)
-        checkpoint.save(ckpt, m, m.optimizer, rank=comm.rank, world_size=comm.world_size,
-                        barrier=lambda: comm.allreduce_counted(tf.zeros([1]), "barrier"))
+        checkpoint.save(ckpt, m, m.optimizer)             # rank, world size and barrier: the model's
 
     def second_half(m, comm):
-        checkpoint.restore(ckpt, m, m.optimizer, rank=comm.rank, world_size=comm.world_size)
+        checkpoint.restore(ckpt, m, m.optimizer)
         for x, y in batches[4:]:
             m.train_on_batch(x, y)
         return np.asarray(m.predict_on_batch(probe))
@@ -162,7 +161,7 @@ def test_checkpoint_of_des_2_resumes_exactly_on_des_3_and_one_process(tmp_path, 
     copy_state(init, one)
     des.make_keyed(one, seed=0)
     one.compile(optimizer_for(one, opt), "binary_crossentropy")
-    got.append(second_half(one, type("One", (), {"rank": 0, "world_size": 1})()))
+    got.append(second_half(one, None))
     assert max(np.abs(p - ref).max() for p in got) < 2e-6
 
 
@@ -224,3 +223,14 @@ def test_a_subclassed_model_saves_as_its_own_class(tmp_path, name):
     assert np.abs(np.asarray(loaded.predict_on_batch(probe)) - got).max() <= 1e-6
     S.train(name, ref, batches[:1], probe)
     assert np.abs(again - np.asarray(ref.predict_on_batch(probe))).max() < 2e-6
+
+
+def test_des_export_of_a_checkpoint_of_a_users_model_says_what_to_do(tmp_path):
+    from des import export
+    model = BUILDERS["keras_deepfm"]()
+    model.compile(tf.keras.optimizers.Adam(), "binary_crossentropy")
+    checkpoint.save(str(tmp_path / "c"), model, model.optimizer)
+    with pytest.raises(CheckpointError, match=r"a checkpoint of your own model .* des.export\(model, out\)"):
+        export.export(str(tmp_path / "c"), str(tmp_path / "served"))
+    assert export.main(["--checkpoint", str(tmp_path / "c"), "--out", str(tmp_path / "served")]) == 2
+    assert not os.path.exists(tmp_path / "served")
