@@ -226,7 +226,7 @@ def export_model(model, out: str) -> dict | None:
         saving.agree_on(handle.comm, "des.export(model, out)", f"export to {out}")
     if os.path.exists(out) and os.listdir(out):
         raise ValueError(f"{out}: exists and is not empty; nothing was written (choose another path)")
-    with saving.untouched(model, "des.export") as full:
+    with saving.untouched(model, "des.export", own_class=False) as full:   # a functional model: its inputs
         if full is None:
             return None
         served = serving_model(full)

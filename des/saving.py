@@ -79,10 +79,12 @@ def agree_on(comm: Communicator, what: str, text: str) -> None:
 
 
 @contextlib.contextmanager
-def untouched(model: tf.keras.Model, what: str = "save") -> Iterator[tf.keras.Model | None]:
+def untouched(model: tf.keras.Model, what: str = "save", own_class: bool = True) -> Iterator[tf.keras.Model | None]:
     """On rank 0, the model des.transform was given, holding every process's trained rows and
-    weights (None elsewhere). Every process must enter it; afterwards rank 0 drops again the
-    rows it does not own. A model des.transform did not change is yielded as it is."""
+    weights (None elsewhere); a subclassed model as its own class writes it, or with
+    ``own_class=False`` as the functional model of its ``call`` that DES traced (same layers).
+    Every process must enter it; afterwards rank 0 drops again the rows it does not own. A model
+    des.transform did not change is yielded as it is."""
     handle = distributed(model)
     if handle is None:
         yield model
@@ -109,7 +111,7 @@ def untouched(model: tf.keras.Model, what: str = "save") -> Iterator[tf.keras.Mo
             raise SaveError(f"{what}: {e.args[0]}") from None
         if missing:
             raise SaveError(f"{what}: no process holds {', '.join(missing[:3])}: the model's state is incomplete")
-        with handle.written() if handle.written else contextlib.nullcontext(source) as full:
+        with handle.written() if handle.written and own_class else contextlib.nullcontext(source) as full:
             yield full
     finally:
         for key, (layer, src) in keys.tables.items():

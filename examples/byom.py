@@ -2,7 +2,7 @@
 trained with DES by adding ONE line, ``des.transform``, to an ordinary Keras script.
 
     python examples/byom.py --model deepctr --data data/demo/train.txt                  # 1 process
-    mpirun -np 2 --oversubscribe python examples/byom.py --model deepctr --data data/demo/train.txt
+    mpirun -np 2 --oversubscribe python examples/byom.py --model deepctr --data data/demo/train.txt --save out
 
 The model has static Keras Embedding tables (DeepCTR's SparseFeat), so the reader's 64-bit ids
 are folded into [0, vocabulary) in the input pipeline, as a user of such a model does.
@@ -54,6 +54,8 @@ def main() -> None:
     p.add_argument("--holdout", type=int, default=20_000, help="last lines of --data for the AUC")
     p.add_argument("--seed", type=int, default=0, help="initial weights (rank 0's are broadcast)")
     p.add_argument("--summary-json", default=None, help="write AUC, log loss and DES bytes per step here (rank 0)")
+    p.add_argument("--save", default=None, help="folder: the trained model as Keras saves it (SAVE/model, the "
+                                                "untouched DeepFM) and its serving export (SAVE/served)")
     a = p.parse_args()
     tf.keras.utils.set_random_seed(a.seed)
 
@@ -81,6 +83,9 @@ def main() -> None:
     after = comm.counted()["step"]
     handed = (after["bytes"] - before["bytes"]) / max(1, after["calls"] - before["calls"])   # one allreduce a step
     result = model.evaluate(test, verbose=0, return_dict=True)
+    if a.save:                                   # every process calls them; rank 0 writes
+        model.save(os.path.join(a.save, "model"))
+        des.export(model, os.path.join(a.save, "served"))
     if report.rank == 0:
         print(f"{a.model} DeepFM, {report.world_size} process(es): held-out AUC {result['auc']:.4f}, "
               f"log loss {result['loss']:.4f}; first step done {first_step[0]:.1f} s after start", flush=True)

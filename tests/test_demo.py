@@ -30,9 +30,22 @@ def test_byom_on_one_and_on_two_processes_and_the_demo_table(tmp_path):
          "--out", data])
     byom = ["examples/byom.py", "--model", "keras", "--data", data, "--steps", str(STEPS), "--batch", str(BATCH),
             "--dim", str(DIM), "--holdout", "1000", "--vocabulary", "1000"]
-    run([sys.executable, *byom, "--summary-json", str(tmp_path / "single.json")])
+    run([sys.executable, *byom, "--summary-json", str(tmp_path / "single.json"), "--save", str(tmp_path / "s1")])
     run(["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, *byom,
-         "--summary-json", str(tmp_path / "des.json")])
+         "--summary-json", str(tmp_path / "des.json"), "--save", str(tmp_path / "s2")])
+    # what both saved, read where des is not importable: the same model, the export predicting what it does
+    check = ("import sys, numpy as np, tensorflow as tf\n"
+             "sig = tf.saved_model.load(sys.argv[2] + '/served').signatures['serving_default']\n"
+             "x = {k: tf.constant([[i * 7 % 1000], [3]], tf.int64) for i, k in enumerate(sig.structured_input_signature[1])}\n"
+             "p = [tf.keras.models.load_model(d + '/model', compile=False).predict_on_batch(x) for d in sys.argv[1:]]\n"
+             "s = list(sig(**x).values())[0].numpy()\n"
+             "assert 'des' not in sys.modules\n"
+             "print(float(np.abs(p[0] - p[1]).max()), float(np.abs(s.reshape(p[1].shape) - p[1]).max()))\n")
+    done = subprocess.run([sys.executable, "-c", check, str(tmp_path / "s1"), str(tmp_path / "s2")], cwd="/",
+                          env=dict(ENV, PYTHONPATH=""), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved_diff, served_diff = map(float, done.stdout.split())
+    assert saved_diff < 1e-6 and served_diff <= 1e-6, done.stdout
     single, des = (json.load(open(tmp_path / f)) for f in ("single.json", "des.json"))
     assert (single["world_size"], des["world_size"]) == (1, 2)
     assert 0 < single["seconds_to_first_step"] < 600 and 0 < des["seconds_to_first_step"] < 600

@@ -214,6 +214,7 @@ def test_a_subclassed_model_saves_as_its_own_class(tmp_path, name):
     def work(r):
         got = S.train(name, ranks[r], batches, probe)["predictions"]
         ranks[r].save(str(tmp_path / "saved"))
+        des.export(ranks[r], str(tmp_path / "served"))
         again = S.train(name, ranks[r], batches[:1], probe)["predictions"]      # still the DES model
         return got, again
     (got, again), _ = _on_every_rank(world, work)
@@ -221,6 +222,9 @@ def test_a_subclassed_model_saves_as_its_own_class(tmp_path, name):
     loaded = tf.keras.models.load_model(str(tmp_path / "saved"), compile=False)
     assert type(loaded).__name__ == type(ref).__name__
     assert np.abs(np.asarray(loaded.predict_on_batch(probe)) - got).max() <= 1e-6
+    sig = tf.saved_model.load(str(tmp_path / "served")).signatures["serving_default"]
+    served = sig(**{k: probe[k] for k in sig.structured_input_signature[1]})      # the features call() reads
+    assert np.abs(list(served.values())[0].numpy().reshape(got.shape) - got).max() <= 1e-6
     S.train(name, ref, batches[:1], probe)
     assert np.abs(again - np.asarray(ref.predict_on_batch(probe))).max() < 2e-6
 
