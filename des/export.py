@@ -82,9 +82,10 @@ def serving_inputs(x: dict, signature) -> dict:
 
 def _static_embedding_class():
 
-
-    class StaticFieldEmbedding(tf.keras.layers.Layer):
-        """A FieldEmbedding's rows frozen into core TensorFlow (hash table of key -> row, matrix)."""
+    class StaticTable(tf.keras.layers.Layer):
+        """A dynamic table's rows frozen into core TensorFlow: a hash table of key -> row index
+        and a matrix; a key it does not hold reads key_init's row, as the trained model does in
+        inference."""
 
         def __init__(self, keys, values, dim: int, salt: int, init_scale: float, **kwargs):
             super().__init__(**kwargs)
@@ -99,42 +100,40 @@ def _static_embedding_class():
                     else tf.zeros([1, self.dim]))
             self.matrix = tf.Variable(rows, trainable=False, name="rows")
 
-        def call(self, inputs):
-            ids, weights = (inputs[0], inputs[1]) if isinstance(inputs, (list, tuple)) else (inputs, None)
-            ids = tf.convert_to_tensor(ids, tf.int64)
-            uniq, idx = tf.unique(tf.reshape(ids, [-1]))
-            at = self.index.lookup(uniq)
-            rows = tf.where((at >= 0)[:, None], tf.gather(self.matrix, tf.maximum(at, 0)),
-                            key_init(uniq, self.salt, self.dim, self.init_scale))
-            rows = tf.where((uniq == PAD_ID)[:, None], tf.zeros_like(rows), rows)
-            return pool(tf.gather(rows, idx), ids, weights, self.dim)
-
-    class StaticTFRAEmbedding(tf.keras.layers.Layer):
-        """A TFRA (Squashed)Embedding made key-deterministic by des.transform / des.make_keyed,
-        frozen into core TensorFlow: what its inference call computes, with a hash table of
-        key -> row and a matrix, and key_init's row for a key it does not hold."""
-
-        def __init__(self, keys, values, dim: int, salt: int, init_scale: float, combiner: str | None, **kwargs):
-            super().__init__(**kwargs)
-            self.dim, self.salt, self.init_scale, self.combiner = int(dim), int(salt), float(init_scale), combiner
-            self.rows = len(keys)
-            self.index = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, default_value=-1)
-            if len(keys):
-                self.index.insert(tf.constant(keys, tf.int64), tf.range(len(keys), dtype=tf.int64))
-            rows = (tf.constant(values, tf.float32, shape=[len(keys), self.dim]) if len(keys)
-                    else tf.zeros([1, self.dim]))
-            self.matrix = tf.Variable(rows, trainable=False, name="rows")
-
-        def call(self, ids):
-            ids = tf.convert_to_tensor(ids)
+        def distinct_rows(self, ids):
+            """(the rows of the distinct ids, each id's place among them)."""
             uniq, idx = tf.unique(tf.cast(tf.reshape(ids, [-1]), tf.int64))
             at = self.index.lookup(uniq)
             rows = tf.where((at >= 0)[:, None], tf.gather(self.matrix, tf.maximum(at, 0)),
                             key_init(uniq, self.salt, self.dim, self.init_scale))
+            return uniq, rows, idx
+
+    class StaticFieldEmbedding(StaticTable):
+        """This project's FieldEmbedding, frozen (padding ids read zeros; pooled as it pools)."""
+
+        def call(self, inputs):
+            ids, weights = (inputs[0], inputs[1]) if isinstance(inputs, (list, tuple)) else (inputs, None)
+            ids = tf.convert_to_tensor(ids, tf.int64)
+            uniq, rows, idx = self.distinct_rows(ids)
+            rows = tf.where((uniq == PAD_ID)[:, None], tf.zeros_like(rows), rows)
+            return pool(tf.gather(rows, idx), ids, weights, self.dim)
+
+    class StaticTFRAEmbedding(StaticTable):
+        """A TFRA (Squashed)Embedding made key-deterministic by des.transform / des.make_keyed,
+        frozen: what its inference call computes (SquashedEmbedding: reduced as TFRA's
+        reduce_pooling reduces)."""
+
+        def __init__(self, keys, values, dim: int, salt: int, init_scale: float, combiner: str | None, **kwargs):
+            super().__init__(keys, values, dim, salt, init_scale, **kwargs)
+            self.combiner = combiner
+
+        def call(self, ids):
+            ids = tf.convert_to_tensor(ids)
+            _, rows, idx = self.distinct_rows(ids)
             out = tf.reshape(tf.gather(rows, idx), tf.concat([tf.shape(ids), [self.dim]], 0))
             if self.combiner is None:
                 return out
-            reduce = getattr(tf.math, f"reduce_{self.combiner}")      # TFRA's reduce_pooling
+            reduce = getattr(tf.math, f"reduce_{self.combiner}")
             if out.shape.ndims == 2:
                 return reduce(out, 0)
             for _ in range(out.shape.ndims - 2):
@@ -306,4 +305,3 @@ sys.modules[__name__].__class__ = _ExportModule
 
 if __name__ == "__main__":
     sys.exit(main())
-
