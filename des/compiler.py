@@ -696,6 +696,9 @@ def _transform_towers(model: tf.keras.Model, towers: dict, sample, comm: Communi
                     unsubstituted=[t for r in reports.values() for t in r.unsubstituted],
                     opaque=[o for r in reports.values() for o in r.opaque])
     if changed:
+        saving.refuse(model, f"{model.name!r}: des.transform rewrote its towers one by one "
+                             f"({', '.join(a for a, r in reports.items() if r.changed)}): the whole model does not save yet; "
+                             f"save each tower (model.<tower>.save(path), on every process)")
         report.floats_per_sample = sum(r.floats_per_sample for r in changed)
         report.collectives = len(changed)
         report.widths = {k: w for r in changed for k, w in r.widths.items()}

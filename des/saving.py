@@ -161,6 +161,15 @@ def save_weights(model: tf.keras.Model, filepath, *args, **kwargs) -> None:
             type(full).save_weights(full, filepath, *args, **kwargs)
 
 
+def refuse(model: tf.keras.Model, why: str) -> None:
+    """Make ``model.save`` and ``model.save_weights`` raise SaveError(``why``) (a model whose
+    towers des.transform rewrote one by one: each tower saves, the whole does not yet)."""
+    def refused(*_, **__):
+        raise SaveError(why)
+    object.__setattr__(model, "save", refused)
+    object.__setattr__(model, "save_weights", refused)
+
+
 def install(model: tf.keras.Model) -> None:
     """Make ``model.save`` and ``model.save_weights`` (and so ModelCheckpoint) gather and write
     the untouched model (des.compiler does, for every model des.transform returns)."""

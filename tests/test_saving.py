@@ -238,3 +238,20 @@ def test_des_export_of_a_checkpoint_of_a_users_model_says_what_to_do(tmp_path):
         export.export(str(tmp_path / "c"), str(tmp_path / "served"))
     assert export.main(["--checkpoint", str(tmp_path / "c"), "--out", str(tmp_path / "served")]) == 2
     assert not os.path.exists(tmp_path / "served")
+
+
+def test_a_model_of_towers_refuses_a_whole_save_in_one_line_and_its_towers_save(tmp_path):
+    """TFRS retrieval: des.transform rewrites the towers one by one. A save of the whole is one
+    line naming them (not a traceback from inside the SavedModel writer); each tower saves."""
+    import subclassed_models as S
+    batches = S.batches_for("tfrs_retrieval", 2, 16)
+    model, report = des.transform(S.BUILDERS["tfrs_retrieval"](), sample=batches[0])
+    assert report.changed
+    S.train("tfrs_retrieval", model, batches, S.probe_of("tfrs_retrieval"))
+    with pytest.raises(SaveError, match=r"rewrote its towers one by one \(candidate_model, query_model\)"):
+        model.save(str(tmp_path / "whole"))
+    assert not os.path.exists(tmp_path / "whole")
+    probe = S.probe_of("tfrs_retrieval")["movie_id"]
+    model.candidate_model.save(str(tmp_path / "candidate"))
+    again = tf.keras.models.load_model(str(tmp_path / "candidate"), compile=False)
+    assert np.abs(again.predict_on_batch(probe) - model.candidate_model.predict_on_batch(probe)).max() <= 1e-6
