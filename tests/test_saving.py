@@ -165,9 +165,12 @@ def test_checkpoint_of_des_2_resumes_exactly_on_des_3_and_one_process(tmp_path, 
     assert max(np.abs(p - ref).max() for p in got) < 2e-6
 
 
-def test_export_of_a_tfra_model_serves_what_des_predicts(tmp_path):
+@pytest.mark.parametrize("tables", [{}, {"fuse_tables": True, "join_linear": True}])
+def test_export_of_a_tfra_model_serves_what_des_predicts(tmp_path, tables):
+    """Per-field TFRA tables, and the same joined into one table a process (the export reads
+    the rows the model declares, wherever they live)."""
     init, batches, probe = _case("tfra_deepfm")
-    world, ranks = _world(2, "tfra_deepfm", init)
+    world, ranks = _world(2, "tfra_deepfm", init, **tables)
 
     def work(r):
         m = ranks[r]
