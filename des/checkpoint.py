@@ -126,13 +126,13 @@ def save(directory: str, model, optimizer, plan: FieldPlan | None = None, rank: 
     rank, world_size, barrier = _world(model, rank, world_size, barrier)
     if plan is None and distributed(model) is not None:
         plan = distributed(model).plan
+    kinds = shard_kinds(model, rank)
+    entries = export_rows(model, optimizer, kinds=kinds) if kinds else {}    # before anything is written
     incoming, final = os.path.join(directory, ".incoming"), os.path.join(directory, "state")
     if rank == 0:
         shutil.rmtree(incoming, ignore_errors=True)
         os.makedirs(incoming)
     barrier()
-    kinds = shard_kinds(model, rank)
-    entries = export_rows(model, optimizer, kinds=kinds) if kinds else {}
     _write_npz(os.path.join(incoming, _shard_name(rank, world_size)), entries)
     barrier()
     if rank == 0:

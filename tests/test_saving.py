@@ -258,3 +258,12 @@ def test_a_model_of_towers_refuses_a_whole_save_in_one_line_and_its_towers_save(
     model.candidate_model.save(str(tmp_path / "candidate"))
     again = tf.keras.models.load_model(str(tmp_path / "candidate"), compile=False)
     assert np.abs(again.predict_on_batch(probe) - model.candidate_model.predict_on_batch(probe)).max() <= 1e-6
+
+
+def test_an_optimizer_whose_slots_cannot_be_read_is_one_line_and_nothing_is_written(tmp_path):
+    class Handmade:                              # neither Keras's legacy slots nor variables to read
+        iterations = tf.Variable(0, dtype=tf.int64)
+    model = BUILDERS["keras_deepfm"]()
+    with pytest.raises(ValueError, match=r"^optimizer Handmade: its slots cannot be read") as e:
+        checkpoint.save(str(tmp_path / "c"), model, Handmade())
+    assert "\n" not in str(e.value) and not os.path.exists(tmp_path / "c")
