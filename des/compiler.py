@@ -324,6 +324,11 @@ def transform(model: tf.keras.Model, comm: Communicator | None = None, plan: str
     ``costs``: the batch size, FLOP rate, bandwidth and per-collective cost the auto choices
     assume (default: ``tail`` when it is a ``des.AutoTail``, else ``des.AutoTail()``).
 
+    The returned model's ``save`` and ``save_weights`` (and so ModelCheckpoint), called on every
+    process, write the model given here with every process's trained weights (des.saving);
+    ``des.checkpoint.save(folder, model, model.optimizer)`` keeps its optimizer state too, and
+    ``des.export(model, out)`` writes it for serving.
+
     A subclassed model (a ``tf.keras.Model`` or ``tfrs.models.Model`` with its own ``call``) is
     traced: its ``call`` runs on symbolic inputs shaped like ``sample`` (a batch of its inputs;
     not needed once the model has been called), the functional graph this gives is rewritten,
