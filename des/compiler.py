@@ -30,7 +30,7 @@ from des import saving, state
 from des.cost import AutoTail, choose_first_dense, choose_tail, estimate
 from des.fields import GLUE, FieldAnalysis, FieldVector
 from des.handle import Distributed, attach, distributed
-from des.ir import Graph, Node, call_node, is_keras_tensor, replay, trace
+from des.ir import Graph, Node, call_node, is_keras_tensor, replay, trace_used
 from des.plan import FieldCost, FieldPlan, check_agreement, make_plan
 from des.sources import source_of
 from des_ops.comm import WIRE_DTYPES, Communicator, agree, default_communicator
@@ -721,18 +721,12 @@ def trace_call(model: tf.keras.Model, sample=None, input_prefix: str = "input") 
         return None, (f"{name}: its input shapes are unknown: pass sample=<a batch of its inputs> to des.transform, "
                       f"or call the model once on a batch first")
     try:
-        traced = trace(model, spec, input_prefix)
+        traced = trace_used(model, spec, input_prefix)
     except Exception as e:  # noqa: BLE001 - any failure of the user's call is a reason, not a traceback
         first = (str(e).strip().splitlines() or [""])[0][:200]
         return None, (f"{name}: its call() could not be traced on symbolic inputs ({type(e).__name__}: {first}); "
                       f"write it with TensorFlow ops (tf.cond, tf.where) instead of Python control flow on "
                       f"tensor values, and keep its state in layers")
-    if isinstance(traced.input, dict):              # only the inputs call() reads (a label in the batch is not)
-        graph = Graph(traced)
-        used = {graph.input_name(t) for t in graph.input_ids if graph.consumers.get(t)}
-        if used != set(traced.input):
-            traced = tf.keras.Model({k: v for k, v in traced.input.items() if k in used}, traced.output,
-                                    name=f"{model.name}_traced")
     return traced, ""
 
 

@@ -314,6 +314,20 @@ def trace(model: tf.keras.Model, like, prefix: str = "input") -> tf.keras.Model:
     return tf.keras.Model(inputs, model.call(inputs), name=f"{model.name}_traced")
 
 
+def trace_used(model: tf.keras.Model, like, prefix: str = "input") -> tf.keras.Model:
+    """``trace``, keeping only the inputs ``call`` reads when they are a dict (a label in the batch
+    is not): the functional model des.transform rewrites for a subclassed model, and so the one
+    whose graph keys its state (des.state)."""
+    traced = trace(model, like, prefix)
+    if isinstance(traced.input, dict):
+        graph = Graph(traced)
+        used = {graph.input_name(t) for t in graph.input_ids if graph.consumers.get(t)}
+        if used != set(traced.input):
+            traced = tf.keras.Model({k: v for k, v in traced.input.items() if k in used}, traced.output,
+                                    name=f"{model.name}_traced")
+    return traced
+
+
 def all_keras_tensors(structure) -> list:
     return [x for x in tf.nest.flatten(structure) if is_keras_tensor(x)]
 

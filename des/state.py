@@ -22,9 +22,9 @@ import numpy as np
 import tensorflow as tf
 
 from des.handle import distributed
-from des.ir import Graph
+from des.ir import Graph, trace_used
 from des_ops.fused import FusedTable
-from des_ops.keras_internals import create_optimizer_weights, creates_weights_ahead
+from des_ops.keras_internals import create_optimizer_weights, creates_weights_ahead, input_spec_of
 from models.optim import apply_without_autograph, is_linear
 from rewrite_rules import find_substitutions
 
@@ -65,7 +65,14 @@ class StateKeys:
 
     @staticmethod
     def of_model(model: tf.keras.Model) -> "StateKeys":
-        """For a model that was not transformed."""
+        """For a model that was not transformed (a subclassed one: the functional model of its
+        call, traced as des.transform traces it, so the keys line up)."""
+        if not getattr(model, "_is_graph_network", False):
+            spec = input_spec_of(model)
+            if spec is None:
+                raise ValueError(f"{model.name!r} ({type(model).__name__}): its inputs are unknown; call it on a "
+                                 f"batch once before saving or restoring its state")
+            model = trace_used(model, spec)
         graph = Graph(model)
         keys = _layer_keys(graph)
         sk = StateKeys()

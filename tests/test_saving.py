@@ -267,3 +267,45 @@ def test_an_optimizer_whose_slots_cannot_be_read_is_one_line_and_nothing_is_writ
     with pytest.raises(ValueError, match=r"^optimizer Handmade: its slots cannot be read") as e:
         checkpoint.save(str(tmp_path / "c"), model, Handmade())
     assert "\n" not in str(e.value) and not os.path.exists(tmp_path / "c")
+
+
+def test_a_subclassed_models_checkpoint_resumes_on_3_processes_and_one(tmp_path):
+    """A subclassed Wide & Deep: a checkpoint after 2 of 4 steps on 2 simulated processes,
+    restored on 3 and into the plain model on one, trains on as the uninterrupted model."""
+    import subclassed_models as S
+    tf.keras.utils.set_random_seed(0)
+    batches, probe = S.batches_for("subclassed_wdl", 4, 32, seed=3), S.probe_of("subclassed_wdl")
+    init = S.WideAndDeep()
+    init(probe)
+
+    def fresh():
+        m = S.WideAndDeep()
+        m(probe)
+        m.set_weights(init.get_weights())
+        return m
+
+    def steps(m, part):
+        for x, y in part:
+            m.train_on_batch(x, y)
+        return np.asarray(m.predict_on_batch(probe))
+    ref = fresh()
+    ref.compile(tf.keras.optimizers.Adam(0.02), "binary_crossentropy")
+    want = steps(ref, batches)
+
+    def world(n, work):
+        w = InProcessWorld(n)
+        ms = [des.transform(fresh(), comm=w.communicator(r))[0] for r in range(n)]
+        for m in ms:
+            m.compile(tf.keras.optimizers.Adam(0.02), "binary_crossentropy")
+        return _on_every_rank(w, lambda r: work(ms[r]))
+    ckpt = str(tmp_path / "ckpt")
+    world(2, lambda m: (steps(m, batches[:2]), checkpoint.save(ckpt, m, m.optimizer)))
+
+    def resume(m):
+        checkpoint.restore(ckpt, m, m.optimizer)
+        return steps(m, batches[2:])
+    got = world(3, resume)
+    one = fresh()
+    one.compile(tf.keras.optimizers.Adam(0.02), "binary_crossentropy")
+    got.append(resume(one))
+    assert max(np.abs(p - want).max() for p in got) < 2e-6
