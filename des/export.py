@@ -220,31 +220,31 @@ def export_model(model, out: str) -> dict | None:
     tables: it loads with ``tf.saved_model.load`` or ``tf.keras.models.load_model`` where neither
     des nor TFRA is imported. Every process calls it; rank 0 writes and returns {"bytes", "rows"},
     the others None. ``out`` must not exist or be empty (checked on every process first)."""
-    handle = distributed(model)
-    if handle is not None:
-        saving.agree_on(handle.comm, "des.export(model, out)", f"export to {out}")
     if os.path.exists(out) and os.listdir(out):
         raise ValueError(f"{out}: exists and is not empty; nothing was written (choose another path)")
-    with saving.untouched(model, "des.export", own_class=False) as full:   # a functional model: its inputs
-        if full is None:
-            return None
-        served = serving_model(full)
-        specs = _input_specs(served)
-        keyed, names = isinstance(served.input, dict), served.output_names
+    if distributed(model) is None:
+        return _write_export(model, out)
+    return saving.written_by_root(model, "des.export(model, out)", out, lambda full: _write_export(full, out),
+                                  own_class=False)          # a subclassed model: the functional model of its call
 
-        def serve(**x):
-            args = x if keyed else [x[k] for k in specs] if len(specs) > 1 else x[next(iter(specs))]
-            return dict(zip(names, tf.nest.flatten(served(args, training=False))))
-        tmp = out.rstrip("/") + ".tmp-export"
-        shutil.rmtree(tmp, ignore_errors=True)
-        signature = tf.function(serve).get_concrete_function(**specs)
-        served.save(tmp, save_format="tf", include_optimizer=False, signatures={"serving_default": signature})
+
+def _write_export(model, out: str) -> dict:
+    served = serving_model(model)
+    specs = _input_specs(served)
+    keyed, names = isinstance(served.input, dict), served.output_names
+
+    def serve(**x):
+        args = x if keyed else [x[k] for k in specs] if len(specs) > 1 else x[next(iter(specs))]
+        return dict(zip(names, tf.nest.flatten(served(args, training=False))))
+    tmp = out.rstrip("/") + ".tmp-export"
+    shutil.rmtree(tmp, ignore_errors=True)
+    signature = tf.function(serve).get_concrete_function(**specs)
+    served.save(tmp, save_format="tf", include_optimizer=False, signatures={"serving_default": signature})
     if os.path.isdir(out):
         os.rmdir(out)
     os.rename(tmp, out)
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
     return {"bytes": size, "rows": sum(getattr(layer, "rows", 0) for layer in served.layers if hasattr(layer, "matrix"))}
-
 
 LOAD_CHECK = """
 import sys, time

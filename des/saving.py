@@ -27,9 +27,9 @@ the missing ranks. Nothing is ever written from one process's share alone.
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import functools
 import os
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import tensorflow as tf
@@ -140,25 +140,44 @@ def as_written(model: tf.keras.Model, frozen: list) -> Iterator[tf.keras.Model]:
         model.call = call
 
 
-def _check(model: tf.keras.Model, what: str, filepath) -> None:
-    path = os.fspath(filepath) if not isinstance(filepath, str) else filepath
-    agree_on(distributed(model).comm, what, f"{what} to {path}")
+def written_by_root(model: tf.keras.Model, what: str, path, write: Callable, own_class: bool = True):
+    """Every process: check that all save ``what`` to ``path``, gather the untouched model
+    (``untouched``), let rank 0 ``write(model)``, then tell every process how that went: a write
+    that fails on rank 0 raises the same one-line SaveError on every process (none goes on into
+    a collective rank 0 will not join). Returns ``write``'s result on rank 0, None elsewhere."""
+    comm = distributed(model).comm
+    agree_on(comm, what, f"{what} to {os.fspath(path)}")
+    result, failure = None, None
+    try:
+        with untouched(model, what, own_class) as full:
+            if full is not None:
+                result = write(full)
+    except Exception as e:  # noqa: BLE001 - reported to every process below
+        if comm.rank != 0 or comm.world_size == 1:
+            raise
+        failure = e
+    said = allgather_bytes(comm, (f"{type(failure).__name__}: {failure}".splitlines()[0] if failure else "").encode(),
+                           "des_save_done")[0].decode()
+    if said:
+        raise SaveError(f"{what}: rank 0 could not write {os.fspath(path)!r}: {said}") from failure
+    return result
+
+
+def _keras_save(model: tf.keras.Model, method: str, filepath, *args, **kwargs) -> None:
+    """``model.save`` / ``model.save_weights`` of a DES model: every process calls it, rank 0
+    writes the untouched model with Keras's own method."""
+    written_by_root(model, f"model.{method}", filepath,
+                    lambda full: getattr(type(full), method)(full, filepath, *args, **kwargs))
 
 
 def save(model: tf.keras.Model, filepath, *args, **kwargs) -> None:
-    """``model.save`` of a DES model: every process calls it, rank 0 writes the untouched model."""
-    _check(model, "model.save", filepath)
-    with untouched(model, "model.save") as full:
-        if full is not None:
-            type(full).save(full, filepath, *args, **kwargs)
+    """``model.save`` of a DES model (the untouched model, written by rank 0)."""
+    _keras_save(model, "save", filepath, *args, **kwargs)
 
 
 def save_weights(model: tf.keras.Model, filepath, *args, **kwargs) -> None:
-    """``model.save_weights`` of a DES model: the untouched model's weights, written by rank 0."""
-    _check(model, "model.save_weights", filepath)
-    with untouched(model, "model.save_weights") as full:
-        if full is not None:
-            type(full).save_weights(full, filepath, *args, **kwargs)
+    """``model.save_weights`` of a DES model (the untouched model's weights, written by rank 0)."""
+    _keras_save(model, "save_weights", filepath, *args, **kwargs)
 
 
 def refuse(model: tf.keras.Model, why: str) -> None:
@@ -173,8 +192,8 @@ def refuse(model: tf.keras.Model, why: str) -> None:
 def install(model: tf.keras.Model) -> None:
     """Make ``model.save`` and ``model.save_weights`` (and so ModelCheckpoint) gather and write
     the untouched model (des.compiler does, for every model des.transform returns)."""
-    object.__setattr__(model, "save", lambda filepath, *a, **k: save(model, filepath, *a, **k))
-    object.__setattr__(model, "save_weights", lambda filepath, *a, **k: save_weights(model, filepath, *a, **k))
+    for method in ("save", "save_weights"):
+        object.__setattr__(model, method, functools.partial(_keras_save, model, method))
 
 
 __all__ = ["save", "save_weights", "untouched", "allgather_bytes", "agree_on", "SaveError"]

@@ -309,3 +309,22 @@ def test_a_subclassed_models_checkpoint_resumes_on_3_processes_and_one(tmp_path)
     one.compile(tf.keras.optimizers.Adam(0.02), "binary_crossentropy")
     got.append(resume(one))
     assert max(np.abs(p - want).max() for p in got) < 2e-6
+
+
+def test_a_write_that_fails_on_rank_0_is_the_same_error_on_every_process(tmp_path):
+    """Rank 0 cannot write (the folder is a file): every process gets one line naming rank 0,
+    the path and Keras's error, instead of the others going on into a collective alone."""
+    init, _, _ = _case("keras_deepfm", 1)
+    world, ranks = _world(3, "keras_deepfm", init)
+    (tmp_path / "file").write_text("not a folder")
+    path = str(tmp_path / "file" / "m.h5")
+    errors = []
+
+    def work(r):
+        try:
+            ranks[r].save(path)
+        except SaveError as e:
+            errors.append(str(e))
+    _on_every_rank(world, work)
+    assert len(errors) == 3 and len(set(errors)) == 1 and "\n" not in errors[0], errors
+    assert errors[0].startswith(f"model.save: rank 0 could not write {path!r}: "), errors[0]
