@@ -43,16 +43,17 @@ def distributed(model):
 def __getattr__(name):
     """Lazily: des.TransformError, des.make_keyed (TFRA tables with key-deterministic new rows),
     des.register_adapter (map a third-party layer to canonical math), des.AutoTail (what
-    tail="auto" assumes: batch size, FLOP rate, bandwidth)."""
+    tail="auto" assumes: batch size, FLOP rate, bandwidth), des.export (``des.export(model, out)``:
+    one SavedModel for serving) and des.checkpoint (save and restore with optimizer state)."""
     if name == "AutoTail":
         from des.cost import AutoTail
         return AutoTail
     if name == "TransformError":
         from des.compiler import TransformError
         return TransformError
-    if name == "export":                 # des.export(model, out) / des.export(checkpoint, out): a callable module
+    if name in ("export", "checkpoint"):  # des.export(model, out) (a callable module), des.checkpoint.save(...)
         import importlib
-        return importlib.import_module("des.export")
+        return importlib.import_module(f"des.{name}")
     if name == "make_keyed":
         from des.state import make_keyed
         return make_keyed
