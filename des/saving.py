@@ -37,7 +37,7 @@ import tensorflow as tf
 from des.checkpoint import Shards, shard_bytes, shard_kinds
 from des.handle import distributed
 from des.sources import source_of
-from des.state import StateKeys, export_rows, keep_state_keys, load_rows
+from des.state import export_rows, load_rows, model_keys
 from des_ops.comm import Communicator
 from des_ops.keras_internals import untrack
 
@@ -98,13 +98,12 @@ def untouched(model: tf.keras.Model, what: str = "save", own_class: bool = True)
     for layer in source.submodules:                 # released tables (a nested model's too) get storage back
         if getattr(layer, "des_released", False):
             source_of(layer).reacquire(layer)
-    keys = StateKeys.of_model(source)
+    keys = model_keys(source)                       # load_rows and serving_model read the same keys
     kept = set(handle.state.tables)
     consumed = source.__dict__.get("call")          # des.compiler marked the model consumed
     try:
         if consumed is not None:
             del source.call
-        keep_state_keys(source, keys)
         try:
             missing = load_rows(source, None, Shards(blobs=blobs))
         except KeyError as e:

@@ -161,6 +161,15 @@ def keep_state_keys(model: tf.keras.Model, keys: StateKeys) -> None:
     _KEYS[model] = keys
 
 
+def model_keys(model: tf.keras.Model) -> StateKeys:
+    """``StateKeys.of_model(model)``, made once per model and kept (des.saving keys the untouched
+    model at every save; its graph and substitutions do not change)."""
+    sk = _KEYS.get(model)
+    if sk is None:
+        sk = _KEYS[model] = StateKeys.of_model(model)
+    return sk
+
+
 def state_keys(model: tf.keras.Model) -> StateKeys:
     handle = distributed(model)
     sk = handle.state if handle is not None else _KEYS.get(model)
