@@ -192,17 +192,27 @@ def export(checkpoint_dir: str, out: str) -> dict:
     fn = tf.function(lambda **x: {"probability": tf.reshape(served(x, training=False), [-1])})
     module = tf.Module()
     module.model = served
-    tmp = out.rstrip("/") + ".tmp-export"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = _staging(out)
     tf.saved_model.save(module, tmp, signatures={"serving_default": fn.get_concrete_function(**specs)})
     with open(os.path.join(tmp, CONFIG), "w") as fh:
         json.dump({k: config.get(k) for k in ("model", "format", "dim", "hidden", "seed", "spec")}, fh, indent=1)
+    return _published(tmp, out, served)
+
+
+def _staging(out: str) -> str:
+    """An empty folder beside ``out`` to write the SavedModel in before it takes ``out``'s place."""
+    tmp = out.rstrip("/") + ".tmp-export"
+    shutil.rmtree(tmp, ignore_errors=True)
+    return tmp
+
+
+def _published(tmp: str, out: str, served) -> dict:
+    """Move the finished export ``tmp`` to ``out``; {"bytes" on disk, "rows" of its static tables}."""
     if os.path.isdir(out):
         os.rmdir(out)
     os.rename(tmp, out)
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
-    rows = sum(layer.rows for layer in served.layers if hasattr(layer, "matrix"))
-    return {"bytes": size, "rows": rows}
+    return {"bytes": size, "rows": sum(layer.rows for layer in served.layers if hasattr(layer, "matrix"))}
 
 
 def _input_specs(model) -> dict:
@@ -236,15 +246,10 @@ def _write_export(model, out: str) -> dict:
     def serve(**x):
         args = x if keyed else [x[k] for k in specs] if len(specs) > 1 else x[next(iter(specs))]
         return dict(zip(names, tf.nest.flatten(served(args, training=False))))
-    tmp = out.rstrip("/") + ".tmp-export"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = _staging(out)
     signature = tf.function(serve).get_concrete_function(**specs)
     served.save(tmp, save_format="tf", include_optimizer=False, signatures={"serving_default": signature})
-    if os.path.isdir(out):
-        os.rmdir(out)
-    os.rename(tmp, out)
-    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
-    return {"bytes": size, "rows": sum(getattr(layer, "rows", 0) for layer in served.layers if hasattr(layer, "matrix"))}
+    return _published(tmp, out, served)
 
 LOAD_CHECK = """
 import sys, time
