@@ -27,26 +27,35 @@ _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 __version__ = "0.1.0"
 
 
-def transform(model, **kwargs):
-    """Substitute the weights-rich first layers of ``model``; see des.compiler.transform."""
-    from des.compiler import transform as _transform
-    return _transform(model, **kwargs)
+def transform(model, options=None, *, comm=None, spec=None, sample=None):
+    """(DES model for this process, report) of a Keras model; ``options``: a des.Options.
+    See des.compiler.api.transform. The model it returns saves, checkpoints and exports with
+    every process's trained rows (des.runtime.saving)."""
+    from des.compiler import transform as compile_model
+    from des.runtime.saving import install
+    new, report = compile_model(model, options, comm=comm, spec=spec, sample=sample)
+    if report.changed or report.save_refusal:
+        install(new, report.save_refusal)
+    return new, report
 
 
 def distributed(model):
     """The handle (plan, DES layer, state keys, tail) of a model des.transform returned, else None;
-    see des.handle."""
-    from des.handle import distributed as _distributed
+    see des.compiler.handle."""
+    from des.compiler.handle import distributed as _distributed
     return _distributed(model)
 
 
 def __getattr__(name):
-    """Lazily: des.TransformError, des.make_keyed (TFRA tables with key-deterministic new rows),
+    """Lazily: des.Options (how des.transform splits a model), des.TransformError, des.make_keyed (TFRA tables with key-deterministic new rows),
     des.register_adapter (map a third-party layer to canonical math), des.AutoTail (what
     tail="auto" assumes: batch size, FLOP rate, bandwidth), des.export (``des.export(model, out)``:
     one SavedModel for serving) and des.checkpoint (save and restore with optimizer state)."""
+    if name == "Options":
+        from des.compiler.options import Options
+        return Options
     if name == "AutoTail":
-        from des.cost import AutoTail
+        from des.compiler.cost import AutoTail
         return AutoTail
     if name == "TransformError":
         from des.compiler import TransformError
@@ -55,9 +64,9 @@ def __getattr__(name):
         import importlib
         return importlib.import_module(f"des.{name}")
     if name == "make_keyed":
-        from des.state import make_keyed
+        from des.compiler.keys import make_keyed
         return make_keyed
     if name == "register_adapter":
-        from des.adapters import register_adapter
+        from des.graph.adapters import register_adapter
         return register_adapter
     raise AttributeError(name)

@@ -149,7 +149,7 @@ class LocalCommunicator(Communicator):
 class NoopCommunicator(Communicator):
     """This process's rank and world size from the launcher, but no collective of a step moves a
     payload: allreduce and all-to-all return their input. For timing a step's computation
-    alone (des.timemodel); the results are not the model's (nothing is summed or exchanged).
+    alone (des.cluster.timemodel); the results are not the model's (nothing is summed or exchanged).
     ``broadcast`` (eager, at transform: rank 0's weights, the plan agreement of ``agree``) is a
     real one when the communicator meets the others at all, and returns the input with
     ``meet="never"`` (``broadcasts`` is then False and ``agree`` has nothing to compare).

@@ -14,7 +14,7 @@ Key rule: the row of id ``i`` of the field in slot ``s`` (its place in ``members
 ``s << 55 | i``. Ids must lie in [0, 2**55) (the readers' hashed ids do: des.data.hashing) and a table
 holds at most 256 fields; an id outside that range stops the step with a message naming the field.
 A new row depends on (field, id, seed) only, exactly as in the field's own table, so fusing changes
-no result; checkpoints still store (field, id) -> row (des.sources reads a field's rows through
+no result; checkpoints still store (field, id) -> row (des.graph.sources reads a field's rows through
 ``field_rows``).
 
 Joined rows (``fusion_groups(..., join_linear=True)``): a field's linear weight (width 1) and its
@@ -76,7 +76,7 @@ class FusedTable(FieldEmbedding):
     their rows side by side in one row, in member order (joined rows: the module docstring), and
     every slot has the same column layout, ``dim`` wide in all. ``same_as[k]``: an earlier input
     that is the same tensor read through the same slot (its keys are looked up once)."""
-    des_embedding = False          # not a table of the user's graph: des.sources reads its members
+    des_embedding = False          # not a table of the user's graph: des.graph.sources reads its members
     joins_linear = True            # may hold joined rows (the cache's fused table may not)
 
     def __init__(self, members: list, calls: list[int], dim: int, name: str, linear: bool = False,
@@ -257,7 +257,7 @@ class FusedTable(FieldEmbedding):
                  for b, (_, w) in enumerate(self.blocks)]
         return parts[0] if len(parts) == 1 else tf.concat(parts, axis=1)
 
-    # --- one member's rows, for des.sources (checkpoints, snapshots, the rank-0 broadcast) --------
+    # --- one member's rows, for des.graph.sources (checkpoints, snapshots, the rank-0 broadcast) --------
     def pack(self, member: int, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids, np.int64)
         bad = (ids < 0) | (ids > _ID_MASK)
@@ -274,7 +274,7 @@ class FusedTable(FieldEmbedding):
         """Within it, the keys each slot of ``params`` holds are exported once per table (rows or
         optimizer slot) and kept up to date by ``load_member``, instead of once per member:
         restoring F members was F exports of the whole table. Nothing else may write the table
-        meanwhile (des.checkpoint.restore holds it around its loads)."""
+        meanwhile (des.runtime.checkpoint.restore holds it around its loads)."""
         self._held = {}
         try:
             yield self
@@ -419,9 +419,9 @@ def tables_after_fusing(nodes: list, join_linear: bool = False) -> int:
 
 
 def fuse_nodes(graph, nodes: list, suffix: str, join_linear: bool = False) -> tuple[list[tuple], list[str]]:
-    """Move the rows of each ``fusion_groups`` group of ``nodes`` (des.ir nodes of ``graph``)
+    """Move the rows of each ``fusion_groups`` group of ``nodes`` (des.graph.ir nodes of ``graph``)
     into one FusedTable per group, named ``des_fused<width>[_linear|_joined]_<suffix>``. Every member
-    layer then reads and writes its rows through the fused table (des.sources). Returns
+    layer then reads and writes its rows through the fused table (des.graph.sources). Returns
     ([(table, its nodes in graph order)], one report line per table)."""
     fused, lines = [], []
     for (widths, linear, cls), members in fusion_groups(nodes, join_linear).items():

@@ -1,4 +1,4 @@
-"""The few Keras-private attributes DES touches outside the graph IR (des.ir): a layer's weight
+"""The few Keras-private attributes DES touches outside the graph IR (des.graph.ir): a layer's weight
 lists, its registered weight penalties and its cached call signature, an optimizer's slot
 creation and hyperparameters. Kept in one place so a Keras upgrade has one file to check.
 
@@ -103,7 +103,7 @@ def autograph_as_keras_decides():
     """A context in which Keras converts a layer's ``call`` with autograph as it does outside any
     function (TF-private: autograph's control status). The DES layer's own ``call`` is plain
     TensorFlow and not converted (converting it, and all it calls, took ~4 s of a DeepFM's first
-    step); the user layers it calls (des.compiler.FieldChains) must still be, since their Python
+    step); the user layers it calls (des.compiler.functional.FieldChains) must still be, since their Python
     control flow may depend on tensors."""
     from tensorflow.python.autograph.core import ag_ctx
     return ag_ctx.ControlStatusCtx(status=ag_ctx.Status.ENABLED)

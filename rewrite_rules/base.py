@@ -1,6 +1,6 @@
 """The rule interface, the registry and the helpers the rules share.
 
-A rule is one unit: a pattern over the canonical graph (des.ir, des.fields), the sub-operator
+A rule is one unit: a pattern over the canonical graph (des.graph.ir, des.graph.fields), the sub-operator
 it substitutes (des_ops.suboperators) and the replicated ``finish`` that turns the combined
 sum into the original operator's output. A new rule is one file:
 
@@ -19,8 +19,8 @@ from typing import Callable
 
 import tensorflow as tf
 
-from des.fields import FieldAnalysis, FieldVector, Layout
-from des.ir import Graph, Node
+from des.graph.fields import FieldAnalysis, FieldVector, Layout
+from des.graph.ir import Graph, Node
 
 RULES: list["Rule"] = []
 

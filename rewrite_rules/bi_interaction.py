@@ -7,7 +7,7 @@ as tf ops, DeepCTR's ``BiInteractionPooling`` or a layer declaring
 """
 from __future__ import annotations
 
-from des.pattern import Alt, Op
+from des.graph.pattern import Alt, Op
 from des_ops.suboperators import BiInteractionSubOp
 from rewrite_rules.base import Rule, register
 from rewrite_rules.fm_interaction import DIFF, E, half, interaction_match

@@ -76,7 +76,7 @@ class EmbedConcatDenseRule(Rule):
                          d.get("rest"), kernel_regularizer=d["kernel_regularizer"],
                          bias_regularizer=d["bias_regularizer"], name=f"des_dense_{match.root.layer.name}_out")
         if tail.other_kernel is not None:
-            tail.other_kernel.des_key = f"{d['key']}/others"          # des.state: the replicated rows of W
+            tail.other_kernel.des_key = f"{d['key']}/others"          # des.runtime.state: the replicated rows of W
         tail.trainable = d["trainable"]
         return tail([combined, *[look(t) for t in match.others]])
 

@@ -7,7 +7,7 @@ DeepCTR's ``FM`` layer, or a user layer declaring ``des_substitute = "fm_interac
 """
 from __future__ import annotations
 
-from des.pattern import Alt, Op, V, axes, last_axis
+from des.graph.pattern import Alt, Op, V, axes, last_axis
 from des_ops.suboperators import FMSubOp
 from rewrite_rules.base import Match, Rejection, Rule, check_vectors, register, stack_of_fields
 

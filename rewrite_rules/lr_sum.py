@@ -31,7 +31,7 @@ class LinearSumRule(Rule):
         if node.kind == "reduce_sum" and len(node.tensor_operands()) == 1:
             found = self._reduce(graph, fields, node, node.tensor_operands()[0], node.attrs.get("axis") or ())
             return found
-        if node.kind == "linear":                       # DeepCTR Linear (des.adapters)
+        if node.kind == "linear":                       # DeepCTR Linear (des.graph.adapters)
             found = self._reduce(graph, fields, node, node.operands[0], None)
             if isinstance(found, Match):
                 found.data.update(bias=node.attrs.get("bias"), dense=node.attrs.get("dense"),

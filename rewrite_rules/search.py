@@ -10,8 +10,8 @@ claimed by at most one match, then unsafe matches dropped with a reason).
 """
 from __future__ import annotations
 
-from des.fields import GLUE, FieldAnalysis
-from des.ir import Graph
+from des.graph.fields import GLUE, FieldAnalysis
+from des.graph.ir import Graph
 from rewrite_rules.base import RULES, Match, Rejection, Rule
 
 

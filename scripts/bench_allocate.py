@@ -11,9 +11,9 @@ measured bytes equal).
 distinct ids of the first batch; ``all``: every input). ``--baseline``: another des/baselines/allocate.py
 (e.g. an older commit's), whose laia is timed on the same batches in the same run (``before``
 columns). One process, this machine; the allocator runs in the input pipeline of every process, so its
-samples/s is to be set against the training's samples/s (``des.train --allocate laia`` reports
+samples/s is to be set against the training's samples/s (``des.jobs.train --allocate laia`` reports
 both in its summary). ``--cache-rows``: the simulated cache per input of the cache mode (0: PS;
-``10%``: a tenth of each input's cardinality, as ``des.train --cache-size 10%``); ``--sgd``: plain
+``10%``: a tenth of each input's cardinality, as ``des.jobs.train --cache-size 10%``); ``--sgd``: plain
 SGD (a process's own update keeps its copy valid). Wide, N = 4, the cache mode's set-up:
 
     .venv/bin/python scripts/bench_allocate.py --preset wide --rows 20000 --np 4 --batch 2048 \
@@ -57,7 +57,7 @@ def main() -> None:
     import des  # noqa: F401
     from des.baselines import allocate
     from bench_des import write_report
-    from des.compare import command_line, ensure_data
+    from des.jobs.compare import command_line, ensure_data
     from des.data.readers import make_dataset
     from des.data.resolve import metadata, spec_for
 

@@ -3,7 +3,7 @@
     .venv/bin/python scripts/bench_cache.py --preset criteo-like --np 4 --staleness 0,10,100,inf \
         --sizes 1%,10%,100% --model deepfm --rows 20000 --batch 1024
 
-Runs ``des.train`` (through des.compare.run, the same runs as ``des.compare``) once for DES,
+Runs ``des.jobs.train`` (through des.jobs.compare.run, the same runs as ``des.jobs.compare``) once for DES,
 once for the PS and once per (staleness, size), under mpirun -np N, and prints one table:
 held-out AUC and log loss, bytes sent per step and process (measured from the tensors handed
 to collectives), its ratio to the PS, HET's measure (rows fetched + pushed per remote lookup)
@@ -20,7 +20,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from des.compare import Cell, _fmt, command_line, ensure_data, run, train_config  # noqa: E402
+from des.jobs.compare import Cell, _fmt, command_line, ensure_data, run, train_config  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -45,12 +45,12 @@ def main(argv=None) -> int:
     ap.add_argument("--shuffle-buffer", type=int, default=20_000)
     ap.add_argument("--out", default="reports/cache")
     ap.add_argument("--dry-run", action="store_true",
-                    help="print every run's des.train arguments and stop (no data, no runs)")
+                    help="print every run's des.jobs.train arguments and stop (no data, no runs)")
     a = ap.parse_args(argv)
     a.holdout = max(1, a.rows // 10)
-    if a.steps is None:                      # des.train's --steps counts steps over epochs: one epoch here
+    if a.steps is None:                      # des.jobs.train's --steps counts steps over epochs: one epoch here
         a.steps = max(1, (a.rows - a.holdout) // a.batch)
-    a.format = a.eval_data = None            # des.compare.train_config's options: a generated preset
+    a.format = a.eval_data = None            # des.jobs.compare.train_config's options: a generated preset
     a.cache_size = "10%"                     # unused by the DES and PS runs; each cache run sets its own
     out = os.path.join(a.out, a.preset)
     stale = [s for s in a.staleness.split(",") if s]
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         pivot = stale[-2] if len(stale) > 1 else stale[0]
         grid = [(s, sizes[0] if len(sizes) == 1 else sizes[1]) for s in stale]
         grid += [(pivot, z) for z in sizes if (pivot, z) not in grid]
-    # every run: (label in the table, des.compare cell, cache size, folder of its summaries)
+    # every run: (label in the table, des.jobs.compare cell, cache size, folder of its summaries)
     runs = [("des", "des", a.cache_size, out), ("ps", "ps", a.cache_size, out)] + [
         (f"cache s={s} size={z}", f"cache s={s}", z, os.path.join(out, z.replace("%", "pct"))) for s, z in grid]
     if a.dry_run:

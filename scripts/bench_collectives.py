@@ -1,5 +1,5 @@
 """Fixed cost of one Horovod collective call, as training calls them (inside a tf.function, one
-after another): the ``call`` and ``latency`` terms of des.timemodel. Run it under the launcher
+after another): the ``call`` and ``latency`` terms of des.cluster.timemodel. Run it under the launcher
 whose network you model, e.g. on the emulated cluster:
 
     python -m des.netbed run 2 --rate 1gbit -- .venv/bin/python scripts/bench_collectives.py

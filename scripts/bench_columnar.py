@@ -6,7 +6,7 @@ columnar layout (a process reads the labels, its own fields' columns and the fir
 Generates the wide preset (~950 features per line), converts it once (python -m des.data.convert,
 timed), then times a pass of each reader (steady state: the clock starts after the first batch;
 median of --repeats) as rank 0 of N would read it, with rank 0's fields under the balanced plan
-(des.plan over each field's rows x width and lookups). One process, this machine: rows/s per
+(des.compiler.plan over each field's rows x width and lookups). One process, this machine: rows/s per
 process, which is what each host would see on a cluster.
 """
 from __future__ import annotations
@@ -36,11 +36,11 @@ def main() -> None:
     import des  # noqa: F401
     from bench_des import write_report
     from bench_readers import time_reader
-    from des.compare import command_line
+    from des.jobs.compare import command_line
     from des.data import columnar
     from des.data.readers import make_dataset
     from des.data.resolve import spec_for
-    from des.plan import FieldCost, make_plan
+    from des.compiler.plan import FieldCost, make_plan
 
     tmp = tempfile.mkdtemp()
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)

@@ -26,7 +26,7 @@ import tensorflow as tf  # noqa: E402
 from tensorflow_recommenders_addons import dynamic_embedding as de  # noqa: E402
 
 import des  # noqa: E402
-from des import export  # noqa: E402
+from des.runtime import export  # noqa: E402
 
 CHUNK = 1_000_000
 
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     got = list(served(**probe).values())[0].numpy()
     payload = held * (8 + 4 * a.dim)
     lines = [
-        "# des.export of a big TFRA table",
+        "# des.runtime.export of a big TFRA table",
         "",
         f"`{' '.join(['scripts/bench_export.py'] + (argv if argv is not None else sys.argv[1:]))}`, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores.",

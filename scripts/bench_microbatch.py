@@ -1,14 +1,14 @@
 """DES's step time against its micro-batch count K on the emulated cluster, measured and predicted
-by des.timemodel's pipeline term (issue 36's figure).
+by des.cluster.timemodel's pipeline term (issue 36's figure).
 
     .venv/bin/python scripts/bench_microbatch.py --model wdl --preset wide --rows 30000 --columnar \\
         --batch 2048 --np 4 --rate 15mbit --cpus share --ks 1,2,4,8      # root (netbed)
 
-For each K: the computation per step, ``des.train --comm sync --micro-batches K`` across N
+For each K: the computation per step, ``des.jobs.train --comm sync --micro-batches K`` across N
 unshaped emulated hosts with the CPU budget of the measured runs (every collective a one-element
 meeting, as bench_timemodel times DES); then, on the netbed at ``--rate``, Horovod's cycle, the
 cost of a call and the allreduce's effective bandwidth (scripts/bench_collectives.py) and one DES
-run per K. The prediction is des.timemodel.step_time with ``des_traffic(bytes, K)``: the
+run per K. The prediction is des.cluster.timemodel.step_time with ``des_traffic(bytes, K)``: the
 computation minus the partials' forward, plus the pipeline of K slices (a slice's forward, then
 its allreduce while the next is computed). The partials' forward (``sliced_compute``) is not
 timed on its own: it is calibrated at one K (``--calibrate-at``, default the smallest K > 1,
@@ -30,8 +30,9 @@ from bench_timemodel import calibrate, step_seconds
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from des import compare, timemodel  # noqa: E402
-from des.netbed import Netbed  # noqa: E402
+from des.jobs import compare
+from des.cluster import timemodel  # noqa: E402
+from des.cluster.netbed import Netbed  # noqa: E402
 
 
 def runs(kind: str, k: int, a, data, run_args, launcher, repeats: int) -> list[dict]:
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
           f"K allreduces of a K-th of the partials' bytes at the calibrated bandwidth "
           f"({net.bandwidth / 1e6:.2f} MB/s), K Horovod cycles ({net.cycle * 1e3:.1f} ms) and calls "
           f"({net.call * 1e3:.1f} ms). Predicted: computation - s + pipeline(s, communication, K), with the "
-          f"partials' forward s = {sliced * 1e3:.0f} ms calibrated at K = {at} (des.timemodel.calibrate_sliced) "
+          f"partials' forward s = {sliced * 1e3:.0f} ms calibrated at K = {at} (des.cluster.timemodel.calibrate_sliced) "
           f"and used for every K. Target (issue 36): measured <= 1.2 x max(computation, communication).", "",
           "| K | measured ms | predicted ms | error | computation ms | communication ms | measured / max(comp, comm) "
           "| partials B/step | CPU s/step/host |",
@@ -125,7 +126,7 @@ def main(argv=None) -> int:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(ks, [measured[k] * 1e3 for k in ks], "o-", label="measured (netbed)")
-    ax.plot(ks, [r["predicted"] * 1e3 for r in rows], "s--", label="predicted (des.timemodel)")
+    ax.plot(ks, [r["predicted"] * 1e3 for r in rows], "s--", label="predicted (des.cluster.timemodel)")
     ax.plot(ks, [r["bound"] * 1e3 for r in rows], ":", color="0.4", label="max(computation, communication)")
     ax.plot(ks, [1.2 * r["bound"] * 1e3 for r in rows], ":", color="0.7", label="1.2 x that (target)")
     ax.set(xscale="log", xticks=ks, xticklabels=[str(k) for k in ks], xlabel="micro-batches K",

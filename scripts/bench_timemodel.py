@@ -1,15 +1,15 @@
-"""Validate des.timemodel on the emulated cluster: predicted vs measured step time, DES and PS.
+"""Validate des.cluster.timemodel on the emulated cluster: predicted vs measured step time, DES and PS.
 
     python scripts/bench_timemodel.py --np 2,4 --rates 30mbit,100mbit,1gbit --cpus share   # root (netbed)
 
-For each N: the computation per step, timed three ways: with no-op collectives (``des.train
+For each N: the computation per step, timed three ways: with no-op collectives (``des.jobs.train
 --comm noop``: the first model's term); DES with the processes kept in step by one 4-byte
 allreduce per step (``--comm sync``); the PS as it trains, across unshaped emulated hosts
 (``--ps-computation unshaped``, the default: its computation with all its meetings, waits and the
 CPU its bytes cost, the bytes themselves at the veth's speed; no fixed cost is added), or with
 every collective a real call without its payload (``meet``: on 4 hosts of 0.45 CPU that took more
 CPU per step than the real runs, 0.364 s against 0.221 s at 1 Gbit/s: README). With ``--cpus``
-(a CPU budget per emulated host, des.netbed) the computation is timed
+(a CPU budget per emulated host, des.cluster.netbed) the computation is timed
 across N unshaped hosts with that budget and the model is the plain sum of its terms, as on a
 cluster; without it, under a local mpirun (``--compute-on netbed``: across unshaped hosts) with
 ``cores`` = the cores the hosts share: max(computation, computation x cores / N +
@@ -41,8 +41,9 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from des import compare, timemodel  # noqa: E402
-from des.netbed import Netbed, parse_cpus  # noqa: E402
+from des.jobs import compare
+from des.cluster import timemodel  # noqa: E402
+from des.cluster.netbed import Netbed, parse_cpus  # noqa: E402
 
 
 def calibrate(bed: Netbed, n: int, attempts: int = 3) -> dict:
@@ -130,7 +131,7 @@ def repeat_tag(k: int, repeats: int) -> str:
 
 def apply_overlap(rows: list[dict], how: str) -> None:
     """The PS's predictions with the share of its computation that runs while its bytes travel
-    (des.timemodel ``overlap``): ``how`` = a number, or "calibrate": from the PS point whose
+    (des.cluster.timemodel ``overlap``): ``how`` = a number, or "calibrate": from the PS point whose
     communication is the largest share of its terms (marked ``calibrates``), applied to all."""
     ps = [r for r in rows if r["mode"] == "ps"]
     if not ps:
@@ -170,17 +171,17 @@ def main(argv=None) -> int:
     ap.add_argument("--cores", type=int, default=os.cpu_count(),
                     help="the cores every emulated host shares (default: this machine's; unused with --cpus)")
     ap.add_argument("--cpus", default=None,
-                    help="each emulated host's own CPU budget (des.netbed: a number of CPUs or 'share' = "
+                    help="each emulated host's own CPU budget (des.cluster.netbed: a number of CPUs or 'share' = "
                          "0.9 x cores / N); the computation is then timed across unshaped hosts with the same budget, and the model "
                          "is the plain sum of its terms, as on a cluster")
     ap.add_argument("--cpu-period-us", type=int, default=None,
-                    help="with --cpus: the CFS period of a host's CPU quota in us (des.netbed; default: the "
+                    help="with --cpus: the CFS period of a host's CPU quota in us (des.cluster.netbed; default: the "
                          "shortest with a quota >= 1000 us, at least 2500)")
     ap.add_argument("--ps-computation", choices=["unshaped", "meet"], default="unshaped",
                     help="the PS's computation term: its real runs across unshaped hosts (default), or every "
                          "collective without its payload (--comm meet)")
     ap.add_argument("--ps-overlap", default="calibrate",
-                    help="the share of the PS's computation that runs while its bytes travel (des.timemodel): "
+                    help="the share of the PS's computation that runs while its bytes travel (des.cluster.timemodel): "
                          "a number, or 'calibrate' (default) from the PS point whose communication weighs most")
     ap.add_argument("--modes", default="des,ps", help="the modes to run and model (default both)")
     ap.add_argument("--repeats", type=int, default=1,

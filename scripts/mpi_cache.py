@@ -24,7 +24,7 @@ if __name__ == "__main__":   # (tests import CONFIGS from this file)
 import models  # noqa: E402
 from des.baselines.cache.rewrite import cache  # noqa: E402
 from des.data.readers import _slice_batch  # noqa: E402
-from des.verify import PS_SPEC, optimizer_factory, ps_batches, random_batches  # noqa: E402
+from des.jobs.verify import PS_SPEC, optimizer_factory, ps_batches, random_batches  # noqa: E402
 from des.baselines.ps.tables import KeyExchange  # noqa: E402
 
 LR = {"sgd": 0.2, "adagrad": 0.05, "adam": 0.01, "ftrl": 0.05}

@@ -22,7 +22,7 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 import horovod.tensorflow as hvd  # noqa: E402
 
 import models  # noqa: E402
-from des.verify import PS_SPEC, optimizer_factory, random_batches, train_and_snapshot  # noqa: E402
+from des.jobs.verify import PS_SPEC, optimizer_factory, random_batches, train_and_snapshot  # noqa: E402
 from des_ops.comm import HorovodCommunicator, Mpi4pyCommunicator, allreduce_sum  # noqa: E402
 
 LR = {"sgd": 0.2, "adagrad": 0.05, "adam": 0.01, "ftrl": 0.05}
@@ -35,8 +35,7 @@ def run(out: str, config: str) -> None:
     spec = PS_SPEC            # one-hot, multi-valued and weighted multi-valued fields
     batches = random_batches(spec, 20, 32, seed=4)
     probe = random_batches(spec, 1, 16, seed=99)[0][0]
-    model, report = des.transform(models.build(name, spec, seed=3, hidden=(8, 4)), comm=comm,
-                                  fuse_tables=tables in ("fused", "joined"), join_linear=tables == "joined")
+    model, report = des.transform(models.build(name, spec, seed=3, hidden=(8, 4)), des.Options(tables=(("joined" if tables == "joined" else "fused") if tables in ("fused", "joined") else "per-field")), comm=comm)
     if comm.rank == 0:
         print(report, flush=True)
     snap = train_and_snapshot(model, optimizer_factory(optimizer, LR), None, batches, probe)

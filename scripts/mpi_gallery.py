@@ -21,7 +21,7 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(1)
 
 import des  # noqa: E402
-from des.verify import fit_and_snapshot  # noqa: E402
+from des.jobs.verify import fit_and_snapshot  # noqa: E402
 from des_ops.comm import HorovodCommunicator  # noqa: E402
 from gallery import BUILDERS, batches_for  # noqa: E402
 

@@ -18,7 +18,7 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(1)
 
 import models  # noqa: E402
-from des.verify import PS_SPEC, random_batches, train_and_snapshot  # noqa: E402
+from des.jobs.verify import PS_SPEC, random_batches, train_and_snapshot  # noqa: E402
 from des_ops.comm import HorovodCommunicator  # noqa: E402
 
 STEPS = 10
@@ -30,7 +30,7 @@ def main(out: str) -> None:
     probe = random_batches(PS_SPEC, 1, 16, seed=99)[0][0]
     result = {}
     for key, kwargs in (("k3", {"micro_batches": 3}), ("fp16", {"wire_dtype": "float16"})):
-        model, _ = des.transform(models.build("deepfm", PS_SPEC, seed=3, hidden=(8, 4)), comm=comm, **kwargs)
+        model, _ = des.transform(models.build("deepfm", PS_SPEC, seed=3, hidden=(8, 4)), des.Options(**kwargs), comm=comm)
         before = comm.counted()["step"]
         snap = train_and_snapshot(model, "adam", 0.01, batches, probe)
         after = comm.counted()["step"]

@@ -22,7 +22,7 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 import models  # noqa: E402
 from des.data.readers import _slice_batch  # noqa: E402
 from des.baselines.ps.rewrite import analytic_bytes, dense_parameters, shard, table_inputs  # noqa: E402
-from des.verify import optimizer_factory, ps_batches, PS_SPEC, snapshot  # noqa: E402
+from des.jobs.verify import optimizer_factory, ps_batches, PS_SPEC, snapshot  # noqa: E402
 from des.baselines.ps.tables import KeyExchange  # noqa: E402
 from des_ops.fused import fused_tables  # noqa: E402
 

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import tensorflow as tf  # noqa: E402
 
 import des  # noqa: E402
-from des.verify import fit_and_snapshot  # noqa: E402
+from des.jobs.verify import fit_and_snapshot  # noqa: E402
 from des_ops.comm import HorovodCommunicator  # noqa: E402
 from gallery import BUILDERS, batches_for  # noqa: E402
 
@@ -43,7 +43,7 @@ def main(out: str, names: list[str], first_dense: str = "partials") -> None:
         model = BUILDERS[name]()
         initial = model.get_weights()
         batches, probe = tail_batches(model)
-        model, report = des.transform(model, comm=comm, tail="data_parallel", first_dense=first_dense)
+        model, report = des.transform(model, des.Options(tail="data_parallel", first_dense=first_dense), comm=comm)
         before = comm.counted()
         snap = fit_and_snapshot(model, batches, probe, optimizer="sgd", learning_rate=0.5)
         after = comm.counted()

@@ -1,5 +1,5 @@
 #!/bin/sh
-# mpirun's rsh agent on the netbed (des/netbed.py): "netbed_rsh.sh [options] 10.77.0.K command..."
+# mpirun's rsh agent on the netbed (des/cluster/netbed.py): "netbed_rsh.sh [options] 10.77.0.K command..."
 # runs the command inside host K's network namespace (deshK) instead of over ssh. When the netbed
 # gave host K a CPU budget (a cgroup deshK under the cpu controller, and cpuacct on cgroup v1),
 # the agent joins it first, so the host's daemon and every process it starts are in it.

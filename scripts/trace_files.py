@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/trace_files.py --modes single,des,ps,cache
 
-Runs ``des.train.main`` in this process (world size 1, a small generated libffm file) under
+Runs ``des.jobs.train.main`` in this process (world size 1, a small generated libffm file) under
 ``sys.setprofile`` and counts the project files (des, des_ops, models, rewrite_rules) whose
 functions (not module bodies) were called: over the whole run, and inside ``train_step`` (what Keras traces into
 the step graph; run eagerly here, so that autograph's converted copies do not hide the project's
@@ -59,7 +59,7 @@ def main() -> None:
     a = ap.parse_args()
     import des  # noqa: F401
     import tensorflow as tf
-    from des import train
+    from des.jobs import train
     tf.config.run_functions_eagerly(True)
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from helpers import write_small_ffm

@@ -1,4 +1,4 @@
-"""Shared test data (defined in des.verify so the mpirun scripts use the same) and the one way the
+"""Shared test data (defined in des.jobs.verify so the mpirun scripts use the same) and the one way the
 tests launch processes under mpirun."""
 import json
 import os
@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from des.verify import random_batches, small_spec  # noqa: F401
+from des.jobs.verify import random_batches, small_spec  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPI_ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
@@ -23,14 +23,14 @@ def mpirun(n: int, *args, timeout: float = 600, env: dict | None = None) -> subp
 
 
 def write_small_ffm(path: str, rows: int, seed: int = 0, fields: int = 6) -> dict:
-    """A generated libffm file with few fields, for the des.train / des.predict subprocess tests
+    """A generated libffm file with few fields, for the des.jobs.train / des.jobs.predict subprocess tests
     whose assertions do not depend on Criteo's 39 fields: a process traces 2 x ``fields`` TFRA
-    tables instead of 78 (measured: a 3000-line des.train run takes 15 s instead of 59 s).
+    tables instead of 78 (measured: a 3000-line des.jobs.train run takes 15 s instead of 59 s).
 
     Rows come from des.data.synth's planted LR + FM model (the generator of the Criteo presets,
     here over one integer and ``fields - 1`` categorical fields, Zipf-skewed, with missing
     values), one ``field:value:1`` token per present value. Returns the metadata written to
-    <path>.meta.json (format, spec, Bayes-optimal AUC): des.train takes the spec from it."""
+    <path>.meta.json (format, spec, Bayes-optimal AUC): des.jobs.train takes the spec from it."""
     from des.data.libsvm import sparse_spec
     from des.data.bayes import BayesStats
     from des.data.synth import CriteoGenerator, Preset
@@ -62,10 +62,10 @@ def single_process_predictions(name: str, optimizer: str, learning_rates: dict, 
                                with_snapshot: bool = False):
     """The untouched reference model (PS_SPEC, seed 3, hidden 8,4) trained on whole global batches:
     its predictions on ``probe`` after every step (what the PS and cache mpirun runs must match);
-    ``with_snapshot``: also its final rows and weights (des.verify.snapshot)."""
+    ``with_snapshot``: also its final rows and weights (des.jobs.verify.snapshot)."""
     import models
-    from des.state import create_slots
-    from des.verify import PS_SPEC, optimizer_factory, snapshot
+    from des.compiler.keys import create_slots
+    from des.jobs.verify import PS_SPEC, optimizer_factory, snapshot
     ref = models.build(name, PS_SPEC, seed=3, hidden=(8, 4))
     ref.compile(optimizer_factory(optimizer, learning_rates)(), "binary_crossentropy")
     create_slots(ref, ref.optimizer)
@@ -86,7 +86,7 @@ def train_ps_counting(exchange, batches, probe, fuse: bool = False, bytes_per_fl
     import models
     from des.baselines.ps.rewrite import analytic_bytes, dense_parameters, shard, table_inputs
     from des.data.readers import _slice_batch
-    from des.verify import PS_SPEC, optimizer_factory
+    from des.jobs.verify import PS_SPEC, optimizer_factory
     model = shard(models.build("deepfm", PS_SPEC, seed=3, hidden=(8, 4)), exchange, fuse=fuse,
                   join_linear=join_linear)
     model.compile(optimizer_factory("adam", {"adam": learning_rate})(), "binary_crossentropy")

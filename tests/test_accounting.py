@@ -7,8 +7,8 @@ import tensorflow as tf
 
 import des
 import models
-from des.callbacks import ReplicaCheck
-from des.verify import run_in_process_world
+from des.runtime.callbacks import ReplicaCheck
+from des.jobs.verify import run_in_process_world
 from des_ops.comm import InProcessWorld, LocalCommunicator, allreduce_sum
 from helpers import random_batches, small_spec
 

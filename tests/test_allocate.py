@@ -12,7 +12,7 @@ import models
 from des.baselines import allocate
 from des.baselines.cache.rewrite import cache
 from des.baselines.ps.rewrite import shard
-from des.verify import PS_SPEC, optimizer_factory, ps_batches, run_sharded_world
+from des.jobs.verify import PS_SPEC, optimizer_factory, ps_batches, run_sharded_world
 from helpers import single_process_predictions
 
 LR = {"sgd": 0.2, "adagrad": 0.05, "adam": 0.01, "ftrl": 0.05}
@@ -99,7 +99,7 @@ def test_every_sample_once_balanced_and_the_same_on_every_process(kind, n):
 
 
 def test_laia_fetches_fewer_remote_ids_than_contiguous_slices():
-    from des.verify import random_batches
+    from des.jobs.verify import random_batches
     spec_batches = random_batches(PS_SPEC, 10, 256, seed=3)
     n = 4
     laia, cont = allocate.make("laia", n, KEYS), allocate.make("contiguous", n)

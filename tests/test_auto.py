@@ -1,9 +1,9 @@
-"""plan="auto" (des.auto): DES or the PS, whichever moves fewer bytes, from hand-computed cases.
+"""plan="auto" (des.jobs.auto): DES or the PS, whichever moves fewer bytes, from hand-computed cases.
 Under mpirun (--mode auto on the wide preset picks DES and equals one process): tests/test_columnar.py."""
 import numpy as np
 
 import models
-from des.auto import choose, traffic
+from des.jobs.auto import choose, traffic
 from des.data import FeatureSpec, Field
 
 SPEC = FeatureSpec((Field("a", "categorical", 4), Field("b", "categorical", 4)))
@@ -47,12 +47,12 @@ def test_deepfm_des_floats_by_hand_and_one_process_is_des():
 
 
 def test_the_ps_looks_up_one_fused_table_per_width_and_each_table_that_cannot_fuse():
-    """What the projection's PS pays 3 all-to-alls for (des.projection): its tables as --mode ps
+    """What the projection's PS pays 3 all-to-alls for (des.jobs.projection): its tables as --mode ps
     fuses them. DeepFM on 2 fields: 4 tables (2 rows of width 4, 2 linear weights) -> 1 lookup of
     joined rows (the PS's default with one optimizer), 2 lookups without (one per width).
     By hand: fields a, b (width 4) fuse into 1; c (width 4, frozen) cannot fuse: 1; d
     (width 2) is a group of its own: 1 -> 3 lookups of 4 tables; 3 all-to-alls per lookup."""
-    from des.timemodel import ps_traffic
+    from des.cluster.timemodel import ps_traffic
     from models.layers import FieldEmbedding
     model = models.build("deepfm", SPEC, seed=0, hidden=(8,))
     t = traffic(model, _batch(np.arange(8), np.arange(8) + 100), 2)

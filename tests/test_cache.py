@@ -16,7 +16,7 @@ import pytest
 import models
 from des.baselines.cache.rewrite import cache, capacity_rows, parse_cache_size, parse_staleness
 from des.data.readers import _slice_batch
-from des.verify import PS_SPEC, optimizer_factory, ps_batches
+from des.jobs.verify import PS_SPEC, optimizer_factory, ps_batches
 from des.baselines.cache.tables import CacheConfig
 from des.baselines.ps.tables import KeyExchange
 from des_ops.comm import LocalCommunicator
@@ -170,7 +170,7 @@ def test_options_are_checked():
 
 def test_compare_report_has_cache_rows_and_the_auc_vs_bytes_plot(tmp_path):
     """des.compare's table and plots with cache runs: savings against the PS, hit rates, rows moved."""
-    from des.compare import markdown, plots, table_rows
+    from des.jobs.compare import markdown, plots, table_rows
     base = {"world_size": 4, "logloss": 0.5, "samples_per_second": 1000.0, "peak_rss_mib": 900.0,
             "train_auc_by_step": [(1, 0.5), (2, 0.6)]}
     run = lambda auc, sent, **kw: dict(base, auc=auc, sent_bytes_per_step=sent, **kw)
@@ -183,7 +183,7 @@ def test_compare_report_has_cache_rows_and_the_auc_vs_bytes_plot(tmp_path):
     by = {r["mode"]: r for r in rows}
     assert by["des"]["des_saving_pct"] == pytest.approx(75.0)
     assert by["cache s=inf"]["des_saving_pct"] == pytest.approx(87.5) and by["ps"]["des_saving_pct"] is None
-    from des.compare import parser
+    from des.jobs.compare import parser
     a = parser().parse_args(["--np", "4", "--batch", "1024", "--steps", "10"])
     md = markdown(rows, results, a, {"bayes_auc": 0.78})
     assert "| deepfm | cache s=inf | 4 | 0.7400 |" in md and "| 0.900 | 15 |" in md

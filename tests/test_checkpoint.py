@@ -12,10 +12,11 @@ import tensorflow as tf
 
 import des
 import models
-from des import checkpoint, export
-from des.callbacks import PeriodicCheckpoint
-from des.state import export_rows
-from des.verify import random_batches, run_in_process_world, small_spec
+from des.runtime import checkpoint
+from des.runtime import export
+from des.runtime.callbacks import PeriodicCheckpoint
+from des.runtime.state import export_rows
+from des.jobs.verify import random_batches, run_in_process_world, small_spec
 
 SPEC = small_spec(5, dim=4)
 BATCHES = random_batches(SPEC, 6, 32, seed=11)
@@ -205,7 +206,7 @@ def test_export_serves_the_checkpoints_predictions_without_des_or_tfra(tmp_path)
     neither des nor TFRA, predicts what the checkpoint's model predicts (keys the checkpoint
     never saw included); an existing --out is not overwritten."""
     spec = small_spec(4, dim=3)
-    from des.verify import PS_SPEC
+    from des.jobs.verify import PS_SPEC
     for name, spec in (("deepfm", spec), ("wdl", PS_SPEC)):     # PS_SPEC: multi-valued, weighted fields
         m = models.build(name, spec, seed=1, hidden=(8,))
         o = models.make_optimizer("adam", 0.01)

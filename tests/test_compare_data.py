@@ -64,10 +64,10 @@ def test_data_without_format_or_metadata_is_a_usage_error(tmp_path):
 
 
 def test_markdown_without_metadata_says_the_bayes_auc_is_unknown():
-    from des.compare import markdown, table_rows
+    from des.jobs.compare import markdown, table_rows
     s = {"world_size": 1, "auc": 0.7, "logloss": 0.5, "samples_per_second": 100.0, "peak_rss_mib": 10.0}
     results = {"lr": {"single": s}}
-    from des.compare import parser
+    from des.jobs.compare import parser
     a = parser().parse_args(["--data", "a.ffm", "b.ffm", "--np", "2", "--batch", "256", "--steps", "3"])
     md = markdown(table_rows(results), results, a, {})
     assert md.startswith("# DES vs PS vs one process - data a.ffm, b.ffm, N=2")
@@ -78,7 +78,7 @@ def test_columnar_copies_are_made_once_and_remade_when_the_data_changes(tmp_path
     """des.compare --columnar: the data and eval files get columnar copies beside them with the spec
     scanned from both (the eval file's longer bags fit), reused while fresh, remade when a file is newer."""
     import time
-    from des.compare import ensure_columnar
+    from des.jobs.compare import ensure_columnar
     from des.data import columnar
     train, evalf = str(tmp_path / "train.ffm"), str(tmp_path / "eval.ffm")
     write_small_ffm(train, 300, seed=1)
@@ -101,8 +101,8 @@ def test_columnar_copies_are_made_once_and_remade_when_the_data_changes(tmp_path
 
 
 def test_bench_cache_plans_one_epoch_per_run_and_each_cells_cache_size(capsys):
-    """scripts/bench_cache.py (the HET grid) builds its des.train runs from des.compare's: every run
-    trains one epoch of the training lines (des.train's --steps counts over epochs), and each cache
+    """scripts/bench_cache.py (the HET grid) builds its des.jobs.train runs from des.compare's: every run
+    trains one epoch of the training lines (des.jobs.train's --steps counts over epochs), and each cache
     run has its staleness and size. It once stopped before its first run (a missing option) and
     meant 10,000 steps as "one epoch"."""
     import importlib.util

@@ -6,8 +6,8 @@ import pytest
 import des
 import models
 from des.baselines.ps.rewrite import analytic_bytes, table_inputs
-from des.cost import estimate, unique_ids_per_slice
-from des.verify import random_batches, small_spec
+from des.compiler.cost import estimate, unique_ids_per_slice
+from des.jobs.verify import random_batches, small_spec
 from des_ops.comm import InProcessWorld
 from models.spec import FeatureSpec, Field
 

@@ -43,7 +43,7 @@ def _run(name: str) -> tuple[int, int, int, str]:
 
     Each docstring starts from a fresh Keras session (layer names as in a new interpreter), and
     the registries an example may add to (rules, adapters) are put back afterwards."""
-    from des import adapters
+    from des.graph import adapters
     from rewrite_rules import base
     module = importlib.import_module(name)
     out: list[str] = []

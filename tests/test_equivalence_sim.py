@@ -7,7 +7,7 @@ from helpers import random_batches, small_spec
 
 import des
 import models
-from des.verify import compare, run_in_process_world, train_and_snapshot
+from des.jobs.verify import compare, run_in_process_world, train_and_snapshot
 from des_ops.comm import InProcessWorld, LocalCommunicator, allreduce_sum
 from models.layers import FieldEmbedding
 from models.spec import PAD_ID, FeatureSpec, Field
@@ -112,7 +112,7 @@ def test_transform_keeps_trained_weights():
 
 
 def test_replica_check_names_the_step_and_the_diverged_layer():
-    from des.callbacks import ReplicaCheck
+    from des.runtime.callbacks import ReplicaCheck
 
     def work(m):
         comm = des.distributed(m).layer.comm
@@ -135,7 +135,7 @@ def test_replica_check_names_the_step_and_the_diverged_layer():
 
 
 def test_processes_reading_different_batches_are_named_by_the_replica_check():
-    from des.callbacks import ReplicaCheck
+    from des.runtime.callbacks import ReplicaCheck
 
     def work(m, same):
         comm = des.distributed(m).layer.comm
@@ -155,19 +155,19 @@ def test_processes_reading_different_batches_are_named_by_the_replica_check():
 
 
 def test_processes_with_different_field_plans_fail_at_transform():
-    from des.plan import FieldPlan
+    from des.compiler.plan import FieldPlan
     from des_ops.comm import DisagreementError
     world = InProcessWorld(2)
     names = SPEC.names()
     a = FieldPlan(2, {f: i % 2 for i, f in enumerate(names)}, "mod")
     b = FieldPlan(2, {f: int(i < 2) for i, f in enumerate(names)}, "mod")
-    des.transform(build("fm")(), comm=world.communicator(0), plan=a)
+    des.transform(build("fm")(), des.Options(plan=a), comm=world.communicator(0))
     with pytest.raises(DisagreementError, match=r"rank 1 of 2 disagrees with rank 0 on the field plan: "
                                                  r"rank 0 has 'f0 -> 0, f1 -> 1, .*', rank 1 has 'f0 -> 1, f1 -> 1, "):
-        des.transform(build("fm")(), comm=world.communicator(1), plan=b)
+        des.transform(build("fm")(), des.Options(plan=b), comm=world.communicator(1))
     world = InProcessWorld(2)                     # same owners, other label: fine
-    des.transform(build("fm")(), comm=world.communicator(0), plan=a)
-    des.transform(build("fm")(), comm=world.communicator(1), plan=FieldPlan(2, dict(a.owner), "balanced"))
+    des.transform(build("fm")(), des.Options(plan=a), comm=world.communicator(0))
+    des.transform(build("fm")(), des.Options(plan=FieldPlan(2, dict(a.owner), "balanced")), comm=world.communicator(1))
 
 
 MIXED = FeatureSpec((Field("u", "categorical", 3, 30), Field("tags", "multi", 3, 40, max_len=4),
@@ -208,7 +208,7 @@ def test_weighted_fields_are_substituted():
 def test_fit_with_reshuffling_over_epochs():
     """model.fit for 3 epochs on a tf.data pipeline reshuffled every epoch (seeded), on multi-valued
     and weighted fields: DES at N = 3 equals the single-process model fit the same way."""
-    from des.verify import fit_and_snapshot
+    from des.jobs.verify import fit_and_snapshot
     make = lambda: models.build("wdl", MIXED, seed=3, hidden=(8, 4))  # noqa: E731
     batches, probe = MIXED_BATCHES[:10], random_batches(MIXED, 1, 16, seed=99)[0][0]
     work = lambda m: fit_and_snapshot(m, batches, probe, "adagrad", 0.05, epochs=3, shuffle_seed=11)  # noqa: E731
@@ -260,7 +260,7 @@ def test_a_user_layer_with_tensor_control_flow_in_a_field_chain_is_still_convert
                                                        kernel_initializer=tf.keras.initializers.GlorotUniform(2))(h))
     work = lambda m: train_and_snapshot(m, "adam", 0.01, BATCHES[:6], PROBE)  # noqa: E731
     ref = work(make())
-    runs = run_in_process_world(2, make, lambda m: (work(m), des.distributed(m).layer.ops), fuse_tables=True)
+    runs = run_in_process_world(2, make, lambda m: (work(m), des.distributed(m).layer.ops), tables="fused")
     assert all(ops for _, ops in runs)          # the first Dense layer was substituted
     diff = compare(ref, [r for r, _ in runs])
     assert max(diff.values()) < TOL, diff

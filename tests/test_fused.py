@@ -1,4 +1,4 @@
-"""Fused tables (des.transform(..., fuse_tables=True), des_ops.fused): a process keeps the rows of
+"""Fused tables (des.transform(model, des.Options(tables="fused")), des_ops.fused): a process keeps the rows of
 all its tables of one width in one TFRA table. Fused DES on N equals the untouched per-field model
 on one process; checkpoints keep their per-field format both ways; ids that do not fit the key
 rule stop the step with the field's name."""
@@ -11,8 +11,8 @@ from helpers import random_batches, small_spec
 
 import des
 import models
-from des import state
-from des.verify import compare, run_in_process_world, train_and_snapshot
+from des.runtime import state
+from des.jobs.verify import compare, run_in_process_world, train_and_snapshot
 from des_ops.comm import LocalCommunicator
 from des_ops.fused import ID_BITS, FusedTable, fused_tables as layers_fused
 from models.layers import table_name
@@ -53,8 +53,7 @@ def test_fused_des_equals_the_per_field_single_process(name, optimizer, sizes, j
     ref = work(build(name)())
     assert np.ptp(ref["predictions"][:, 0]) > 1e-3
     for n in sizes:
-        runs = run_in_process_world(n, build(name), lambda m: (work(m), owns_and_fused(m)), fuse_tables=True,
-                                    join_linear=join)
+        runs = run_in_process_world(n, build(name), lambda m: (work(m), owns_and_fused(m)), tables="joined" if join else "fused")
         widths = 1 if join else 1 + (name != "lr")     # the linear part's width-1 tables, the embeddings
         assert [c for _, c in runs] == [(owns, widths * owns) for owns, _ in (c for _, c in runs)]
         diff = compare(ref, [r for r, _ in runs])
@@ -73,13 +72,13 @@ def test_multi_valued_weighted_fields_fused():
     work = lambda m: train_and_snapshot(m, "adagrad", 0.05, MIXED_BATCHES, MIXED_BATCHES[0][0])  # noqa: E731
     ref = work(make())
     for n in (1, 2):
-        diff = compare(ref, run_in_process_world(n, make, work, fuse_tables=True))
+        diff = compare(ref, run_in_process_world(n, make, work, tables="fused"))
         assert max(diff.values()) < TOL, (n, diff)
 
 
 def test_same_bits_run_after_run():
     work = lambda m: train_and_snapshot(m, "adam", 0.01, BATCHES[:6], PROBE)  # noqa: E731
-    a, b = (run_in_process_world(2, build("deepfm"), work, fuse_tables=True) for _ in range(2))
+    a, b = (run_in_process_world(2, build("deepfm"), work, tables="fused") for _ in range(2))
     for x, y in zip(a, b):
         assert np.array_equal(x["predictions"], y["predictions"])
 
@@ -105,14 +104,14 @@ def test_user_tfra_embeddings_fuse_when_asked():
     ref = work(plain)
     kept = des.transform(make(), comm=LocalCommunicator())[0]
     assert fused_tables(kept) == []
-    runs = run_in_process_world(2, make, lambda m: (work(m), len(fused_tables(m))), fuse_tables=True)
+    runs = run_in_process_world(2, make, lambda m: (work(m), len(fused_tables(m))), tables="fused")
     assert [c for _, c in runs] == [1, 1]
     diff = compare(ref, [r for r, _ in runs])
     assert max(diff.values()) < TOL, diff
 
 
 def _trained(fuse: bool, steps: int = 4, join: bool = False):
-    model, _ = des.transform(build("deepfm")(), comm=LocalCommunicator(), fuse_tables=fuse, join_linear=join)
+    model, _ = des.transform(build("deepfm")(), des.Options(tables=(("joined" if join else "fused") if fuse else "per-field")), comm=LocalCommunicator())
     opt = models.make_optimizer("adam", 0.01)
     model.compile(opt, "binary_crossentropy")
     for x, y in BATCHES[:steps]:
@@ -126,7 +125,7 @@ def test_checkpoint_rows_and_slots_cross_between_fused_and_per_field(direction, 
     """A checkpoint written by one layout restores into the other, row by row (values and Adam's
     slots), and both then train on identically. Joined rows: a field's embedding and linear weight
     (and their Adam slots) are written column by column into one row each."""
-    from des import checkpoint
+    from des.runtime import checkpoint
     layout = {"per-field": (False, False), "fused": (True, False), "joined": (True, True)}
     src_layout, dst_layout = direction.split(" into ")
     src, src_opt = _trained(*layout[src_layout][:1], join=layout[src_layout][1])
@@ -154,7 +153,7 @@ def test_a_restore_exports_each_fused_table_once_not_once_per_field(tmp_path, mo
     the rows and slots restored are those saved (row by row: the test above)."""
     from tensorflow_recommenders_addons import dynamic_embedding as de
 
-    from des import checkpoint
+    from des.runtime import checkpoint
     src, src_opt = _trained(True, join=True)
     checkpoint.save(str(tmp_path / "ck"), src, src_opt, des.distributed(src).plan, 0, 1)
     dst, dst_opt = _trained(True, steps=1, join=True)
@@ -173,7 +172,7 @@ def test_a_restore_exports_each_fused_table_once_not_once_per_field(tmp_path, mo
 
 
 def test_an_id_outside_the_key_rule_names_the_field():
-    model, _ = des.transform(build("lr")(), comm=LocalCommunicator(), fuse_tables=True)
+    model, _ = des.transform(build("lr")(), des.Options(tables="fused"), comm=LocalCommunicator())
     x = {k: np.array(v) for k, v in PROBE.items()}
     x["f2"] = x["f2"].copy()
     x["f2"][2] = 1 << ID_BITS
@@ -185,7 +184,7 @@ def test_an_id_outside_the_key_rule_names_the_field():
 def test_an_id_outside_the_key_rule_in_a_multi_valued_input_names_its_field_and_padding_passes():
     """One check for all of a fused table's inputs (one-id block, multi-valued ones) still names
     the field whose id is bad; the padding id of a multi-valued field is not an error."""
-    model, _ = des.transform(build("lr", MIXED)(), comm=LocalCommunicator(), fuse_tables=True)
+    model, _ = des.transform(build("lr", MIXED)(), des.Options(tables="fused"), comm=LocalCommunicator())
     x = {k: np.array(v) for k, v in MIXED_BATCHES[0][0].items()}
     assert (x["terms"] == -1).any() and (x["tags"] == -1).any()
     model(x, training=True)                                         # padding: no error
@@ -199,7 +198,7 @@ def test_an_id_outside_the_key_rule_in_a_multi_valued_input_names_its_field_and_
         model(x, training=True)
 
 def test_report_names_the_fused_tables():
-    _, report = des.transform(build("deepfm")(), comm=LocalCommunicator(), fuse_tables=True)
+    _, report = des.transform(build("deepfm")(), des.Options(tables="fused"), comm=LocalCommunicator())
     text = str(report)
     # (TFRA shares same-named tables: a later model in this process gets des_fused3_rank0_1, ...)
     assert re.search(r"fused table des_fused3_rank0(_\d+)?: the rows of 4 table\(s\) of width 3", text), text
@@ -227,7 +226,7 @@ def _as_format_2(path: str, high_bits: int) -> None:
 
 
 def test_a_format_2_checkpoint_restores_with_the_low_55_bits_of_its_ids(tmp_path):
-    from des import checkpoint
+    from des.runtime import checkpoint
     src, opt = _trained(False)
     path = str(tmp_path / "ck")
     checkpoint.save(path, src, opt, des.distributed(src).plan, 0, 1)
@@ -245,7 +244,7 @@ def test_format_2_ids_that_meet_in_55_bits_stop_the_restore(tmp_path):
     import glob
     import json
 
-    from des import checkpoint
+    from des.runtime import checkpoint
     src, opt = _trained(False)
     path = str(tmp_path / "ck")
     checkpoint.save(path, src, opt, des.distributed(src).plan, 0, 1)
@@ -264,8 +263,8 @@ def test_format_2_ids_that_meet_in_55_bits_stop_the_restore(tmp_path):
 
 
 def test_a_fused_single_process_model_trains_as_the_per_field_one():
-    """des.fusion.fuse_model (des.train --mode single's default): the same function and state keys."""
-    from des.fusion import fuse_model
+    """des.compiler.fusion.fuse_model (des.jobs.train --mode single's default): the same function and state keys."""
+    from des.compiler.fusion import fuse_model
     work = lambda m: train_and_snapshot(m, "adagrad", 0.05, MIXED_BATCHES, MIXED_BATCHES[0][0])  # noqa: E731
     ref = work(build("wdl", MIXED)())
     fused, lines = fuse_model(build("wdl", MIXED)())
@@ -283,7 +282,7 @@ def test_fused_ps_equals_the_single_process_and_moves_the_per_field_bytes(n, joi
     4-wide rows: its ids travel once (the formula on the untouched model's lookups joined)."""
     from helpers import single_process_predictions, train_ps_counting
 
-    from des.verify import ps_batches, run_sharded_world, snapshot
+    from des.jobs.verify import ps_batches, run_sharded_world, snapshot
     lr = {"adam": 0.01}
     batches, probe = ps_batches()
     expected, ref = single_process_predictions("deepfm", "adam", lr, batches, probe, with_snapshot=True)
@@ -311,13 +310,13 @@ def test_fused_ps_equals_the_single_process_and_moves_the_per_field_bytes(n, joi
 
 def test_a_stack_or_concat_of_the_fused_outputs_in_table_order_reads_the_block_and_gives_the_same_bits(monkeypatch):
     """DeepFM on one-id fields: the FM's tf.stack and the MLP's Concatenate of all 3 fields' rows, in
-    the fused table's order, read its [B, 3, dim] block (des.fusion.read_block); training gives what
+    the fused table's order, read its [B, 3, dim] block (des.compiler.fusion.read_block); training gives what
     the same fused model without it and the per-field model give, within float32 summation order
     (measured: 7.5e-8 after 3 Adam steps; the same bits run after run). Negative: a Concatenate of
     some of the rows stays, and of two of all of them in two orders only the table's order reads
     the block (which order that is follows the graph's), with the same predictions."""
-    from des import fusion
-    from des.fusion import fuse_model
+    from des.compiler import fusion
+    from des.compiler.fusion import fuse_model
     from models.layers import FieldEmbedding
     spec = small_spec(n_fields=3, dim=4)
     batches = random_batches(spec, steps=3, batch=32)
@@ -362,14 +361,14 @@ def test_joined_lookups_halve_the_ps_ids_and_a_linear_optimizer_refuses_a_joined
     per_field, joined = table_inputs(plain), table_inputs(plain, join_linear=True)
     assert sorted(per_field) == sorted([(f, None, 3) for f in SPEC.names()] + [(f, None, 1) for f in SPEC.names()])
     assert sorted(joined) == sorted((f, None, 4) for f in SPEC.names())
-    model, _ = des.transform(build("deepfm")(), comm=LocalCommunicator(), fuse_tables=True, join_linear=True)
+    model, _ = des.transform(build("deepfm")(), des.Options(tables="joined"), comm=LocalCommunicator())
     model.compile(models.make_optimizer("adam", 0.01, linear="ftrl"), "binary_crossentropy")
     with pytest.raises(ValueError, match="linear weights and embeddings in one row"):
         model.train_on_batch(*BATCHES[0])
 
 
 def test_the_cli_joins_rows_by_default_only_with_one_optimizer():
-    from des.config import RunConfig
+    from des.jobs.config import RunConfig
     assert RunConfig.parse(["--data", "x"]).join_linear
     assert not RunConfig.parse(["--data", "x", "--linear-optimizer", "ftrl"]).join_linear
     assert not RunConfig.parse(["--data", "x", "--tables", "fused"]).join_linear

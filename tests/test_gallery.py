@@ -20,8 +20,8 @@ import tensorflow as tf
 
 import des
 from des.compiler import find_substitutions
-from des.ir import Graph
-from des.verify import compare, copy_state, fit_and_snapshot, run_in_process_world
+from des.graph.ir import Graph
+from des.jobs.verify import compare, copy_state, fit_and_snapshot, run_in_process_world
 from des_ops.comm import InProcessWorld, LocalCommunicator
 from gallery import BUILDERS, EXPECTED, FIELDS, K, V, batches_for, dlrm_offsets
 
@@ -67,7 +67,7 @@ def test_gallery_model_is_substituted_and_equivalent(name):
 
 def test_transform_report_lists_every_table_and_strict_mode():
     model = BUILDERS["deepctr_deepfm"]()
-    new, report = des.transform(model, comm=LocalCommunicator(), strict=True)
+    new, report = des.transform(model, des.Options(strict=True), comm=LocalCommunicator())
     text = str(report)
     assert "3 substitution(s)" in text and "tables:" in text
     # tables substituted alike are one line
@@ -84,7 +84,7 @@ def _inputs():
 def _report(model):
     _, report = des.transform(model, comm=LocalCommunicator())
     with pytest.raises(des.TransformError):
-        des.transform(model, comm=LocalCommunicator(), strict=True)
+        des.transform(model, des.Options(strict=True), comm=LocalCommunicator())
     return str(report)
 
 
@@ -201,7 +201,7 @@ def test_a_shared_table_makes_its_fields_one_group_owned_by_one_process():
     ranks = run_in_process_world(3, BUILDERS["shared_table_deepfm"], lambda m: des.distributed(m).plan, init_from=model)
     plan = ranks[0]
     assert sorted(plan.owner) == ["f0+f1", "f2", "f3"] and sorted(plan.owner.values()) == [0, 1, 2]
-    _, report = des.transform(BUILDERS["shared_table_deepfm"](), comm=LocalCommunicator(), strict=True)
+    _, report = des.transform(BUILDERS["shared_table_deepfm"](), des.Options(strict=True), comm=LocalCommunicator())
     assert "3 substitution(s)" in str(report)
 
 

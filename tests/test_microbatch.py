@@ -8,7 +8,7 @@ import tensorflow as tf
 
 import des
 import models
-from des.verify import compare, fit_and_snapshot, run_in_process_world, train_and_snapshot
+from des.jobs.verify import compare, fit_and_snapshot, run_in_process_world, train_and_snapshot
 from des_ops.comm import InProcessWorld
 from gallery import BUILDERS, batches_for
 from helpers import random_batches, small_spec
@@ -93,12 +93,11 @@ def test_float16_partials_halve_the_bytes_and_stay_close():
 ])
 def test_bad_options_are_one_line_errors(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        des.transform(build("deepfm")(), comm=InProcessWorld(1).communicator(0), **kwargs)
+        des.transform(build("deepfm")(), des.Options(**kwargs), comm=InProcessWorld(1).communicator(0))
 
 
 def test_the_report_says_what_was_asked():
-    _, report = des.transform(build("deepfm")(), comm=InProcessWorld(1).communicator(0), micro_batches=4,
-                              wire_dtype="float16")
+    _, report = des.transform(build("deepfm")(), des.Options(micro_batches=4, wire_dtype="float16"), comm=InProcessWorld(1).communicator(0))
     text = str(report)
     assert "in 4 slices of the batch, one allreduce each" in text
     assert "partials on the wire in float16" in text and "NOT exact" in text
@@ -111,7 +110,7 @@ def test_a_communicator_that_cannot_sum_float16_refuses_it():
     comm = InProcessWorld(1).communicator(0)
     comm.wire_dtypes, comm.name = ("float32",), "mpi4py"
     with pytest.raises(ValueError, match="wire_dtype='float16': the mpi4py communicator sums float32 only"):
-        des.transform(build("deepfm")(), comm=comm, wire_dtype="float16")
+        des.transform(build("deepfm")(), des.Options(wire_dtype="float16"), comm=comm)
 
 
 def test_ps_float16_rows_halve_the_row_bytes_and_stay_close():
@@ -122,7 +121,7 @@ def test_ps_float16_rows_halve_the_row_bytes_and_stay_close():
     from helpers import train_ps_counting
 
     from des.baselines.ps.tables import KeyExchange
-    from des.verify import ps_batches, run_sharded_world
+    from des.jobs.verify import ps_batches, run_sharded_world
     batches, probe = ps_batches(steps=4)
 
     def work(ex):

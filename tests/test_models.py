@@ -5,11 +5,11 @@ import pytest
 import tensorflow as tf
 
 import models
-from des import checkpoint
+from des.runtime import checkpoint
 from des.data import criteo_spec
 from des.data.readers import make_dataset
 from des.data.synth import write_criteo
-from des.fusion import fuse_model
+from des.compiler.fusion import fuse_model
 from models.layers import FieldEmbedding, key_init
 
 
@@ -76,7 +76,7 @@ def data(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["lr", "fm", "dnn", "wdl", "deepfm"])
 def test_each_model_learns(data, name):
-    """Each model, as des.train --mode single trains it (its tables of one width in one TFRA table:
+    """Each model, as des.jobs.train --mode single trains it (its tables of one width in one TFRA table:
     the same function, tests/test_fused.py, and one lookup per width a step instead of 39), reaches
     a real AUC on held-out criteo-like data, and none beats the Bayes-optimal one."""
     path, meta = data
@@ -129,7 +129,7 @@ def test_tfra_optimizers_update_table_rows_as_dense_keras_would(optimizer):
 def test_ftrl_on_the_linear_part_adam_on_the_rest(name):
     """After one step from the same start, the linear part's rows equal an all-FTRL model's and
     every other weight equals an all-Adam model's (the gradients are the same in all three)."""
-    from des.verify import random_batches, small_spec, snapshot
+    from des.jobs.verify import random_batches, small_spec, snapshot
     from models.optim import is_linear
     spec = small_spec(3, dim=4)
     x, y = random_batches(spec, 1, 16, seed=1)[0]
@@ -158,7 +158,7 @@ def test_ftrl_on_the_linear_part_adam_on_the_rest(name):
 def test_a_second_model_built_in_one_process_restores_its_rows(tmp_path):
     """TFRA names the tables of a second model built in a process differently; checkpoints key
     rows by their place in the graph, so it restores the first model's rows all the same."""
-    from des.verify import random_batches, small_spec
+    from des.jobs.verify import random_batches, small_spec
     spec = small_spec(2, dim=3)
     x, y = random_batches(spec, 1, 16, seed=1)[0]
     a = models.build("fm", spec, seed=3)

@@ -1,8 +1,8 @@
-"""des.modes: each training mode is one class with the same interface; des.train only dispatches.
+"""des.jobs.modes: each training mode is one class with the same interface; des.jobs.train only dispatches.
 
 In one process (world size 1): the registry matches the CLI's choices, options that do not
 apply to a mode are refused with a clear message, the PS/cache modes hand the reader a new
-allocator's share per epoch, and each mode's hooks run in des.train's order on a tiny batch
+allocator's share per epoch, and each mode's hooks run in des.jobs.train's order on a tiny batch
 (prepare -> compile -> callbacks -> fit -> evaluate -> summarise) with the summary a mode owes.
 """
 import dataclasses
@@ -12,9 +12,9 @@ import pytest
 import tensorflow as tf
 
 import models
-from des import modes
-from des.config import RunConfig
-from des.verify import random_batches, small_spec
+from des.jobs import modes
+from des.jobs.config import RunConfig
+from des.jobs.verify import random_batches, small_spec
 
 
 def options(**kw) -> RunConfig:
@@ -158,11 +158,11 @@ def test_auto_resolves_to_a_mode_with_its_choice():
 
 
 def test_cpu_time_counts_the_process_cpu_of_a_step_not_its_wall_time():
-    """des.callbacks.CPUTime (des.train's 'cpu_seconds_per_step'): a step that spins 60 ms of
+    """des.runtime.callbacks.CPUTime (des.jobs.train's 'cpu_seconds_per_step'): a step that spins 60 ms of
     CPU and sleeps 250 ms counts about 60 ms, not the ~310 ms of wall time; the first step
     (tracing) is left out of the median."""
     import time
-    from des.callbacks import CPUTime
+    from des.runtime.callbacks import CPUTime
 
     class SpinThenSleep(tf.keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
@@ -183,9 +183,9 @@ def test_cpu_time_counts_the_process_cpu_of_a_step_not_its_wall_time():
 
 
 def test_a_mode_registered_in_one_place_reaches_the_cli_and_compare(monkeypatch):
-    """A new mode is one class (a file in des/modes/) registered in des.modes.MODES: des.train's
-    --mode, des.compare's --modes and modes.make take it with nothing else changed."""
-    from des.compare import Cell
+    """A new mode is one class (a file in des/modes/) registered in des.jobs.modes.MODES: des.jobs.train's
+    --mode, des.jobs.compare's --modes and modes.make take it with nothing else changed."""
+    from des.jobs.compare import Cell
 
     class Echo(modes.Mode):
         name = "echo"
@@ -200,9 +200,9 @@ def test_a_mode_registered_in_one_place_reaches_the_cli_and_compare(monkeypatch)
 
 
 def test_the_run_configuration_round_trips_through_its_command_line():
-    """to_argv (what des.compare hands to des.train) parses back to the same record, for every
+    """to_argv (what des.jobs.compare hands to des.jobs.train) parses back to the same record, for every
     option set off its default; parts hold their options."""
-    from des.config import OPTIONS
+    from des.jobs.config import OPTIONS
     argv = ["--data", "a.txt", "b.txt", "--mode", "cache", "--staleness", "inf", "--cache-size", "5000",
             "--eviction", "lfu", "--on-demand", "--plan-pushes", "--allocate", "laia", "--allocate-top-k", "3",
             "--ps-batch", "per-process", "--comm", "sync", "--link", "100mbit", "--eval-data", "e.txt",
@@ -221,7 +221,7 @@ def test_the_run_configuration_round_trips_through_its_command_line():
 
 
 def test_compare_builds_each_run_from_one_cell_and_passes_other_train_options(tmp_path):
-    from des.compare import Cell, cells, parser, train_config
+    from des.jobs.compare import Cell, cells, parser, train_config
     assert [c.key for c in cells("single,ps+laia,cache+laia+on-demand", "0,inf")] == [
         "single", "ps+laia", "cache+laia+on-demand s=0", "cache+laia+on-demand s=inf"]
     with pytest.raises(ValueError, match="unknown mode 'des\\+laia'"):
@@ -235,10 +235,10 @@ def test_compare_builds_each_run_from_one_cell_and_passes_other_train_options(tm
 
 
 def test_compare_refuses_an_option_neither_it_nor_des_train_has(capsys):
-    from des import compare
+    from des.jobs import compare
     with pytest.raises(SystemExit) as e:
         compare.main(["--models", "lr", "--tables", "per-field", "--no-such-option", "1"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].endswith("error: not an option of des.compare or des.train: --tables per-field --no-such-option 1")
+    assert err[-1].endswith("error: not an option of des.jobs.compare or des.jobs.train: --tables per-field --no-such-option 1")
     assert not any("des.train" in line and "usage" in line for line in err)

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import models
-from des.verify import PS_SPEC, compare, optimizer_factory, random_batches, train_and_snapshot
+from des.jobs.verify import PS_SPEC, compare, optimizer_factory, random_batches, train_and_snapshot
 from helpers import MPI_ENV as ENV, ROOT, mpirun, single_process_predictions, write_small_ffm
 
 LR = {"sgd": 0.2, "adagrad": 0.05, "adam": 0.01, "ftrl": 0.05}
@@ -208,7 +208,7 @@ def test_ps_under_mpirun_equals_single_process_and_counts_bytes_exactly(battery,
     slices of the global batch make the same updates as one process on the whole batch: every
     gradient reaches its row although keys repeat across processes, and a process with an empty
     slice (no ids) takes part."""
-    from des.verify import ps_batches
+    from des.jobs.verify import ps_batches
     out = battery(n) / "ps" / f"{name}-{optimizer}-{tables}"
     ranks = _ranks(out, "", n)
     assert all(r["fused_tables"] == {"fused": 2, "joined": 1}.get(tables, 0) for r in ranks)
@@ -300,7 +300,7 @@ def _gallery_reference(name: str, initial) -> dict:
     """The untouched model on one process, from rank 0's initial weights, fitted like the ranks."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import des
-    from des.verify import fit_and_snapshot
+    from des.jobs.verify import fit_and_snapshot
     from gallery import BUILDERS, batches_for
     reference = BUILDERS[name]()
     reference.set_weights(initial)
@@ -422,7 +422,7 @@ def test_data_parallel_tail_under_mpirun(battery):
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import des
-    from des.verify import fit_and_snapshot
+    from des.jobs.verify import fit_and_snapshot
     from des_ops.comm import shard_rows
     from gallery import BUILDERS
     from mpi_tail import tail_batches

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import models
-from des.verify import PS_SPEC, compare, random_batches, train_and_snapshot
+from des.jobs.verify import PS_SPEC, compare, random_batches, train_and_snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",

@@ -1,4 +1,4 @@
-"""The emulated cluster (des.netbed): DES and PS jobs across two network-namespace hosts, over TCP
+"""The emulated cluster (des.cluster.netbed): DES and PS jobs across two network-namespace hosts, over TCP
 through a shaped bridge, with the bytes each host put on its interface measured by the kernel."""
 import json
 import os
@@ -26,7 +26,7 @@ def test_des_and_ps_jobs_across_two_emulated_hosts(tmp_path):
     PS agree to 1e-3, as on one machine), each host's interface carried at least the bytes its
     process handed to the collectives (so the traffic really crossed the emulated network, not
     shared memory), and the namespaces are gone afterwards."""
-    from des.netbed import Netbed, hosts
+    from des.cluster.netbed import Netbed, hosts
     data = str(tmp_path / "train.ffm")
     write_small_ffm(data, 12_000, seed=2)
     out = {}
@@ -63,7 +63,7 @@ def test_des_and_ps_jobs_across_two_emulated_hosts(tmp_path):
 
 @needs_root
 def test_netbed_down_removes_everything_and_bad_host_counts_are_refused():
-    from des.netbed import Netbed, down, hosts
+    from des.cluster.netbed import Netbed, down, hosts
     with pytest.raises(ValueError, match="1..250 hosts"):
         Netbed(0)
     bed = Netbed(3, rate=None).up()
@@ -83,7 +83,7 @@ def test_a_host_cpu_budget_holds_every_process_of_the_host(tmp_path):
     a 10 ms period and over a 4 ms one (cpu_period_us; a quota under the kernel's 1 ms is
     refused), while without a budget the same loop gets about a whole core; the cgroups go with
     the netbed."""
-    from des.netbed import Netbed, _cgroups, cpu_root, PREFIX
+    from des.cluster.netbed import Netbed, _cgroups, cpu_root, PREFIX
     if cpu_root() is None:
         pytest.skip("no cgroup cpu controller")
     prog = tmp_path / "busy.py"

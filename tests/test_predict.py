@@ -1,4 +1,4 @@
-"""des.predict: checkpoints of des.train back to one probability per input line."""
+"""des.predict: checkpoints of des.jobs.train back to one probability per input line."""
 import os
 import subprocess
 import sys
@@ -59,7 +59,7 @@ def test_predicts_test_txt_and_labelled_files_line_by_line(job, tmp_path):
 RESTORE = """
 import json, sys, numpy as np
 import des, models
-from des import checkpoint
+from des.runtime import checkpoint
 from des.data import FeatureSpec
 from des.data.readers import make_dataset
 ck, test, out = sys.argv[1:4]

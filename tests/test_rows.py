@@ -8,10 +8,10 @@ import pytest
 import tensorflow as tf
 
 import des
-from des.cost import AutoTail, choose_first_dense, choose_tail
+from des.compiler.cost import AutoTail, choose_first_dense, choose_tail
 from des_ops.comm import InProcessWorld, shard_rows
 from des_ops.rows import bytes_per_step, rows_dense, wire_floats
-from des.verify import _on_every_rank, run_in_process_world
+from des.jobs.verify import _on_every_rank, run_in_process_world
 from test_tail import BATCH, ROWS, _check, _reference_and_base
 
 
@@ -117,11 +117,11 @@ def test_choice_of_the_first_dense():
         choose_tail(dense, dense + 801, 1, n, fast)[1]                     # partials win: nothing changes
     build, base, _, _ = _reference_and_base("keras_deepfm", "sgd", 0.5)
     with pytest.raises(ValueError, match="needs the data-parallel tail"):
-        des.transform(build(), comm=InProcessWorld(1).communicator(0), first_dense="rows")
+        des.transform(build(), des.Options(first_dense="rows"), comm=InProcessWorld(1).communicator(0))
     with pytest.raises(ValueError, match="needs the data-parallel tail"):
-        des.transform(build(), comm=InProcessWorld(1).communicator(0), first_dense="rows", tail="auto")
+        des.transform(build(), des.Options(first_dense="rows", tail="auto"), comm=InProcessWorld(1).communicator(0))
     with pytest.raises(ValueError, match="first_dense='sideways'"):
-        des.transform(build(), first_dense="sideways")
+        des.transform(build(), des.Options(first_dense="sideways"))
 
 
 def test_auto_picks_rows_where_they_take_less_time_and_says_why():
@@ -139,5 +139,5 @@ def test_auto_picks_rows_where_they_take_less_time_and_says_why():
                                init_from=base, tail="auto", first_dense="auto", costs=slow)
     assert out == [("data_parallel", True)] * 3
     world = InProcessWorld(1)
-    _, report = des.transform(build(), comm=world.communicator(0), tail="data_parallel", first_dense="auto")
+    _, report = des.transform(build(), des.Options(tail="data_parallel", first_dense="auto"), comm=world.communicator(0))
     assert "first_dense='auto'" in str(report) and "MB of partials" in str(report)

@@ -6,8 +6,8 @@ import tensorflow as tf
 import des
 import models
 from des.compiler import find_substitutions
-from des.ir import Graph
-from des.plan import FieldCost, make_plan
+from des.graph.ir import Graph
+from des.compiler.plan import FieldCost, make_plan
 from des_ops.comm import InProcessWorld, LocalCommunicator
 from helpers import random_batches, small_spec
 from models.layers import Bias, FieldEmbedding
@@ -83,7 +83,7 @@ def test_model_with_nothing_to_rewrite_comes_back_unchanged():
     new, report = des.transform(model, comm=LocalCommunicator())
     assert new is model and report.substitutions == [] and report.rejections == [] and report.tables == []
     with pytest.raises(des.TransformError, match="nothing to substitute"):
-        des.transform(model, comm=LocalCommunicator(), strict=True)
+        des.transform(model, des.Options(strict=True), comm=LocalCommunicator())
 
 
 def test_linear_sum_as_reduce_sum_of_concat():

@@ -1,4 +1,4 @@
-"""Getting a user's model out in the simulated world (des.saving, des.checkpoint, des.export):
+"""Getting a user's model out in the simulated world (des.runtime.saving, des.runtime.checkpoint, des.runtime.export):
 optimizer slots read through the optimizers' public variables, ``model.save`` and
 ModelCheckpoint on every process, disagreeing saves, resume on another N, bad checkpoints.
 The same under a real mpirun, every optimizer: tests/test_mpi_saving.py."""
@@ -10,11 +10,11 @@ import tensorflow as tf
 
 import des
 import models
-from des import checkpoint
-from des.checkpoint import CheckpointError
-from des.saving import SaveError
-from des.state import optimizer_slots
-from des.verify import _on_every_rank, copy_state
+from des.runtime import checkpoint
+from des.runtime.checkpoint import CheckpointError
+from des.runtime.saving import SaveError
+from des.runtime.state import optimizer_slots
+from des.jobs.verify import _on_every_rank, copy_state
 from des_ops.comm import InProcessWorld
 from gallery import BUILDERS, batches_for, optimizer_for
 
@@ -60,7 +60,7 @@ def _world(n: int, name: str, init, **transform_kwargs) -> tuple[InProcessWorld,
         m = BUILDERS[name]()
         if r == 0:
             copy_state(init, m)
-        out.append(des.transform(m, comm=world.communicator(r), **transform_kwargs)[0])
+        out.append(des.transform(m, des.Options(**transform_kwargs), comm=world.communicator(r))[0])
     return world, out
 
 
@@ -140,7 +140,7 @@ def test_checkpoint_of_des_2_resumes_exactly_on_des_3_and_one_process(tmp_path, 
     ckpt = str(tmp_path / "ckpt")
 
     def run(n, work):
-        world, ranks = _world(n, name, init, fuse_tables=fuse)
+        world, ranks = _world(n, name, init, tables="fused" if fuse else "per-field")
         for m in ranks:
             m.compile(optimizer_for(m, opt), "binary_crossentropy")
         return _on_every_rank(world, lambda r: work(ranks[r], world.communicator(r)))
@@ -233,11 +233,11 @@ def test_a_subclassed_model_saves_as_its_own_class(tmp_path, name):
 
 
 def test_des_export_of_a_checkpoint_of_a_users_model_says_what_to_do(tmp_path):
-    from des import export
+    from des.runtime import export
     model = BUILDERS["keras_deepfm"]()
     model.compile(tf.keras.optimizers.Adam(), "binary_crossentropy")
     checkpoint.save(str(tmp_path / "c"), model, model.optimizer)
-    with pytest.raises(CheckpointError, match=r"a checkpoint of your own model .* des.export\(model, out\)"):
+    with pytest.raises(CheckpointError, match=r"a checkpoint of your own model .* des.runtime.export\(model, out\)"):
         export.export(str(tmp_path / "c"), str(tmp_path / "served"))
     assert export.main(["--checkpoint", str(tmp_path / "c"), "--out", str(tmp_path / "served")]) == 2
     assert not os.path.exists(tmp_path / "served")

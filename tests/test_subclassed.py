@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import des
-from des.verify import run_in_process_world
+from des.jobs.verify import run_in_process_world
 from des_ops.comm import LocalCommunicator
 from subclassed_models import BUILDERS, EXPECTED, ValueDependent, batches_for, outputs, probe_of, sample_of, train
 
@@ -60,7 +60,7 @@ def test_negative_python_control_flow_on_values_is_a_one_line_reason():
     assert reason.startswith("  not read: 'value_dependent") and "its call() could not be traced on symbolic inputs" \
         in reason and "instead of Python control flow on tensor values" in reason, str(report)
     with pytest.raises(des.TransformError, match="could not be traced"):
-        des.transform(ValueDependent(), comm=LocalCommunicator(), sample=sample, strict=True)
+        des.transform(ValueDependent(), des.Options(strict=True), comm=LocalCommunicator(), sample=sample)
 
 
 def test_negative_unknown_input_shapes_ask_for_a_sample():
@@ -87,7 +87,7 @@ def test_towers_take_tail_auto_and_refuse_a_data_parallel_tail():
     "data_parallel" is refused in one line."""
     name = "tfrs_retrieval"
     sample = sample_of(name, batches_for(name, 1, 8))
-    _, report = des.transform(BUILDERS[name](), comm=LocalCommunicator(), sample=sample, tail="auto")
+    _, report = des.transform(BUILDERS[name](), des.Options(tail="auto"), comm=LocalCommunicator(), sample=sample)
     assert sorted(m.rule for m in report.substitutions) == EXPECTED[name]
     with pytest.raises(ValueError, match="calls its towers in compute_loss; only tail='replicated'"):
-        des.transform(BUILDERS[name](), comm=LocalCommunicator(), sample=sample, tail="data_parallel")
+        des.transform(BUILDERS[name](), des.Options(tail="data_parallel"), comm=LocalCommunicator(), sample=sample)

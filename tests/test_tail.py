@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import des
-from des.verify import compare, copy_state, fit_and_snapshot, run_in_process_world
+from des.jobs.verify import compare, copy_state, fit_and_snapshot, run_in_process_world
 from des_ops.comm import InProcessWorld, LocalCommunicator, shard_rows
 from gallery import BUILDERS, FIELDS, K, V, batches_for
 
@@ -124,15 +124,15 @@ def test_negative_tails_that_cannot_run_data_parallel():
     h = L.Dense(8)(L.Concatenate()([L.Embedding(V, K)(x[f]) for f in FIELDS]))
     bn = tf.keras.Model(x, L.Dense(1)(L.BatchNormalization(name="bn")(h)))
     with pytest.raises(ValueError, match=r"'bn' \(BatchNormalization\) computes statistics over the whole batch"):
-        des.transform(bn, comm=LocalCommunicator(), tail="data_parallel")
+        des.transform(bn, des.Options(tail="data_parallel"), comm=LocalCommunicator())
     x = _inputs()
     e = [L.Embedding(V, K)(x[f]) for f in FIELDS]
     cross = L.Multiply()([L.Embedding(V, K, name="side_a")(x["f0"]), L.Embedding(V, K, name="side_b")(x["f1"])])
     mixed = tf.keras.Model(x, L.Dense(1)(L.Dense(8)(L.Concatenate()(e))) + L.Dense(1)(cross))   # no rule for a product
     with pytest.raises(ValueError, match="reads tables that are not substituted \\(side_a, side_b\\)"):
-        des.transform(mixed, comm=LocalCommunicator(), tail="data_parallel")
+        des.transform(mixed, des.Options(tail="data_parallel"), comm=LocalCommunicator())
     with pytest.raises(ValueError, match="choose from replicated, data_parallel"):
-        des.transform(BUILDERS["keras_deepfm"](), comm=LocalCommunicator(), tail="sharded")
+        des.transform(BUILDERS["keras_deepfm"](), des.Options(tail="sharded"), comm=LocalCommunicator())
 
 
 def _tower(hidden, batch_norm=False):
@@ -151,7 +151,7 @@ def test_auto_tail_follows_the_cost_model():
     pay for three more collectives), a narrow one (8) is replicated, one the data-parallel tail
     cannot run (BatchNormalization) is replicated, not refused; one process keeps the replicated
     tail. Every process picks the same."""
-    from des.cost import AutoTail, choose_tail
+    from des.compiler.cost import AutoTail, choose_tail
     cases = [((256, 256), False, 4096, "data_parallel"), ((256, 256), False, 64, "replicated"),
              ((8,), False, 4096, "replicated"), ((256, 256), True, 4096, "replicated")]
     for hidden, batch_norm, batch, expected in cases:
@@ -160,18 +160,17 @@ def test_auto_tail_follows_the_cost_model():
         assert tails == [expected] * 4, (hidden, batch_norm, batch, tails)
     dense = 16 * 256 + 256 * 256 + 256                     # the tail's kernels: 16x256, 256x256, 256x1
     assert choose_tail(dense, dense + 513, 1, 4, AutoTail(batch_size=4096))[0] == "data_parallel"
-    _, report = des.transform(_tower((256, 256), batch_norm=True), comm=InProcessWorld(1).communicator(0),
-                              tail="auto")
+    _, report = des.transform(_tower((256, 256), batch_norm=True), des.Options(tail="auto"), comm=InProcessWorld(1).communicator(0))
     assert report.tail == "replicated" and "one process" in str(report)
     world = InProcessWorld(2)
-    reasons = [des.transform(_tower((256, 256), batch_norm=True), comm=world.communicator(r), tail="auto")[1]
+    reasons = [des.transform(_tower((256, 256), batch_norm=True), des.Options(tail="auto"), comm=world.communicator(r))[1]
                .tail_reason for r in range(2)]
     assert "'bn' (BatchNormalization) computes statistics" in reasons[0] and reasons[0] == reasons[1]
 
 
 def test_report_says_the_tail_is_data_parallel():
     world = InProcessWorld(1)
-    _, report = des.transform(BUILDERS["keras_deepfm"](), comm=world.communicator(0), tail="data_parallel")
+    _, report = des.transform(BUILDERS["keras_deepfm"](), des.Options(tail="data_parallel"), comm=world.communicator(0))
     assert "data-parallel tail" in str(report)
 
 
@@ -184,8 +183,8 @@ def test_checkpoints_move_between_one_process_and_the_data_parallel_tail(tmp_pat
     import os
 
     import models
-    from des import checkpoint
-    from des.verify import random_batches, small_spec
+    from des.runtime import checkpoint
+    from des.jobs.verify import random_batches, small_spec
     spec = small_spec(5, dim=4)
     batches, probe = random_batches(spec, 5, 32, seed=11), random_batches(spec, 1, 64, seed=99)[0][0]
     build = lambda: models.build("deepfm", spec, seed=1, hidden=(8,))            # noqa: E731

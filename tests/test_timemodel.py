@@ -1,9 +1,9 @@
-"""des.timemodel against hand-computed step times; options parsed or refused with a message.
+"""des.cluster.timemodel against hand-computed step times; options parsed or refused with a message.
 (Its validation against the emulated cluster is a benchmark: scripts/bench_timemodel.py.)"""
 import pytest
 
-from des import timemodel
-from des.timemodel import Network, des_tail_traffic, des_traffic, parse_rate, parse_time, ps_traffic, step_time
+from des.cluster import timemodel
+from des.cluster.timemodel import Network, des_tail_traffic, des_traffic, parse_rate, parse_time, ps_traffic, step_time
 
 
 def test_units():
@@ -120,7 +120,7 @@ def test_sync_computation_waits_for_the_slowest_process_and_noop_does_not():
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     t = next(line for line in lines if "des_sync" in line)
     said = {line["rank"]: line for line in lines if "rank" in line}
-    # the plan agreement over the timing communicators (des.train --comm noop/sync under mpirun
+    # the plan agreement over the timing communicators (des.jobs.train --comm noop/sync under mpirun
     # stopped at transform: the no-op broadcast handed rank 1 zeros as rank 0's plan)
     assert said[0] == {"rank": 0, "noop": "agreed", "sync": "agreed"}, said
     assert said[1]["noop"] == "agreed", said
@@ -132,13 +132,13 @@ def test_sync_computation_waits_for_the_slowest_process_and_noop_does_not():
 
 
 def test_projection_rows_and_table(monkeypatch):
-    """des.projection with the computation and the traffic stubbed (they need runs and data):
+    """des.jobs.projection with the computation and the traffic stubbed (they need runs and data):
     one row per model, N and mode, samples/s = batch / the model's step time, and its table."""
-    from des import projection
+    from des.jobs import projection
     monkeypatch.setattr(projection, "compute_seconds", lambda mode, *rest: {"des": 0.02, "ps": 0.01}[mode])
     monkeypatch.setattr(projection, "traffic_at", lambda model, data, fmt, a, n: {
         "des": des_traffic(4 * 2048 * 18), "ps": ps_traffic(4, 2e6, 2e6, 1e5)})
-    from des.compare import parser
+    from des.jobs.compare import parser
     a = parser().parse_args(["--bandwidth", "10gbit", "--batch", "2048", "--preset", "wide", "--rows", "100"])
     rows = projection.project(["lr"], ["x"], "libffm", a, [4, 16], "out")
     assert [(r["model"], r["n"], r["mode"]) for r in rows] == [("lr", 4, "des"), ("lr", 4, "ps"),
@@ -171,7 +171,8 @@ def test_projection_rows_and_table(monkeypatch):
 def test_a_columnar_projection_times_the_columnar_copy(monkeypatch, tmp_path):
     """des.compare --bandwidth --columnar: the computation is timed reading the columnar copy (a
     projection once timed the text reader by mistake), the bytes come from the data's own files."""
-    from des import compare, projection
+    from des.jobs import compare
+    from des.jobs import projection
     seen = {"compute": set(), "traffic": set()}
     monkeypatch.setattr(projection, "compute_seconds",
                         lambda mode, model, data, fmt, *rest: seen["compute"].add((tuple(data), fmt)) or 0.01)
@@ -225,7 +226,7 @@ def test_the_bench_takes_the_median_of_repeated_runs(tmp_path):
     table = (out / "timemodel.md").read_text()
     assert "| 2 | 30mbit | ps | 500.0 (400–900) |" in table
     # CPU per step and process: the mean over ranks, the median over runs; its share of the budget
-    from des.netbed import parse_cpus
+    from des.cluster.netbed import parse_cpus
     budget = parse_cpus("share", 2)
     assert row["cpu_per_step"] == pytest.approx(0.2) and row["compute_cpu_per_step"] == pytest.approx(0.25)
     assert f"| 0.200 ({0.2 / (budget * 0.5):.0%}) / 0.250 ({0.25 / (budget * 0.3):.0%}) |" in table
@@ -244,13 +245,13 @@ def test_the_data_parallel_tail_costs_four_phases_and_half_rings():
 def test_projection_shows_both_tails(monkeypatch):
     """With a data-parallel row (computation per process falls with N), the table shows the
     computation of both tails and the PS's, and each tail's samples/s."""
-    from des import projection
+    from des.jobs import projection
     monkeypatch.setattr(projection, "compute_seconds",
                         lambda mode, model, data, fmt, a, n, out: {"des": 0.04, "des-dp": 0.01 + 0.03 / n, "ps": 0.02}[mode])
     monkeypatch.setattr(projection, "traffic_at", lambda model, data, fmt, a, n: {
         "des": des_traffic(4 * 2048 * 18), "des-dp": des_tail_traffic(4 * 2048 * 18, 4 * 2048, 4e4),
         "ps": ps_traffic(4, 2e6, 2e6, 1e5)})
-    from des.compare import parser
+    from des.jobs.compare import parser
     a = parser().parse_args(["--bandwidth", "10gbit", "--batch", "2048", "--preset", "wide", "--rows", "100"])
     rows = projection.project(["deepfm"], ["x"], "libffm", a, [16, 64], "out")
     assert [(r["n"], r["mode"]) for r in rows] == [(16, "des"), (16, "des-dp"), (16, "ps"),

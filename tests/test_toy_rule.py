@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import des
-from des.verify import compare, run_in_process_world, train_and_snapshot
+from des.jobs.verify import compare, run_in_process_world, train_and_snapshot
 from des_ops.comm import LocalCommunicator
 from des_ops.partials import linear_partial
 from des_ops.suboperators import SubOperator
@@ -95,6 +95,6 @@ def test_a_rule_in_one_file_is_substituted_and_exact(toy_rule):
 
 def test_the_toy_pattern_does_not_fire_on_wider_vectors(toy_rule):
     from des.compiler import find_substitutions
-    from des.ir import Graph
+    from des.graph.ir import Graph
     matches, _ = find_substitutions(Graph(mean_model(dim=3)))
     assert "toy_mean" not in [m.rule for m in matches]

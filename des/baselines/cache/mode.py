@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from des.baselines.cache import rewrite as cache
 from des.baselines.ps.mode import PS
-from des.modes.base import ModeError
+from des.jobs.modes.base import ModeError
 from models.spec import PAD_ID
 
 

@@ -30,7 +30,7 @@ from des.baselines.allocate import EVICT, OTHERS
 from des.baselines.cache.tables import CacheConfig, CachedFieldEmbedding, CachedFusedTable, new_counters
 from des.baselines.ps.rewrite import PSModel, per_destination, shard
 from des.baselines.ps.tables import KeyExchange
-from des.ir import Graph
+from des.graph.ir import Graph
 from des_ops.keras_internals import plain_sgd_learning_rate
 from des_ops.wire import ring_share
 from models.optim import LinearAndRestOptimizer, is_linear

@@ -15,8 +15,8 @@ import tensorflow as tf
 from des.baselines import allocate
 from des.baselines.ps import rewrite as ps
 from des.baselines.ps.tables import KeyExchange
-from des.callbacks import CounterDeltas
-from des.modes.base import Mode, ModeError, epoch_seed
+from des.runtime.callbacks import CounterDeltas
+from des.jobs.modes.base import Mode, ModeError, epoch_seed
 from des_ops.comm import NoopCommunicator, default_communicator
 
 
@@ -26,7 +26,7 @@ class PS(Mode):
 
     def _communicator(self):
         kind = self.config.network.comm
-        meet = {"noop": "never", "sync": "scalars", "meet": "every"}.get(kind)   # timing only (des.timemodel)
+        meet = {"noop": "never", "sync": "scalars", "meet": "every"}.get(kind)   # timing only (des.cluster.timemodel)
         self.exchange = KeyExchange(NoopCommunicator(meet=meet) if meet else default_communicator(),
                                     wire_dtype=self.config.wire_dtype)
         self.allocators: list = []

@@ -27,9 +27,9 @@ import tensorflow as tf
 from tensorflow_recommenders_addons import dynamic_embedding as de
 
 from des.baselines.ps.tables import KeyExchange, ShardedFieldEmbedding, ShardedFusedTable
-from des.fusion import fuse_model
-from des.ir import Graph, replay
-from des.state import trace_once
+from des.compiler.fusion import fuse_model
+from des.graph.ir import Graph, replay
+from des.compiler.keys import trace_once
 from des_ops.fused import fusion_groups, linear_partners
 from des_ops.wire import ring_share
 

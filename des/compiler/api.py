@@ -1,0 +1,53 @@
+"""des.transform: find the weights-rich first layers of a Keras model and substitute them.
+
+    >>> import des
+    >>> from models import deepfm
+    >>> from des.data import FeatureSpec, Field
+    >>> spec = FeatureSpec((Field("C1", dim=4), Field("C2", dim=4)))
+    >>> model, report = des.transform(deepfm(spec, hidden=(8,)))          # world from Horovod under mpirun
+    >>> print(report)
+    des.transform: 3 substitution(s), rank 0 of 1:
+    ...
+    >>> des.distributed(model).layer.floats_per_sample()          # the partials' width: 1 (LR) + 4+1 (FM) + 8 (Dense)
+    14
+
+Steps: IR of the functional graph (des.graph.ir: one canonical graph whatever the spelling) ->
+field vectors and layouts (des.graph.fields) -> every registered rule tried at every node ->
+safety checks (no intermediate used outside its match; every table of a substituted field
+used only by substituted operators) -> every process takes rank 0's weights -> field plan
+-> one DESFirstLayer with this process's tables, their chains and the sub-operators -> the
+rest of the graph replayed on top of it, with the same layer objects (so trained weights of
+the replicated tail are kept). A subclassed model is traced first (des.compiler.subclassed).
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from des.compiler.functional import transform_functional
+from des.compiler.options import Options
+from des.compiler.report import Report
+from des.compiler.subclassed import transform_subclassed
+from des_ops.comm import Communicator, default_communicator
+
+
+def transform(model: tf.keras.Model, options: Options | None = None, *, comm: Communicator | None = None,
+              spec=None, sample=None) -> tuple[tf.keras.Model, Report]:
+    """Return (DES model for this process, report); ``options``: a des.Options (how to split).
+
+    ``comm``: the collectives (default: Horovod under mpirun, else a world of one). ``spec`` (a
+    FeatureSpec) gives expected cardinalities to the balanced plan. A subclassed model (a
+    ``tf.keras.Model`` or ``tfrs.models.Model`` with its own ``call``) is traced: its ``call``
+    runs on symbolic inputs shaped like ``sample`` (a batch of its inputs; not needed once the
+    model has been called), the functional graph this gives is rewritten, and the SAME model
+    object is returned with its forward pass replaced by the rewritten graph, so its own
+    ``compute_loss``, ``train_step``, tasks and metrics stay as they are. A model without a
+    ``call`` of its own whose ``compute_loss`` calls towers (a TFRS retrieval model) has each
+    tower that holds tables transformed on its own and put back in its place.
+    """
+    options = options if options is not None else Options()
+    if not isinstance(options, Options):
+        raise TypeError(f"des.transform: options={options!r}; a des.Options")
+    comm = comm or default_communicator()
+    if getattr(model, "_is_graph_network", False):
+        return transform_functional(model, options, comm, spec)
+    return transform_subclassed(model, options, comm, spec, sample)

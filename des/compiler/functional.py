@@ -1,0 +1,404 @@
+"""des.transform of a functional model: the substitutions found by the rules, every process
+given rank 0's weights, the field plan, this process's DES layer (des_ops.suboperators) in
+place of the matches, and the rest of the graph replayed on top of it with the same layer
+objects; the tail (replicated or data-parallel) and the first Dense (partials or rows) as
+des.Options asks or the cost model picks."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import tensorflow as tf
+
+import des.compiler.keys as keys
+from des.compiler.cost import AutoTail, choose_first_dense, choose_tail
+from des.graph.fields import FieldAnalysis
+from des.compiler.handle import Distributed, attach
+from des.graph.ir import Graph, Node, call_node, is_keras_tensor, replay
+from des.compiler.plan import FieldCost, FieldPlan, check_agreement, make_plan
+from des.graph.sources import source_of
+from des_ops.comm import Communicator, agree
+from des_ops.fused import fuse_nodes
+from des_ops.keras_internals import (autograph_as_keras_decides, compile_args, has_weight_penalties, take_weight_penalties)
+from des_ops.suboperators import DESFirstLayer
+from des_ops.tail import GatherRows, ShardRows, count_tail_penalties_once, sum_tail_gradients, tail_obstacles
+from rewrite_rules import Match, find_substitutions, rule_named
+
+from des.compiler.options import Options
+from des.compiler.report import Report, TransformError, explain_tables
+
+
+
+
+
+
+def _field_costs(graph: Graph, matches: list[Match], spec=None) -> list[FieldCost]:
+    width: dict[str, int] = {}
+    size: dict[str, float] = {}
+    lookups: dict[str, float] = {}
+    seen = set()
+    for m in matches:
+        for v in m.vectors:
+            f = v.field
+            if id(v.table.layer) in seen:          # a table shared by several fields counts once
+                continue
+            seen.add(id(v.table.layer))
+            width[f] = width.get(f, 0) + v.width
+            size[f] = max(size.get(f, 0.0), v.table.attrs["source"].rows(v.table.layer))
+            ops = v.table.tensor_operands()
+            shape = graph.shape(ops[0]) if ops else tf.TensorShape([None])
+            n = 1.0
+            for d in shape[1:]:
+                n *= float(d or 1)
+            lookups[f] = n
+    out = []
+    for f in width:
+        rows = None
+        if spec is not None:
+            try:
+                rows = spec[f].cardinality
+            except KeyError:
+                rows = None
+        out.append(FieldCost(f, float(rows or size[f] or 1.0), width[f], lookups[f]))
+    return out
+
+
+class FieldChains:
+    """Computes the owned field vectors from the model inputs by calling, once each and in
+    topological order, the layers of their chains (preprocessing, lookup, pooling, reshapes).
+    The table nodes of a fused group (``fused``: [(FusedTable, its table nodes in call order)])
+    are computed together, by one call of their fused table, when the first of them is reached."""
+
+    def __init__(self, graph: Graph, nodes: list[Node], wanted: list[int], fused: list[tuple] = ()):
+        self.nodes = sorted(nodes, key=lambda n: n.index)
+        self.wanted = list(wanted)
+        self.inputs = {t: graph.input_name(t) for t in graph.input_ids}
+        self.fused = list(fused)
+        self.group_of = {n.index: k for k, (_, members) in enumerate(self.fused) for n in members}
+        self.producer = {t: n for n in self.nodes for t in n.outputs}
+
+    def __call__(self, inputs: dict) -> dict:
+        env = {t: inputs[name] for t, name in self.inputs.items() if name in inputs}
+
+        def look(x):
+            if not is_keras_tensor(x):
+                return x
+            if id(x) not in env:                     # a fused group reads ahead of the topological order
+                run(self.producer[id(x)])
+            return env[id(x)]
+
+        def run(node: Node) -> None:
+            if node.index in self.group_of:
+                table, members = self.fused[self.group_of[node.index]]
+                outs = table([tf.nest.map_structure(look, m.call_args[0]) for m in members])
+                env.update({m.output: o for m, o in zip(members, outs)})
+                return
+            with autograph_as_keras_decides():       # the DES layer's call is not converted; users' layers are
+                out = call_node(node, look)
+            for t, new in zip(node.outputs, tf.nest.flatten(out)):
+                env[t] = new
+
+        for node in self.nodes:
+            if not all(t in env for t in node.outputs):
+                run(node)
+        return {t: env[t] for t in self.wanted}
+
+
+def transform_functional(model: tf.keras.Model, options: Options, comm: Communicator,
+                         spec=None) -> tuple[tf.keras.Model, Report]:
+    """des.transform of a functional (or Sequential) model: (DES model for this process, report).
+    See des.compiler.api.transform."""
+    if options.wire_dtype not in comm.wire_dtypes:
+        raise ValueError(f"des.transform: wire_dtype={options.wire_dtype!r}: the {comm.name} communicator sums "
+                         f"{', '.join(comm.wire_dtypes)} only (use Horovod)")
+    graph = Graph(model)
+    fields = FieldAnalysis(graph)
+    matches, rejections = find_substitutions(graph, fields)
+    table_lines, left = explain_tables(graph, fields, matches, rejections)
+    report = Report(matches, rejections, None, comm.rank, comm.world_size, tables=table_lines, unsubstituted=left,
+                    opaque=_opaque_models(graph), options=options)
+    if options.strict and (rejections or left or not matches):
+        report.widths = {m.root.layer.name: rule_named(m.rule).sub_operator(m, m.vectors, name=f"probe_{m.rule}").width
+                         for m in matches}                  # what would be sent
+        report.floats_per_sample = sum(report.widths.values())
+        raise TransformError(report)
+    if not matches:
+        return model, report
+    return _substitute(model, graph, fields, matches, report, comm, options, spec)
+
+
+def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matches: list[Match], report: Report,
+                comm: Communicator, options: Options, spec) -> tuple[tf.keras.Model, Report]:
+    """transform's second half: the same rows everywhere, the field plan, this process's DES
+    layer in place of the matches, the model replayed around it (see transform)."""
+    for n in graph.nodes:
+        if n.kind == "table":
+            n.attrs["source"].keyed(n.layer, options.seed, graph.layer_key(n.layer))
+    if options.sync_weights and comm.world_size > 1:
+        keys.sync_from_root(graph, comm)
+    forced = _forced_disagreement(comm)
+    field_plan = _field_plan(graph, matches, spec, options.plan, comm, forced)
+    mine = set(field_plan.fields_of(comm.rank))
+    own = _OwnedPart.of(graph, matches, mine)
+    released = options.release_unowned and _release_unowned(matches, mine)
+
+    # the vectors in graph order, never in tensor-id (memory address) order: the order in which the
+    # lookups are built decides the order in which TensorFlow adds their gradients, so an address
+    # order made the same job give other bits run after run
+    position = {t: k for k, t in enumerate(graph.tensors)}
+    fused, fused_lines = (fuse_nodes(graph, list(own.nodes.values()), f"rank{comm.rank}", options.join_linear)
+                          if options.fuse_tables else ([], []))
+    chains = FieldChains(graph, list(own.nodes.values()),
+                         sorted({t for ids in own.op_inputs for t in ids}, key=position.__getitem__), fused)
+    skip = set()
+    for m in matches:
+        skip |= m.internal
+        for v in m.vectors:
+            skip |= v.chain
+    costs = options.assumed
+    dense_shapes = [(sum(v.width for v in m.vectors), int(m.data["kernel"].shape[1])) for m in matches
+                    if "parts" in m.data] if options.first_dense == "auto" else []
+    tail, tail_reason = _tail_choice(graph, model, skip, costs if options.tail == "auto" else options.tail,
+                                     comm, dense_shapes)
+    if tail == "data_parallel" and (options.micro_batches > 1 or options.wire_dtype != "float32"):
+        raise ValueError("des.transform: micro_batches and a 16-bit wire_dtype are for the replicated tail; the "
+                         "data-parallel tail reduce-scatters the whole batch in float32")
+    report.by_rows, report.first_dense_reason = _by_rows(matches, own, field_plan, comm, tail, options.first_dense, costs)
+    first = _first_layer(chains, fused, own, comm, tail, options.scope, forced, options.micro_batches,
+                         options.wire_dtype)
+    names_in = sorted({graph.nodes[i].layer.name for m in matches for v in m.vectors for i in v.chain | fields.cone(v.tensor)
+                       if graph.nodes[i].kind == "input"})
+    outs = first({n: graph.tensors[_input_id(graph, n)] for n in names_in})
+    given = {m.root.output: _finisher(graph, m, o) for m, o in zip(matches, outs)}
+    new_model, tail_variables = _replay(graph, skip, given, model, comm, first, tail == "data_parallel")
+    attach(new_model, Distributed(first, field_plan, keys.StateKeys.of_transform(
+        graph, matches, first, [m.layer for _, members in fused for m in members]), tail, tail_variables,
+        source=model))
+    report.tables += fused_lines
+    report.plan, report.floats_per_sample, report.widths = field_plan, first.floats_per_sample(), own.widths
+    report.penalty_column = own.penalty_column
+    report.tail, report.tail_reason = tail, tail_reason
+    report.micro_batches, report.wire_dtype = options.micro_batches, options.wire_dtype
+    keys.trace_once(new_model)
+    report.compiled = _compile_like(model, new_model)
+    if released:
+        _mark_consumed(model)
+    return new_model, report
+
+
+def _field_plan(graph: Graph, matches: list[Match], spec, plan: str | FieldPlan, comm: Communicator,
+                forced: str | None) -> FieldPlan:
+    """The field plan (given, or made from the fields' costs), checked to be the same on every process."""
+    costs = _field_costs(graph, matches, spec)
+    if isinstance(plan, FieldPlan):
+        missing = {c.name for c in costs} - set(plan.owner)
+        if plan.world_size != comm.world_size or missing:
+            raise ValueError(f"the given plan is for {plan.world_size} processes and lacks fields "
+                             f"{sorted(missing)}; this world has {comm.world_size}")
+        field_plan = plan
+    else:
+        field_plan = make_plan(costs, comm.world_size, plan)
+    if forced == "plan":
+        moved = next(iter(field_plan.owner))
+        field_plan = dataclasses.replace(field_plan, owner={**field_plan.owner,
+                                                           moved: (field_plan.owner[moved] + 1) % comm.world_size})
+    if comm.world_size > 1:
+        check_agreement(field_plan, comm)
+    return field_plan
+
+
+@dataclasses.dataclass
+class _OwnedPart:
+    """This process's share of the substitutions: a sub-operator per match over its own field
+    vectors, the nodes of their chains, and its share of the weight penalties."""
+    ops: list
+    op_inputs: list
+    widths: dict
+    nodes: dict
+    penalty_column: bool
+    penalties: list
+
+    @classmethod
+    def of(cls, graph: Graph, matches: list[Match], mine: set[str]) -> "_OwnedPart":
+        nodes: dict[int, Node] = {}
+        ops, op_inputs, widths = [], [], {}
+        for m in matches:
+            owned = [v for v in m.vectors if v.field in mine]
+            for v in owned:
+                nodes.update({i: graph.nodes[i] for i in v.chain})
+            ops.append(rule_named(m.rule).sub_operator(m, owned, name=f"des_{m.rule}_{m.root.layer.name}"))
+            op_inputs.append([v.tensor for v in owned])
+            widths[m.root.layer.name] = ops[-1].width
+        chain_layers = {id(graph.nodes[i].layer): graph.nodes[i].layer for m in matches for v in m.vectors
+                        for i in v.chain}
+        penalty_column = any(has_weight_penalties(l) for l in chain_layers.values()) or \
+            any(m.data.get("kernel_regularizer") is not None for m in matches)
+        penalties = []
+        for i in sorted(nodes):
+            penalties += take_weight_penalties(nodes[i].layer)
+        return cls(ops, op_inputs, widths, nodes, penalty_column, penalties)
+
+
+def _release_unowned(matches: list[Match], mine: set[str]) -> bool:
+    """Drop the rows of the tables this process does not own; True if any was dropped."""
+    released = False
+    for m in matches:
+        for v in m.vectors:
+            if v.field not in mine:
+                v.table.attrs["source"].release(v.table.layer)
+                released = True
+    return released
+
+
+def _tail_choice(graph: Graph, model: tf.keras.Model, skip: set[int], tail: str | AutoTail,
+                 comm: Communicator, dense_shapes: list[tuple[int, int]] = ()) -> tuple[str, str]:
+    """("replicated" or "data_parallel", why): the asked tail, or the cost model's choice for an
+    AutoTail (``dense_shapes``: first Dense layers that may go by rows, des.compiler.cost.choose_tail)."""
+    if tail == "replicated":
+        return tail, ""
+    tail_nodes = [n for n in graph.nodes if n.index not in skip and n.kind != "input"]
+    tail_layers = list(dict.fromkeys(n.layer for n in tail_nodes))
+    obstacles = tail_obstacles(tail_layers, sorted({n.layer.name for n in tail_nodes if n.kind == "table"}), comm)
+    if tail != "data_parallel":
+        return choose_tail(
+            sum(int(l.kernel.shape.num_elements()) for l in tail_layers if isinstance(l, tf.keras.layers.Dense)),
+            sum(int(w.shape.num_elements()) for l in tail_layers for w in l.trainable_weights),
+            sum(int(t.shape[-1] or 1) for t in model.outputs), comm.world_size,
+            tail if isinstance(tail, AutoTail) else AutoTail(), obstacles, dense_shapes)
+    if obstacles:
+        raise ValueError("des.transform(tail='data_parallel'): the tail cannot run data-parallel: "
+                         + "; ".join(obstacles))
+    return tail, ""
+
+
+def _by_rows(matches: list[Match], own: _OwnedPart, field_plan: FieldPlan, comm: Communicator, tail: str,
+             first_dense: str, costs: AutoTail) -> tuple[dict, str]:
+    """Which first Dense layers go by moving rows ({layer name: (widths by rank, units)}), and
+    why when the cost model chose; marks their sub-operators (des_ops.rows). ``first_dense="rows"``
+    comes with the data-parallel tail (transform checks it); "auto" with the replicated tail keeps
+    partials, as every process needs the whole batch's output."""
+    dense = [(m, op) for m, op in zip(matches, own.ops) if "parts" in m.data]
+    if first_dense == "partials" or not dense or tail != "data_parallel":
+        return {}, ""
+    out, reasons = {}, []
+    for m, op in dense:
+        widths = [sum(v.width for v in m.vectors if field_plan.owner[v.field] == r) for r in range(comm.world_size)]
+        units = int(m.data["kernel"].shape[1])
+        if first_dense == "auto":
+            choice, why = choose_first_dense(costs.batch_size, sum(widths), units, comm.world_size, costs)
+            reasons.append(f"{m.root.layer.name!r}: {why}")
+            if choice != "rows":
+                continue
+        op.exchange, op.rank_widths = "rows", widths
+        out[m.root.layer.name] = (widths, units)
+    return out, "; ".join(reasons)
+
+
+def _first_layer(chains, fused: list, own: _OwnedPart, comm: Communicator, tail: str, scope: str,
+                 forced: str | None, micro_batches: int = 1, wire_dtype: str = "float32") -> DESFirstLayer:
+    """The DES layer of this process, its collective's schedule agreed with every process."""
+    in_fused = {id(m.layer) for _, members in fused for m in members}
+    layers = [l for l in dict.fromkeys(n.layer for n in chains.nodes) if id(l) not in in_fused]
+    layers += [table for table, _ in fused]
+    first = DESFirstLayer(layers, chains, own.ops, own.op_inputs, comm, own.penalties, own.penalty_column,
+                          shard_rows=tail == "data_parallel", scope=scope, micro_batches=micro_batches,
+                          wire_dtype=wire_dtype, name="des_first_layer")
+    if forced == "collective":
+        first.collective += "_forced_by_DES_TEST_DISAGREE"        # and no check: Horovod's stall shutdown must end it
+    elif comm.world_size > 1:
+        agree(comm, "collective schedule (one fused allreduce: its name and floats per sample)",
+              f"{first.collective}: {first.floats_per_sample()}, {tail} tail"
+              + (f", {micro_batches} micro-batches" if micro_batches > 1 else ""))
+    return first
+
+
+def _replay(graph: Graph, skip: set[int], given: dict, model: tf.keras.Model, comm: Communicator,
+            first: DESFirstLayer, data_parallel: bool) -> tuple[tf.keras.Model, list]:
+    """The DES model: the graph replayed with the substituted outputs ``given``; with the
+    data-parallel tail, each process's rows in and the outputs gathered (and the variables whose
+    gradients the tail sums)."""
+    if not data_parallel:
+        return replay(graph, skip, given, cls=_model_class(model)), []
+    new_model = replay(graph, skip, given, cls=_model_class(model),
+                       input_map=lambda t: ShardRows(comm, name=f"des_rows_{t.name.split(':')[0]}")(t),
+                       output_map=lambda t, i: GatherRows(comm, f"des_tail_output{i}",
+                                                          name=f"des_gather_output{i}")(t))
+    count_tail_penalties_once([l for l in new_model.submodules
+                               if isinstance(l, tf.keras.layers.Layer) and l is not first], comm.rank)
+    owned = {v.ref() for v in first.trainable_weights}
+    tail_variables = [v for v in new_model.trainable_variables if v.ref() not in owned]
+    if comm.world_size > 1:
+        agree(comm, "the data-parallel tail's gradients (variables: floats)",
+              f"{len(tail_variables)}: {sum(int(v.shape.num_elements()) for v in tail_variables)}")
+    sum_tail_gradients(new_model, comm, tail_variables)
+    return new_model, tail_variables
+
+
+def _compile_like(model: tf.keras.Model, new_model: tf.keras.Model) -> str:
+    """Compile ``new_model`` as ``model`` was (loss, metrics, a fresh optimizer of the same
+    configuration: the old one's slots belong to the old variables). Returns a report line."""
+    args = compile_args(model)
+    if args is None:
+        return ""
+    opt = args["optimizer"]
+    try:
+        args["optimizer"] = type(opt).from_config(opt.get_config())
+    except Exception as e:  # noqa: BLE001 - an optimizer class of the user's without from_config
+        return (f"the model was compiled, the returned one is NOT ({type(opt).__name__} could not be copied: {e}); "
+                f"compile it before fit")
+    new_model.compile(**args)
+    return (f"compiled as the model was: loss, metrics and a new {type(opt).__name__} with the same configuration "
+            f"(its slots start empty)")
+
+
+def _mark_consumed(model: tf.keras.Model) -> None:
+    """The transformed model shares its layers with the returned one, and this process released
+    the tables it does not own: calling it again says so instead of failing deep inside a layer.
+    (On one process nothing is released and the model still computes what it did.)"""
+    def consumed(*args, **kwargs):
+        raise RuntimeError(f"model {model.name!r} was consumed by des.transform (its layers now belong to the "
+                           f"returned model, and this process dropped the tables it does not own): use the model "
+                           f"des.transform returned")
+    model.call = consumed
+
+
+def _opaque_models(graph: Graph) -> list[str]:
+    """Subclassed models called as layers that hold tables and whose call() did not trace."""
+    out = []
+    for n in graph.nodes:
+        layer = n.layer
+        if isinstance(layer, tf.keras.Model) and not getattr(layer, "_is_graph_network", False):
+            tables = [m.name for m in layer.submodules if isinstance(m, tf.keras.layers.Layer) and source_of(m)]
+            if tables:
+                out.append(f"{layer.name!r} is a subclassed {type(layer).__name__} whose call() DES cannot trace, "
+                           f"so its tables ({', '.join(tables[:4])}{', ...' if len(tables) > 4 else ''}) stay "
+                           f"inside it; write its call() with TensorFlow ops (tf.cond, tf.where) instead of Python "
+                           f"control flow on tensor values, or build it functionally")
+    return out
+
+
+def _forced_disagreement(comm: Communicator) -> str | None:
+    """Test hook: with DES_TEST_DISAGREE=plan:R (or collective:R), rank R makes its field plan
+    (or its allreduce's name) differ from the other ranks', to show that the job ends."""
+    kind, _, rank = os.environ.get("DES_TEST_DISAGREE", "").partition(":")
+    return kind if rank.isdigit() and int(rank) == comm.rank and kind in ("plan", "collective") else None
+
+
+def _model_class(model: tf.keras.Model) -> type:
+    """The user's functional Model subclass (its own train_step, test_step...) if it is one."""
+    cls = type(model)
+    if cls.__name__ in ("Functional", "Sequential") or cls is tf.keras.Model:
+        return tf.keras.Model
+    return cls
+
+
+def _finisher(graph: Graph, m: Match, combined):
+    rule = rule_named(m.rule)
+    return lambda look: rule.finish(m, combined, lambda t: look(graph.tensors[t]))
+
+
+def _input_id(graph: Graph, name: str) -> int:
+    for t in graph.input_ids:
+        if graph.input_name(t) == name:
+            return t
+    raise KeyError(name)

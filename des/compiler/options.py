@@ -1,0 +1,105 @@
+"""des.Options: how des.transform splits a model, one frozen, checked object.
+
+    >>> import des
+    >>> opts = des.Options(tail="data_parallel", tables="fused")
+    >>> opts.tail, opts.fuse_tables, opts.join_linear
+    ('data_parallel', True, False)
+    >>> print(opts)
+    plan=balanced tail=data_parallel first_dense=auto tables=fused micro_batches=1 wire_dtype=float32 seed=0
+    >>> des.Options(tail="sideways")
+    Traceback (most recent call last):
+    ...
+    ValueError: des.Options: tail='sideways'; choose from auto, replicated, data_parallel
+
+des.train builds its Options from its command line (des.jobs.config.RunConfig.options), so the
+library and the CLI cannot drift apart.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from des.compiler.cost import AutoTail
+
+TAILS = ("auto", "replicated", "data_parallel")
+FIRST_DENSE = ("auto", "partials", "rows")
+TABLES = ("per-field", "fused", "joined")
+WIRE_DTYPES = ("float32", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How des.transform splits a model. Every choice is exact except ``wire_dtype="float16"``.
+
+    ``plan``: "balanced" (fields spread by cost), "mod" (field i on process i mod N) or a
+    des.compiler.plan.FieldPlan. ``tail``: "replicated" (every process runs the layers after the
+    first one on the whole batch), "data_parallel" (each on its own rows of the batch: partials
+    reduce-scattered, outputs all-gathered, the tail's gradients summed; des_ops.tail) or "auto"
+    (the cost model picks with ``costs``; des.compiler.cost.choose_tail, the report says why).
+    ``first_dense`` (data-parallel tail): "partials" ([B, units] sums reduce-scattered), "rows"
+    (the owners send their fields' rows to the processes of the samples; des_ops.rows) or "auto"
+    (per layer, by cost). ``tables``: "per-field" (one TFRA table per field), "fused" (a process
+    keeps its tables of one width in one TFRA table: one lookup and one update per width and
+    step; des_ops.fused), "joined" (fused, and a field's linear weight in its embedding's row:
+    exact when one optimizer trains both parts). ``micro_batches`` K > 1: the partials of K
+    slices are allreduced one by one, each while the next is computed. ``wire_dtype="float16"``:
+    half the bytes, summed in 16 bits, not exact. ``costs``: the batch size, FLOP rate, bandwidth
+    and per-collective cost the auto choices assume (des.AutoTail). ``seed``: new TFRA rows
+    depend on (table, key, seed) only. ``strict``: raise TransformError where a table or a
+    candidate operator was not substituted. ``release_unowned``: drop the rows of tables this
+    process does not own. ``sync_weights``: every process first takes rank 0's weights and rows.
+    ``scope``: prefix of the collective's name (des.transform sets it per tower).
+    """
+    plan: Any = "balanced"
+    tail: str = "replicated"
+    first_dense: str = "auto"
+    tables: str = "per-field"
+    micro_batches: int = 1
+    wire_dtype: str = "float32"
+    costs: AutoTail | None = None
+    seed: int = 0
+    strict: bool = False
+    release_unowned: bool = True
+    sync_weights: bool = True
+    scope: str = ""
+
+    def __post_init__(self):
+        for name, allowed in (("tail", TAILS), ("first_dense", FIRST_DENSE), ("tables", TABLES),
+                              ("wire_dtype", WIRE_DTYPES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"des.Options: {name}={getattr(self, name)!r}; choose from {', '.join(allowed)}")
+        if isinstance(self.plan, str) and self.plan not in ("balanced", "mod"):
+            raise ValueError(f"des.Options: plan={self.plan!r}; 'balanced', 'mod' or a FieldPlan")
+        if not isinstance(self.micro_batches, int) or isinstance(self.micro_batches, bool) or self.micro_batches < 1:
+            raise ValueError(f"des.Options: micro_batches={self.micro_batches!r}; a whole number >= 1")
+        if self.first_dense == "rows" and self.tail != "data_parallel":
+            raise ValueError(f"des.Options(first_dense='rows'): needs the data-parallel tail (tail='data_parallel', "
+                             f"not {self.tail!r})")
+        if self.tail == "data_parallel" and (self.micro_batches > 1 or self.wire_dtype != "float32"):
+            raise ValueError("des.Options: micro_batches and a 16-bit wire_dtype are for the replicated tail; the "
+                             "data-parallel tail reduce-scatters the whole batch in float32")
+        if self.costs is not None and not isinstance(self.costs, AutoTail):
+            raise ValueError(f"des.Options: costs={self.costs!r}; a des.AutoTail")
+
+    @property
+    def fuse_tables(self) -> bool:
+        return self.tables != "per-field"
+
+    @property
+    def join_linear(self) -> bool:
+        return self.tables == "joined"
+
+    @property
+    def assumed(self) -> AutoTail:
+        """What the auto choices assume (``costs``, else des.AutoTail's defaults)."""
+        return self.costs or AutoTail()
+
+    def __str__(self) -> str:
+        plan = self.plan if isinstance(self.plan, str) else "given"
+        shown = [f"plan={plan}", f"tail={self.tail}", f"first_dense={self.first_dense}", f"tables={self.tables}",
+                 f"micro_batches={self.micro_batches}", f"wire_dtype={self.wire_dtype}", f"seed={self.seed}"]
+        shown += [f"{k}={getattr(self, k)}" for k in ("strict", "release_unowned", "sync_weights")
+                  if getattr(self, k) != getattr(Options, k)]
+        if self.costs is not None:
+            shown.append(f"costs={self.costs}")
+        return " ".join(shown)

@@ -1,0 +1,191 @@
+"""What des.transform did to a model: the substitutions, the tables and why any was left as it
+was, the field plan, the bytes per step and the options that applied (Report), and the error
+a strict transform raises (TransformError)."""
+from __future__ import annotations
+
+import dataclasses
+
+import tensorflow as tf
+
+from des.compiler.options import Options
+from des.compiler.cost import estimate
+from des.graph.fields import GLUE, FieldAnalysis
+from des.graph.ir import Graph, Node
+from des.compiler.plan import FieldPlan
+from des_ops.rows import bytes_per_step as rows_bytes_per_step
+from des_ops.wire import ring_share
+from rewrite_rules import RULES, Match, Rejection
+
+
+class TransformError(ValueError):
+    """des.transform(..., strict=True) could not substitute every table; the message is the report."""
+
+    def __init__(self, report: "Report"):
+        super().__init__(f"des.transform(strict=True): not everything could be substituted\n{report}")
+
+
+@dataclasses.dataclass
+class Report:
+    substitutions: list[Match]
+    rejections: list[Rejection]
+    plan: FieldPlan | None
+    rank: int
+    world_size: int
+    floats_per_sample: int = 0
+    widths: dict[str, int] = dataclasses.field(default_factory=dict)
+    costs: list = dataclasses.field(default_factory=list)   # des.compiler.cost.estimate(...), when known
+    tables: list[str] = dataclasses.field(default_factory=list)      # one line per table
+    unsubstituted: list[str] = dataclasses.field(default_factory=list)   # names of tables left as they were
+    penalty_column: bool = False
+    compiled: str = ""                # what became of the model's compile (a report line), if it was compiled
+    opaque: list[str] = dataclasses.field(default_factory=list)   # subclassed models inside: why they were not read
+    tail: str = "replicated"          # how the layers after the first one run (des_ops.tail)
+    tail_reason: str = ""             # tail="auto": what des.compiler.cost.choose_tail weighed
+    collectives: int = 1              # fused allreduces per step (one per tower when towers were transformed)
+    micro_batches: int = 1            # slices of the batch, each with its own allreduce (DESFirstLayer)
+    wire_dtype: str = "float32"       # the partials' type on the wire ("float16": half the bytes, not exact)
+    by_rows: dict = dataclasses.field(default_factory=dict)   # first Dense layers by moving rows: name -> (widths, units)
+    first_dense_reason: str = ""      # first_dense="auto": what des.compiler.cost.choose_first_dense weighed
+    options: Options | None = None    # what des.transform was asked (des.Options), printed with the report
+    save_refusal: str = ""            # why model.save refuses (towers transformed one by one), else ""
+
+    @property
+    def bytes_per_float(self) -> int:
+        """Bytes of one partial on the wire: 4 (float32), 2 (float16)."""
+        return tf.as_dtype(self.wire_dtype).size
+
+    def estimate_costs(self, batch_size: int, unique_per_slice: dict[str, float]) -> list:
+        """DES vs PS bytes per operator (des.compiler.cost); kept for printing with the report."""
+        self.costs = estimate(self, batch_size, unique_per_slice)
+        return self.costs
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.substitutions)
+
+    def payload_bytes(self, batch_size: int) -> int:
+        """Bytes handed to the fused allreduce(s) per step (float32 partials, or 16-bit ones), and
+        to the forward collectives of a first Dense by rows (des_ops.rows)."""
+        return self.bytes_per_float * batch_size * self.floats_per_sample + sum(
+            rows_bytes_per_step(batch_size, widths, units, self.rank)[0] for widths, units in self.by_rows.values())
+
+    def ring_bytes(self, batch_size: int) -> float:
+        """Analytic bytes sent per process per step by a ring allreduce: 2(N-1)/N * payload."""
+        n = self.world_size
+        return ring_share(n) * self.payload_bytes(batch_size)
+
+    def __str__(self) -> str:
+        if not self.substitutions:
+            lines = ["des.transform: nothing to substitute; the model is returned unchanged."]
+        else:
+            lines = [f"des.transform: {len(self.substitutions)} substitution(s), rank {self.rank} "
+                     f"of {self.world_size}:"]
+            for m in self.substitutions:
+                lines.append(f"  {m.rule:<20} at {m.root.layer.name!r}: {len(m.vectors)} field vectors, "
+                             f"partial width {self.widths.get(m.root.layer.name, '?')}"
+                             + (f", {len(m.others)} replicated input(s)" if m.others else ""))
+            if self.penalty_column:
+                lines.append("  + 1 float per sample for the weight penalties (regularizers) of owned tables "
+                             "and kernel rows, so every process reports the whole loss")
+            lines.append((f"  {self.collectives} allreduces (one per tower) of {self.floats_per_sample} floats per "
+                          f"sample in all " if self.collectives > 1 else
+                          f"  one fused allreduce of {self.floats_per_sample} floats per sample ")
+                         + f"= {self.payload_bytes(1)} bytes/sample; at B=4096: "
+                         f"{self.payload_bytes(4096):,} bytes handed over, "
+                         f"{self.ring_bytes(4096):,.0f} sent per process (ring)")
+            if self.micro_batches > 1:
+                lines.append(f"  in {self.micro_batches} slices of the batch, one allreduce each (a slice's sum "
+                             f"travels while the next slice's partials are computed; the same results)")
+            if self.wire_dtype != "float32":
+                lines.append(f"  partials on the wire in {self.wire_dtype} and summed in {self.wire_dtype} by the "
+                             f"collective: half the bytes, NOT exact (float32 is)")
+            if self.tail == "data_parallel":
+                lines.append("  data-parallel tail: the partials are reduce-scattered, each process runs the layers "
+                             "after the first one on its B/N rows, the outputs are all-gathered and the tail's "
+                             "gradients summed (one allreduce per step)")
+            if self.tail_reason:
+                lines.append(f"  tail chosen by the cost model (tail='auto'): {self.tail_reason}")
+            for name, (widths, units) in self.by_rows.items():
+                lines.append(f"  first Dense {name!r} by moving rows: each process sends the rows of its fields "
+                             f"(widths {widths} by rank) to the processes of their samples and multiplies its "
+                             f"samples' rows by the all-gathered kernel ({units} units); no partials for it")
+            if self.first_dense_reason:
+                lines.append(f"  first Dense chosen by the cost model (first_dense='auto'): {self.first_dense_reason}")
+        if self.compiled:
+            lines.append(f"  {self.compiled}")
+        lines += [str(c) for c in self.costs]
+        for r in self.rejections:
+            lines.append(f"  not substituted: {r}")
+        lines += [f"  not read: {o}" for o in self.opaque]
+        if self.tables:
+            lines.append("tables:")
+            lines += [f"  {t}" for t in self.tables]
+        if self.plan is not None:
+            lines.append(str(self.plan))
+        if self.options is not None:
+            lines.append(f"options: {self.options}")
+        return "\n".join(lines)
+
+
+def explain_tables(graph: Graph, fields: FieldAnalysis, matches: list[Match],
+                   rejections: list[Rejection]) -> tuple[list[str], list[str]]:
+    """One line per table: where it was substituted, or why not. Returns (lines, unsubstituted names)."""
+    used: dict[int, list[str]] = {}
+    for m in matches:
+        for v in m.vectors:
+            used.setdefault(v.table.index, []).append(f"{m.rule} at {m.root.layer.name!r}")
+    lines, left, groups = [], [], {}
+    for n in graph.nodes:
+        if n.kind != "table":
+            continue
+        src = n.attrs["source"]
+        head = f"{n.layer.name} ({src.name}, width {n.attrs['dim']}, field {fields.ids_input(n)!r})"
+        if n.index in used:
+            groups.setdefault((src.name, n.attrs["dim"], "substituted in " + ", ".join(used[n.index])), []).append(head)
+            continue
+        if n.layer.name not in left:
+            left.append(n.layer.name)
+            groups.setdefault((src.name, n.attrs["dim"], "NOT substituted: " + _why_table(graph, fields, n, rejections)),
+                              []).append(head)
+    lines = []
+    for (src, dim, what), heads in groups.items():     # alike: one line per group
+        if len(heads) <= 3:
+            lines += [f"{h}: {what}" for h in heads]
+        else:
+            names = [h.split(" (")[0] for h in heads]
+            lines.append(f"{len(heads)} tables ({src}, width {dim}: {', '.join(names[:2])}, ..., {names[-1]}): "
+                         f"{what}")
+    return lines, left
+
+
+def _why_table(graph: Graph, fields: FieldAnalysis, table: Node, rejections: list[Rejection]) -> str:
+    """Follow the table's output through its own chain and layout glue to the first node
+    that is neither; say what it is and why no rule took it."""
+    per_field = fields.offset_fields(table)
+    if per_field:
+        return (f"it holds {per_field} fields as key ranges (its ids are ids + per-field offsets, as in DLRM "
+                f"ports): DES partitions by table, so this table would live on one process and partition "
+                f"nothing; give each field its own Embedding (one input and one table per field)")
+    seen, frontier = set(), [table.output]
+    while frontier:
+        t = frontier.pop(0)
+        for u in graph.consumers.get(t, []):
+            if u.index in seen:
+                continue
+            seen.add(u.index)
+            single = all(len(fields.tables(o)) == 1 for o in u.outputs)
+            if single or (u.kind in GLUE and fields.layout(u.output) is not None):
+                frontier += u.outputs
+                continue
+            for r in rejections:
+                if r.root.index == u.index:
+                    return f"reaches {u.layer.name!r}: {r.reason}"
+            for r in rejections:
+                if u.index in fields.cone(r.root.output):
+                    return f"reaches {u.layer.name!r} on the way to {r.root.layer.name!r}: {r.reason}"
+            return (f"its field vector reaches {u.layer.name!r} ({u.kind.removeprefix('layer:')}), which mixes "
+                    f"{len(fields.tables(u.output))} tables in a way no rule "
+                    f"({', '.join(r.name for r in RULES)}) understands")
+        if t in graph.output_ids:
+            return "its output is a model output"
+    return "its output is not used by a substitutable operator"
