@@ -17,6 +17,7 @@
       emb1_item (FieldEmbedding, width 1, field 'item'): substituted in lr_sum at 'add'
     field plan (balanced, 1 processes):
       rank 0: load 2.000  [user, item]
+    options: plan=balanced tail=auto first_dense=auto tables=per-field micro_batches=1 wire_dtype=float32 seed=0
 
 Backends (TensorFlow, Horovod, TFRA) are imported lazily.
 """

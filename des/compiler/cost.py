@@ -3,7 +3,7 @@ and under the parameter-server baseline, from batch statistics - the first step 
 when NOT to substitute.
 
     >>> import dataclasses, des, models
-    >>> from des.verify import random_batches, small_spec
+    >>> from des.jobs.verify import random_batches, small_spec
     >>> spec = small_spec(n_fields=3, dim=4)
     >>> first_batch, _ = random_batches(spec, steps=1, batch=4096)[0]
     >>> uniq = unique_ids_per_slice(first_batch, spec, world_size=4)

@@ -10,7 +10,7 @@ import os
 
 import tensorflow as tf
 
-import des.compiler.keys as keys
+from des.compiler.keys import StateKeys, sync_from_root, trace_once
 from des.compiler.cost import AutoTail, choose_first_dense, choose_tail
 from des.graph.fields import FieldAnalysis
 from des.compiler.handle import Distributed, attach
@@ -135,7 +135,7 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
         if n.kind == "table":
             n.attrs["source"].keyed(n.layer, options.seed, graph.layer_key(n.layer))
     if options.sync_weights and comm.world_size > 1:
-        keys.sync_from_root(graph, comm)
+        sync_from_root(graph, comm)
     forced = _forced_disagreement(comm)
     field_plan = _field_plan(graph, matches, spec, options.plan, comm, forced)
     mine = set(field_plan.fields_of(comm.rank))
@@ -171,7 +171,7 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     outs = first({n: graph.tensors[_input_id(graph, n)] for n in names_in})
     given = {m.root.output: _finisher(graph, m, o) for m, o in zip(matches, outs)}
     new_model, tail_variables = _replay(graph, skip, given, model, comm, first, tail == "data_parallel")
-    attach(new_model, Distributed(first, field_plan, keys.StateKeys.of_transform(
+    attach(new_model, Distributed(first, field_plan, StateKeys.of_transform(
         graph, matches, first, [m.layer for _, members in fused for m in members]), tail, tail_variables,
         source=model))
     report.tables += fused_lines
@@ -179,7 +179,7 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     report.penalty_column = own.penalty_column
     report.tail, report.tail_reason = tail, tail_reason
     report.micro_batches, report.wire_dtype = options.micro_batches, options.wire_dtype
-    keys.trace_once(new_model)
+    trace_once(new_model)
     report.compiled = _compile_like(model, new_model)
     if released:
         _mark_consumed(model)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-import des.compiler.keys as keys
+from des.compiler.keys import StateKeys, keep_state_keys
 from des.graph.ir import Graph, replay
 from des_ops.fused import fuse_nodes
 
@@ -30,7 +30,7 @@ def fuse_model(model: tf.keras.Model, join_linear: bool = False) -> tuple[tf.ker
     Returns (the new model, one report line per fused table); the model itself if nothing fuses.
     Its tables' inputs must be the model's inputs."""
     graph = Graph(model)
-    keys = keys.StateKeys.of_model(model)            # per table, before the rows move
+    keys = StateKeys.of_model(model)            # per table, before the rows move
     nodes = [n for n in graph.nodes if n.kind == "table" and
              all(graph.input_name(t) is not None for t in n.tensor_operands())]
     fused, lines = fuse_nodes(graph, nodes, "model", join_linear)
@@ -48,7 +48,7 @@ def fuse_model(model: tf.keras.Model, join_linear: bool = False) -> tuple[tf.ker
                 given.update(read_block(graph, [members[k].output for k in ks], block))
     cls = type(model) if type(model).__name__ not in ("Functional", "Sequential") else tf.keras.Model
     new = replay(graph, {m.index for _, members in fused for m in members}, given, cls=cls, suffix="fused")
-    keys.keep_state_keys(new, keys)
+    keep_state_keys(new, keys)
     return new, lines
 
 

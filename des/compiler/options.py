@@ -51,7 +51,7 @@ class Options:
     ``scope``: prefix of the collective's name (des.transform sets it per tower).
     """
     plan: Any = "balanced"
-    tail: str = "replicated"
+    tail: str = "auto"
     first_dense: str = "auto"
     tables: str = "per-field"
     micro_batches: int = 1

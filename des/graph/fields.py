@@ -15,7 +15,7 @@ A **layout** says how field vectors (and other tensors) are arranged in a tensor
 
     >>> import models
     >>> from des.data import FeatureSpec, Field
-    >>> from des.ir import Graph
+    >>> from des.graph.ir import Graph
     >>> graph = Graph(models.deepfm(FeatureSpec(tuple(Field(f"C{i}", dim=4) for i in range(1, 6)))))
     >>> t = next(n.output for n in graph.nodes if n.kind == "stack")     # the FM's [B, F, K] input
     >>> fa = FieldAnalysis(graph)

@@ -9,7 +9,7 @@ moves fewer bytes per step wins. The choice is per model: every process computes
 same batch, so all choose alike without a collective.
 
     >>> import models
-    >>> from des.verify import random_batches, small_spec
+    >>> from des.jobs.verify import random_batches, small_spec
     >>> spec = small_spec(n_fields=3, dim=4)                  # 10, 20 and 30 distinct ids
     >>> first_batch, _ = random_batches(spec, steps=1, batch=64)[0]
     >>> choice = choose(models.deepfm(spec, hidden=(8,)), first_batch, world_size=4)

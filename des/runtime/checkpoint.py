@@ -4,7 +4,7 @@ them, so single, DES on N and PS on N can all restore them on any M.
     >>> import tempfile, models, tensorflow as tf
     >>> from des_ops.comm import default_communicator
     >>> from models.optim import make_optimizer
-    >>> from des.verify import random_batches, small_spec
+    >>> from des.jobs.verify import random_batches, small_spec
     >>> spec = small_spec(n_fields=2, dim=4)
     >>> model, optimizer = models.deepfm(spec, hidden=(8,)), make_optimizer("adam")
     >>> model.compile(optimizer, "binary_crossentropy")

@@ -5,8 +5,8 @@
 or in Python, here from a checkpoint written in place of a des.jobs.train run:
 
     >>> import json, tempfile, models, numpy as np, tensorflow as tf
-    >>> from des import checkpoint
-    >>> from des.verify import random_batches, small_spec
+    >>> from des.runtime import checkpoint
+    >>> from des.jobs.verify import random_batches, small_spec
     >>> from models.optim import make_optimizer
     >>> spec = small_spec(n_fields=2, dim=4)
     >>> model = models.deepfm(spec, hidden=(8,)); model.compile(make_optimizer("sgd"), "binary_crossentropy")

@@ -12,7 +12,7 @@ job (des_ops.comm: after ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``, 60 s by defaul
 the missing ranks. Nothing is ever written from one process's share alone.
 
     >>> import des, models, tempfile, numpy as np, tensorflow as tf
-    >>> from des.verify import random_batches, small_spec
+    >>> from des.jobs.verify import random_batches, small_spec
     >>> spec = small_spec(n_fields=2, dim=4)
     >>> model, _ = des.transform(models.deepfm(spec, hidden=(8,)))
     >>> model.compile(models.make_optimizer("adam", 0.01), "binary_crossentropy")

@@ -3,7 +3,7 @@ bounded cache with bounded staleness on every worker (protocol: des.baselines.ca
 
     >>> import models
     >>> from models.optim import make_optimizer
-    >>> from des.verify import random_batches, small_spec
+    >>> from des.jobs.verify import random_batches, small_spec
     >>> spec = small_spec(n_fields=3, dim=4)
     >>> x, y = random_batches(spec, steps=1, batch=64)[0]
     >>> my_slice = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)   # this process's rows

@@ -107,7 +107,7 @@ class KeyExchange:
 
         In a simulated world of 2, each process sends one row to process 0 and two to process 1:
 
-            >>> from des.verify import run_sharded_world
+            >>> from des.jobs.verify import run_sharded_world
             >>> def work(exchange):
             ...     values, splits = tf.fill([3, 1], float(exchange.rank)), tf.constant([1, 2])
             ...     rows, per_source = exchange.alltoall(values, splits, "rows", grad_kind="grads")
