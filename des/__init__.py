@@ -10,6 +10,7 @@
       fm_interaction       at 'fm': 2 field vectors, partial width 5
       embed_concat_dense   at 'dnn_0': 2 field vectors, partial width 8
       one fused allreduce of 14 floats per sample = 56 bytes/sample; at B=4096: 229,376 bytes handed over, 0 sent per process (ring)
+      tail chosen by the cost model (tail='auto'): replicated: one process, nothing to share
     tables:
       emb4_user (FieldEmbedding, width 4, field 'user'): substituted in fm_interaction at 'fm', embed_concat_dense at 'dnn_0'
       emb4_item (FieldEmbedding, width 4, field 'item'): substituted in fm_interaction at 'fm', embed_concat_dense at 'dnn_0'
