@@ -26,6 +26,10 @@ import os as _os
 
 _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from des import quiet as _quiet  # noqa: E402 - before anything loads TensorFlow
+
+_quiet.install()
+
 __version__ = "0.1.0"
 
 
@@ -57,7 +61,7 @@ def __getattr__(name):
         from des.compiler.options import Options
         return Options
     if name == "AutoTail":
-        from des.compiler.cost import AutoTail
+        from des.compiler.options import AutoTail
         return AutoTail
     if name == "TransformError":
         from des.compiler import TransformError

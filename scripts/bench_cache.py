@@ -23,7 +23,9 @@ sys.path.insert(0, ROOT)
 from des.jobs.compare import Cell, _fmt, command_line, ensure_data, run, train_config  # noqa: E402
 
 
-def main(argv=None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line's options, with what des.jobs.compare.train_config also reads: the held-out
+    lines, one epoch of steps unless --steps, no data format or eval data (a generated preset)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="criteo-like", choices=["criteo-like", "tiny", "wide"])
     ap.add_argument("--model", default="deepfm")
@@ -52,7 +54,12 @@ def main(argv=None) -> int:
         a.steps = max(1, (a.rows - a.holdout) // a.batch)
     a.format = a.eval_data = None            # des.jobs.compare.train_config's options: a generated preset
     a.cache_size = "10%"                     # unused by the DES and PS runs; each cache run sets its own
-    out = os.path.join(a.out, a.preset)
+    return a
+
+
+def plan(a: argparse.Namespace, out: str) -> tuple[list[str], list[tuple[str, str, str, str]]]:
+    """(the cache sizes, every run): a run is (label in the table, des.jobs.compare cell, cache
+    size, folder of its summaries); DES, the PS, then the cache runs of the --grid."""
     stale = [s for s in a.staleness.split(",") if s]
     sizes = [s for s in a.sizes.split(",") if s]
     if a.grid == "full":
@@ -61,31 +68,24 @@ def main(argv=None) -> int:
         pivot = stale[-2] if len(stale) > 1 else stale[0]
         grid = [(s, sizes[0] if len(sizes) == 1 else sizes[1]) for s in stale]
         grid += [(pivot, z) for z in sizes if (pivot, z) not in grid]
-    # every run: (label in the table, des.jobs.compare cell, cache size, folder of its summaries)
     runs = [("des", "des", a.cache_size, out), ("ps", "ps", a.cache_size, out)] + [
         (f"cache s={s} size={z}", f"cache s={s}", z, os.path.join(out, z.replace("%", "pct"))) for s, z in grid]
-    if a.dry_run:
-        for _, key, size, _ in runs:
-            a.cache_size = size
-            print(key, " ".join(train_config(Cell.parse(key), a.model, "<data>", a, "<summary>").to_argv()))
-        return 0
-    os.makedirs(out, exist_ok=True)
-    data = ensure_data(a.preset, a.rows, a.seed, os.path.join(a.out, "data"))
+    return sizes, runs
 
-    def once(key: str, folder: str) -> dict:
-        """A run, or its summaries from an earlier invocation (same --out) if they are all there."""
-        os.makedirs(folder, exist_ok=True)
-        base = os.path.join(folder, f"{a.model}-{key.replace(' ', '-').replace('=', '')}.json")
-        paths = [f"{base}.rank{r}" for r in range(a.np)]
-        if all(os.path.exists(p) for p in paths):
-            ranks = [json.load(open(p)) for p in paths]
-            return dict(ranks[0], peak_rss_mib=max(r["peak_rss_mib"] for r in ranks))
-        return run(key, a.model, data, a, folder)
 
-    results = {}
-    for label, key, size, folder in runs:
-        a.cache_size = size
-        results[label] = once(key, folder)
+def once(a: argparse.Namespace, key: str, data: str, folder: str) -> dict:
+    """A run, or its summaries from an earlier invocation (same --out) if they are all there."""
+    os.makedirs(folder, exist_ok=True)
+    base = os.path.join(folder, f"{a.model}-{key.replace(' ', '-').replace('=', '')}.json")
+    paths = [f"{base}.rank{r}" for r in range(a.np)]
+    if all(os.path.exists(p) for p in paths):
+        ranks = [json.load(open(p)) for p in paths]
+        return dict(ranks[0], peak_rss_mib=max(r["peak_rss_mib"] for r in ranks))
+    return run(key, a.model, data, a, folder)
+
+
+def write_tables(a: argparse.Namespace, results: dict[str, dict], out: str) -> None:
+    """Prints the grid's table and writes it to cache_grid.md, the runs' numbers to cache_grid.json."""
     ps_sent = results["ps"]["sent_bytes_per_step"]
     head = ["run", "AUC", "log loss", "bytes/step/proc", "vs PS", "rows moved/remote lookup (HET)",
             "hit rate after fill", "samples/s"]
@@ -109,6 +109,10 @@ def main(argv=None) -> int:
                                               "rows_fetched_per_step", "rows_pushed_per_step",
                                               "remote_lookups_per_step", "bytes_exact_steps")}
                    for k, v in results.items()}, fh, indent=1)
+
+
+def plot(a: argparse.Namespace, results: dict[str, dict], sizes: list[str], out: str) -> None:
+    """auc_vs_bytes.png: held-out AUC against bytes per step, a line per cache size, DES and the PS marked."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -128,6 +132,25 @@ def main(argv=None) -> int:
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "auc_vs_bytes.png"), dpi=110)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    out = os.path.join(a.out, a.preset)
+    sizes, runs = plan(a, out)
+    if a.dry_run:
+        for _, key, size, _ in runs:
+            a.cache_size = size
+            print(key, " ".join(train_config(Cell.parse(key), a.model, "<data>", a, "<summary>").to_argv()))
+        return 0
+    os.makedirs(out, exist_ok=True)
+    data = ensure_data(a.preset, a.rows, a.seed, os.path.join(a.out, "data"))
+    results = {}
+    for label, key, size, folder in runs:
+        a.cache_size = size
+        results[label] = once(a, key, data, folder)
+    write_tables(a, results, out)
+    plot(a, results, sizes, out)
     return 0
 
 

@@ -42,7 +42,9 @@ def runs(kind: str, k: int, a, data, run_args, launcher, repeats: int) -> list[d
                         tag=f"-{kind}-k{k}-r{r}") for r in range(repeats)]
 
 
-def main(argv=None) -> int:
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[int], int]:
+    """(the options, the Ks in order, the K that calibrates the partials' forward); a usage error
+    without a K > 1 to calibrate at."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="wdl")
     ap.add_argument("--preset", default="wide")
@@ -62,7 +64,11 @@ def main(argv=None) -> int:
     at = a.calibrate_at or min((k for k in ks if k > 1), default=None)
     if at not in ks or at < 2:
         ap.error("--ks needs a K > 1 to calibrate the partials' forward at (--calibrate-at)")
-    os.makedirs(a.out, exist_ok=True)
+    return a, ks, at
+
+
+def prepare(a: argparse.Namespace) -> tuple[str, argparse.Namespace]:
+    """(the data every run reads, columnar with --columnar; des.jobs.compare.run's options)."""
     data = compare.ensure_data(a.preset, a.rows, 0, os.path.join(ROOT, "reports", "compare", "data"))
     run_args = argparse.Namespace(batch=a.batch, steps=a.steps, holdout=1000, dim=8, hidden="128,64",
                                   optimizer="adam", lr=0.002, shuffle_buffer=5000, cache_size="10%", np=a.np,
@@ -71,6 +77,14 @@ def main(argv=None) -> int:
         meta = json.load(open(data + ".meta.json"))
         data, _ = compare.ensure_columnar([data], meta["format"], None, meta)
         run_args.format = "columnar"
+    return data, run_args
+
+
+def measure(a: argparse.Namespace, ks: list[int], data: str, run_args: argparse.Namespace
+            ) -> tuple[dict, dict, dict, dict, dict, timemodel.Network]:
+    """(computation, measured step, partials' bytes per step, CPU s per host step: each {K: value};
+    the calibration; its network): the computation across unshaped hosts, then the calibration
+    and the real runs on the netbed at --rate."""
     compute, measured, payload, cpu = {}, {}, {}, {}
     with Netbed(a.np, rate=None, cpus=a.cpus) as bed:
         for k in ks:
@@ -85,6 +99,13 @@ def main(argv=None) -> int:
             measured[k] = float(np.median([step_seconds(s, a.batch) for s in done]))
             payload[k] = done[0]["bytes_per_step_measured"]
             cpu[k] = float(np.median([s.get("cpu_seconds_per_host_step", float("nan")) for s in done]))
+    return compute, measured, payload, cpu, cal, net
+
+
+def predict(a: argparse.Namespace, ks: list[int], at: int, compute: dict, measured: dict, payload: dict,
+            cpu: dict, net: timemodel.Network) -> tuple[list[dict], float]:
+    """(a row per K: measured against predicted and the bound max(computation, communication);
+    the partials' forward, calibrated at K = ``at``)."""
     comm = {k: timemodel.step_time(compute[k], timemodel.des_traffic(payload[k], k), a.np, net) for k in ks}
     comm = {k: t["fixed"] + t["bandwidth"] for k, t in comm.items()}
     sliced = timemodel.calibrate_sliced(measured[at], compute[at], comm[at], at)
@@ -97,6 +118,12 @@ def main(argv=None) -> int:
                          compute=compute[k], communication=comm[k], sliced_compute=sliced, bound=bound,
                          over_bound=measured[k] / bound, payload=payload[k], cpu_per_step=cpu[k],
                          calibrates=k == at))
+    return rows, sliced
+
+
+def write_report(a: argparse.Namespace, argv: list[str] | None, rows: list[dict], cal: dict,
+                 net: timemodel.Network, sliced: float, at: int) -> None:
+    """Writes microbatch.json and microbatch.md (printed too)."""
     with open(os.path.join(a.out, "microbatch.json"), "w") as fh:
         json.dump(dict(rows=rows, calibration=cal, args=vars(a)), fh, indent=1)
     cmd = " ".join(["scripts/bench_microbatch.py", *(argv if argv is not None else sys.argv[1:])])
@@ -121,6 +148,10 @@ def main(argv=None) -> int:
     with open(os.path.join(a.out, "microbatch.md"), "w") as fh:
         fh.write("\n".join(md) + "\n\n![step time against K](step_vs_k.png)\n")
     print("\n".join(md), flush=True)
+
+
+def plot(a: argparse.Namespace, ks: list[int], measured: dict, rows: list[dict]) -> None:
+    """step_vs_k.png: measured and predicted step against K, with the target's bound."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -135,6 +166,16 @@ def main(argv=None) -> int:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(a.out, "step_vs_k.png"), dpi=110)
+
+
+def main(argv=None) -> int:
+    a, ks, at = parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    data, run_args = prepare(a)
+    compute, measured, payload, cpu, cal, net = measure(a, ks, data, run_args)
+    rows, sliced = predict(a, ks, at, compute, measured, payload, cpu, net)
+    write_report(a, argv, rows, cal, net, sliced, at)
+    plot(a, ks, measured, rows)
     return 0
 
 

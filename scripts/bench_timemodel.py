@@ -156,7 +156,9 @@ def median_or_none(values: list) -> float | None:
     return None if not values or None in values else float(np.median(values))
 
 
-def main(argv=None) -> int:
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """(the options, the modes to run in the order des, ps); a usage error without a mode or with
+    --repeats below 1."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="deepfm")
     ap.add_argument("--preset", default="criteo-like")
@@ -196,7 +198,12 @@ def main(argv=None) -> int:
     modes = [m for m in ("des", "ps") if m in a.modes.split(",")]
     if not modes or a.repeats < 1:
         ap.error("--modes takes des and/or ps, --repeats at least 1")
-    os.makedirs(a.out, exist_ok=True)
+    return a, modes
+
+
+def prepare(a: argparse.Namespace) -> tuple[str, argparse.Namespace]:
+    """(the data every run reads, columnar with --columnar; des.jobs.compare.run's options, ``np``
+    set per N)."""
     data = compare.ensure_data(a.preset, a.rows, 0, os.path.join(a.out, "data"))
     run_args = argparse.Namespace(batch=a.batch, steps=a.steps, holdout=1000, dim=8, hidden="128,64",
                                   optimizer="adam", lr=0.002, shuffle_buffer=5000, cache_size="10%", np=0,
@@ -206,6 +213,74 @@ def main(argv=None) -> int:
         meta = metadata(data)
         data, _ = compare.ensure_columnar([data], meta["format"], None, meta)
         run_args.format = "columnar"
+    return data, run_args
+
+
+def netbed_runs(a: argparse.Namespace, mode: str, n: int, rate: str, data: str, run_args: argparse.Namespace,
+                bed: Netbed | _Saved) -> list[dict]:
+    """The --repeats runs of ``mode`` on the netbed at ``rate`` (with --reuse-netbed: a previous
+    run's, from --out)."""
+    runs = []
+    for k in range(a.repeats):
+        tag = f"-n{n}-{rate}{repeat_tag(k, a.repeats)}"
+        runs.append(compare.load(os.path.join(a.out, f"{a.model}-{mode}{tag}.json"), n)
+                    if a.reuse_netbed else
+                    compare.run(mode, a.model, data, run_args, a.out, launcher=bed.mpirun(n), tag=tag))
+    return runs
+
+
+def networks(cal: dict, rate: str) -> tuple[timemodel.Network, timemodel.Network, float]:
+    """(the first model's network, the model's, the allreduce's time over its wire time at
+    ``rate``) from the netbed's calibration ``cal``."""
+    # the first model: no-op computation, every collective at the allreduce's bandwidth;
+    # the model now: computation kept in step (--comm sync), all-to-alls at their own bandwidth
+    old = timemodel.Network(cal["effective_bandwidth_Bps_1MiB"], cycle=cal["cycle"],
+                            call=max(0.0, cal["per_call_in_a_phase"]))
+    net = timemodel.Network(old.bandwidth, cycle=old.cycle, call=old.call,
+                            alltoall_bandwidth=cal.get("effective_alltoall_Bps_1MiB"))
+    bound = timemodel.parse_rate(rate) / net.bandwidth      # the allreduce's time / its wire time
+    return old, net, bound
+
+
+def model_row(a: argparse.Namespace, mode: str, n: int, rate: str, runs: list[dict], timed: dict, cal: dict,
+              nets: tuple[timemodel.Network, timemodel.Network, float], budget: float | None) -> dict:
+    """A row of the table: ``mode``'s measured step at N = ``n`` and ``rate`` (``runs``) against the
+    model's prediction from the computation (``timed``: {(mode, kind): (seconds, CPU)}), the runs'
+    bytes and the netbed's calibration ``cal`` (``nets``: its networks), with the plain sum and the
+    first model beside it."""
+    compute = {key: seconds for key, (seconds, _) in timed.items()}
+    old, net, bound = nets
+    s = runs[0]                  # the bytes: the same in every run (the ids are)
+    load = traffic(mode, s)
+    first = timemodel.step_time(compute[mode, "noop"], load, n, old)
+    # DES: its computation kept in step + its one collective; the PS: its computation
+    # with every meeting (real runs on unshaped links, or --comm meet), so no fixed cost on
+    # top, + its bytes
+    kind, model_net = (("sync", net) if mode == "des" else
+                       (a.ps_computation, dataclasses.replace(net, cycle=0.0, call=0.0)))
+    cores = None if a.cpus is not None else a.cores     # a budget each: the plain sum
+    pred = timemodel.step_time(compute[mode, kind], load, n, model_net, cores=cores)
+    summed = timemodel.step_time(compute[mode, kind], load, n, model_net)
+    measured_runs = [step_seconds(r, a.batch) for r in runs]
+    measured = float(np.median(measured_runs))
+    cpu = median_or_none([r.get("cpu_seconds_per_host_step") for r in runs])
+    return dict(n=n, rate=rate, mode=mode, measured=measured, measured_runs=measured_runs,
+                error=pred["total"] / measured - 1, predicted=pred["total"], computation=kind,
+                compute=pred["compute"], own_compute=pred["own_compute"], fixed=pred["fixed"],
+                bandwidth_term=pred["bandwidth"], cores=cores, cpus_per_host=a.cpus,
+                effective_bandwidth=net.bandwidth, alltoall_bandwidth=net.alltoall_bandwidth,
+                allreduce_over_wire_bound=bound, cycle=net.cycle, call=net.call,
+                sum_predicted=summed["total"], sum_error=summed["total"] / measured - 1,
+                noop_predicted=first["total"], noop_error=first["total"] / measured - 1,
+                noop_compute=compute[mode, "noop"], calibration=cal, overlap=0.0,
+                traffic=load, network=dataclasses.asdict(model_net),
+                wire_bytes_per_host_step=s.get("wire_bytes_per_host_step"),
+                cpu_per_step=cpu, compute_cpu_per_step=timed[mode, kind][1], budget=budget)
+
+
+def measure(a: argparse.Namespace, modes: list[str], data: str, run_args: argparse.Namespace) -> list[dict]:
+    """A row per (N, rate, mode): for each N the computation runs, then for each rate the netbed up
+    (or a previous run's calibration with --reuse-netbed), its calibration and the measured runs."""
     rows = []
     saved = {}
     if a.reuse_netbed:
@@ -216,54 +291,21 @@ def main(argv=None) -> int:
         timed = {(m, kind): computation(m, kind, n, a, data, run_args)
                  for m, kinds in (("des", ("noop", "sync")), ("ps", ("noop", a.ps_computation)))
                  if m in modes for kind in kinds}
-        compute = {key: seconds for key, (seconds, _) in timed.items()}
         budget = parse_cpus(a.cpus, n)
         for rate in a.rates.split(","):
             bed = (_Saved(saved[n, rate]) if a.reuse_netbed else
                    Netbed(n, rate=rate, cpus=a.cpus, cpu_period_us=a.cpu_period_us))
             with bed:
                 cal = bed.calibration if a.reuse_netbed else calibrate(bed, n)
-                # the first model: no-op computation, every collective at the allreduce's bandwidth;
-                # the model now: computation kept in step (--comm sync), all-to-alls at their own bandwidth
-                old = timemodel.Network(cal["effective_bandwidth_Bps_1MiB"], cycle=cal["cycle"],
-                                        call=max(0.0, cal["per_call_in_a_phase"]))
-                net = timemodel.Network(old.bandwidth, cycle=old.cycle, call=old.call,
-                                        alltoall_bandwidth=cal.get("effective_alltoall_Bps_1MiB"))
-                bound = timemodel.parse_rate(rate) / net.bandwidth      # the allreduce's time / its wire time
+                nets = networks(cal, rate)
                 for mode in modes:
-                    runs = []
-                    for k in range(a.repeats):
-                        tag = f"-n{n}-{rate}{repeat_tag(k, a.repeats)}"
-                        runs.append(compare.load(os.path.join(a.out, f"{a.model}-{mode}{tag}.json"), n)
-                                    if a.reuse_netbed else
-                                    compare.run(mode, a.model, data, run_args, a.out, launcher=bed.mpirun(n), tag=tag))
-                    s = runs[0]                  # the bytes: the same in every run (the ids are)
-                    load = traffic(mode, s)
-                    first = timemodel.step_time(compute[mode, "noop"], load, n, old)
-                    # DES: its computation kept in step + its one collective; the PS: its computation
-                    # with every meeting (real runs on unshaped links, or --comm meet), so no fixed cost on
-                    # top, + its bytes
-                    kind, model_net = (("sync", net) if mode == "des" else
-                                       (a.ps_computation, dataclasses.replace(net, cycle=0.0, call=0.0)))
-                    cores = None if a.cpus is not None else a.cores     # a budget each: the plain sum
-                    pred = timemodel.step_time(compute[mode, kind], load, n, model_net, cores=cores)
-                    summed = timemodel.step_time(compute[mode, kind], load, n, model_net)
-                    measured_runs = [step_seconds(r, a.batch) for r in runs]
-                    measured = float(np.median(measured_runs))
-                    cpu = median_or_none([r.get("cpu_seconds_per_host_step") for r in runs])
-                    rows.append(dict(n=n, rate=rate, mode=mode, measured=measured, measured_runs=measured_runs,
-                                     error=pred["total"] / measured - 1, predicted=pred["total"], computation=kind,
-                                     compute=pred["compute"], own_compute=pred["own_compute"], fixed=pred["fixed"],
-                                     bandwidth_term=pred["bandwidth"], cores=cores, cpus_per_host=a.cpus,
-                                     effective_bandwidth=net.bandwidth, alltoall_bandwidth=net.alltoall_bandwidth,
-                                     allreduce_over_wire_bound=bound, cycle=net.cycle, call=net.call,
-                                     sum_predicted=summed["total"], sum_error=summed["total"] / measured - 1,
-                                     noop_predicted=first["total"], noop_error=first["total"] / measured - 1,
-                                     noop_compute=compute[mode, "noop"], calibration=cal, overlap=0.0,
-                                     traffic=load, network=dataclasses.asdict(model_net),
-                                     wire_bytes_per_host_step=s.get("wire_bytes_per_host_step"),
-                                     cpu_per_step=cpu, compute_cpu_per_step=timed[mode, kind][1], budget=budget))
-    apply_overlap(rows, a.ps_overlap)
+                    runs = netbed_runs(a, mode, n, rate, data, run_args, bed)
+                    rows.append(model_row(a, mode, n, rate, runs, timed, cal, nets, budget))
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    """A line per row: measured, predicted and its terms, the plain sum and the no-op model."""
     for r in rows:
         print(f"[timemodel] N={r['n']} {r['rate']:>8} {r['mode']:<3}: measured {r['measured'] * 1e3:7.1f} ms, predicted "
               f"{r['predicted'] * 1e3:7.1f} ms ({r['error']:+.1%}) = max(compute ({r['computation']}) "
@@ -271,6 +313,10 @@ def main(argv=None) -> int:
               f"{r['fixed'] * 1e3:.1f} + bytes {r['bandwidth_term'] * 1e3:.1f}){' [calibrates the overlap]' if r.get('calibrates') else ''}; "
               f"the sum {r['sum_predicted'] * 1e3:.1f} ({r['sum_error']:+.1%}); the no-op model "
               f"{r['noop_predicted'] * 1e3:.1f} ({r['noop_error']:+.1%})", flush=True)
+
+
+def write_report(a: argparse.Namespace, rows: list[dict]) -> None:
+    """Writes timemodel.json and timemodel.md (printed too)."""
     with open(os.path.join(a.out, "timemodel.json"), "w") as fh:
         json.dump(rows, fh, indent=1)
     head = ("| N | rate | mode | measured ms | predicted ms | error | computation | its ms | with a core each | "
@@ -296,6 +342,10 @@ def main(argv=None) -> int:
     with open(os.path.join(a.out, "timemodel.md"), "w") as fh:
         fh.write("\n".join(md) + "\n")
     print("\n".join(md))
+
+
+def plot(a: argparse.Namespace, rows: list[dict]) -> None:
+    """predicted_vs_measured.png: a point per row, the ±20 % band and the point that calibrates the overlap."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -317,6 +367,17 @@ def main(argv=None) -> int:
     ax.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(a.out, "predicted_vs_measured.png"), dpi=110)
+
+
+def main(argv=None) -> int:
+    a, modes = parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    data, run_args = prepare(a)
+    rows = measure(a, modes, data, run_args)
+    apply_overlap(rows, a.ps_overlap)
+    print_rows(rows)
+    write_report(a, rows)
+    plot(a, rows)
     return 0
 
 

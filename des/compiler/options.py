@@ -19,7 +19,23 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from des.compiler.cost import AutoTail
+
+@dataclasses.dataclass(frozen=True)
+class AutoTail:
+    """How ``des.transform(model, tail="auto")`` (or ``tail=AutoTail(...)``) weighs the
+    data-parallel tail (des_ops.tail) against the replicated one; ``choose_tail`` decides.
+
+    ``batch_size``: the global batch the model will train on. ``flops``: float32 operations per
+    second one process spends on the tail's matrix products (5e10: the 400,400,400 tail on this
+    project's machine, one thread; reports/tail.md). ``bandwidth``: effective bytes/s per process
+    and direction (1.25e9: 10 Gbit/s). ``per_collective``: the seconds an extra collective costs a
+    step beyond its bytes (3 ms: the 128,64 tail at N=4 on one machine, reports/tail.md).
+    """
+    batch_size: int = 4096
+    flops: float = 5e10
+    bandwidth: float = 1.25e9
+    per_collective: float = 3e-3
+
 
 TAILS = ("auto", "replicated", "data_parallel")
 FIRST_DENSE = ("auto", "partials", "rows")

@@ -23,13 +23,14 @@ dropped and counted in ``skip_report``.
 from __future__ import annotations
 
 import gzip
-from typing import Sequence
+from typing import Callable, Sequence
 
 import tensorflow as tf
 
 from des.data.errors import DataError, SkipReport
 from des.data.files import check_paths
 from des.data.formats import FORMATS
+from des.data.text import TextParser
 from models.spec import FeatureSpec
 
 PARSE_CHUNK = 2048  # lines validated and parsed per vectorised call in skip mode
@@ -49,6 +50,21 @@ def make_dataset(paths: Sequence[str] | str, fmt: str, spec: FeatureSpec, batch_
     inputs: the inputs the caller reads (None: all); every line is still checked in full, the
     others are PAD_ID (numeric: 0) - a DES process hashes only its own fields' values.
     """
+    parser = _text_parser(fmt, spec, inputs)
+    files = check_paths(paths, parser.header)
+    report = skip_report if skip_report is not None else SkipReport()
+    ds = order(_numbered_lines(files, has_header=parser.header is not None),
+               batch_size=PARSE_CHUNK if skip_bad_lines else batch_size,
+               drop_remainder=drop_remainder and not skip_bad_lines, skip_lines=skip_lines,
+               take_lines=take_lines, epochs=epochs, shuffle_buffer=shuffle_buffer, seed=seed)
+    parse = _line_parser(parser, label_conventions(files, parser), skip_bad_lines, report)
+    return _parsed_batches(ds, parse, batch_size, skip_bad_lines=skip_bad_lines, shard=shard,
+                           drop_remainder=drop_remainder)
+
+
+def _text_parser(fmt: str, spec: FeatureSpec, inputs: Sequence[str] | None) -> TextParser:
+    """The parser of format ``fmt`` for ``spec``, reading only ``inputs`` (None: all); a
+    ValueError for an unknown format or an input the spec does not have."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose from {sorted(FORMATS)}")
     parser = FORMATS[fmt](spec)
@@ -57,10 +73,12 @@ def make_dataset(paths: Sequence[str] | str, fmt: str, spec: FeatureSpec, batch_
         if unknown:
             raise ValueError(f"inputs {unknown} are not in the spec")
         parser.wanted = frozenset(inputs)
-    files = check_paths(paths, parser.header)
-    report = skip_report if skip_report is not None else SkipReport()
-    has_header = parser.header is not None
+    return parser
 
+
+def _numbered_lines(files: list[str], has_header: bool) -> tf.data.Dataset:
+    """Every file's lines, file after file, in chunks of LINE_CHUNK: (path, line number, line)
+    vectors, a header line dropped."""
     # plain TensorFlow (no Python control flow on tensors): traced without autograph, whose
     # conversion of the parsers took ~0.9 s of each run's start
     @_plain
@@ -79,13 +97,13 @@ def make_dataset(paths: Sequence[str] | str, fmt: str, spec: FeatureSpec, batch_
             return chunk
         return tf.data.TextLineDataset(path, compression_type=comp).batch(LINE_CHUNK).enumerate().map(tag)
 
-    ds = order(tf.data.Dataset.from_tensor_slices(files).flat_map(lines_of),
-               batch_size=PARSE_CHUNK if skip_bad_lines else batch_size,
-               drop_remainder=drop_remainder and not skip_bad_lines, skip_lines=skip_lines,
-               take_lines=take_lines, epochs=epochs, shuffle_buffer=shuffle_buffer, seed=seed)
+    return tf.data.Dataset.from_tensor_slices(files).flat_map(lines_of)
 
-    conventions = label_conventions(files, parser)
 
+def _bad_line_handler(parser: TextParser, conventions: dict[str, tuple[str, int, str]], skip_bad_lines: bool,
+                      report: SkipReport) -> Callable:
+    """``on_bad(path, lineno, line, bad)``: an op that words the problem of every bad line of a
+    chunk and raises a DataError for the first, or with ``skip_bad_lines`` adds them to ``report``."""
     def on_bad(path, lineno, line, bad):
         def record(p, n, text, b):
             for pi, ni, ti, bi in zip(p.numpy(), n.numpy(), text.numpy(), b.numpy()):
@@ -100,6 +118,15 @@ def make_dataset(paths: Sequence[str] | str, fmt: str, spec: FeatureSpec, batch_
         return tf.cond(tf.reduce_any(bad),
                        lambda: tf.py_function(record, [path, lineno, line, bad], tf.int32),
                        lambda: tf.constant(0))
+    return on_bad
+
+
+def _line_parser(parser: TextParser, conventions: dict[str, tuple[str, int, str]], skip_bad_lines: bool,
+                 report: SkipReport) -> Callable:
+    """``parse(path, lineno, line) -> (feats, label, bad)`` of a chunk of lines: CRLF endings
+    stripped, a label of the other convention than its file's (``conventions``) marked bad, and
+    the bad lines reported (``_bad_line_handler``) before the label is used."""
+    on_bad = _bad_line_handler(parser, conventions, skip_bad_lines, report)
 
     @tf.autograph.experimental.do_not_convert
     def parse(path, lineno, line):
@@ -116,7 +143,15 @@ def make_dataset(paths: Sequence[str] | str, fmt: str, spec: FeatureSpec, batch_
         with tf.control_dependencies([on_bad(path, lineno, line, bad)]):
             label = tf.identity(label)
         return feats, label, bad
+    return parse
 
+
+def _parsed_batches(ds: tf.data.Dataset, parse: Callable, batch_size: int, *, skip_bad_lines: bool, shard,
+                    drop_remainder: bool) -> tf.data.Dataset:
+    """The ordered chunks of lines ``ds`` parsed into batches of ``batch_size``: with
+    ``skip_bad_lines`` parsed in chunks, the bad lines dropped and the rest rebatched; under a
+    contiguous ``shard`` each process parses only its own slice of the lines; any other shard
+    takes its samples from the parsed global batch."""
     if skip_bad_lines:
         ds = ds.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         ds = ds.map(_drop_bad).rebatch(batch_size, drop_remainder=drop_remainder)

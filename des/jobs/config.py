@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from des.cluster.timemodel import parse_rate
+from des.compiler.options import AutoTail, Options
 
 OPTIMIZERS = ["sgd", "adagrad", "adam", "ftrl"]
 MODEL_NAMES = ["lr", "fm", "dnn", "wdl", "deepfm"]
@@ -90,8 +91,8 @@ class RunConfig:
     skip_bad_lines: bool = False
     plan: str = "balanced"
     tables: Optional[str] = None
-    tail: str = "replicated"
-    first_dense: str = "auto"
+    tail: str = Options.tail
+    first_dense: str = Options.first_dense
     micro_batches: int = 1
     wire_dtype: str = "float32"
     replica_check: int = 100
@@ -117,6 +118,14 @@ class RunConfig:
         if self.tables == "joined":
             return True
         return self.tables is None and self.linear_optimizer is None and self.mode != "cache"
+
+    def options(self, plan=None) -> Options:
+        """The des.Options this run's DES mode transforms with (``plan``: a restored FieldPlan):
+        des.train and the library share one record of the choices, and its defaults."""
+        tables = self.tables or ("joined" if self.join_linear else "fused")
+        return Options(plan=plan or self.plan, tail=self.tail, first_dense=self.first_dense, tables=tables,
+                       micro_batches=self.micro_batches, wire_dtype=self.wire_dtype,
+                       costs=AutoTail(batch_size=self.batch, bandwidth=self.network.link_bytes_per_second))
 
     @property
     def sgd_everywhere(self) -> bool:
@@ -263,12 +272,12 @@ OPTIONS: list[Option] = [
             "a field's linear weight sits in its embedding's row, one lookup for both; or one table per "
             "field (per-field: single trains the model untouched; the cache's default with --allocate "
             "laia or --on-demand, which name each field's keys)"),
-    _o("--tail", default="replicated", choices=["replicated", "data_parallel", "auto"],
+    _o("--tail", default=Options.tail, choices=["replicated", "data_parallel", "auto"],
        help="des: every process runs the layers after the first one on the whole batch (replicated) "
             "or on its own rows of it (data_parallel: less computation per process, two all-gathers "
-            "and one gradient allreduce more; the same results); auto: the cost model picks one for "
-            "--batch and the report says why"),
-    _o("--first-dense", default="auto", choices=["partials", "rows", "auto"],
+            "and one gradient allreduce more; the same results); auto (the default, as des.Options): the "
+            "cost model picks one for --batch and --link and the report says why"),
+    _o("--first-dense", default=Options.first_dense, choices=["partials", "rows", "auto"],
        help="des with --tail data_parallel: the first Dense layer by partials (each process multiplies its "
             "fields' rows by its kernel rows; the [B, units] sums are reduce-scattered) or by rows (each process "
             "sends its fields' rows to the processes of their samples, which multiply them by the all-gathered "

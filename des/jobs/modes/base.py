@@ -88,7 +88,7 @@ class Mode:
     def _check_options_of_other_modes(self) -> None:
         """Refuse the options that belong to other modes (every mode's check calls this)."""
         a = self.config
-        if a.tail != "replicated" and self.name != "des":
+        if a.tail == "data_parallel" and self.name != "des":
             raise ModeError(f"--tail {a.tail} is an option of --mode des")
         if a.micro_batches != 1 and self.name != "des":
             raise ModeError("--micro-batches is an option of --mode des")

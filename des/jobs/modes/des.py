@@ -15,7 +15,7 @@ import tensorflow as tf
 import des
 from des.runtime import checkpoint
 from des.runtime.callbacks import BytesPerStep, ReplicaCheck
-from des.compiler.cost import AutoTail, unique_ids_per_slice
+from des.compiler.cost import unique_ids_per_slice
 from des.compiler.handle import distributed
 from des.jobs.modes.base import Mode
 from des_ops.comm import default_communicator
@@ -32,8 +32,7 @@ class DES(Mode):
     def prepare(self, model):
         a = self.config
         plan = (a.restore and checkpoint.load_plan(a.restore, self.world_size)) or a.plan
-        model, self.report = des.transform(model, des.Options(tables=(("joined" if a.join_linear else "fused") if a.tables != "per-field" else "per-field"), plan=plan, micro_batches=a.micro_batches, first_dense=a.first_dense, wire_dtype=a.wire_dtype, tail=a.tail, costs=AutoTail(batch_size=a.batch,
-                                                                       bandwidth=a.network.link_bytes_per_second)), comm=self.comm, spec=self.run.spec)
+        model, self.report = des.transform(model, a.options(plan), comm=self.comm, spec=self.run.spec)
         first = {k: v.numpy() for k, v in self.run.first_batch().items()}
         self.report.estimate_costs(a.batch, unique_ids_per_slice(first, self.run.spec, self.world_size))
         self.run.log(self.report)
