@@ -274,7 +274,7 @@ class FusedTable(FieldEmbedding):
         """Within it, the keys each slot of ``params`` holds are exported once per table (rows or
         optimizer slot) and kept up to date by ``load_member``, instead of once per member:
         restoring F members was F exports of the whole table. Nothing else may write the table
-        meanwhile (des.runtime.checkpoint.restore holds it around its loads)."""
+        meanwhile (des.checkpoint.restore holds it around its loads)."""
         self._held = {}
         try:
             yield self

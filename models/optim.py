@@ -39,7 +39,7 @@ class LinearAndRestOptimizer(tf.keras.optimizers.legacy.Optimizer):
         joined = [v.name for _, v in pairs if getattr(v, "des_joins_linear", False)]
         if joined:
             raise ValueError(f"{joined[0]} holds linear weights and embeddings in one row (joined tables): one "
-                             f"optimizer must train both; fuse with join_linear=False (des.jobs.train: --tables fused) "
+                             f"optimizer must train both; fuse with join_linear=False (des.train: --tables fused) "
                              f"to give the linear part its own")
         linear = [(g, v) for g, v in pairs if is_linear(v)]
         rest = [(g, v) for g, v in pairs if not is_linear(v)]

@@ -21,7 +21,7 @@ def run(n, mode, model, data, a, out, extra=(), launcher=None):
     args = [sys.executable, "-m", "des.train", "--mode", mode, "--model", model, "--data", data,
             "--batch", str(a.batch), "--steps", str(a.steps), "--holdout", "0", "--threads", "1",
             "--dim", str(a.dim), "--hidden", a.hidden, "--shuffle-buffer", "0", "--summary-json", out,
-            # the PS checks its bytes against the formula on 2 steps, not des.jobs.train's 20: the check hands each
+            # the PS checks its bytes against the formula on 2 steps, not des.train's 20: the check hands each
             # step's ids to Python, and in a run of a few steps it would be in every measured step
             "--check-bytes", "2", *extra]
     if launcher:
@@ -66,7 +66,7 @@ def synth_data(rows: int) -> str:
 
 
 def preset_data(preset: str, rows: int, runs: str) -> tuple[str, tuple, str]:
-    """(data, des.jobs.train's reader arguments, a folder for the runs' summaries) of a benchmark:
+    """(data, des.train's reader arguments, a folder for the runs' summaries) of a benchmark:
     criteo-like text in a new temporary folder, or the wide preset's columnar copy (written once
     under reports/compare/data; a text parser reading the global batch would decide DES's speed
     there), its summaries under reports/compare/``runs``."""

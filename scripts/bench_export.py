@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     got = list(served(**probe).values())[0].numpy()
     payload = held * (8 + 4 * a.dim)
     lines = [
-        "# des.runtime.export of a big TFRA table",
+        "# des.export of a big TFRA table",
         "",
         f"`{' '.join(['scripts/bench_export.py'] + (argv if argv is not None else sys.argv[1:]))}`, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores.",

@@ -36,8 +36,8 @@ def main() -> None:
     lines = [f"# What float16 partials cost in accuracy ({a.preset} preset, {a.rows} rows, N = {a.np})", "",
              f"`scripts/bench_fp16.py --models {a.models} --seeds {a.seeds} --np {a.np} --preset {a.preset} "
              f"--rows {a.rows} --batch {a.batch} --steps {a.steps} --dim {a.dim} --hidden {a.hidden}`, "
-             f"{time.strftime('%Y-%m-%d')}: `des.jobs.train --mode des` under mpirun on one machine, --threads 1, "
-             f"Adam (des.jobs.train's default), {a.steps} steps of {a.batch} rows; the data of each seed generated "
+             f"{time.strftime('%Y-%m-%d')}: `des.train --mode des` under mpirun on one machine, --threads 1, "
+             f"Adam (des.train's default), {a.steps} steps of {a.batch} rows; the data of each seed generated "
              f"with that seed, the model initialised with it; AUC and log loss on the last 10% of the rows, held "
              f"out. float32 partials are exact (the single-process model); float16 ones halve the bytes.", "",
              "| model | seed | AUC float32 | AUC float16 | ΔAUC | log loss float32 | log loss float16 | Δ log loss |",

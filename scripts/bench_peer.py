@@ -1,7 +1,7 @@
 """Benchmark DES against the peer users pick today, TFRA's own all-to-all embedding
 (scripts/peer_tfra.py): samples/s, CPU seconds per step per process and seconds to the first
 step of a DeepFM (or W&D) under mpirun, for each (N, hidden) given; DES with its joined tables
-(des.jobs.train's default) and the replicated or the data-parallel tail, and this project's PS mode
+(des.train's default) and the replicated or the data-parallel tail, and this project's PS mode
 (``--mode ps``, joined tables). One run, medians of ``--repeats`` launches; prints a Markdown
 table and writes it to ``--report``.
 
@@ -9,7 +9,7 @@ table and writes it to ``--report``.
 
 ``--preset wide`` (~950 features per sample, libffm) reads a columnar copy of the data in every
 system (des.data.convert: a text parser reading the global batch would decide DES's speed there).
-``--netbed RATE``: on the emulated cluster (des.cluster.netbed: one host per process, a CPU budget
+``--netbed RATE``: on the emulated cluster (des.netbed: one host per process, a CPU budget
 ``--cpus`` each); the report then has each system's bytes sent per host and step, from the
 interface counters:
 
@@ -61,7 +61,7 @@ def main():
     if set(models) - {"deepfm", "wdl"}:
         raise SystemExit(f"--models {a.models}: deepfm and/or wdl")
     data, reader, tmp = preset_data(a.preset, a.rows, "peer_runs")
-    where = (f"the netbed (des.cluster.netbed: one host per process at {a.netbed}, CPU budget {a.cpus} each; "
+    where = (f"the netbed (des.netbed: one host per process at {a.netbed}, CPU budget {a.cpus} each; "
              f"wire = bytes a host sent on its interface per step, median, rank 0's host)" if a.netbed else
              "this machine (2 shared cores; N processes oversubscribe them, one TF thread each)")
     data_name = ("wide synthetic data (~950 features per sample, libffm read from a columnar copy by every system)"

@@ -6,7 +6,7 @@ process of 2 reads) and the columnar one, with the default shuffle buffer and wi
     PYTHONPATH=<a checkout of another commit> .venv/bin/python scripts/bench_reader_cpu.py --label before --out ...
 
 Each row: the median over ``--repeats`` passes of CPU ms (process time) per batch of ``--batch``
-lines after the first batch, TensorFlow limited to one thread per pool as des.jobs.train --threads 1;
+lines after the first batch, TensorFlow limited to one thread per pool as des.train --threads 1;
 ``--label`` names the code measured (the rows of earlier labels in ``--out`` are kept, so two
 checkouts can be compared in one report: run one after the other, nothing else running).
 """

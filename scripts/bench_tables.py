@@ -1,8 +1,8 @@
-"""Fused (and joined) vs per-field tables: time to the first training step and samples/s of des.jobs.train on a
+"""Fused (and joined) vs per-field tables: time to the first training step and samples/s of des.train on a
 39-field criteo-like file (one id per field) or on the wide preset (26 one-id fields and 20
 multi-valued ones, ~950 ids a sample), for the single process, DES and the PS on 2 processes with
 each table layout (per-field; fused: one table per width; joined: fused, each field's linear weight
-in its embedding's row, des.jobs.train's default), and the cache mode on 2 processes (per-field, fused); with the
+in its embedding's row, des.train's default), and the cache mode on 2 processes (per-field, fused); with the
 single process, a control: two single processes started at once (what sharing the cores costs). Medians
 of ``--repeats`` rounds, each running every layout once (a slow spell of the shared machine then
 hits all layouts alike), and per layout the lowest and highest ratio to per-field within a round;
@@ -14,8 +14,8 @@ text it checks every line in full), so the table layout, not the text parser, se
     .venv/bin/python scripts/bench_tables.py --rows 100000 --batch 4096 --steps 20 --repeats 3 --threads 1
     .venv/bin/python scripts/bench_tables.py --preset wide --rows 20000 --batch 1024 --steps 10 --repeats 3 --threads 1
 
-Each run is a whole des.jobs.train process (mpirun for N > 1): "first step" is from the start of
-des.jobs.train's main() to the end of its first training step (reading the first batch, building the
+Each run is a whole des.train process (mpirun for N > 1): "first step" is from the start of
+des.train's main() to the end of its first training step (reading the first batch, building the
 model, des.transform, tracing fit's train function), as a user waits for it.
 """
 import argparse

@@ -3,7 +3,7 @@ data-parallel tail with its first Dense by moving rows, des_ops.rows): CPU secon
 process and samples/second of DES DeepFM under mpirun, for each (N, hidden) given; on the netbed
 also the bytes each host sent per step. One run, medians of
 ``--repeats`` launches, and what ``--tail auto`` picks; prints a Markdown table and writes it to
-``--report``. ``--netbed RATE``: on the emulated cluster (des.cluster.netbed: one host per process, each
+``--report``. ``--netbed RATE``: on the emulated cluster (des.netbed: one host per process, each
 with a CPU budget of its own, ``--cpus``), else on this machine's shared cores.
 
     .venv/bin/python scripts/bench_tail.py --rows 60000 --batch 4096 --steps 12 --repeats 2
@@ -46,7 +46,7 @@ def main():
     data_name = ("wide synthetic data, ~950 features per sample, read from a columnar copy" if a.preset == "wide"
                  else "criteo-like synthetic data")
     link = a.netbed or "10gbit"
-    where = (f"the netbed (des.cluster.netbed: one host per process at {a.netbed}, CPU budget {a.cpus} each)" if a.netbed
+    where = (f"the netbed (des.netbed: one host per process at {a.netbed}, CPU budget {a.cpus} each)" if a.netbed
              else "this machine (2 shared cores; N processes oversubscribe them)")
     lines = [f"# Data-parallel vs replicated tail (DES DeepFM, {data_name}, {a.rows} rows)", "",
              f"`scripts/bench_tail.py --preset {a.preset} --rows {a.rows} --batch {a.batch} --steps {a.steps} --repeats {a.repeats} "
@@ -54,7 +54,7 @@ def main():
              + (" --rows-variant" if a.rows_variant else "")
              + f"`, {time.strftime('%Y-%m-%d')}, {where}, --threads 1, {horovod_settings()}. Global batch {a.batch}, "
              f"dim {a.dim}; median "
-             f"over launches of each launch's median step. 'auto picks': what `des.jobs.train --tail auto --link {link}"
+             f"over launches of each launch's median step. 'auto picks': what `des.train --tail auto --link {link}"
              + (" --first-dense auto" if a.rows_variant else "") + "` chose (des.compiler.cost.choose_tail"
              + (", choose_first_dense" if a.rows_variant else "") + "), with its reason below the table.", "",
              "| N | hidden | tail | CPU s/step/process | samples/s | wire B/step/host | train AUC at the last step | "

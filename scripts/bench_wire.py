@@ -1,7 +1,7 @@
 """Benchmark DES past the wire-byte bound on the emulated cluster: the PS against DES as it is,
 DES with K micro-batches (each slice's allreduce while the next slice's partials are computed;
 exact) and DES with float16 partials on the wire (half the bytes; not exact), per model. One run
-per cell (the same data and seed), N processes on the netbed (des.cluster.netbed: one host each, a link
+per cell (the same data and seed), N processes on the netbed (des.netbed: one host each, a link
 of ``--rate``, a CPU budget of ``--cpus``); prints a Markdown table and writes it to ``--report``.
 
     .venv/bin/python scripts/bench_wire.py --models wdl,deepfm --np 4 --rate 1gbit --ks 4
@@ -51,7 +51,7 @@ def main():
              f"{a.rows} rows)", "",
              f"`scripts/bench_wire.py --models {a.models} --np {a.np} --preset {a.preset} --rows {a.rows} --batch "
              f"{a.batch} --steps {a.steps} --ks {a.ks} --rate {a.rate} --cpus {a.cpus}{' --columnar' * a.columnar}`, {time.strftime('%Y-%m-%d')}: "
-             f"the netbed (des.cluster.netbed: one host per process at {a.rate}, CPU budget {a.cpus} each), --threads 1, "
+             f"the netbed (des.netbed: one host per process at {a.rate}, CPU budget {a.cpus} each), --threads 1, "
              f"dim {a.dim}, hidden {a.hidden}, global batch {a.batch}. One run per cell; samples/s = global batch / "
              f"median step; \"vs PS\" is against the PS with the same wire dtype (float32 or float16 rows); wire = bytes rank 0's host put on its interface per step (median); AUC and log loss "
              f"on the last 10% of the rows, held out.", "",

@@ -1,5 +1,5 @@
 """The demo's summary: one process vs DES on 2 (a user-style Keras DeepFM, examples/byom.py) and
-the bytes per step each process sends, DES against the parameter server (des.jobs.train --mode ps),
+the bytes per step each process sends, DES against the parameter server (des.train --mode ps),
 as a table on stdout, one bar chart and, with ``--report``, a markdown report (date, machine,
 conditions, the table) for the README to link.
 

@@ -6,9 +6,9 @@
 For each MODEL:OPTIMIZER of tests/gallery.py, ``train``: every rank builds the model (its own
 random weights, seeded by its rank; des.transform gives every rank rank 0's), rank 0 saves them
 as OUT/<case>.initial.pkl; each rank fits 30 steps of 32 with that optimizer, writes a DES
-checkpoint after step 15 (des.runtime.checkpoint.save, every rank), then after step 30 ``model.save``
+checkpoint after step 15 (des.checkpoint.save, every rank), then after step 30 ``model.save``
 (a Keras SavedModel folder and a .keras file where the model's layers serialize) and
-``model.save_weights`` and ``des.runtime.export``: every rank calls each, rank 0 writes. Rank 0 pickles
+``model.save_weights`` and ``des.export``: every rank calls each, rank 0 writes. Rank 0 pickles
 its predictions. ``resume``: builds and transforms the model on this many processes, restores
 the checkpoint of step 15, fits steps 16-30 and writes the predictions (rank 0) and a
 ``model.save`` of its own (every rank takes part, a process that owns no field too).

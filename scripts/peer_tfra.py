@@ -13,7 +13,7 @@ are looked up column by column and pooled per field with their weights (``field_
 (ReLU), sigmoid. ``--data``: a text file with its ``.meta.json`` or a columnar folder
 (des.data.convert). Writes ``--summary-json`` (rank r: ``.rank<r>``): samples/s of the global
 batch (median step), seconds from start to the end of the first step, CPU seconds per step
-(median), train AUC, and on the netbed (des.cluster.netbed) the bytes this host sent per step.
+(median), train AUC, and on the netbed (des.netbed) the bytes this host sent per step.
 """
 import argparse
 import json
@@ -110,7 +110,7 @@ def main() -> None:
     model.compile(de.DynamicEmbeddingOptimizer(tf.keras.optimizers.legacy.Adam(1e-3), synchronous=True),
                   "binary_crossentropy", metrics=[tf.keras.metrics.AUC(name="auc")])
     speed, cpu = Throughput(a.batch, STARTED), CPUTime()
-    wire = WireBytes(os.environ["DES_WIRE_INTERFACE"]) if os.environ.get("DES_WIRE_INTERFACE") else None   # des.cluster.netbed
+    wire = WireBytes(os.environ["DES_WIRE_INTERFACE"]) if os.environ.get("DES_WIRE_INTERFACE") else None   # des.netbed
     hist = model.fit(ds, verbose=0, callbacks=[speed, cpu] + [wire] * bool(wire)).history
     summary = {"mode": "tfra-alltoall", "world_size": n, "samples_per_second": speed.samples_per_second(),
                "seconds_to_first_step": speed.seconds_to_first_step, "cpu_seconds_per_step": cpu.median(),

@@ -318,7 +318,7 @@ def batches_for(model: tf.keras.Model, steps: int, batch: int, seed: int = 0) ->
 
 
 # Every optimizer Keras 2.15 ships for these models, new and legacy, as the tests of saving,
-# checkpoints and export train them (des.runtime.saving, des.runtime.checkpoint, des.runtime.export).
+# checkpoints and export train them (des.runtime.saving, des.checkpoint, des.export).
 OPTIMIZERS = {
     "adam": lambda: tf.keras.optimizers.Adam(0.02),
     "adagrad": lambda: tf.keras.optimizers.Adagrad(0.05),

@@ -23,14 +23,14 @@ def mpirun(n: int, *args, timeout: float = 600, env: dict | None = None) -> subp
 
 
 def write_small_ffm(path: str, rows: int, seed: int = 0, fields: int = 6) -> dict:
-    """A generated libffm file with few fields, for the des.jobs.train / des.jobs.predict subprocess tests
+    """A generated libffm file with few fields, for the des.train / des.predict subprocess tests
     whose assertions do not depend on Criteo's 39 fields: a process traces 2 x ``fields`` TFRA
-    tables instead of 78 (measured: a 3000-line des.jobs.train run takes 15 s instead of 59 s).
+    tables instead of 78 (measured: a 3000-line des.train run takes 15 s instead of 59 s).
 
     Rows come from des.data.synth's planted LR + FM model (the generator of the Criteo presets,
     here over one integer and ``fields - 1`` categorical fields, Zipf-skewed, with missing
     values), one ``field:value:1`` token per present value. Returns the metadata written to
-    <path>.meta.json (format, spec, Bayes-optimal AUC): des.jobs.train takes the spec from it."""
+    <path>.meta.json (format, spec, Bayes-optimal AUC): des.train takes the spec from it."""
     from des.data.libsvm import sparse_spec
     from des.data.bayes import BayesStats
     from des.data.synth import CriteoGenerator, Preset

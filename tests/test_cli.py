@@ -2,7 +2,7 @@
 
 The data is a generated libffm file of 6 fields (tests/helpers.py write_small_ffm): what these
 tests check does not depend on the format or on Criteo's 39 fields, and a run traces 12 tables
-instead of 78 (~15 s instead of ~45-60 s). Criteo files under des.jobs.train / des.jobs.predict:
+instead of 78 (~15 s instead of ~45-60 s). Criteo files under des.train / des.predict:
 tests/test_predict.py."""
 import json
 import os
@@ -112,7 +112,7 @@ def test_restore_continues_where_the_checkpoint_stopped(tmp_path):
 def test_resume_after_a_crash_equals_the_uninterrupted_run(tmp_path):
     """2 epochs straight, against the same job killed at step 7 of epoch 1 (checkpoints every 3
     steps) and resumed with --restore: the same held-out AUC and log loss, to the bit, and the
-    same predictions (des.jobs.predict) within 1e-6."""
+    same predictions (des.predict) within 1e-6."""
     data = str(tmp_path / "train.txt")
     write_small_ffm(data, 3000, seed=4)
     base = TRAIN + ["--data", data, "--model", "deepfm", "--epochs", "2", "--holdout", "500",

@@ -101,7 +101,7 @@ def test_errors_name_the_file(wide, tmp_path):
 
 @pytest.mark.mpi
 def test_des_on_columnar_reads_own_columns_and_equals_one_process_on_text(wide, tmp_path):
-    """mpirun -np 2 des.jobs.train --mode auto on the columnar copy: auto picks DES (the wide preset), each
+    """mpirun -np 2 des.train --mode auto on the columnar copy: auto picks DES (the wide preset), each
     process reads fewer than all 92 inputs, the replica check (every step) passes, and AUC and log
     loss equal one process trained on the text file, to the bit."""
     text, cols, _ = wide

@@ -101,8 +101,8 @@ def test_columnar_copies_are_made_once_and_remade_when_the_data_changes(tmp_path
 
 
 def test_bench_cache_plans_one_epoch_per_run_and_each_cells_cache_size(capsys):
-    """scripts/bench_cache.py (the HET grid) builds its des.jobs.train runs from des.compare's: every run
-    trains one epoch of the training lines (des.jobs.train's --steps counts over epochs), and each cache
+    """scripts/bench_cache.py (the HET grid) builds its des.train runs from des.compare's: every run
+    trains one epoch of the training lines (des.train's --steps counts over epochs), and each cache
     run has its staleness and size. It once stopped before its first run (a missing option) and
     meant 10,000 steps as "one epoch"."""
     import importlib.util

@@ -263,7 +263,7 @@ def test_format_2_ids_that_meet_in_55_bits_stop_the_restore(tmp_path):
 
 
 def test_a_fused_single_process_model_trains_as_the_per_field_one():
-    """des.compiler.fusion.fuse_model (des.jobs.train --mode single's default): the same function and state keys."""
+    """des.compiler.fusion.fuse_model (des.train --mode single's default): the same function and state keys."""
     from des.compiler.fusion import fuse_model
     work = lambda m: train_and_snapshot(m, "adagrad", 0.05, MIXED_BATCHES, MIXED_BATCHES[0][0])  # noqa: E731
     ref = work(build("wdl", MIXED)())

@@ -2,7 +2,7 @@
 models/ imports no other package of the project and des_ops/ only models/; the modules' top-level
 imports form no cycle; imports of the project's own modules sit at the top of files, except the
 few kept lazy on purpose (des's public API, des_ops' communicator names, the mode registry and the
-hooks that pick a communicator or fuse tables, and des.jobs.train's option parsing, so that a wrong
+hooks that pick a communicator or fuse tables, and des.train's option parsing, so that a wrong
 option stops before TensorFlow loads)."""
 import ast
 import pathlib
@@ -168,7 +168,7 @@ def test_importing_the_clis_leaves_tensorflow_unstarted():
     refuses once a tensor exists: no module may make one at import time (a class attribute did)."""
     import subprocess
     import sys
-    code = ("import des.jobs.job, des.jobs.compare, des.jobs.predict, des.runtime.export, des.cluster.netbed; import tensorflow as tf; "
+    code = ("import des.jobs.job, des.compare, des.predict, des.export, des.netbed; import tensorflow as tf; "
             "tf.config.threading.set_intra_op_parallelism_threads(1)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -76,7 +76,7 @@ def data(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["lr", "fm", "dnn", "wdl", "deepfm"])
 def test_each_model_learns(data, name):
-    """Each model, as des.jobs.train --mode single trains it (its tables of one width in one TFRA table:
+    """Each model, as des.train --mode single trains it (its tables of one width in one TFRA table:
     the same function, tests/test_fused.py, and one lookup per width a step instead of 39), reaches
     a real AUC on held-out criteo-like data, and none beats the Bayes-optimal one."""
     path, meta = data

@@ -1,8 +1,8 @@
-"""des.jobs.modes: each training mode is one class with the same interface; des.jobs.train only dispatches.
+"""des.jobs.modes: each training mode is one class with the same interface; des.train only dispatches.
 
 In one process (world size 1): the registry matches the CLI's choices, options that do not
 apply to a mode are refused with a clear message, the PS/cache modes hand the reader a new
-allocator's share per epoch, and each mode's hooks run in des.jobs.train's order on a tiny batch
+allocator's share per epoch, and each mode's hooks run in des.train's order on a tiny batch
 (prepare -> compile -> callbacks -> fit -> evaluate -> summarise) with the summary a mode owes.
 """
 import dataclasses
@@ -158,7 +158,7 @@ def test_auto_resolves_to_a_mode_with_its_choice():
 
 
 def test_cpu_time_counts_the_process_cpu_of_a_step_not_its_wall_time():
-    """des.runtime.callbacks.CPUTime (des.jobs.train's 'cpu_seconds_per_step'): a step that spins 60 ms of
+    """des.runtime.callbacks.CPUTime (des.train's 'cpu_seconds_per_step'): a step that spins 60 ms of
     CPU and sleeps 250 ms counts about 60 ms, not the ~310 ms of wall time; the first step
     (tracing) is left out of the median."""
     import time
@@ -183,8 +183,8 @@ def test_cpu_time_counts_the_process_cpu_of_a_step_not_its_wall_time():
 
 
 def test_a_mode_registered_in_one_place_reaches_the_cli_and_compare(monkeypatch):
-    """A new mode is one class (a file in des/modes/) registered in des.jobs.modes.MODES: des.jobs.train's
-    --mode, des.jobs.compare's --modes and modes.make take it with nothing else changed."""
+    """A new mode is one class (a file in des/modes/) registered in des.jobs.modes.MODES: des.train's
+    --mode, des.compare's --modes and modes.make take it with nothing else changed."""
     from des.jobs.compare import Cell
 
     class Echo(modes.Mode):
@@ -200,7 +200,7 @@ def test_a_mode_registered_in_one_place_reaches_the_cli_and_compare(monkeypatch)
 
 
 def test_the_run_configuration_round_trips_through_its_command_line():
-    """to_argv (what des.jobs.compare hands to des.jobs.train) parses back to the same record, for every
+    """to_argv (what des.compare hands to des.train) parses back to the same record, for every
     option set off its default; parts hold their options."""
     from des.jobs.config import OPTIONS
     argv = ["--data", "a.txt", "b.txt", "--mode", "cache", "--staleness", "inf", "--cache-size", "5000",
@@ -240,5 +240,5 @@ def test_compare_refuses_an_option_neither_it_nor_des_train_has(capsys):
         compare.main(["--models", "lr", "--tables", "per-field", "--no-such-option", "1"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].endswith("error: not an option of des.jobs.compare or des.jobs.train: --tables per-field --no-such-option 1")
+    assert err[-1].endswith("error: not an option of des.compare or des.train: --tables per-field --no-such-option 1")
     assert not any("des.train" in line and "usage" in line for line in err)

@@ -1,7 +1,7 @@
 """Getting a user's model out of a real mpirun job (scripts/mpi_saving.py): ``model.save`` and
 ``model.save_weights`` on every process write the untouched architecture, a DES checkpoint of
 step 15 written by 2 processes resumes exactly on 5 (more processes than fields: one owns
-nothing), and ``des.runtime.export`` serves it where neither des nor TFRA is imported. Every optimizer
+nothing), and ``des.export`` serves it where neither des nor TFRA is imported. Every optimizer
 Keras 2.15 ships, new and legacy, on a hand-written Keras DeepFM; DeepCTR's DeepFM with Adam; a
 TFRA DeepFM with DynamicEmbeddingOptimizer around Adam, legacy Adagrad and RMSprop. (TFRA 0.7.2
 cannot create slots of the Keras 2.11+ Adagrad and Ftrl for its tables: an untouched TFRA model

@@ -1,4 +1,4 @@
-"""The emulated cluster (des.cluster.netbed): DES and PS jobs across two network-namespace hosts, over TCP
+"""The emulated cluster (des.netbed): DES and PS jobs across two network-namespace hosts, over TCP
 through a shaped bridge, with the bytes each host put on its interface measured by the kernel."""
 import json
 import os

@@ -1,4 +1,4 @@
-"""The TFRA peer of scripts/bench_peer.py (scripts/peer_tfra.py) reads the data as des.jobs.train's
+"""The TFRA peer of scripts/bench_peer.py (scripts/peer_tfra.py) reads the data as des.train's
 models do: one key per (field, id) that never collides across fields, multi-valued fields pooled
 with their weights and their padding left out - checked against a plain NumPy pooling."""
 import importlib.util

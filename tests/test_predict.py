@@ -1,4 +1,4 @@
-"""des.predict: checkpoints of des.jobs.train back to one probability per input line."""
+"""des.predict: checkpoints of des.train back to one probability per input line."""
 import os
 import subprocess
 import sys

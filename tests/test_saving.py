@@ -1,4 +1,4 @@
-"""Getting a user's model out in the simulated world (des.runtime.saving, des.runtime.checkpoint, des.runtime.export):
+"""Getting a user's model out in the simulated world (des.runtime.saving, des.checkpoint, des.export):
 optimizer slots read through the optimizers' public variables, ``model.save`` and
 ModelCheckpoint on every process, disagreeing saves, resume on another N, bad checkpoints.
 The same under a real mpirun, every optimizer: tests/test_mpi_saving.py."""
@@ -237,7 +237,7 @@ def test_des_export_of_a_checkpoint_of_a_users_model_says_what_to_do(tmp_path):
     model = BUILDERS["keras_deepfm"]()
     model.compile(tf.keras.optimizers.Adam(), "binary_crossentropy")
     checkpoint.save(str(tmp_path / "c"), model, model.optimizer)
-    with pytest.raises(CheckpointError, match=r"a checkpoint of your own model .* des.runtime.export\(model, out\)"):
+    with pytest.raises(CheckpointError, match=r"a checkpoint of your own model .* des.export\(model, out\)"):
         export.export(str(tmp_path / "c"), str(tmp_path / "served"))
     assert export.main(["--checkpoint", str(tmp_path / "c"), "--out", str(tmp_path / "served")]) == 2
     assert not os.path.exists(tmp_path / "served")

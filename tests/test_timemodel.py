@@ -120,7 +120,7 @@ def test_sync_computation_waits_for_the_slowest_process_and_noop_does_not():
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     t = next(line for line in lines if "des_sync" in line)
     said = {line["rank"]: line for line in lines if "rank" in line}
-    # the plan agreement over the timing communicators (des.jobs.train --comm noop/sync under mpirun
+    # the plan agreement over the timing communicators (des.train --comm noop/sync under mpirun
     # stopped at transform: the no-op broadcast handed rank 1 zeros as rank 0's plan)
     assert said[0] == {"rank": 0, "noop": "agreed", "sync": "agreed"}, said
     assert said[1]["noop"] == "agreed", said

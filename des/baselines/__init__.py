@@ -1,5 +1,5 @@
 """The systems DES is compared with, each in one folder: its tables, its model rewrite and its
-des.jobs.train mode.
+des.train mode.
 
 - ``ps``: a mesh parameter server, tables sharded by key over the processes, ids and rows moved
   by all-to-all (tables.py: ShardedFieldEmbedding, ShardedFusedTable, KeyExchange; rewrite.py:

@@ -254,7 +254,7 @@ class Netbed:
         for name in ("PATH", "PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", "OMPI_MCA_mpi_yield_when_idle", *horovod, *env):
             if name in os.environ:
                 cmd += ["-x", name]
-        return cmd + ["-x", "DES_WIRE_INTERFACE=eth0"]     # des.jobs.train reads each host's interface counter
+        return cmd + ["-x", "DES_WIRE_INTERFACE=eth0"]     # des.train reads each host's interface counter
 
     def run(self, cmd: list[str], attempts: int = 3, **kwargs) -> subprocess.CompletedProcess:
         """``subprocess.run(cmd, capture_output=True, text=True, **kwargs)`` for an mpirun line

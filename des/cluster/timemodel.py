@@ -24,7 +24,7 @@ its bytes travel (calibrated on the netbed, ``calibrate_overlap``). DES's one al
 every partial, and the rest of the step needs its result: nothing overlaps, unless the batch is
 cut into K micro-batches (``des_traffic(p, K)``, ``sliced_compute``): then slice k's allreduce
 travels while slice k+1's partials are computed (``pipeline``). Computation is
-measured with the collectives replaced by no-ops (``des.jobs.train --comm noop``), or better with
+measured with the collectives replaced by no-ops (``des.train --comm noop``), or better with
 the processes still kept in step by one 4-byte allreduce per step (``--comm sync``): a
 synchronous step waits for the slowest process, and on shared cores that wait is most of DES's
 gap to the no-op time. ``b`` is the
@@ -39,7 +39,7 @@ step is then the larger of the cores' bound (the computation as measured, all pr
 competing) and one process's own path (its computation with a core to itself, compute x cores
 / N, plus its communication). With cores >= N, or on a cluster (``cores=None``: each host has
 its own), that is the sum of the terms; so too on the netbed with a CPU budget per host
-(``des.cluster.netbed --cpus``), where a waiting host's budget is not the others' to take.
+(``des.netbed --cpus``), where a waiting host's budget is not the others' to take.
 
     >>> shared = step_time(0.400, des_traffic(2e6), n=4, net=Network(1e7, cycle=0.0), cores=2)  # 4 on 2 cores
     >>> round(shared["total"], 3), round(step_time(0.400, des_traffic(2e6), 4, Network(1e7, cycle=0.0))["total"], 3)

@@ -1,5 +1,5 @@
 """Fused tables for a whole model: ``fuse_model`` puts the fusable tables of an untouched model
-(des.jobs.train --mode single's default, the parameter server's slices) into one TFRA table per width
+(des.train --mode single's default, the parameter server's slices) into one TFRA table per width
 (des_ops.fused.FusedTable), keeping the model's function, state keys and checkpoints.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     python -m des.data.convert --data train.ffm --format libffm --out train.cols
 
-The spec is the one des.jobs.train would use (the format's, the generator's metadata, or scanned);
+The spec is the one des.train would use (the format's, the generator's metadata, or scanned);
 pass ``--eval-data`` files too when evaluation files may hold longer bags. Bad lines stop the
 conversion with file:line, or are dropped and counted with ``--skip-bad-lines``.
 """

@@ -5,7 +5,7 @@ An id is FarmHash Fingerprint64 of ``"<field>\\x1f<raw value>"`` (TensorFlow's
 [0, 2**55), so a fused table (des_ops.fused) can store up to 256 fields' rows under one int64 key
 each (two values of one field collide with probability 2**-55; for 10**8 distinct values of one
 field about 0.14 pairs are expected). Checkpoints of format 2 held the 63-bit ids; restoring one
-keeps each id's low 55 bits (des.runtime.checkpoint), which is this rule. It does not depend on
+keeps each id's low 55 bits (des.checkpoint), which is this rule. It does not depend on
 the process, the run or ``PYTHONHASHSEED`` (never Python's ``hash()``), so every
 process of a job maps a value to the same id.
 

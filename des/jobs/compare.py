@@ -3,9 +3,9 @@
     python -m des.compare --models lr,wdl,deepfm --np 4 --preset criteo-like --batch 4096 --steps 40
     python -m des.compare --models deepfm --modes single,des,ps,cache --staleness 0,10,100,inf
     python -m des.compare --models lr,deepfm --np 4 --data train.txt --format criteo --eval-data test.txt
-    python -m des.compare --models deepfm --modes des,ps --tables per-field   # any des.jobs.train option: every run
+    python -m des.compare --models deepfm --modes des,ps --tables per-field   # any des.train option: every run
 
-For each model it runs ``des.jobs.train`` once per mode - one process (the reference), ``--mode des``,
+For each model it runs ``des.train`` once per mode - one process (the reference), ``--mode des``,
 ``--mode ps`` and (``--modes ...,cache``) ``--mode cache`` once per staleness, under
 ``mpirun -np N`` - at the same global batch, on a generated preset (``--preset``, ``--rows``) or on
 your own files (``--data FILE... --format F [--eval-data FILE...]``), then writes to
@@ -123,7 +123,7 @@ def cells(modes: str, staleness: str) -> list[Cell]:
 
 
 def train_config(cell: Cell, model: str, data, a, summary: str) -> RunConfig:
-    """The des.jobs.train run of one cell on ``data`` with the comparison's options ``a`` (batch, steps,
+    """The des.train run of one cell on ``data`` with the comparison's options ``a`` (batch, steps,
     holdout, dim, hidden, optimizer, lr, shuffle_buffer, cache_size, format, eval_data)."""
     return RunConfig(
         data=data_files(data), mode=cell.mode, model=model, format=a.format, eval_data=a.eval_data,
@@ -165,11 +165,11 @@ def _clock(seconds: float) -> str:
 
 def run(key: str, model: str, data: str, a, out: str, launcher: list[str] | None = None,
         options: tuple[str, ...] = (), tag: str = "") -> dict:
-    """One des.jobs.train run (``key``: a Cell's key, e.g. ``des`` or ``cache+laia s=0``); returns rank 0's
+    """One des.train run (``key``: a Cell's key, e.g. ``des`` or ``cache+laia s=0``); returns rank 0's
     summary plus the peak memory over processes and, on the netbed, the mean over hosts of the bytes
     per step each host sent on its interface. ``launcher``: the mpirun command (default: local
     mpirun). ``data``: a file or a list of files; ``a``: the comparison's options (train_config),
-    with ``a.np`` processes; ``options``: more des.jobs.train flags."""
+    with ``a.np`` processes; ``options``: more des.train flags."""
     cell = Cell.parse(key)
     summary = os.path.join(out, f"{model}-{key.replace(' ', '-').replace('=', '').replace('+', '-')}{tag}.json")
     args = ["-m", "des.train", *train_config(cell, model, data, a, summary).to_argv(), *options]
@@ -209,7 +209,7 @@ def load(summary: str, n: int) -> dict:
 def bytes_curve(model: str, data, fmt: str, a, batches: list[int], meta: dict | None = None) -> dict[str, list[float]]:
     """Analytic bytes/step/process at each global batch, on the data's first rows:
     DES 2(N-1)/N*4*B*floats; PS: the all-to-all of each process's remote distinct ids + dense ring.
-    ``data``: a file or a list of files; the spec is des.jobs.train's (from ``meta``, default the first
+    ``data``: a file or a list of files; the spec is des.train's (from ``meta``, default the first
     file's .meta.json if any, else scanned from the files and ``a.eval_data``). A batch larger
     than the data is computed on the rows there are (PS; DES's bytes do not depend on the ids)."""
     files = data_files(data)
@@ -394,7 +394,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--staleness", default="0,10,100,inf", help="cache: one run per staleness")
     ap.add_argument("--cache-size", default="10%", help="cache: rows per table, or a fraction of each field")
     ap.add_argument("--net", default="local", choices=["local", "netbed"],
-                    help="netbed: one process per emulated host (des.cluster.netbed; root), wire bytes measured")
+                    help="netbed: one process per emulated host (des.netbed; root), wire bytes measured")
     ap.add_argument("--rate", default="1gbit", help="netbed: each host's sending rate (tc units)")
     ap.add_argument("--cpus", default=None,
                     help="netbed: each host's own CPU budget, a number of CPUs or 'share' (0.9 x cores / N), as a "
@@ -456,15 +456,15 @@ def main(argv=None) -> int:
 
 
 def _options(argv) -> tuple[argparse.Namespace, list[str], list[int]]:
-    """des.compare's options, checked; the des.jobs.train options it passes on; the process counts."""
+    """des.compare's options, checked; the des.train options it passes on; the process counts."""
     ap = parser()
     a, train_options = ap.parse_known_args(argv)
-    if train_options:      # any other des.jobs.train option goes to every run (checked now, once)
+    if train_options:      # any other des.train option goes to every run (checked now, once)
         try:
             with contextlib.redirect_stderr(io.StringIO()):
                 RunConfig.parse(["--data", "-", *train_options])
         except SystemExit:
-            ap.error(f"not an option of des.jobs.compare or des.jobs.train: {' '.join(train_options)}")
+            ap.error(f"not an option of des.compare or des.train: {' '.join(train_options)}")
     if a.eval_data and not a.data:
         ap.error("--eval-data needs --data (a preset holds out its last lines)")
     if a.format and not a.data:

@@ -1,16 +1,16 @@
-"""The configuration of one ``des.jobs.train`` run: typed, frozen, parsed and checked once.
+"""The configuration of one ``des.train`` run: typed, frozen, parsed and checked once.
 
     >>> config = RunConfig.parse(["--data", "train.txt", "--mode", "cache", "--staleness", "10"])
     >>> config.mode, config.cache.staleness, config.allocation.strategy, config.hidden_units
     ('cache', '10', 'contiguous', (128, 64))
-    >>> config.to_argv()                      # what des.jobs.compare and the benchmarks hand to des.jobs.train
+    >>> config.to_argv()                      # what des.compare and the benchmarks hand to des.train
     ['--mode', 'cache', '--staleness', '10', '--data', 'train.txt']
     >>> RunConfig.parse(config.replace(batch=256).to_argv()).batch
     256
 
 Every option is declared once, in ``OPTIONS`` (flag, where its value lives, argparse's
 arguments); the parser, the typed record and ``to_argv`` all come from that table, so an option
-added there reaches des.jobs.train, des.jobs.compare (which builds its runs' command lines with
+added there reaches des.train, des.compare (which builds its runs' command lines with
 ``to_argv``) and the modes (which read ``config.<field>`` or ``config.<part>.<field>``). What a
 run learns later (the data's format, a restored seed, the mode ``--mode auto`` chose) makes a new
 record with ``replace``; nothing changes a record in place.
@@ -69,7 +69,7 @@ class NetworkOptions:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """One des.jobs.train run. ``cache``, ``allocation`` and ``network`` hold those options' parts."""
+    """One des.train run. ``cache``, ``allocation`` and ``network`` hold those options' parts."""
     data: list = field(default_factory=list)
     mode: str = "single"
     model: str = "deepfm"

@@ -1,4 +1,4 @@
-"""One training job of des.jobs.train: read the layout, build the mode, check the inputs, train,
+"""One training job of des.train: read the layout, build the mode, check the inputs, train,
 evaluate and write the summary. ``des.jobs.train.main`` parses the options and calls ``run``; the
 heavy imports (TensorFlow, the modes) happen here, after the options are checked.
 """
@@ -70,7 +70,7 @@ def run(config: RunConfig, started: float) -> int:
 
 
 class _Job:
-    """One des.jobs.train run from its checked configuration: data, mode, model, fit, summary."""
+    """One des.train run from its checked configuration: data, mode, model, fit, summary."""
 
     @classmethod
     def start(cls, config: RunConfig, started: float) -> "_Job":
@@ -196,7 +196,7 @@ class _Job:
         self.speed, self.cpu, self.curve = Throughput(self.global_batch, self.started), CPUTime(), _AucCurve()
         callbacks = [self.speed, self.cpu, self.curve] + mode.callbacks(model)
         self.wire = self.saver = None
-        if os.environ.get("DES_WIRE_INTERFACE"):        # set by des.cluster.netbed: one process per emulated host
+        if os.environ.get("DES_WIRE_INTERFACE"):        # set by des.netbed: one process per emulated host
             self.wire = WireBytes(os.environ["DES_WIRE_INTERFACE"])
             callbacks.append(self.wire)
         if a.checkpoint:

@@ -1,4 +1,4 @@
-"""Predict click probabilities with a checkpoint written by ``des.jobs.train --checkpoint``.
+"""Predict click probabilities with a checkpoint written by ``des.train --checkpoint``.
 
     python -m des.predict --checkpoint ckpt --data test.txt --out predictions.txt
     mpirun -np 4 python -m des.predict --checkpoint ckpt --data test.txt --out predictions.txt
@@ -6,7 +6,7 @@
 Writes one probability per input line, in input order. The model, widths and FeatureSpec
 come from the checkpoint's config. Any checkpoint (single, DES or PS, any number of processes)
 is read by one process, or by DES on any number under mpirun (each process restores its own
-fields); rank 0 writes. ``--checkpoint`` may also be a folder written by ``des.runtime.export``.
+fields); rank 0 writes. ``--checkpoint`` may also be a folder written by ``des.export``.
 Criteo's ``test.txt`` (39 columns, no label) and Avazu's ``test.csv`` (no click column) are
 recognised from the first line; labelled files work too, and then AUC and log loss are
 printed. A malformed line stops the run naming file and line (predictions must stay aligned
@@ -35,7 +35,7 @@ from des_ops.comm import default_communicator
 def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True,
-                    help="folder written by des.jobs.train --checkpoint, or by des.runtime.export")
+                    help="folder written by des.train --checkpoint, or by des.export")
     ap.add_argument("--data", required=True, nargs="+", help="input files (.gz allowed)")
     ap.add_argument("--out", required=True, help="output: one probability per input line")
     ap.add_argument("--format", default=None,

@@ -4,7 +4,7 @@ machine's computation per process and the data's own bytes at each N.
     python -m des.compare --models deepfm --bandwidth 10gbit --latency 20us --np 4,8,16,64
 
 Per model and N: each mode's step is timed with no-op collectives in ONE process that takes
-rank 0 of N (``des.jobs.train --comm noop`` with the launcher's variables set: on a real cluster each
+rank 0 of N (``des.train --comm noop`` with the launcher's variables set: on a real cluster each
 host has its own cores); the bytes per process come from the formulas on the data's first
 global batch (DES 4 B w; PS the all-to-all of distinct remote ids, rows and gradient rows, mean
 over the N slices, and the dense allreduce); the model adds Horovod's cycles and the calls.

@@ -1,4 +1,4 @@
-"""What the comparison and the projection share to launch des.jobs.train runs and title their reports.
+"""What the comparison and the projection share to launch des.train runs and title their reports.
 
     >>> import subprocess, sys
     >>> subprocess.run([sys.executable, "-m", "des.train", ...], env=launch_env(), cwd=ROOT)   # doctest: +SKIP
@@ -25,7 +25,7 @@ def data_files(data) -> list[str]:
 
 def describe_source(a, short: bool = False) -> str:
     """What the runs read, for titles: the preset, or the data (and evaluation) files
-    (``a``: des.jobs.compare's options: preset, data, eval_data)."""
+    (``a``: des.compare's options: preset, data, eval_data)."""
     data = a.data
     if not data:
         return a.preset if short else f"preset {a.preset}"

@@ -70,7 +70,7 @@ class BytesPerStep(tf.keras.callbacks.Callback):
 
 class WireBytes(tf.keras.callbacks.Callback):
     """Bytes this host put on its network interface per training step, from the kernel's counter
-    (``/sys/class/net/IF/statistics/tx_bytes``): on the netbed (des.cluster.netbed) each process is alone
+    (``/sys/class/net/IF/statistics/tx_bytes``): on the netbed (des.netbed) each process is alone
     on its host, so this is what it really sent - headers, MPI's algorithm and Horovod's own
     coordination messages included."""
 

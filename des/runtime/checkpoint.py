@@ -11,7 +11,7 @@ them, so single, DES on N and PS on N can all restore them on any M.
     >>> x, y = random_batches(spec, steps=1, batch=16)[0]
     >>> loss = model.train_on_batch(x, y)
     >>> comm = default_communicator()
-    >>> b = lambda: comm.allreduce_counted(tf.zeros([1]), "barrier")   # as des.jobs.train's barrier
+    >>> b = lambda: comm.allreduce_counted(tf.zeros([1]), "barrier")   # as des.train's barrier
     >>> ckpt = tempfile.mkdtemp()
     >>> save(ckpt, model, optimizer, rank=comm.rank, world_size=comm.world_size, barrier=b,
     ...      config={"model": "deepfm"}, position={"epoch": 1, "step": 0})
@@ -123,7 +123,7 @@ def save(directory: str, model, optimizer, plan: FieldPlan | None = None, rank: 
     """Every process calls it at the same step (``barrier`` waits for all, as allreduce does).
     A crash before the swap leaves the previous checkpoint as it was. For a model des.transform
     returned, ``rank``, ``world_size`` and ``barrier`` default to its communicator's:
-    ``des.runtime.checkpoint.save(folder, model, model.optimizer)`` on every process."""
+    ``des.checkpoint.save(folder, model, model.optimizer)`` on every process."""
     rank, world_size, barrier = _world(model, rank, world_size, barrier)
     if plan is None and distributed(model) is not None:
         plan = distributed(model).plan
@@ -172,10 +172,10 @@ def _require(directory: str) -> str:
     path = latest(directory)
     if path is None:
         if os.path.isdir(directory) and any(n.startswith("rank") for n in os.listdir(directory)):
-            raise CheckpointError(f"{directory}: a checkpoint of an older des.jobs.train (per-rank folders); "
+            raise CheckpointError(f"{directory}: a checkpoint of an older des.train (per-rank folders); "
                                   f"train again to write one this version reads")
         what = "no such folder" if not os.path.isdir(directory) else "no checkpoint in it (no state/config.json)"
-        raise CheckpointError(f"{directory}: {what}; des.jobs.train --checkpoint writes one")
+        raise CheckpointError(f"{directory}: {what}; des.train --checkpoint writes one")
     return path
 
 

@@ -2,7 +2,7 @@
 
     python -m des.export --checkpoint ckpt --out served
 
-or in Python, here from a checkpoint written in place of a des.jobs.train run:
+or in Python, here from a checkpoint written in place of a des.train run:
 
     >>> import json, tempfile, models, numpy as np, tensorflow as tf
     >>> from des.runtime import checkpoint
@@ -70,7 +70,7 @@ def load_config(path: str) -> dict:
     """The training config saved beside an export (model, spec, format)."""
     name = os.path.join(path, CONFIG)
     if not os.path.exists(name):
-        raise FileNotFoundError(f"{path}: a SavedModel without {CONFIG}; des.runtime.export writes both")
+        raise FileNotFoundError(f"{path}: a SavedModel without {CONFIG}; des.export writes both")
     with open(name) as fh:
         return json.load(fh)
 
@@ -183,9 +183,9 @@ def export(checkpoint_dir: str, out: str) -> dict:
         raise ValueError(f"{out}: exists and is not empty; nothing was written (choose another --out)")
     config = checkpoint.load_config(checkpoint_dir)
     if not {"model", "spec", "hidden", "seed"} <= set(config):
-        raise CheckpointError(f"{checkpoint_dir}: a checkpoint of your own model (des.runtime.checkpoint.save): it holds its rows "
+        raise CheckpointError(f"{checkpoint_dir}: a checkpoint of your own model (des.checkpoint.save): it holds its rows "
                               f"and weights, not its architecture; build the model, des.transform it, "
-                              f"des.runtime.checkpoint.restore into it and call des.export(model, out) on every process")
+                              f"des.checkpoint.restore into it and call des.export(model, out) on every process")
     model, _ = checkpoint.reference_model(config)
     checkpoint.restore(checkpoint_dir, model)
     served = serving_model(model)
@@ -278,7 +278,7 @@ def load_seconds(path: str) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True, help="folder written by des.jobs.train --checkpoint")
+    ap.add_argument("--checkpoint", required=True, help="folder written by des.train --checkpoint")
     ap.add_argument("--out", required=True, help="new folder for the SavedModel")
     a = ap.parse_args(argv)
     try:

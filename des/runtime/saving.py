@@ -3,7 +3,7 @@
 architecture (the model the user passed to des.transform) with every trained weight.
 
 Every process calls the save (as it calls ``fit``); each hands its rows, kernel rows and, on
-rank 0, the replicated weights to rank 0 (des.runtime.checkpoint's shard format, gathered in pieces of
+rank 0, the replicated weights to rank 0 (des.checkpoint's shard format, gathered in pieces of
 ``CHUNK`` bytes), rank 0 loads them into the untouched model and lets Keras write it; the other
 processes write nothing. The processes first check that they save the same thing to the same
 path: a disagreement ends every process at once with one line naming the ranks. A save that

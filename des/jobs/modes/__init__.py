@@ -6,7 +6,7 @@
     >>> modes.mode_class("cache").__mro__[1].name        # the cache mode is the PS mode plus caches
     'ps'
 
-``des.jobs.train`` is a dispatcher: it reads the options and the data, asks ``make`` for the mode,
+``des.train`` is a dispatcher: it reads the options and the data, asks ``make`` for the mode,
 and calls the mode's hooks (des.jobs.modes.base) in a fixed order. ``--mode auto`` is not a mode of
 its own: ``make`` asks des.jobs.auto which of des and ps moves fewer bytes on the first global
 batch, and returns that mode with the choice in ``mode.auto``.

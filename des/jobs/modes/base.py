@@ -1,6 +1,6 @@
-"""The interface every training mode implements; ``des.jobs.train`` calls it and nothing else.
+"""The interface every training mode implements; ``des.train`` calls it and nothing else.
 
-    mode = des.jobs.modes.make("ps", run)                 # what des.jobs.train does, in short
+    mode = des.jobs.modes.make("ps", run)                 # what des.train does, in short
     model = mode.prepare(run.reference_model())
     model.fit(dataset(shard=mode.train_shard(epoch)), callbacks=mode.callbacks(model))
     mode.summarise(model, summary)
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 
 class ModeError(ValueError):
-    """A mode's options do not fit together (des.jobs.train prints it and exits with status 2)."""
+    """A mode's options do not fit together (des.train prints it and exits with status 2)."""
 
 
 @dataclasses.dataclass
