@@ -45,7 +45,7 @@ from des.jobs.config import AllocationOptions, CacheOptions, RunConfig
 from des.data import columnar
 from des.data.readers import make_dataset
 from des.data.resolve import metadata, spec_for
-from des.jobs.job import bayes_auc
+from des.jobs.inputs import bayes_auc
 from des.jobs.modes import MODES as MODE_CHOICES
 from des.cluster.netbed import Netbed, down
 from des.jobs.runs import ROOT, data_files, describe_source, launch_env

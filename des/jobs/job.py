@@ -4,7 +4,6 @@ heavy imports (TensorFlow, the modes) happen here, after the options are checked
 """
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import resource
@@ -17,24 +16,12 @@ from des.runtime import checkpoint
 from des.jobs import modes
 from des.runtime.callbacks import CPUTime, PeriodicCheckpoint, Throughput, WireBytes
 from des.jobs.config import RunConfig
-from des.data import DataError, SkipReport, columnar
+from des.data import DataError, SkipReport
 from des.data.errors import op_error_message
-from des.data.readers import make_dataset
-from des.data.resolve import describe, metadata, spec_for
+from des.jobs.inputs import JobInputs, bayes_auc
 from des.compiler.handle import distributed
 from des.compiler.keys import create_slots
 from des_ops.comm import launcher_rank
-
-
-def count_lines(paths) -> int:
-    if columnar.is_columnar(paths):
-        return int(columnar.manifest(paths[0])["rows"])
-    n = 0
-    for p in paths:
-        with (gzip.open(p, "rb") if p.endswith(".gz") else open(p, "rb")) as fh:
-            for block in iter(lambda: fh.read(1 << 22), b""):
-                n += block.count(b"\n")
-    return n
 
 
 def _config(a, spec) -> dict:
@@ -84,38 +71,20 @@ class _Job:
         return job
 
     def _read_layout(self, config: RunConfig) -> None:
-        """The data's format, spec and the split into training and evaluation lines."""
-        meta = metadata(config.data[0])
-        fmt = config.format
-        if fmt in (None, "columnar") and columnar.is_columnar(config.data):
-            fmt, meta = "columnar", columnar.manifest(config.data[0])
-        a = self.config = config.replace(format=fmt or meta.get("format", "criteo"))
-        self.meta = meta
+        """The data's format, spec and the split into training and evaluation lines (des.jobs.inputs)."""
         try:
-            self.spec = _spec(a, meta)
-            if a.format in ("libsvm", "libffm") and not meta.get("spec"):
-                print_once(f"{a.format}: scanned {', '.join(a.data)}: {describe(self.spec)}")
-            header = 1 if a.format == "avazu" else 0
-            total = None if a.eval_data else count_lines(a.data) - header * len(a.data)
+            self.inputs = JobInputs.read(config)
         except (FileNotFoundError, DataError) as e:
             raise _fail(str(e)) from None
-        if total is not None and total <= 0:
-            raise _fail(f"{a.data[0]}: file is empty")
-        if a.eval_data:  # train on every line of --data; no counting pass
-            self.held, self.n_train, self.eval_files, self.eval_skip = 0, None, a.eval_data, 0
-            self.eval_name = " ".join(a.eval_data)
-        else:
-            self.held = int(a.holdout * total) if a.holdout < 1 else int(a.holdout)
-            self.n_train, self.eval_files, self.eval_skip = total - self.held, a.data, total - self.held
-            self.eval_name = f"{self.held} held-out lines"
-        if a.checkpoint_every and not a.checkpoint:
+        for message in self.inputs.messages:
+            print_once(message)
+        self.config, self.meta, self.spec = self.inputs.config, self.inputs.meta, self.inputs.spec
+        self.eval_name, self.n_train = self.inputs.eval_name, self.inputs.n_train
+        if config.checkpoint_every and not config.checkpoint:
             raise _fail("--checkpoint-every needs --checkpoint FOLDER", once=False)
 
     def _make_mode(self) -> None:
-        a, spec = self.config, self.spec
-
-        def first_lines(n: int) -> dict:
-            return next(iter(_dataset(a, spec, n, take_lines=min(n, self.n_train or n))))[0]
+        a, spec, first_lines = self.config, self.spec, self.inputs.first_lines
         self.run = modes.Run(a, spec, lambda: first_lines(a.batch),
                              lambda: models.build(a.model, spec, seed=a.seed, hidden=a.hidden_units),
                              read_lines=first_lines)
@@ -133,18 +102,13 @@ class _Job:
         """The batches of one epoch: shuffled by (seed, epoch), so a resumed job sees the
         same order as an uninterrupted one."""
         a = self.config
-        return _dataset(a, self.spec, self.global_batch, shuffle_buffer=a.shuffle_buffer,
-                        inputs=self.mode.read_inputs(), seed=modes.epoch_seed(a.seed, epoch),
-                        take_lines=self.n_train, shard=shard, skip_bad_lines=a.skip_bad_lines,
-                        skip_report=self.skips)
+        return self.inputs.training(a, self.global_batch, modes.epoch_seed(a.seed, epoch), self.mode.read_inputs(),
+                                    shard, self.skips)
 
     def evaluation_data(self):
-        a = self.config
-        if not (self.held or a.eval_data):
-            return None
-        return _dataset(a, self.spec, max(self.global_batch, 4096), self.eval_files, skip_lines=self.eval_skip,
-                        inputs=self.mode.read_inputs(), shard=self.mode.eval_shard(),
-                        skip_bad_lines=a.skip_bad_lines, skip_report=self.skips)
+        """The evaluation batches, or None."""
+        return self.inputs.evaluation(self.config, self.global_batch, self.mode.read_inputs(), self.mode.eval_shard(),
+                                      self.skips)
 
     def _check_inputs(self) -> None:
         """A bad path, format or line among the first, before the model is built and traced;
@@ -296,38 +260,6 @@ def print_once(message: str) -> None:
     the launcher's rank 0 only, not once per process."""
     if launcher_rank()[0] == 0:
         print(message, file=sys.stderr)
-
-
-def _spec(a, meta: dict):
-    """The FeatureSpec of the data (des.data.resolve.spec_for): the training AND the --eval-data
-    files are scanned, so an evaluation file with longer bags than any training line works."""
-    return spec_for(a.format, a.data, a.dim, meta, a.eval_data or [], layout=a.libsvm_layout)
-
-
-def _dataset(a, spec, batch_size: int, paths=None, inputs=None, skip_bad_lines: bool = False,
-             skip_report=None, **kw):
-    """The text readers (des.data.readers: every line checked, only ``inputs`` hashed) or, for a
-    folder of des.data.convert, the columnar reader reading only ``inputs`` (None: all)."""
-    paths = list(paths or a.data)
-    if a.format == "columnar":
-        bad = [p for p in paths if not columnar.is_columnar([p])]
-        if bad or len(paths) != 1:
-            raise DataError(f"{(bad or paths)[0]}: with columnar --data, --eval-data must be one columnar "
-                            f"folder too (python -m des.data.convert)")
-        return columnar.make_dataset(paths[0], spec, batch_size, inputs=inputs, **kw)
-    return make_dataset(paths, a.format, spec, batch_size, skip_bad_lines=skip_bad_lines,
-                        skip_report=skip_report, inputs=inputs, **kw)
-
-
-def bayes_auc(a, meta: dict):
-    """The generator's Bayes-optimal AUC of the evaluated data, if it wrote one."""
-    if not a.eval_data:
-        return meta.get("bayes_auc")
-    path = a.eval_data[0] + ".meta.json"
-    if len(a.eval_data) == 1 and os.path.exists(path):
-        with open(path) as fh:
-            return json.load(fh).get("bayes_auc")
-    return None
 
 
 def _peak_rss_mib() -> float:
