@@ -33,10 +33,18 @@ _quiet.install()
 __version__ = "0.1.0"
 
 
-def transform(model, options=None, *, comm=None, spec=None, sample=None):
+def transform(model, options=None, *, comm=None, spec=None, sample=None, **moved):
     """(DES model for this process, report) of a Keras model; ``options``: a des.Options.
     See des.compiler.api.transform. The model it returns saves, checkpoints and exports with
-    every process's trained rows (des.runtime.saving)."""
+    every process's trained rows (des.runtime.saving). ``moved``: the keywords that were
+    des.transform's own before des.Options (``tail=...``) raise a TypeError naming their new place."""
+    if moved:
+        shown = {k: v for k, v in moved.items() if k not in ("fuse_tables", "join_linear")}
+        if moved.get("fuse_tables"):
+            shown["tables"] = "joined" if moved.get("join_linear") else "fused"
+        given = ", ".join(f"{k}={v!r}" for k, v in shown.items())
+        raise TypeError(f"des.transform: {', '.join(moved)} {'is' if len(moved) == 1 else 'are'} now of "
+                        f"des.Options: des.transform(model, des.Options({given}))")
     from des.compiler import transform as compile_model
     from des.runtime.saving import install
     new, report = compile_model(model, options, comm=comm, spec=spec, sample=sample)

@@ -73,7 +73,9 @@ def test_options_that_do_not_apply_are_refused(name, kw, message):
 def test_options_that_apply_are_accepted():
     spec = small_spec()
     batch = random_batches(spec, 1, 8)[0]
-    for name, kw in [("ps", {"allocate": "laia"}), ("ps", {"wire_dtype": "float16"}), ("cache", {"allocate": "random", "staleness": "0",
+    for name, kw in [("ps", {"allocate": "laia"}), ("ps", {"wire_dtype": "float16"}),
+                     ("ps", {"tail": "auto"}), ("single", {"tail": "auto"}),   # --mode auto --tail auto may pick them
+                     ("cache", {"allocate": "random", "staleness": "0",
                                                                "on_demand": True, "cache_size": "5"})]:
         assert modes.make(name, make_run(spec, batch, mode=name, **kw)).name == name
 
