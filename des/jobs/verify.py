@@ -151,11 +151,13 @@ def run_in_process_world(world_size: int, build: Callable[[], tf.keras.Model],
     ``work`` on every rank in its own thread."""
     world = InProcessWorld(world_size)
     des_models = []
+    where = {k: transform_kwargs.pop(k) for k in ("spec", "sample") if k in transform_kwargs}   # des.transform's own
+    options = des.Options(**transform_kwargs)
     for r in range(world_size):
         m = build()
         if r == 0 and init_from is not None:
             copy_state(init_from, m)
-        des_models.append(des.transform(m, des.Options(**transform_kwargs), comm=world.communicator(r))[0])
+        des_models.append(des.transform(m, options, comm=world.communicator(r), **where)[0])
     return _on_every_rank(world, lambda r: work(des_models[r]))
 
 
