@@ -84,6 +84,20 @@ class BiInteractionSubOp(SubOperator):
         return dm.bi_combine(total, self.k)
 
 
+class FieldRowsSubOp(SubOperator):
+    """One field vector for a reader no rule splits (Cross, CIN, attention, gates, ...): its
+    owner's partial is the vector itself, every other process's zeros, so the sum over processes
+    is the vector, exactly (x + 0 = x), on every process; the identity gradient hands its owner
+    the vector's gradient. [B, width]."""
+
+    def __init__(self, fields, *, width: int, **kwargs):
+        super().__init__(fields, **kwargs)
+        self.width = int(width)
+
+    def partial(self, vectors, batch):
+        return vectors[0] if vectors else dm.zeros(batch, self.width)
+
+
 class DenseBlockSubOp(SubOperator):
     """sum_p E_p W_p: holds W_p, the rows of the Dense kernel that multiply this process's
     fields (bias, replicated rows and activation are applied after the combine).
@@ -127,6 +141,17 @@ class DenseBlockSubOp(SubOperator):
             return []
         kernel, starts = self.kernel_block.numpy(), np.cumsum([0] + self.field_widths)
         return [kernel[a:b] for a, b in zip(starts[:-1], starts[1:])]
+
+
+def _runs(names: list[str]) -> list[str]:
+    """Consecutive equal names once, with their count: [a, b, b, b] -> [a, b x3] (``bx3``)."""
+    out: list[list] = []
+    for name in names:
+        if out and out[-1][0] == name:
+            out[-1][1] += 1
+        else:
+            out.append([name, 1])
+    return [name if k == 1 else f"{name}x{k}" for name, k in out]
 
 
 class DESFirstLayer(tf.keras.layers.Layer):
@@ -177,7 +202,7 @@ class DESFirstLayer(tf.keras.layers.Layer):
         # the fused allreduce's identity on every rank: from the operators' kinds and widths (the
         # graph), never from the fields a process owns or the op feeding it (see des_ops.comm)
         self.collective = (f"des_partials_{scope}" if scope else "des_partials") + "__" + "__".join(
-            [f"{type(op).__name__.removesuffix('SubOp').lower()}{op.width}" for op in self.ops]
+            _runs([f"{type(op).__name__.removesuffix('SubOp').lower()}{op.width}" for op in self.ops])
             + (["penalty1"] if penalty_column else []) + (["rows"] if shard_rows else [])
             + [f"op{i}_by_rows" for i, rows in enumerate(self.by_rows) if rows]
             + ([f"wire{wire_dtype}"] if wire_dtype != "float32" else []))

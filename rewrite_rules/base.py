@@ -10,7 +10,7 @@ sum into the original operator's output. A new rule is one file:
     ...     def match(self, graph, fields, node): ...              # Match | Rejection | None
     ...     def sub_operator(self, match, owned, name): ...       # a des_ops SubOperator
     >>> [(r.name, r.priority) for r in RULES]
-    [('my_rule', 50), ('embed_concat_dense', 40), ('fm_interaction', 30), ('bi_interaction', 20), ('lr_sum', 10)]
+    [('my_rule', 50), ('embed_concat_dense', 40), ('fm_interaction', 30), ('bi_interaction', 20), ('lr_sum', 10), ('field_rows', 0)]
 """
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ class Rejection:
 class Rule:
     name: str = ""
     priority: int = 0
+    fallback = False          # True: not tried node by node (rewrite_rules.field_rows runs after the others)
 
     def match(self, graph: Graph, fields: FieldAnalysis, node: Node) -> Match | Rejection | None:  # pragma: no cover
         raise NotImplementedError

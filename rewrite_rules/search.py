@@ -13,6 +13,7 @@ from __future__ import annotations
 from des.graph.fields import GLUE, FieldAnalysis
 from des.graph.ir import Graph
 from rewrite_rules.base import RULES, Match, Rejection, Rule
+from rewrite_rules.field_rows import gather_left
 
 
 def find_substitutions(graph: Graph, fields: FieldAnalysis | None = None) -> tuple[list[Match], list[Rejection]]:
@@ -23,6 +24,8 @@ def find_substitutions(graph: Graph, fields: FieldAnalysis | None = None) -> tup
         if node.index in claimed or node.kind in ("input", "table"):
             continue
         for rule in RULES:
+            if rule.fallback:
+                continue
             found = rule.match(graph, fields, node)
             if isinstance(found, Match):
                 found.out_shape = tuple(graph.shape(node.output)[1:])
@@ -32,7 +35,9 @@ def find_substitutions(graph: Graph, fields: FieldAnalysis | None = None) -> tup
             if isinstance(found, Rejection):
                 rejections.append(found)
                 break
-    return drop_unsafe(graph, matches, rejections, fields)
+    matches, rejections = drop_unsafe(graph, matches, rejections, fields)
+    rows, why_not = gather_left(graph, fields, matches)         # every table left whole: by field rows
+    return drop_unsafe(graph, matches + rows, rejections + why_not, fields)
 
 
 def drop_unsafe(graph: Graph, matches: list[Match], rejections: list[Rejection], fields: FieldAnalysis):
@@ -59,6 +64,8 @@ def drop_unsafe(graph: Graph, matches: list[Match], rejections: list[Rejection],
             for v in m.vectors:
                 for idx in v.chain:
                     for t in graph.nodes[idx].outputs:
+                        if t == m.root.output:       # a field_rows match: its readers get the vector
+                            continue
                         users = [u for u in graph.consumers.get(t, []) if u.index not in inside]
                         if users or t in graph.output_ids:
                             readers.setdefault(v.table.layer.name, (v.field, _blocker(graph, users)))

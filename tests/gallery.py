@@ -242,6 +242,8 @@ def _deepctr(kind: str):
     from deepctr import models as dm
     from deepctr.feature_column import SparseFeat
     cols = [SparseFeat(f, vocabulary_size=V, embedding_dim=K, dtype="int64") for f in FIELDS]
+    if kind == "PNN":                    # one set of feature columns, no linear part
+        return dm.PNN(cols, dnn_hidden_units=(8, 4), seed=1)
     return getattr(dm, kind)(cols, cols, dnn_hidden_units=(8, 4), seed=1)
 
 
@@ -266,6 +268,13 @@ BUILDERS = {
     "deepctr_wdl": lambda: _deepctr("WDL"),
     "deepctr_fnn": lambda: _deepctr("FNN"),
     "deepctr_nfm": lambda: _deepctr("NFM"),
+    # readers no rule splits: every table by field rows (rewrite_rules.field_rows)
+    "deepctr_dcn": lambda: _deepctr("DCN"),
+    "deepctr_xdeepfm": lambda: _deepctr("xDeepFM"),
+    "deepctr_autoint": lambda: _deepctr("AutoInt"),
+    "deepctr_pnn": lambda: _deepctr("PNN"),
+    "deepctr_fibinet": lambda: _deepctr("FiBiNET"),
+    "deepctr_ccpm": lambda: _deepctr("CCPM"),
 }
 
 EXPECTED = {
@@ -289,6 +298,12 @@ EXPECTED = {
     "deepctr_wdl": ["embed_concat_dense", "lr_sum"],
     "deepctr_fnn": ["embed_concat_dense", "lr_sum"],
     "deepctr_nfm": ["bi_interaction", "lr_sum"],
+    "deepctr_dcn": ["field_rows"] * 4 + ["lr_sum"],
+    "deepctr_xdeepfm": ["field_rows"] * 4 + ["lr_sum"],
+    "deepctr_autoint": ["field_rows"] * 4 + ["lr_sum"],
+    "deepctr_pnn": ["field_rows"] * 4,
+    "deepctr_fibinet": ["field_rows"] * 4 + ["lr_sum"],
+    "deepctr_ccpm": ["field_rows"] * 4 + ["lr_sum"],
 }
 
 

@@ -31,6 +31,10 @@ TOL_ADAM_STATE = 1e-5    # rows and weights after 20 Adam steps (4.9e-6 measured
 TOL_PREDICTIONS = 1e-6
 TOL_METRICS = 1e-5       # the fit's last loss and AUC
 BUILD_SEED = 0           # the starting weights of every build (Keras / DeepCTR initialisers)
+# AutoInt's attention amplifies under Adam what its linear part's float32 order changes (DES sums the 1-wide
+# lookups with add_n, DeepCTR with reduce_sum over their concat): measured 2.7e-6 on predictions at N = 1
+# and 6.6e-7 at N = 2, where SGD gives 0.0 on predictions and 1.2e-7 on rows and weights (the same order).
+TOL_PREDICTIONS_ADAM = {"deepctr_autoint": 1e-5}
 
 
 @pytest.mark.parametrize("name", list(BUILDERS))
@@ -61,7 +65,8 @@ def test_gallery_model_is_substituted_and_equivalent(name):
             metrics = max(max(abs(r["auc"] - ref["auc"]), abs(r["loss"] - ref["loss"])) for r in ranks)
             state = max(diff["tables"], diff["owned"], diff["weights"])
             print(f"{name} {optimizer} N={n}: {diff} metrics {metrics:.1e}")
-            assert diff["predictions"] < TOL_PREDICTIONS and metrics < TOL_METRICS, (optimizer, n, diff, metrics)
+            bound = TOL_PREDICTIONS_ADAM.get(name, TOL_PREDICTIONS) if optimizer == "adam" else TOL_PREDICTIONS
+            assert diff["predictions"] < bound and metrics < TOL_METRICS, (optimizer, n, diff, metrics)
             assert state < (TOL_ADAM_STATE if optimizer == "adam" else TOL_SGD), (optimizer, n, diff)
 
 
