@@ -13,7 +13,7 @@ from __future__ import annotations
 from des.graph.fields import FieldAnalysis, FieldVector
 from des.graph.ir import Graph, Node
 from des_ops.suboperators import FieldRowsSubOp
-from rewrite_rules.base import Match, Rejection, Rule, check_vectors, register
+from rewrite_rules.base import Match, Rejection, Reshaped, Rule, check_vectors, register
 
 NAME = "field_rows"
 
@@ -45,6 +45,10 @@ class FieldRowsRule(Rule):
     def match(self, graph, fields, node):
         return None
 
+    def finish(self, match: Match, combined, look):
+        """The vector in its own shape; named by the call when the table is called several times."""
+        return Reshaped(match.out_shape, name=f"des_{NAME}_{match.data['name']}_out")(combined)
+
     def sub_operator(self, match: Match, owned: list[FieldVector], name: str):
         return FieldRowsSubOp([v.field for v in owned], width=match.vectors[0].width, name=name,
                               source=match.root.layer.name)
@@ -68,5 +72,7 @@ def gather_left(graph: Graph, fields: FieldAnalysis, matches: list[Match]) -> tu
         if why:
             rejected.append(Rejection(NAME, n, why))
             continue
-        found.append(Match(NAME, root, [v], {root.index}, out_shape=tuple(graph.shape(root.output)[1:])))
+        name = root.layer.name if graph.layer_calls(root.layer) == 1 else f"{root.layer.name}_{root.index}"
+        found.append(Match(NAME, root, [v], {root.index}, out_shape=tuple(graph.shape(root.output)[1:]),
+                           data={"name": name}))
     return found, rejected

@@ -140,10 +140,12 @@ class ValueDependent(tf.keras.Model):
         return self.out(h)
 
 
-BUILDERS = {"tfrs_ranking": tfrs_ranking, "subclassed_wdl": WideAndDeep, "tfrs_retrieval": tfrs_retrieval}
+BUILDERS = {"tfrs_ranking": tfrs_ranking, "subclassed_wdl": WideAndDeep, "tfrs_retrieval": tfrs_retrieval,
+            "tfrs_dcn": tfrs_dcn}
 EXPECTED = {"tfrs_ranking": ["embed_concat_dense"], "subclassed_wdl": ["embed_concat_dense", "lr_sum"],
-            "tfrs_retrieval": ["embed_concat_dense", "embed_concat_dense"]}
-TFRS = ("tfrs_ranking", "tfrs_retrieval")     # fed as one dict of features, labels inside
+            "tfrs_retrieval": ["embed_concat_dense", "embed_concat_dense"],
+            "tfrs_dcn": ["field_rows", "field_rows"]}      # Cross reads x0 whole: each table by field rows
+TFRS = ("tfrs_ranking", "tfrs_retrieval", "tfrs_dcn")     # fed as one dict of features, labels inside
 COLLECTIVES = {"tfrs_retrieval": 2}            # allreduces per forward pass: one per tower (else 1)
 
 
@@ -152,7 +154,7 @@ def batches_for(name: str, steps: int, batch: int, seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(steps):
-        if name == "tfrs_ranking":
+        if name in ("tfrs_ranking", "tfrs_dcn"):
             u, m = rng.integers(1, USERS, batch), rng.integers(1, MOVIES, batch)
             out.append({"user_id": tf.constant(u), "movie_id": tf.constant(m),
                         "rating": tf.constant(((u % 5 + m % 3) / 2).astype(np.float32))})

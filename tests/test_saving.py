@@ -165,7 +165,7 @@ def test_checkpoint_of_des_2_resumes_exactly_on_des_3_and_one_process(tmp_path, 
     assert max(np.abs(p - ref).max() for p in got) < 2e-6
 
 
-@pytest.mark.parametrize("tables", [{}, {"fuse_tables": True, "join_linear": True}])
+@pytest.mark.parametrize("tables", [{}, {"tables": "joined"}])
 def test_export_of_a_tfra_model_serves_what_des_predicts(tmp_path, tables):
     """Per-field TFRA tables, and the same joined into one table a process (the export reads
     the rows the model declares, wherever they live)."""

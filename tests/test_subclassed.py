@@ -68,18 +68,17 @@ def test_negative_unknown_input_shapes_ask_for_a_sample():
     assert "its input shapes are unknown: pass sample=<a batch of its inputs> to des.transform" in str(report)
 
 
-def test_negative_tfrs_dcn_names_the_cross_layer():
+def test_tfrs_dcn_leaves_no_table_whole():
     """TFRS's DCN: the Cross layer multiplies x0 (every field's embedding) elementwise, so no
-    rule can split what it reads by field; the report names it for every table, nothing is
-    counted, and the model comes back as it was."""
+    rule splits it by partials; each table still lives with one owner, whose field vector every
+    process receives (field rows: 2 x 8 floats a sample). Equivalence: the parametrized test."""
     from subclassed_models import tfrs_dcn
-    sample = batches_for("tfrs_ranking", 1, 8)[0]
+    sample = batches_for("tfrs_dcn", 1, 8)[0]
     model = tfrs_dcn()
     same, report = des.transform(model, comm=LocalCommunicator(), sample={k: v for k, v in sample.items()
                                                                           if k != "rating"})
-    assert same is model and not report.changed and report.floats_per_sample == 0
-    text = str(report)
-    assert "'cross' (Cross)" in text and len(report.unsubstituted) == 2, text
+    widths = [m.vectors[0].width for m in report.substitutions]
+    assert same is model and report.unsubstituted == [] and widths == [8, 8] and report.floats_per_sample == 16
 
 
 def test_towers_take_tail_auto_and_refuse_a_data_parallel_tail():

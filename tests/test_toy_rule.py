@@ -70,10 +70,11 @@ def mean_model(dim: int = 1, seed: int = 0):
     return tf.keras.Model(x, tf.keras.layers.Activation("sigmoid")(Bias()(mean)))
 
 
-def test_without_the_rule_nothing_is_substituted():
+def test_without_the_rule_its_tables_go_by_field_rows():
     model = mean_model()
-    new, report = des.transform(model, comm=LocalCommunicator())
-    assert report.substitutions == [] and new is model
+    _, report = des.transform(model, comm=LocalCommunicator())
+    assert [m.rule for m in report.substitutions] == ["field_rows"] * len(SPEC)
+    assert report.floats_per_sample == len(SPEC)      # each field's 1-wide vector, not one partial
 
 
 def test_a_rule_in_one_file_is_substituted_and_exact(toy_rule):
