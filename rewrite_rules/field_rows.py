@@ -10,7 +10,10 @@ rules, on the tables left whole. One match per field vector, rooted at the node 
 """
 from __future__ import annotations
 
-from des.graph.fields import FieldAnalysis, FieldVector
+import numpy as np
+import tensorflow as tf
+
+from des.graph.fields import FieldAnalysis, FieldVector, per_sample
 from des.graph.ir import Graph, Node
 from des_ops.suboperators import FieldRowsSubOp
 from rewrite_rules.base import Match, Rejection, Reshaped, Rule, check_vectors, register
@@ -19,22 +22,63 @@ NAME = "field_rows"
 
 
 def widest_vector(graph: Graph, fields: FieldAnalysis, table: Node) -> FieldVector | str:
-    """The field vector of one call of a table that its readers see: the lookup followed
-    through what keeps it one table's vector (reshapes, a pooling of multi-valued ids) as long
-    as one node reads it; or why there is none."""
+    """What the readers of one call of a table see, as one block of the field's rows: the lookup
+    followed through what keeps it this table's alone (reshapes, a pooling of multi-valued ids)
+    as long as one node reads it. A field vector, or the unpooled rows of a sequence ([B, L, K],
+    DIN's behaviour history) or of a table holding several fields through offsets ([B, F, K],
+    DLRM): one owner computes them all. Or why there is none."""
+    def alone(t) -> bool:
+        return [n.index for n in fields.tables(t)] == [table.index]
+
     t = table.output
     while True:
         users = graph.consumers.get(t, [])
-        if len(users) == 1 and t not in graph.output_ids and len(users[0].outputs) == 1:
-            nxt = users[0].output
-            if [n.index for n in fields.tables(nxt)] == [table.index] and fields.vector(nxt) is not None:
-                t = nxt
-                continue
-            if fields.vector(t) is None and [n.index for n in fields.tables(nxt)] == [table.index]:
-                t = nxt                    # [B, L, K] rows on the way to a pooling
-                continue
-        v = fields.vector(t)
-        return v if v is not None else f"its lookup is not one vector per sample: {fields.why_not(t)}"
+        if len(users) != 1 or t in graph.output_ids or len(users[0].outputs) != 1 or not alone(users[0].output):
+            break
+        if fields.vector(t) is not None and fields.vector(users[0].output) is None:
+            break                          # a vector stays a vector until its reader
+        t = users[0].output
+    v = fields.vector(t)
+    return v if v is not None else _rows_block(graph, fields, table, t)
+
+
+def _rows_block(graph: Graph, fields: FieldAnalysis, table: Node, t) -> FieldVector | str:
+    """Tensor t of one table's rows, more than one vector a sample, as a block its owner sends."""
+    dims = per_sample(graph, t)
+    if dims is None:
+        return f"{graph.producer[t].layer.name!r} has no static per-sample shape {tuple(graph.shape(t))}"
+    if getattr(graph.tensors[t], "_keras_mask", None) is not None and masking_ids(graph, table, t) is None:
+        return f"{graph.producer[t].layer.name!r} carries a Keras mask that is not its table's of a model input"
+    chain = frozenset(i for i in fields.cone(t) if graph.nodes[i].kind != "input")
+    for i in chain:                        # a weight shared with anything else cannot move to an owner
+        node = graph.nodes[i]
+        if node.layer.weights and graph.layer_calls(node.layer) != 1 and node.kind != "table":
+            return f"{node.layer.name!r} in its chain is also called elsewhere"
+    return FieldVector(t, table, fields.field_of(table), int(np.prod(dims)), chain)
+
+
+def masking_ids(graph: Graph, table: Node, t) -> int | None:
+    """The model input whose ids make the Keras mask of tensor t (an Embedding with mask_zero
+    looking up a model input directly), or None. The finish remakes the mask from it."""
+    ops = table.tensor_operands()
+    if t != table.output or len(ops) != 1 or ops[0] not in graph.input_ids:
+        return None
+    return ops[0]
+
+
+class MaskedRows(tf.keras.layers.Layer):
+    """The combined rows with the Keras mask their table makes of the ids (``table.compute_mask``),
+    as the table's own output carries it for the layers that read it."""
+
+    def __init__(self, table, **kwargs):
+        super().__init__(**kwargs)
+        self._table = [table]             # not tracked: its weights are the owner's
+
+    def call(self, inputs):
+        return inputs[0]
+
+    def compute_mask(self, inputs, mask=None):
+        return self._table[0].compute_mask(inputs[1])
 
 
 @register(priority=0)
@@ -47,7 +91,11 @@ class FieldRowsRule(Rule):
 
     def finish(self, match: Match, combined, look):
         """The vector in its own shape; named by the call when the table is called several times."""
-        return Reshaped(match.out_shape, name=f"des_{NAME}_{match.data['name']}_out")(combined)
+        out = Reshaped(match.out_shape, name=f"des_{NAME}_{match.data['name']}_out")(combined)
+        if match.data.get("mask_ids") is not None:
+            out = MaskedRows(match.vectors[0].table.layer, name=f"des_{NAME}_{match.data['name']}_mask")(
+                [out, look(match.data["mask_ids"])])
+        return out
 
     def sub_operator(self, match: Match, owned: list[FieldVector], name: str):
         return FieldRowsSubOp([v.field for v in owned], width=match.vectors[0].width, name=name,
@@ -73,6 +121,7 @@ def gather_left(graph: Graph, fields: FieldAnalysis, matches: list[Match]) -> tu
             rejected.append(Rejection(NAME, n, why))
             continue
         name = root.layer.name if graph.layer_calls(root.layer) == 1 else f"{root.layer.name}_{root.index}"
+        masked = getattr(graph.tensors[v.tensor], "_keras_mask", None) is not None
         found.append(Match(NAME, root, [v], {root.index}, out_shape=tuple(graph.shape(root.output)[1:]),
-                           data={"name": name}))
+                           data={"name": name, "mask_ids": masking_ids(graph, n, v.tensor) if masked else None}))
     return found, rejected

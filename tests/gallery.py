@@ -247,6 +247,17 @@ def _deepctr(kind: str):
     return getattr(dm, kind)(cols, cols, dnn_hidden_units=(8, 4), seed=1)
 
 
+def deepctr_din():
+    """DeepCTR's DIN: a user and a candidate item, the behaviour history (4 items, zero-padded,
+    read through the item's table with Keras's mask) attended to by the candidate."""
+    from deepctr import models as dm
+    from deepctr.feature_column import SparseFeat, VarLenSparseFeat
+    feats = [SparseFeat("user", V, embedding_dim=K, dtype="int64"), SparseFeat("item", V, embedding_dim=K, dtype="int64"),
+             VarLenSparseFeat(SparseFeat("hist_item", V, embedding_dim=K, embedding_name="item", dtype="int64"),
+                              maxlen=4, length_name="seq_length")]
+    return dm.DIN(feats, ["item"], dnn_hidden_units=(8,), att_hidden_size=(8,), seed=1)
+
+
 BUILDERS = {
     "keras_deepfm": keras_deepfm,
     "keras_fm_stack_square": keras_fm_stack_square,
@@ -275,6 +286,8 @@ BUILDERS = {
     "deepctr_pnn": lambda: _deepctr("PNN"),
     "deepctr_fibinet": lambda: _deepctr("FiBiNET"),
     "deepctr_ccpm": lambda: _deepctr("CCPM"),
+    "deepctr_din": deepctr_din,
+    "dlrm_offsets": dlrm_offsets,
 }
 
 EXPECTED = {
@@ -304,6 +317,8 @@ EXPECTED = {
     "deepctr_pnn": ["field_rows"] * 4,
     "deepctr_fibinet": ["field_rows"] * 4 + ["lr_sum"],
     "deepctr_ccpm": ["field_rows"] * 4 + ["lr_sum"],
+    "deepctr_din": ["field_rows"] * 4,       # user, item, the history twice (its table: item's)
+    "dlrm_offsets": ["field_rows"] * 2,      # one owner for the one table of all fields (and the linear one)
 }
 
 

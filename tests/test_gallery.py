@@ -228,12 +228,15 @@ def test_negative_a_shared_table_also_read_by_a_layer_that_is_not_substituted():
     assert "NOT substituted" not in text
 
 
-def test_negative_one_table_with_per_field_offsets_is_refused_with_its_reason():
-    """DLRM / pytorch-fm ports (ids + offsets into one Embedding(F*V, K)): no substitution is
-    counted (it would partition nothing), and every table line says why."""
+def test_one_table_with_per_field_offsets_lives_with_one_owner():
+    """DLRM / pytorch-fm ports (ids + offsets into one Embedding(F*V, K)): the FM cannot be split
+    by field (the report says why); the table, which holds the 4 fields as key ranges, lives with
+    one owner that sends its [B, 4, K] rows (field rows), not on every process. Equivalence: the
+    gallery's parametrized test."""
     text = _report(dlrm_offsets())
-    assert "nothing to substitute" in text, text
-    assert text.count("NOT substituted: it holds 4 fields as key ranges (its ids are ids + per-field offsets") == 2, text
+    assert "fm_interaction at" in text and "ids + per-field offsets, as in DLRM ports" in text, text
+    assert re.search(r"embedding(_\d+)? \(Keras Embedding, width 4, field 'ids'\): substituted in field_rows", text), text
+    assert "partial width 16" in text and "NOT substituted" not in text, text
 
 
 def test_the_same_des_job_gives_the_same_bits_run_after_run():
@@ -307,3 +310,44 @@ def test_the_transformed_model_is_consumed_and_a_compiled_model_stays_compiled()
     x, _ = batches_for(new, 1, 16)[0]
     with pytest.raises(Exception, match="was consumed by des.transform .* use the model des.transform returned"):
         model.predict_on_batch(x)
+
+
+def _mmoe():
+    """DeepCTR's MMoE with its default gates (no hidden units: the gate's DNN passes its input
+    through), two experts, two binary tasks."""
+    from deepctr import models as dm
+    from deepctr.feature_column import SparseFeat
+    cols = [SparseFeat(f, vocabulary_size=V, embedding_dim=K, dtype="int64") for f in FIELDS]
+    return dm.MMOE(cols, num_experts=2, expert_dnn_hidden_units=(8,), tower_dnn_hidden_units=(4,),
+                   task_types=("binary", "binary"), task_names=("click", "buy"), seed=1)
+
+
+def test_mmoe_with_default_gates_is_split_by_partials_and_exact():
+    """Both experts' and both gates' first Dense layers read the same embeddings: four first
+    Dense layers split by partials, no table whole; trained on both tasks with Adam, N = 2, 3
+    equal one process."""
+    from des.compiler.keys import create_slots
+    from des.runtime.state import snapshot
+    tf.keras.utils.set_random_seed(BUILD_SEED)
+    base = _mmoe()
+    matches, _ = find_substitutions(Graph(base))
+    assert sorted(m.rule for m in matches) == ["embed_concat_dense"] * 4
+    batches = batches_for(base, 20, 32, seed=4)
+    probe = batches_for(base, 1, 16, seed=99)[0][0]
+
+    def fit(m):
+        m.compile(tf.keras.optimizers.Adam(0.02), ["binary_crossentropy", "binary_crossentropy"])
+        create_slots(m, m.optimizer)
+        for x, y in batches:
+            loss = m.train_on_batch(x, [y, 1.0 - y])
+        return {"predictions": np.concatenate(m.predict_on_batch(probe), axis=1), "loss": loss[0], **snapshot(m)}
+    reference = _mmoe()
+    copy_state(base, reference)
+    ref = fit(reference)
+    for n in (2, 3):
+        ranks = run_in_process_world(n, _mmoe, fit, init_from=base)
+        diff = compare(ref, ranks)
+        print(f"mmoe N={n}: {diff}")
+        assert diff["predictions"] < TOL_PREDICTIONS and max(diff["tables"], diff["owned"], diff["weights"]) < \
+            TOL_ADAM_STATE, diff
+        assert all(abs(r["loss"] - ref["loss"]) < TOL_METRICS for r in ranks)

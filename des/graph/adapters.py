@@ -101,9 +101,10 @@ def _deepctr_linear(layer, args, kwargs):
 
 @register_adapter("deepctr.layers.core.DNN")
 def _deepctr_dnn(layer, args, kwargs):
-    """DNN: its first kernel is the substituted Dense; DNNRest finishes the layer."""
+    """DNN: its first kernel is the substituted Dense; DNNRest finishes the layer. A DNN with no
+    hidden units (MMoE's default gate input) passes its input through: read through it."""
     if not layer.hidden_units:
-        return None
+        return ("identity", [_first(args, kwargs)], {}) if not layer.output_activation else None
     return "dense", _first(args, kwargs), {
         "units": layer.hidden_units[0], "kernel": layer.kernels[0], "bias": layer.bias[0], "activation": None,
         "rest": DNNRest(layer), "kernel_regularizer": tf.keras.regularizers.l2(layer.l2_reg) if layer.l2_reg else None,
