@@ -25,14 +25,16 @@ EQUIVALENCE = [("deepfm", "adam", 2, "horovod", "per-field"), ("wdl", "ftrl", 3,
 PS = [("deepfm", "adam", 2, "per-field"), ("wdl", "sgd", 3, "joined"), ("deepfm", "ftrl+adam", 2, "fused")]
 USERS = ["deepctr_deepfm_defaults", "two_tower", "shared_table_deepfm", "deepctr_deepfm", "tfra_deepfm"]
 SUBCLASSED = ["tfrs_ranking", "subclassed_wdl", "tfrs_retrieval"]
+FIELD_ROWS = ["deepctr_dcn", "deepctr_din", "dlrm_offsets"]     # tables no rule splits: by field rows
 # Checks that share a process count share a launch (scripts/mpi_battery.py): a TensorFlow start and
 # Horovod's initialisation per rank cost more than most checks. N = 3's first REPEATED jobs run again
 # in a second launch, which must give the same bits; N = 5 is more processes than fields.
 REPEATED = ["gallery:deepctr_deepfm_defaults", "gallery:two_tower", "gallery:shared_table_deepfm", "tail:keras_deepfm",
-            "rows:keras_deepfm"]
-BATTERY = {2: [], 3: REPEATED + [f"gallery:{m}" for m in USERS if f"gallery:{m}" not in REPEATED]
+            "rows:keras_deepfm", "gallery:deepctr_dcn"]
+BATTERY = {2: [], 3: REPEATED + [f"gallery:{m}" for m in USERS + FIELD_ROWS if f"gallery:{m}" not in REPEATED]
            + [f"subclassed:{m}" for m in SUBCLASSED], 4: [],
-           5: ["gallery:two_tower", "gallery:shared_table_deepfm", "tail:deepctr_deepfm", "rows:deepctr_deepfm"]}
+           5: ["gallery:two_tower", "gallery:shared_table_deepfm", "tail:deepctr_deepfm", "rows:deepctr_deepfm",
+               "gallery:deepctr_dcn"]}
 for _m, _o, _n, _c, _t in EQUIVALENCE:
     if _c == "horovod":
         BATTERY[_n].append(f"equivalence:{_m}:{_o}:horovod:{_t}")
@@ -343,6 +345,22 @@ def test_users_models_under_mpirun_equal_single_process(battery):
     tt = _ranks(out, "two_tower", 3)[0]["report"]     # user tower f0, f1; item tower f2, f3
     assert re.search(r"rank 0: load [\d.]+  \[f0\]\n.*rank 1: load [\d.]+  \[f1, f3\]\n.*rank 2: load [\d.]+  \[f2\]",
                      tt), tt
+
+
+@pytest.mark.mpi
+def test_tables_no_rule_splits_go_by_field_rows_under_mpirun(battery):
+    """DeepCTR's DCN (its Cross reads every field's embedding), DIN (attention over the masked
+    behaviour history) and a DLRM port (one table of all fields by offsets): no table stays whole
+    on every process; each owner sends its field's rows in the fused allreduce, and after 20 steps
+    every rank equals the untouched model on one process (3 processes; DCN also on 5, more
+    processes than fields: two own nothing)."""
+    for name in FIELD_ROWS:
+        ranks = _ranks(battery(3) / "gallery", name, 3)
+        assert "field_rows" in ranks[0]["report"] and "NOT substituted" not in ranks[0]["report"], ranks[0]["report"]
+        _check_against_reference(name, ranks)
+    ranks = _ranks(battery(5) / "gallery", "deepctr_dcn", 5)
+    assert "no fields: contributes zeros" in ranks[0]["report"]
+    _check_against_reference("deepctr_dcn", ranks)
 
 
 @pytest.mark.mpi
