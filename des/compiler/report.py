@@ -80,10 +80,17 @@ class Report:
         else:
             lines = [f"des.transform: {len(self.substitutions)} substitution(s), rank {self.rank} "
                      f"of {self.world_size}:"]
+            rows = [m for m in self.substitutions if m.rule == "field_rows"]
             for m in self.substitutions:
-                lines.append(f"  {m.rule:<20} at {m.root.layer.name!r}: {len(m.vectors)} field vectors, "
-                             f"partial width {self.widths.get(m.root.layer.name, '?')}"
-                             + (f", {len(m.others)} replicated input(s)" if m.others else ""))
+                if m.rule != "field_rows":
+                    lines.append(f"  {m.rule:<20} at {m.root.layer.name!r}: {len(m.vectors)} field vectors, "
+                                 f"partial width {self.widths.get(m.root.layer.name, '?')}"
+                                 + (f", {len(m.others)} replicated input(s)" if m.others else ""))
+            if rows:
+                names = [m.vectors[0].table.layer.name for m in rows]
+                shown = ", ".join(names if len(names) <= 4 else names[:3] + ["...", names[-1]])
+                lines.append(f"  {'field_rows':<20} {len(rows)} table call(s) ({shown}) read by layers no rule "
+                             f"splits: each owner's rows, {sum(m.vectors[0].width for m in rows)} floats")
             if self.penalty_column:
                 lines.append("  + 1 float per sample for the weight penalties (regularizers) of owned tables "
                              "and kernel rows, so every process reports the whole loss")
