@@ -5,6 +5,7 @@ few kept lazy on purpose (des's public API, des_ops' communicator names, the mod
 hooks that pick a communicator or fuse tables, and des.train's option parsing, so that a wrong
 option stops before TensorFlow loads)."""
 import ast
+import os
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -172,3 +173,12 @@ def test_importing_the_clis_leaves_tensorflow_unstarted():
             "tf.config.threading.set_intra_op_parallelism_threads(1)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_modules_that_find_the_checkout_find_it():
+    """des.jobs.runs, des.jobs.projection and des.cluster.netbed locate the checkout (scripts/, the
+    runs' PYTHONPATH and working folder) from their own path, which the sub-packages moved."""
+    from des.cluster import netbed
+    from des.jobs import projection, runs
+    assert runs.ROOT == projection.ROOT == netbed.ROOT == str(ROOT)
+    assert os.path.exists(netbed.AGENT) and runs.launch_env()["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)

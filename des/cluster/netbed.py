@@ -41,7 +41,7 @@ import time
 
 from des.cluster.timemodel import parse_rate
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the checkout
 PREFIX, BRIDGE, SUBNET = "desh", "desbr0", "10.77.0"
 AGENT = os.path.join(ROOT, "scripts", "netbed_rsh.sh")
 # Open MPI's ring allreduce: the algorithm des.cluster.timemodel prices and the one that keeps every link

@@ -28,7 +28,7 @@ from des.data.resolve import metadata, spec_for
 from des.jobs.runs import describe_source, launch_env
 from des_ops.comm import LocalCommunicator
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the checkout
 
 
 def compute_seconds(mode: str, model: str, data: list[str], fmt: str, a, n: int, out: str) -> float:
