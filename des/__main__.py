@@ -14,6 +14,7 @@ COMMANDS = [
     ("des-export", "des.export", "write one SavedModel from a checkpoint"),
     ("des-compare", "des.compare", "the same model in several modes side by side: AUC, samples/s, bytes"),
     ("des-netbed", "des.netbed", "the emulated cluster: network namespaces with shaped links (root)"),
+    ("des-launch", "des.launch", "run des.train under mpirun, restarting from its last checkpoint when a process dies"),
 ]
 
 

@@ -22,7 +22,8 @@ them, so single, DES on N and PS on N can all restore them on any M.
     ['config.json', 'rank0-of-1.npz']
     >>> shutil.rmtree(ckpt)
 
-Layout (``ckpt/state/``, swapped in whole; ``state.old`` is read if a crash came mid-swap):
+Layout (``ckpt/state/``, swapped in whole; ``state.old``, the save before it, is kept, so the last two
+complete checkpoints are there, and read when ``state`` is missing, as after a crash mid-swap):
 
 - ``config.json`` (rank 0): the job's config (model, widths, FeatureSpec, mode, world size,
   field plan), the data position (epoch, step, seed) and the optimizers' step counts;
@@ -145,12 +146,11 @@ def save(directory: str, model, optimizer, plan: FieldPlan | None = None, rank: 
                     if optimizer is not None else [])
         with open(os.path.join(incoming, "config.json"), "w") as fh:
             json.dump(meta, fh, indent=1)
-        old = final + ".old"
-        shutil.rmtree(old, ignore_errors=True)
+        old = final + ".old"                # the previous complete checkpoint stays: the last two are kept
         if os.path.isdir(final):
+            shutil.rmtree(old, ignore_errors=True)
             os.rename(final, old)
         os.rename(incoming, final)
-        shutil.rmtree(old, ignore_errors=True)
     barrier()
     return final
 

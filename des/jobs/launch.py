@@ -1,0 +1,200 @@
+"""``python -m des.launch``: run a des.train job under mpirun and restart it from its last complete
+checkpoint when a process dies, up to ``--max-restarts`` times.
+
+    python -m des.launch -np 4 --max-restarts 3 --min-np 2 -- \\
+        --mode des --data train.txt --checkpoint ckpt --checkpoint-every 500
+
+Each attempt is one mpirun of des.train. When it fails (a process killed, the stall inspector
+ending the job, any non-zero exit) every process of the attempt is stopped and the job goes on
+from the newest complete checkpoint in ``--checkpoint`` (``des.train --restore``: exact on any
+number of processes): with the same number of processes, or, with ``--min-np M`` below ``-np``,
+one fewer per restart down to M (the lost process's slot is not reused). A job that fails before
+its first checkpoint is not restarted: it ends with that failure's exit status, as it does when
+the restarts are used up. The launcher's log (stderr, ``[des.launch]``) says what failed (mpirun's
+words: rank, host, signal or exit code), what it restarted from (epoch, step) and how much work
+was lost (seconds since that checkpoint). Ctrl-C (or SIGTERM) stops every process it started.
+One launcher at a time may write a checkpoint folder (a lock file in it).
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from des.jobs.runs import launch_env
+
+LOCK = ".des-launch.lock"
+
+
+class LaunchError(RuntimeError):
+    """A launch that cannot start or go on: the message is one line."""
+
+
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """(the launcher's options, des.train's arguments after ``--``)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    ap = argparse.ArgumentParser(prog="python -m des.launch", description=__doc__.split("\n\n")[0])
+    ap.add_argument("-np", "--np", type=int, required=True, help="processes of the first attempt")
+    ap.add_argument("--max-restarts", type=int, default=3, metavar="K", help="restarts after failures (default 3)")
+    ap.add_argument("--min-np", type=int, default=None, metavar="M",
+                    help="below -np: each restart runs one process fewer, down to M (default: -np, the same)")
+    ap.add_argument("--mpirun", default="mpirun -np {np} --oversubscribe --bind-to none",
+                    help="the launch command before python, {np} replaced (default: %(default)s)")
+    ap.add_argument("--stop-grace", type=float, default=10.0, metavar="S",
+                    help="seconds between SIGTERM and SIGKILL when stopping an attempt (default 10)")
+    a = ap.parse_args(argv[:split])
+    train = argv[split + 1:]
+    if a.np < 1 or a.max_restarts < 0:
+        ap.error(f"-np {a.np} / --max-restarts {a.max_restarts}: -np >= 1 and --max-restarts >= 0")
+    a.min_np = a.np if a.min_np is None else a.min_np
+    if not 1 <= a.min_np <= a.np:
+        ap.error(f"--min-np {a.min_np}: between 1 and -np {a.np}")
+    if not train:
+        ap.error("no des.train arguments: python -m des.launch -np N -- --mode des --data ... --checkpoint DIR")
+    if "--restore" in train:
+        ap.error("--restore: the launcher restores from --checkpoint itself (start a new folder, or copy the "
+                 "checkpoint there)")
+    if a.max_restarts and _value(train, "--checkpoint") is None:
+        ap.error("--max-restarts needs a des.train --checkpoint DIR (and --checkpoint-every) to restart from")
+    return a, train
+
+
+def _value(args: list[str], flag: str) -> str | None:
+    for i, x in enumerate(args):
+        if x == flag and i + 1 < len(args):
+            return args[i + 1]
+        if x.startswith(flag + "="):
+            return x.split("=", 1)[1]
+    return None
+
+
+def lock(folder: str):
+    """Hold the folder's lock for this launcher's life (released when the process ends)."""
+    os.makedirs(folder, exist_ok=True)
+    fh = open(os.path.join(folder, LOCK), "a+")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.close()
+        raise LaunchError(f"{folder}: another des.launch is writing this checkpoint folder "
+                          f"(lock {os.path.join(folder, LOCK)})") from None
+    fh.seek(0), fh.truncate(), fh.write(f"{os.getpid()}\n"), fh.flush()
+    return fh
+
+
+def newest(folder: str) -> tuple[str, dict, float] | None:
+    """(path, position, seconds since it was written) of the newest complete checkpoint, or None."""
+    for name in ("state", "state.old"):
+        path = os.path.join(folder, name, "config.json")
+        try:
+            with open(path) as fh:
+                config = json.load(fh)
+            return os.path.dirname(path), config.get("position") or {}, time.time() - os.path.getmtime(path)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def what_failed(rc: int, tail: str) -> str:
+    """mpirun's own line about the failed process, or the exit status."""
+    found = re.search(r"(?:mpirun|Open MPI) (?:noticed|detected) that process rank (\d+) with PID (\d+) on node "
+                      r"(\S+) exited on signal (\d+) \(([^)]+)\)", tail)
+    if found:
+        return f"rank {found[1]} (PID {found[2]}) on {found[3]}: signal {found[4]} ({found[5]})"
+    found = re.search(r"process rank (\d+) with PID (\d+) on node (\S+) exited with status (\d+)", tail)
+    if found:
+        return f"rank {found[1]} (PID {found[2]}) on {found[3]}: exit status {found[4]}"
+    found = re.search(r"Primary job\s+terminated normally, but (\d+) process returned\s+a non-zero exit code", tail)
+    return f"exit status {rc}" + (f" ({found[1]} process(es) returned non-zero)" if found else "")
+
+
+class Attempt:
+    """One mpirun of des.train in its own process group; its output goes through, the tail is kept."""
+
+    def __init__(self, cmd: list[str]):
+        self.proc = subprocess.Popen(cmd, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     start_new_session=True, text=True, bufsize=1)
+        self.tail: list[str] = []
+
+    def wait(self) -> int:
+        for line in self.proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            self.tail = (self.tail + [line])[-200:]
+        return self.proc.wait()
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM to the whole group, SIGKILL after ``grace`` s: no process is left behind."""
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def log(message: str) -> None:
+    print(f"[des.launch] {message}", file=sys.stderr, flush=True)
+
+
+def run(a: argparse.Namespace, train: list[str]) -> int:
+    """Attempts until one ends with 0, the job fails before a checkpoint, or the restarts run out."""
+    folder = _value(train, "--checkpoint")
+    held = lock(folder) if folder else None          # noqa: F841 - kept open: the lock lives with the process
+    np, restore, restarts, attempt = a.np, [], 0, None
+    stopping = []
+
+    def stop(signum, _frame):
+        stopping.append(signum)
+        if attempt is not None:
+            attempt.stop(a.stop_grace)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+    while True:
+        cmd = [*a.mpirun.format(np=np).split(), sys.executable, "-m", "des.train", *train, *restore]
+        log(f"attempt {restarts + 1}: {np} process(es): {' '.join(cmd)}")
+        started = time.time()
+        attempt = Attempt(cmd)
+        rc = attempt.wait()
+        if stopping:
+            attempt.stop(a.stop_grace)
+            log(f"stopped by signal {stopping[0]}: every process of the attempt ended")
+            return 130
+        if rc == 0:
+            log(f"done after {restarts} restart(s)")
+            return 0
+        attempt.stop(a.stop_grace)                  # what mpirun left running
+        failed = what_failed(rc, "".join(attempt.tail))
+        last = newest(folder) if folder else None
+        if last is None:
+            log(f"failed before its first checkpoint ({failed}, after {time.time() - started:.0f} s): not restarted")
+            return rc
+        if restarts >= a.max_restarts:
+            log(f"failed ({failed}); {restarts} restart(s) used of --max-restarts {a.max_restarts}: giving up")
+            return rc
+        path, position, age = last
+        restarts += 1
+        np = max(a.min_np, np - 1) if a.min_np < a.np else np
+        log(f"failed: {failed}; restart {restarts} of {a.max_restarts} from {path} (epoch {position.get('epoch', 0) + 1}, "
+            f"step {position.get('step', 0)}), {age:.0f} s of work since that checkpoint lost; on {np} process(es)")
+        restore = ["--restore", folder]
+
+
+def main(argv: list[str] | None = None) -> int:
+    a, train = parse(argv)
+    try:
+        return run(a, train)
+    except LaunchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

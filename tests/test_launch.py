@@ -1,0 +1,142 @@
+"""des.launch: a des.train job under mpirun that outlives a killed process. Unit checks of its
+options, lock, log and checkpoint choice; then real mpirun launches on generated data: a process
+killed (SIGKILL) after the first checkpoint, the job restarted from it and ending with the log
+loss of the uninterrupted run; a process killed twice with --min-np below -np, the job ending on
+fewer processes with the same result; a job failing before its first checkpoint, not restarted.
+No process is left behind."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from des.jobs import launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, PYTHONPATH=ROOT)
+
+
+def test_options_that_cannot_restart_are_one_line_errors(capsys):
+    for argv, message in ((["-np", "2", "--", "--mode", "des", "--data", "x"], "needs a des.train --checkpoint DIR"),
+                          (["-np", "2", "--", "--data", "x", "--checkpoint", "c", "--restore", "c"], "--restore:"),
+                          (["-np", "2", "--min-np", "3", "--", "--checkpoint", "c"], "--min-np 3: between 1 and -np 2"),
+                          (["-np", "2"], "no des.train arguments")):
+        with pytest.raises(SystemExit) as e:
+            launch.parse(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    a, train = launch.parse(["-np", "3", "--max-restarts", "0", "--", "--data", "x"])   # no restarts: no folder needed
+    assert (a.np, a.min_np, train) == (3, 3, ["--data", "x"])
+
+
+def test_one_launcher_per_checkpoint_folder(tmp_path):
+    held = launch.lock(str(tmp_path))
+    with pytest.raises(launch.LaunchError, match=f"{tmp_path}: another des.launch is writing this checkpoint folder"):
+        launch.lock(str(tmp_path))
+    held.close()
+    launch.lock(str(tmp_path)).close()           # released with its holder
+
+
+def test_the_newest_complete_checkpoint_and_what_failed(tmp_path):
+    assert launch.newest(str(tmp_path)) is None
+    for name, step in (("state.old", 5), ("state", 10)):
+        os.makedirs(tmp_path / name)
+        (tmp_path / name / "config.json").write_text(json.dumps({"position": {"epoch": 0, "step": step}}))
+    assert launch.newest(str(tmp_path))[1] == {"epoch": 0, "step": 10}
+    (tmp_path / "state" / "config.json").unlink()        # a save caught mid-swap: never read
+    assert launch.newest(str(tmp_path))[1] == {"epoch": 0, "step": 5}
+    said = ("mpirun noticed that process rank 1 with PID 4242 on node box exited on signal 9 (Killed).\n")
+    assert launch.what_failed(137, said) == "rank 1 (PID 4242) on box: signal 9 (Killed)"
+    assert launch.what_failed(3, "nothing useful") == "exit status 3"
+
+
+def _data(tmp_path) -> str:
+    path = str(tmp_path / "train.txt")
+    subprocess.run([sys.executable, "-m", "des.data.synth", "--rows", "40000", "--out", path], env=ENV, cwd=ROOT,
+                   check=True, capture_output=True)
+    return path
+
+
+def _train_args(data: str, ckpt: str, summary: str) -> list[str]:
+    return ["--mode", "des", "--data", data, "--batch", "512", "--steps", "300", "--hidden", "128,64",
+            "--threads", "1", "--checkpoint", ckpt, "--checkpoint-every", "20", "--summary-json", summary]
+
+
+def _trainers(ckpt: str) -> list[int]:
+    """PIDs of the des.train processes writing ``ckpt``."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"des.train" in cmd and ckpt.encode() in cmd:
+            out.append(int(pid))
+    return sorted(out)
+
+
+def _kill_after_checkpoints(ckpt: str, times: int, log: list) -> None:
+    """SIGKILL one training process after each of ``times`` new complete checkpoints."""
+    seen = 0.0
+    for _ in range(times):
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            path = os.path.join(ckpt, "state", "config.json")
+            if os.path.exists(path) and os.path.getmtime(path) > seen and len(_trainers(ckpt)) >= 2:
+                seen = os.path.getmtime(path)
+                victim = _trainers(ckpt)[-1]
+                os.kill(victim, signal.SIGKILL)
+                log.append(victim)
+                break
+            time.sleep(0.05)
+        time.sleep(1.0)
+
+
+def _launch(args: list[str], kill: int = 0, ckpt: str = "") -> tuple[subprocess.CompletedProcess, list]:
+    killed: list = []
+    killer = threading.Thread(target=_kill_after_checkpoints, args=(ckpt, kill, killed), daemon=True)
+    if kill:
+        killer.start()
+    done = subprocess.run([sys.executable, "-m", "des.launch", *args], env=ENV, cwd=ROOT, capture_output=True,
+                          text=True, timeout=1200)
+    return done, killed
+
+
+@pytest.mark.mpi
+def test_a_killed_process_costs_a_restart_not_the_job(tmp_path):
+    data = _data(tmp_path)
+    runs = {}
+    for name, kill, extra in (("whole", 0, ["-np", "2", "--max-restarts", "0"]),
+                              ("killed", 1, ["-np", "2", "--max-restarts", "1"]),
+                              ("shrunk", 2, ["-np", "3", "--min-np", "2", "--max-restarts", "2"])):
+        ckpt, summary = str(tmp_path / f"ck_{name}"), str(tmp_path / f"{name}.json")
+        done, killed = _launch([*extra, "--", *_train_args(data, ckpt, summary)], kill, ckpt)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert _trainers(ckpt) == []                                   # no process left behind
+        assert len(killed) == kill, (killed, done.stderr[-2000:])
+        log = [ln for ln in done.stderr.splitlines() if ln.startswith("[des.launch]")]
+        restarts = [ln for ln in log if "restart" in ln and "from" in ln]
+        assert len(restarts) == kill, log
+        assert all(" signal 9 (Killed)" in ln and "of work since that checkpoint lost" in ln for ln in restarts), log
+        runs[name] = json.load(open(summary + ".rank0")), log
+    whole = runs["whole"][0]
+    for name in ("killed", "shrunk"):
+        got = runs[name][0]
+        print(name, got["logloss"], whole["logloss"], got["world_size"])
+        assert abs(got["logloss"] - whole["logloss"]) <= 1e-5 and abs(got["auc"] - whole["auc"]) <= 1e-5
+    assert runs["killed"][0]["world_size"] == 2 and runs["shrunk"][0]["world_size"] == 2      # 3 -> 2 -> 2
+    assert "on 2 process(es)" in runs["shrunk"][1][-2]
+
+
+@pytest.mark.mpi
+def test_a_job_failing_before_its_first_checkpoint_is_not_restarted(tmp_path):
+    ckpt = str(tmp_path / "ck")
+    done = subprocess.run([sys.executable, "-m", "des.launch", "-np", "2", "--max-restarts", "5", "--",
+                           "--mode", "des", "--data", str(tmp_path / "missing.txt"), "--checkpoint", ckpt],
+                          env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    assert done.stderr.count("[des.launch] attempt") == 1 and "failed before its first checkpoint" in done.stderr
+    assert "missing.txt" in done.stdout + done.stderr
