@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 JOBS=${TEST_JOBS:-2}
 # mpirun with 2-6 TensorFlow processes, netbed CPU budgets, the timing communicators' waits
-ALONE=(tests/test_mpi.py tests/test_mpi_saving.py tests/test_mpi_microbatch.py tests/test_netbed.py tests/test_timemodel.py)
+ALONE=(tests/test_mpi.py tests/test_mpi_saving.py tests/test_launch.py tests/test_mpi_microbatch.py tests/test_netbed.py tests/test_timemodel.py)
 # the longest files first (about 9, 5.5, 4 and 3.5 min alone), so that no long one starts last
 LONG=(tests/test_equivalence_sim.py tests/test_allocate.py tests/test_cache.py tests/test_models.py
       tests/test_predict.py tests/test_cli.py tests/test_gallery.py tests/test_columnar.py)
