@@ -94,3 +94,13 @@ def test_mode_auto_takes_the_des_options(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == \
         "error: --tail data_parallel is an option of --mode des"
+
+
+@pytest.mark.parametrize("value", ["1.5", "-1", "-0.1"])
+def test_a_holdout_that_is_neither_a_fraction_nor_a_count_is_one_line(value, capsys):
+    with pytest.raises(SystemExit) as e:
+        RunConfig.parse(["--data", "x.txt", "--holdout", value])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        f"error: --holdout {float(value):g}: a fraction of the lines in [0, 1) or a whole number of lines")
+    assert RunConfig.parse(["--data", "x.txt", "--holdout", "400"]).holdout == 400

@@ -370,8 +370,9 @@ def _opaque_models(graph: Graph) -> list[str]:
         if isinstance(layer, tf.keras.Model) and not getattr(layer, "_is_graph_network", False):
             tables = [m.name for m in layer.submodules if isinstance(m, tf.keras.layers.Layer) and source_of(m)]
             if tables:
-                out.append(f"{layer.name!r} is a subclassed {type(layer).__name__} whose call() DES cannot trace, "
-                           f"so its tables ({', '.join(tables[:4])}{', ...' if len(tables) > 4 else ''}) stay "
+                why = graph.untraced.get(layer.name)
+                out.append(f"{layer.name!r} is a subclassed {type(layer).__name__} whose call() DES cannot trace"
+                           + (f" ({why})" if why else "") + f", so its tables ({', '.join(tables[:4])}{', ...' if len(tables) > 4 else ''}) stay "
                            f"inside it; write its call() with TensorFlow ops (tf.cond, tf.where) instead of Python "
                            f"control flow on tensor values, or build it functionally")
     return out

@@ -21,6 +21,8 @@ is an ordinary replicated layer). Registered:
 """
 from __future__ import annotations
 
+import inspect
+
 from typing import Callable
 
 import tensorflow as tf
@@ -111,6 +113,12 @@ def _deepctr_dnn(layer, args, kwargs):
         "bias_regularizer": None, "kernel_constraint": None, "trainable": layer.trainable}
 
 
+def _takes_training(layer) -> bool:
+    """Whether ``layer.call`` accepts ``training=`` (a parameter of that name, or **kwargs)."""
+    params = inspect.signature(layer.call).parameters.values()
+    return any(p.name == "training" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
 class DNNRest(tf.keras.layers.Layer):
     """DeepCTR DNN from after its first matmul + bias: the first layer's batch norm,
     activation and dropout, then every further layer, with the DNN's own variables."""
@@ -135,9 +143,9 @@ class DNNRest(tf.keras.layers.Layer):
                 fc = tf.nn.bias_add(tf.tensordot(fc, self.kernels[i - 1], axes=(-1, 0)), self.biases[i - 1])
             if self.use_bn:
                 fc = self.bn_layers[i](fc, training=training)
-            try:
+            if _takes_training(self.activation_layers[i]):
                 fc = self.activation_layers[i](fc, training=training)
-            except TypeError:
+            else:                               # an activation layer whose call() has no training argument
                 fc = self.activation_layers[i](fc)
             fc = self.dropout_layers[i](fc, training=training)
         if self.output_activation:

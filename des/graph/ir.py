@@ -202,6 +202,7 @@ class Graph:
                             f"shape), got a subclassed {type(model).__name__}: trace it first (des.compiler.trace_call)")
         self.model = model
         self.tensors: dict[int, KerasTensor] = {}
+        self.untraced: dict[str, str] = {}      # subclassed models inside whose call() did not trace: why
         self.nodes: list[Node] = []
         for depth in sorted(model._nodes_by_depth, reverse=True):
             for kn in model._nodes_by_depth[depth]:
@@ -232,8 +233,9 @@ class Graph:
         if isinstance(layer, tf.keras.Model) and len(args) == 1 and set(kwargs) <= {"training"}:
             try:                          # a subclassed model inside: read its call() through if it traces
                 inner = trace(layer, args[0])
-            except Exception:  # noqa: BLE001 - left opaque; the report names it
+            except Exception as e:  # noqa: BLE001 - left opaque; the report names it with this cause
                 inner = None
+                self.untraced[layer.name] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             if inner is not None:
                 self._inline_functional(inner, args[0], outputs)
                 return

@@ -148,6 +148,8 @@ class RunConfig:
             ap.error(f"--link: {e}")
         if ns.micro_batches < 1:
             ap.error(f"--micro-batches {ns.micro_batches}: a whole number >= 1")
+        if ns.holdout < 0 or (ns.holdout >= 1 and ns.holdout != int(ns.holdout)):
+            ap.error(f"--holdout {ns.holdout:g}: a fraction of the lines in [0, 1) or a whole number of lines")
         if ns.first_dense == "rows" and ns.tail != "data_parallel":
             ap.error(f"--first-dense rows: the first Dense by rows needs --tail data_parallel (not {ns.tail})")
         if ns.tables == "joined" and ns.linear_optimizer:
