@@ -386,7 +386,7 @@ def test_same_mpirun_job_gives_the_same_bits_and_idle_processes_take_part(batter
 @pytest.mark.mpi
 @pytest.mark.parametrize("kind, expected", [
     ("plan", r"rank 1 of 2 disagrees with rank 0 on the field plan: rank 0 has 'f0 -> \d"),
-    ("collective", r"Missing ranks:\s+0: \[.*des_partials__denseblock16__denseblock16_forced_by_DES_TEST_DISAGREE\]")])
+    ("collective", r"Missing ranks:\s+0: \[.*des_partials__denseblock16x2_forced_by_DES_TEST_DISAGREE\]")])
 def test_processes_that_disagree_end_the_job_with_a_message_naming_the_ranks(tmp_path, kind, expected):
     """A forced disagreement (test hook DES_TEST_DISAGREE): a field plan that differs on rank 1
     is caught at transform; an allreduce that rank 1 names differently (no check) is ended by
