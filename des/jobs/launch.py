@@ -106,8 +106,9 @@ def what_failed(rc: int, tail: str) -> str:
     """mpirun's own line about the failed process, or the exit status."""
     found = re.search(r"(?:mpirun|Open MPI) (?:noticed|detected) that process rank (\d+) with PID (\d+) on node "
                       r"(\S+) exited on signal (\d+) \(([^)]+)\)", tail)
-    if found:
-        return f"rank {found[1]} (PID {found[2]}) on {found[3]}: signal {found[4]} ({found[5]})"
+    if found:       # Open MPI prints PID 0 when the process was gone before it asked
+        pid = f" (PID {found[2]})" if found[2] != "0" else ""
+        return f"rank {found[1]}{pid} on {found[3]}: signal {found[4]} ({found[5]})"
     found = re.search(r"process rank (\d+) with PID (\d+) on node (\S+) exited with status (\d+)", tail)
     if found:
         return f"rank {found[1]} (PID {found[2]}) on {found[3]}: exit status {found[4]}"
