@@ -113,6 +113,31 @@ def test_model_save_and_model_checkpoint_on_every_process_write_the_untouched_mo
         assert np.abs(fresh.predict_on_batch(probe) - preds[0]).max() <= 1e-6, path
 
 
+@pytest.mark.parametrize("tables", ["fused", "joined"])
+def test_a_model_with_fused_tables_saves_its_own_tables(tmp_path, tables):
+    """TFRA tables fused (or joined) into one table a process: a save writes each declared table
+    with its trained rows (their storage, for the save, apart from the fused table's), and the
+    DES model trains on and saves again (2 processes)."""
+    init, batches, probe = _case("tfra_deepfm")
+    world, ranks = _world(2, "tfra_deepfm", init, tables=tables)
+
+    def work(r):
+        m = ranks[r]
+        m.compile(optimizer_for(m, "adam"), "binary_crossentropy")
+        out = []
+        for k, half in enumerate((batches[:3], batches[3:])):
+            for x, y in half:
+                m.train_on_batch(x, y)
+            m.save(str(tmp_path / f"m{k}"))
+            out.append(np.asarray(m.predict_on_batch(probe)))
+        return out
+    preds = _on_every_rank(world, work)[0]
+    assert np.abs(preds[1] - preds[0]).max() > 1e-4                          # trained on after the first save
+    for k, pred in enumerate(preds):
+        again = tf.keras.models.load_model(str(tmp_path / f"m{k}"), compile=False)
+        assert np.abs(again.predict_on_batch(probe) - pred).max() <= 1e-6, k
+
+
 def test_a_save_the_processes_disagree_on_ends_every_process_naming_the_ranks(tmp_path):
     init, _, _ = _case("keras_deepfm", 1)
     world, ranks = _world(3, "keras_deepfm", init)

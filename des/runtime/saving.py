@@ -96,6 +96,11 @@ def untouched(model: tf.keras.Model, what: str = "save", own_class: bool = True)
     if comm.rank != 0:
         yield None
         return
+    # tables whose rows des.transform moved into a fused table: for the save, their own storage again
+    fused = {layer: source_of(layer) and layer.des_fused for layer in source.submodules
+             if getattr(layer, "des_fused", None) is not None}
+    for layer in fused:
+        untrack(layer, "des_fused")                 # nor tracked: Keras must not write the fused table with it
     for layer in source.submodules:                 # released tables (a nested model's too) get storage back
         if getattr(layer, "des_released", False):
             source_of(layer).reacquire(layer)
@@ -116,8 +121,10 @@ def untouched(model: tf.keras.Model, what: str = "save", own_class: bool = True)
             yield full
     finally:
         for key, (layer, src) in keys.tables.items():
-            if key not in kept:
+            if key not in kept or layer in fused:   # a fused table's member: its rows live in the fused table
                 src.release(layer)
+        for layer, where in fused.items():
+            layer.des_fused = tuple(where)
         if consumed is not None:
             source.call = consumed
 
