@@ -39,8 +39,9 @@ class LinearAndRestOptimizer(tf.keras.optimizers.legacy.Optimizer):
         joined = [v.name for _, v in pairs if getattr(v, "des_joins_linear", False)]
         if joined:
             raise ValueError(f"{joined[0]} holds linear weights and embeddings in one row (joined tables): one "
-                             f"optimizer must train both; fuse with join_linear=False (des.train: --tables fused) "
-                             f"to give the linear part its own")
+                             f"optimizer must train both; des.transform(model, des.Options(tables=\"fused\")) (or "
+                             f"compile the model with this optimizer before des.transform; des.train: --tables fused) "
+                             f"gives the linear part its own rows")
         linear = [(g, v) for g, v in pairs if is_linear(v)]
         rest = [(g, v) for g, v in pairs if not is_linear(v)]
         updates = [opt.apply_gradients(part, experimental_aggregate_gradients=experimental_aggregate_gradients)

@@ -236,7 +236,7 @@ def test_one_table_with_per_field_offsets_lives_with_one_owner():
     text = _report(dlrm_offsets())
     assert "fm_interaction at" in text and "ids + per-field offsets, as in DLRM ports" in text, text
     assert re.search(r"embedding(_\d+)? \(Keras Embedding, width 4, field 'ids'\): substituted in field_rows", text), text
-    assert "partial width 16" in text and "NOT substituted" not in text, text
+    assert "each owner's rows, 17 floats" in text and "NOT substituted" not in text, text     # 4 x 4 + 1
 
 
 def test_the_same_des_job_gives_the_same_bits_run_after_run():

@@ -31,7 +31,7 @@ def test_transform_takes_the_model_the_options_and_where_it_runs():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"tail": "sideways"}, "tail='sideways'; choose from auto, replicated, data_parallel"),
-    ({"tables": "fused-ish"}, "tables='fused-ish'; choose from per-field, fused, joined"),
+    ({"tables": "fused-ish"}, "tables='fused-ish'; choose from auto, per-field, fused, joined"),
     ({"plan": "random"}, "plan='random'; 'balanced', 'mod' or a FieldPlan"),
     ({"micro_batches": 0}, "micro_batches=0; a whole number >= 1"),
     ({"first_dense": "rows", "tail": "replicated"}, "needs the data-parallel tail"),

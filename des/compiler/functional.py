@@ -146,8 +146,9 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     # lookups are built decides the order in which TensorFlow adds their gradients, so an address
     # order made the same job give other bits run after run
     position = {t: k for k, t in enumerate(graph.tensors)}
-    fused, fused_lines = (fuse_nodes(graph, list(own.nodes.values()), f"rank{comm.rank}", options.join_linear)
-                          if options.fuse_tables else ([], []))
+    tables = report.table_layout = options.tables_for(model)
+    fused, fused_lines = (fuse_nodes(graph, list(own.nodes.values()), f"rank{comm.rank}", tables == "joined")
+                          if tables != "per-field" else ([], []))
     chains = FieldChains(graph, list(own.nodes.values()),
                          sorted({t for ids in own.op_inputs for t in ids}, key=position.__getitem__), fused)
     skip = set()

@@ -2,8 +2,8 @@
 
     >>> import des
     >>> opts = des.Options(tail="data_parallel", tables="fused")
-    >>> opts.tail, opts.fuse_tables, opts.join_linear
-    ('data_parallel', True, False)
+    >>> opts.tail, opts.tables_for(None), des.Options().tables_for(None)    # "auto": the fastest exact layout
+    ('data_parallel', 'fused', 'joined')
     >>> print(opts)
     plan=balanced tail=data_parallel first_dense=auto tables=fused micro_batches=1 wire_dtype=float32 seed=0
     >>> des.Options(tail="sideways")
@@ -39,7 +39,7 @@ class AutoTail:
 
 TAILS = ("auto", "replicated", "data_parallel")
 FIRST_DENSE = ("auto", "partials", "rows")
-TABLES = ("per-field", "fused", "joined")
+TABLES = ("auto", "per-field", "fused", "joined")
 WIRE_DTYPES = ("float32", "float16")
 
 
@@ -57,7 +57,8 @@ class Options:
     (per layer, by cost). ``tables``: "per-field" (one TFRA table per field), "fused" (a process
     keeps its tables of one width in one TFRA table: one lookup and one update per width and
     step; des_ops.fused), "joined" (fused, and a field's linear weight in its embedding's row:
-    exact when one optimizer trains both parts). ``micro_batches`` K > 1: the partials of K
+    exact when one optimizer trains both parts) or "auto" (joined, or fused for a model compiled
+    with a separate optimizer for its linear part: ``tables_for``). ``micro_batches`` K > 1: the partials of K
     slices are allreduced one by one, each while the next is computed. ``wire_dtype="float16"``:
     half the bytes, summed in 16 bits, not exact. ``costs``: the batch size, FLOP rate, bandwidth
     and per-collective cost the auto choices assume (des.AutoTail). ``seed``: new TFRA rows
@@ -69,7 +70,7 @@ class Options:
     plan: Any = "balanced"
     tail: str = "auto"
     first_dense: str = "auto"
-    tables: str = "per-field"
+    tables: str = "auto"
     micro_batches: int = 1
     wire_dtype: str = "float32"
     costs: AutoTail | None = None
@@ -97,13 +98,13 @@ class Options:
         if self.costs is not None and not isinstance(self.costs, AutoTail):
             raise ValueError(f"des.Options: costs={self.costs!r}; a des.AutoTail")
 
-    @property
-    def fuse_tables(self) -> bool:
-        return self.tables != "per-field"
-
-    @property
-    def join_linear(self) -> bool:
-        return self.tables == "joined"
+    def tables_for(self, model) -> str:
+        """The table layout: ``tables``, or for "auto" the fastest exact one for ``model``:
+        "joined", or "fused" when the model is compiled with a separate optimizer for its linear
+        part (models.optim.LinearAndRestOptimizer: joined rows would have one optimizer)."""
+        if self.tables != "auto":
+            return self.tables
+        return "fused" if hasattr(getattr(model, "optimizer", None), "rest") else "joined"
 
     @property
     def assumed(self) -> AutoTail:

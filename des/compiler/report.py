@@ -48,6 +48,7 @@ class Report:
     first_dense_reason: str = ""      # first_dense="auto": what des.compiler.cost.choose_first_dense weighed
     options: Options | None = None    # what des.transform was asked (des.Options), printed with the report
     save_refusal: str = ""            # why model.save refuses (towers transformed one by one), else ""
+    table_layout: str = ""            # the tables' layout this process used (des.Options.tables_for)
 
     @property
     def bytes_per_float(self) -> int:
@@ -130,7 +131,8 @@ class Report:
         if self.plan is not None:
             lines.append(str(self.plan))
         if self.options is not None:
-            lines.append(f"options: {self.options}")
+            lines.append(f"options: {self.options}" + (f" (tables: {self.table_layout})" if self.table_layout and
+                                                      self.table_layout != self.options.tables else ""))
         return "\n".join(lines)
 
 
