@@ -84,8 +84,9 @@ def test_same_bits_run_after_run():
 
 
 def test_user_tfra_embeddings_fuse_when_asked():
-    """A user's own TFRA de.keras.layers.Embedding tables: kept as declared by default, fused with
-    fuse_tables=True, and either way equal to the untouched model (keyed rows)."""
+    """A user's own TFRA de.keras.layers.Embedding tables: kept as declared with tables="per-field",
+    fused by default (tables="auto") or when asked, and either way equal to the untouched model
+    (keyed rows)."""
     from tensorflow_recommenders_addons import dynamic_embedding as de
 
     def make():
@@ -102,8 +103,9 @@ def test_user_tfra_embeddings_fuse_when_asked():
     des.make_keyed(plain, seed=0)
     work = lambda m: train_and_snapshot(m, "adagrad", 0.05, BATCHES[:8], PROBE)  # noqa: E731
     ref = work(plain)
-    kept = des.transform(make(), comm=LocalCommunicator())[0]
+    kept = des.transform(make(), des.Options(tables="per-field"), comm=LocalCommunicator())[0]
     assert fused_tables(kept) == []
+    assert len(fused_tables(des.transform(make(), comm=LocalCommunicator())[0])) == 1    # the default joins them
     runs = run_in_process_world(2, make, lambda m: (work(m), len(fused_tables(m))), tables="fused")
     assert [c for _, c in runs] == [1, 1]
     diff = compare(ref, [r for r, _ in runs])
