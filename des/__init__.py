@@ -16,10 +16,11 @@
       emb4_item (FieldEmbedding, width 4, field 'item'): substituted in fm_interaction at 'fm', embed_concat_dense at 'dnn_0'
       emb1_user (FieldEmbedding, width 1, field 'user'): substituted in lr_sum at 'add'
       emb1_item (FieldEmbedding, width 1, field 'item'): substituted in lr_sum at 'add'
-      fused table des_fused5_joined_rank0: the rows of 2 field(s), embedding (width 4) and linear weight (width 1) side by side (emb4_user, emb1_user, emb4_item, ...) in one TFRA table
+      fused table des_fused4_rank0...: the rows of 2 table(s) of width 4 (emb4_user, emb4_item) in one TFRA table
+      fused table des_fused1_linear_rank0...: the rows of 2 table(s) of width 1 (emb1_user, emb1_item) in one TFRA table
     field plan (balanced, 1 processes):
       rank 0: load 2.000  [user, item]
-    options: plan=balanced tail=auto first_dense=auto tables=auto micro_batches=1 wire_dtype=float32 seed=0 (tables: joined)
+    options: plan=balanced tail=auto first_dense=auto tables=auto micro_batches=1 wire_dtype=float32 seed=0 (tables: fused)
 
 Backends (TensorFlow, Horovod, TFRA) are imported lazily.
 """

@@ -85,7 +85,7 @@ def test_same_bits_run_after_run():
 
 def test_user_tfra_embeddings_fuse_when_asked():
     """A user's own TFRA de.keras.layers.Embedding tables: kept as declared with tables="per-field",
-    fused by default (tables="auto") or when asked, and either way equal to the untouched model
+    fused by default (tables="auto", not compiled) or when asked, and either way equal to the untouched model
     (keyed rows)."""
     from tensorflow_recommenders_addons import dynamic_embedding as de
 
@@ -105,7 +105,7 @@ def test_user_tfra_embeddings_fuse_when_asked():
     ref = work(plain)
     kept = des.transform(make(), des.Options(tables="per-field"), comm=LocalCommunicator())[0]
     assert fused_tables(kept) == []
-    assert len(fused_tables(des.transform(make(), comm=LocalCommunicator())[0])) == 1    # the default joins them
+    assert len(fused_tables(des.transform(make(), comm=LocalCommunicator())[0])) >= 1    # the default fuses them
     runs = run_in_process_world(2, make, lambda m: (work(m), len(fused_tables(m))), tables="fused")
     assert [c for _, c in runs] == [1, 1]
     diff = compare(ref, [r for r, _ in runs])

@@ -122,8 +122,12 @@ def test_an_op_mixing_fields_before_the_sum_does_not_fire_and_the_report_says_wh
 
 def test_deepfm_keeps_one_table_per_field_shared_by_fm_and_dnn():
     model = models.build("deepfm", SPEC, seed=0, hidden=(8,))
-    _, joined = des.transform(models.build("deepfm", SPEC, seed=0, hidden=(8,)), comm=LocalCommunicator())
-    assert joined.table_layout == "joined" and "fused table des_fused4_joined_rank0" in str(joined)   # the default
+    _, fused = des.transform(models.build("deepfm", SPEC, seed=0, hidden=(8,)), comm=LocalCommunicator())
+    assert fused.table_layout == "fused" and "fused table des_fused3_rank0" in str(fused)     # the default, uncompiled
+    compiled = models.build("deepfm", SPEC, seed=0, hidden=(8,))
+    compiled.compile(tf.keras.optimizers.Adam(), "binary_crossentropy")
+    _, joined = des.transform(compiled, comm=LocalCommunicator())
+    assert joined.table_layout == "joined" and "fused table des_fused4_joined_rank0" in str(joined)   # one optimizer
     new, report = des.transform(model, des.Options(tables="per-field"), comm=LocalCommunicator())
     assert sorted(m.rule for m in report.substitutions) == ["embed_concat_dense", "fm_interaction", "lr_sum"]
     tables = [l for l in des.distributed(new).layer.owned if getattr(l, "des_embedding", False)]

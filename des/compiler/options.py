@@ -2,8 +2,8 @@
 
     >>> import des
     >>> opts = des.Options(tail="data_parallel", tables="fused")
-    >>> opts.tail, opts.tables_for(None), des.Options().tables_for(None)    # "auto": the fastest exact layout
-    ('data_parallel', 'fused', 'joined')
+    >>> opts.tail, opts.tables_for(None), des.Options().tables_for(None)    # "auto", not compiled: fused
+    ('data_parallel', 'fused', 'fused')
     >>> print(opts)
     plan=balanced tail=data_parallel first_dense=auto tables=fused micro_batches=1 wire_dtype=float32 seed=0
     >>> des.Options(tail="sideways")
@@ -57,8 +57,8 @@ class Options:
     (per layer, by cost). ``tables``: "per-field" (one TFRA table per field), "fused" (a process
     keeps its tables of one width in one TFRA table: one lookup and one update per width and
     step; des_ops.fused), "joined" (fused, and a field's linear weight in its embedding's row:
-    exact when one optimizer trains both parts) or "auto" (joined, or fused for a model compiled
-    with a separate optimizer for its linear part: ``tables_for``). ``micro_batches`` K > 1: the partials of K
+    exact when one optimizer trains both parts) or "auto" (joined for a model compiled with one
+    optimizer, else fused: ``tables_for``). ``micro_batches`` K > 1: the partials of K
     slices are allreduced one by one, each while the next is computed. ``wire_dtype="float16"``:
     half the bytes, summed in 16 bits, not exact. ``costs``: the batch size, FLOP rate, bandwidth
     and per-collective cost the auto choices assume (des.AutoTail). ``seed``: new TFRA rows
@@ -99,12 +99,14 @@ class Options:
             raise ValueError(f"des.Options: costs={self.costs!r}; a des.AutoTail")
 
     def tables_for(self, model) -> str:
-        """The table layout: ``tables``, or for "auto" the fastest exact one for ``model``:
-        "joined", or "fused" when the model is compiled with a separate optimizer for its linear
-        part (models.optim.LinearAndRestOptimizer: joined rows would have one optimizer)."""
+        """The table layout: ``tables``, or for "auto" the fastest one known to be exact for
+        ``model``: "joined" when it is compiled with one optimizer for every part, else "fused"
+        (not compiled yet, or a separate optimizer for its linear part,
+        models.optim.LinearAndRestOptimizer, which joined rows cannot have)."""
         if self.tables != "auto":
             return self.tables
-        return "fused" if hasattr(getattr(model, "optimizer", None), "rest") else "joined"
+        optimizer = getattr(model, "optimizer", None)
+        return "joined" if optimizer is not None and not hasattr(optimizer, "rest") else "fused"
 
     @property
     def assumed(self) -> AutoTail:
