@@ -72,13 +72,13 @@ class MaskedRows(tf.keras.layers.Layer):
 
     def __init__(self, table, **kwargs):
         super().__init__(**kwargs)
-        self._table = [table]             # not tracked: its weights are the owner's
+        self._mask_of = table.compute_mask     # a method, not the layer: its weights stay the owner's
 
     def call(self, inputs):
         return inputs[0]
 
     def compute_mask(self, inputs, mask=None):
-        return self._table[0].compute_mask(inputs[1])
+        return self._mask_of(inputs[1])
 
 
 @register(priority=0)
