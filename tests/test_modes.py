@@ -208,7 +208,7 @@ def test_the_run_configuration_round_trips_through_its_command_line():
     argv = ["--data", "a.txt", "b.txt", "--mode", "cache", "--staleness", "inf", "--cache-size", "5000",
             "--eviction", "lfu", "--on-demand", "--plan-pushes", "--allocate", "laia", "--allocate-top-k", "3",
             "--ps-batch", "per-process", "--comm", "sync", "--link", "100mbit", "--eval-data", "e.txt",
-            "--batch", "64", "--hidden", "8,4", "--tail", "auto", "--skip-bad-lines", "--lr", "0.5"]
+            "--batch", "64", "--hidden", "8,4", "--tail", "replicated", "--skip-bad-lines", "--lr", "0.5"]
     config = RunConfig.parse(argv)
     assert (config.cache.staleness, config.cache.size, config.cache.eviction, config.cache.on_demand,
             config.cache.plan_pushes) == ("inf", "5000", "lfu", True, True)
