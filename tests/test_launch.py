@@ -23,13 +23,16 @@ ENV = dict(os.environ, PYTHONPATH=ROOT)
 def test_options_that_cannot_restart_are_one_line_errors(capsys):
     for argv, message in ((["-np", "2", "--", "--mode", "des", "--data", "x"], "needs a des.train --checkpoint DIR"),
                           (["-np", "2", "--", "--data", "x", "--checkpoint", "c", "--restore", "c"], "--restore:"),
-                          (["-np", "2", "--min-np", "3", "--", "--checkpoint", "c"], "--min-np 3: between 1 and -np 2"),
+                          (["-np", "2", "--min-np", "3", "--", "--data", "x", "--checkpoint", "c"],
+                           "--min-np 3: between 1 and -np 2"),
+                          (["-np", "2", "--", "--data", "x", "--checkpoint", "c", "--tail", "sideways"],
+                           "argument --tail: invalid choice: 'sideways'"),
                           (["-np", "2"], "no des.train arguments")):
         with pytest.raises(SystemExit) as e:
             launch.parse(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
     a, train = launch.parse(["-np", "3", "--max-restarts", "0", "--", "--data", "x"])   # no restarts: no folder needed
-    assert (a.np, a.min_np, train) == (3, 3, ["--data", "x"])
+    assert (a.np, a.min_np, a.checkpoint, train) == (3, 3, None, ["--data", "x"])
 
 
 def test_one_launcher_per_checkpoint_folder(tmp_path):

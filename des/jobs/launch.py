@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 
+from des.jobs.config import RunConfig
 from des.jobs.runs import launch_env
 
 LOCK = ".des-launch.lock"
@@ -58,21 +59,14 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         ap.error(f"--min-np {a.min_np}: between 1 and -np {a.np}")
     if not train:
         ap.error("no des.train arguments: python -m des.launch -np N -- --mode des --data ... --checkpoint DIR")
-    if "--restore" in train:
+    config = RunConfig.parse(train)           # des.train's own checks, before any process starts
+    if config.restore:
         ap.error("--restore: the launcher restores from --checkpoint itself (start a new folder, or copy the "
                  "checkpoint there)")
-    if a.max_restarts and _value(train, "--checkpoint") is None:
+    if a.max_restarts and not config.checkpoint:
         ap.error("--max-restarts needs a des.train --checkpoint DIR (and --checkpoint-every) to restart from")
+    a.checkpoint = config.checkpoint
     return a, train
-
-
-def _value(args: list[str], flag: str) -> str | None:
-    for i, x in enumerate(args):
-        if x == flag and i + 1 < len(args):
-            return args[i + 1]
-        if x.startswith(flag + "="):
-            return x.split("=", 1)[1]
-    return None
 
 
 def lock(folder: str):
@@ -151,7 +145,7 @@ def log(message: str) -> None:
 
 def run(a: argparse.Namespace, train: list[str]) -> int:
     """Attempts until one ends with 0, the job fails before a checkpoint, or the restarts run out."""
-    folder = _value(train, "--checkpoint")
+    folder = a.checkpoint
     held = lock(folder) if folder else None          # noqa: F841 - kept open: the lock lives with the process
     np, restore, restarts, attempt = a.np, [], 0, None
     stopping = []
