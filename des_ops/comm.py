@@ -38,11 +38,7 @@ import threading
 import numpy as np
 import tensorflow as tf
 
-from des_ops.wire import ring_share
-
-
-# the types DES's partials may travel in (des.transform's wire_dtype); float32 is exact
-WIRE_DTYPES = ("float32", "float16")
+from des_ops.wire import WIRE_DTYPES, ring_share   # WIRE_DTYPES: the partials' types; float32 is exact
 
 
 class Communicator:

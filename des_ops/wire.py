@@ -6,6 +6,9 @@
 """
 from __future__ import annotations
 
+WIRE_DTYPES = ("float32", "float16")    # the types the partials may travel (and be summed) in
+
+
 
 def ring_share(world_size: int) -> float:
     """What one process sends in a ring allreduce, per byte of payload: 2(N-1)/N (0 at N = 1).

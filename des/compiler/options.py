@@ -19,11 +19,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from des_ops.wire import WIRE_DTYPES
+
 
 @dataclasses.dataclass(frozen=True)
 class AutoTail:
-    """How ``des.transform(model, tail="auto")`` (or ``tail=AutoTail(...)``) weighs the
-    data-parallel tail (des_ops.tail) against the replicated one; ``choose_tail`` decides.
+    """What ``des.Options(tail="auto", first_dense="auto", costs=AutoTail(...))`` assumes when the
+    cost model weighs the data-parallel tail (des_ops.tail) against the replicated one
+    (des.compiler.cost.choose_tail) and the first Dense by rows against partials.
 
     ``batch_size``: the global batch the model will train on. ``flops``: float32 operations per
     second one process spends on the tail's matrix products (5e10: the 400,400,400 tail on this
@@ -40,7 +43,6 @@ class AutoTail:
 TAILS = ("auto", "replicated", "data_parallel")
 FIRST_DENSE = ("auto", "partials", "rows")
 TABLES = ("auto", "per-field", "fused", "joined")
-WIRE_DTYPES = ("float32", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
