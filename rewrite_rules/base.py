@@ -42,6 +42,11 @@ class Match:
     def fields(self) -> list[str]:
         return [v.field for v in self.vectors]
 
+    @property
+    def nodes(self) -> set[int]:
+        """Every node the substitution replaces: its own and its field vectors' chains."""
+        return set(self.internal).union(*(v.chain for v in self.vectors))
+
 
 @dataclasses.dataclass
 class Rejection:

@@ -105,11 +105,7 @@ class FieldRowsRule(Rule):
 def gather_left(graph: Graph, fields: FieldAnalysis, matches: list[Match]) -> tuple[list[Match], list[Rejection]]:
     """A field_rows match for every call of a table that ``matches`` leave whole, or a rejection
     saying why it cannot be one (then the table stays whole on every process)."""
-    inside = set()
-    for m in matches:
-        inside |= m.internal
-        for v in m.vectors:
-            inside |= v.chain
+    inside = set().union(*(m.nodes for m in matches))
     found, rejected = [], []
     for n in graph.nodes:
         if n.kind != "table" or n.index in inside:

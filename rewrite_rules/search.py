@@ -44,11 +44,7 @@ def drop_unsafe(graph: Graph, matches: list[Match], rejections: list[Rejection],
     """Drop (and reject, with the reason) every match whose intermediate results or tables are
     also read outside the substituted subgraphs, until none is left."""
     while True:
-        inside = set()
-        for m in matches:
-            inside |= m.internal
-            for v in m.vectors:
-                inside |= v.chain
+        inside = set().union(*(m.nodes for m in matches))
         bad = None
         for m in matches:
             for idx in m.internal - {m.root.index}:

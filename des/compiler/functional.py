@@ -151,16 +151,11 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
                           if tables != "per-field" else ([], []))
     chains = FieldChains(graph, list(own.nodes.values()),
                          sorted({t for ids in own.op_inputs for t in ids}, key=position.__getitem__), fused)
-    skip = set()
-    for m in matches:
-        skip |= m.internal
-        for v in m.vectors:
-            skip |= v.chain
+    skip = set().union(*(m.nodes for m in matches))
     costs = options.assumed
     dense_shapes = [(sum(v.width for v in m.vectors), int(m.data["kernel"].shape[1])) for m in matches
                     if "parts" in m.data] if options.first_dense == "auto" else []
-    tail, tail_reason = _tail_choice(graph, model, skip, costs if options.tail == "auto" else options.tail,
-                                     comm, dense_shapes)
+    tail, tail_reason = _tail_choice(graph, model, skip, options.tail, costs, comm, dense_shapes)
     if tail == "data_parallel" and (options.micro_batches > 1 or options.wire_dtype != "float32"):
         raise ValueError("des.transform: micro_batches and a 16-bit wire_dtype are for the replicated tail; the "
                          "data-parallel tail reduce-scatters the whole batch in float32")
@@ -251,10 +246,10 @@ def _release_unowned(matches: list[Match], mine: set[str]) -> bool:
     return released
 
 
-def _tail_choice(graph: Graph, model: tf.keras.Model, skip: set[int], tail: str | AutoTail,
+def _tail_choice(graph: Graph, model: tf.keras.Model, skip: set[int], tail: str, costs: AutoTail,
                  comm: Communicator, dense_shapes: list[tuple[int, int]] = ()) -> tuple[str, str]:
-    """("replicated" or "data_parallel", why): the asked tail, or the cost model's choice for an
-    AutoTail (``dense_shapes``: first Dense layers that may go by rows, des.compiler.cost.choose_tail)."""
+    """("replicated" or "data_parallel", why): the asked tail, or for "auto" the cost model's choice
+    under ``costs`` (``dense_shapes``: first Dense layers that may go by rows, des.compiler.cost.choose_tail)."""
     if tail == "replicated":
         return tail, ""
     tail_nodes = [n for n in graph.nodes if n.index not in skip and n.kind != "input"]
@@ -265,7 +260,7 @@ def _tail_choice(graph: Graph, model: tf.keras.Model, skip: set[int], tail: str 
             sum(int(l.kernel.shape.num_elements()) for l in tail_layers if isinstance(l, tf.keras.layers.Dense)),
             sum(int(w.shape.num_elements()) for l in tail_layers for w in l.trainable_weights),
             sum(int(t.shape[-1] or 1) for t in model.outputs), comm.world_size,
-            tail if isinstance(tail, AutoTail) else AutoTail(), obstacles, dense_shapes)
+            costs, obstacles, dense_shapes)
     if obstacles:
         raise ValueError("des.transform(tail='data_parallel'): the tail cannot run data-parallel: "
                          + "; ".join(obstacles))
