@@ -96,18 +96,19 @@ def untouched(model: tf.keras.Model, what: str = "save", own_class: bool = True)
     if comm.rank != 0:
         yield None
         return
-    # tables whose rows des.transform moved into a fused table: for the save, their own storage again
-    fused = {layer: source_of(layer) and layer.des_fused for layer in source.submodules
-             if getattr(layer, "des_fused", None) is not None}
-    for layer in fused:
-        untrack(layer, "des_fused")                 # nor tracked: Keras must not write the fused table with it
-    for layer in source.submodules:                 # released tables (a nested model's too) get storage back
-        if getattr(layer, "des_released", False):
-            source_of(layer).reacquire(layer)
-    keys = model_keys(source)                       # load_rows and serving_model read the same keys
     kept = set(handle.state.tables)
     consumed = source.__dict__.get("call")          # des.compiler marked the model consumed
+    # tables whose rows des.transform moved into a fused table: for the save, their own storage again
+    fused = {layer: tuple(layer.des_fused) for layer in source.submodules
+             if getattr(layer, "des_fused", None) is not None}
+    keys = None
     try:
+        for layer in fused:
+            untrack(layer, "des_fused")             # nor tracked: Keras must not write the fused table with it
+        for layer in source.submodules:             # released tables (a nested model's too) get storage back
+            if getattr(layer, "des_released", False):
+                source_of(layer).reacquire(layer)
+        keys = model_keys(source)                   # load_rows and serving_model read the same keys
         if consumed is not None:
             del source.call
         try:
@@ -120,11 +121,11 @@ def untouched(model: tf.keras.Model, what: str = "save", own_class: bool = True)
                 else contextlib.nullcontext(source) as full:
             yield full
     finally:
-        for key, (layer, src) in keys.tables.items():
+        for key, (layer, src) in (keys.tables.items() if keys is not None else ()):
             if key not in kept or layer in fused:   # a fused table's member: its rows live in the fused table
                 src.release(layer)
         for layer, where in fused.items():
-            layer.des_fused = tuple(where)
+            layer.des_fused = where
         if consumed is not None:
             source.call = consumed
 
