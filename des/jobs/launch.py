@@ -18,6 +18,7 @@ One launcher at a time may write a checkpoint folder (a lock file in it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import json
 import os
@@ -70,7 +71,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 
 def lock(folder: str):
-    """Hold the folder's lock for this launcher's life (released when the process ends)."""
+    """The folder's lock, held while the returned file is open (a context manager)."""
     os.makedirs(folder, exist_ok=True)
     fh = open(os.path.join(folder, LOCK), "a+")
     try:
@@ -146,7 +147,6 @@ def log(message: str) -> None:
 def run(a: argparse.Namespace, train: list[str]) -> int:
     """Attempts until one ends with 0, the job fails before a checkpoint, or the restarts run out."""
     folder = a.checkpoint
-    held = lock(folder) if folder else None          # noqa: F841 - kept open: the lock lives with the process
     np, restore, restarts, attempt = a.np, [], 0, None
     stopping = []
 
@@ -189,7 +189,8 @@ def run(a: argparse.Namespace, train: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     a, train = parse(argv)
     try:
-        return run(a, train)
+        with lock(a.checkpoint) if a.checkpoint else contextlib.nullcontext():    # held while the job runs
+            return run(a, train)
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
