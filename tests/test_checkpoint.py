@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -173,7 +174,7 @@ def test_periodic_checkpoint_positions():
     """Saves every K steps over epochs, and at each epoch's end as the next epoch's start; never
     at a position past an epoch's last batch."""
     saved = []
-    cb = PeriodicCheckpoint(saved.append, every=3)
+    cb = PeriodicCheckpoint(saved.append, steps=3)
     for epoch, steps in ((0, 5), (1, 4)):
         cb.on_epoch_begin(epoch)
         for b in range(steps):
@@ -183,13 +184,71 @@ def test_periodic_checkpoint_positions():
     assert saved == [{"epoch": 0, "step": 3}, {"epoch": 1, "step": 0}, {"epoch": 1, "step": 1},
                      {"epoch": 2, "step": 0}]
     resumed = []
-    cb = PeriodicCheckpoint(resumed.append, every=2, epoch=1, step=1)   # resumed at epoch 1, step 1
+    cb = PeriodicCheckpoint(resumed.append, steps=2, epoch=1, step=1)   # resumed at epoch 1, step 1
     cb.on_epoch_begin(1)
     for b in range(3):
         cb.on_train_batch_begin(b)
         cb.on_train_batch_end(b)
     cb.on_epoch_end(1)
     assert resumed == [{"epoch": 1, "step": 3}, {"epoch": 2, "step": 0}]
+
+
+def test_periodic_checkpoint_by_time_saves_at_the_same_step_on_every_process():
+    """--checkpoint-every 10s on two processes (threads, whose sum_across is a real two-party
+    allreduce that fails if one calls it alone) with clocks that disagree: they call the sum at the
+    same steps (rank 0's step time sets the gap), save at the same steps (at the first call after
+    either clock passed 10 s) and call it about ten times per interval, not every step."""
+    meet = threading.Barrier(2, timeout=10)
+    values: list = [None, None]
+    calls: list = [[], []]
+    saved: list = [[], []]
+
+    def run(rank, per_step):
+        t = [0.0]
+
+        def sum_across(mine):
+            calls[rank].append(cb.total)
+            values[rank] = mine
+            meet.wait()
+            out = [a + b for a, b in zip(*values)]
+            meet.wait()
+            return out
+        cb = PeriodicCheckpoint(saved[rank].append, seconds=10.0, sum_across=sum_across, rank=rank,
+                                clock=lambda: t[0])
+        cb.on_epoch_begin(0)
+        for b in range(100):
+            cb.on_train_batch_begin(b)
+            t[0] += per_step
+            cb.on_train_batch_end(b)
+    threads = [threading.Thread(target=run, args=(r, s)) for r, s in ((0, 0.5), (1, 0.6))]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert calls[0] == calls[1] and saved[0] == saved[1], (calls, saved)
+    steps = [p["step"] for p in saved[0]]
+    # the sum is called after steps 1, 3, 5, ... (rank 0: 10 s / 10 calls / 0.5 s = 2 steps apart); rank 1's
+    # 0.6 s steps pass 10 s after 17 steps (10.2 s), then 10 s after that save (20.4 s, step 34 -> 35), ...
+    assert steps == [17, 35, 53, 71, 89], steps
+    assert len(calls[0]) == 50, calls[0]
+
+
+def test_periodic_checkpoint_by_time_calls_its_sum_at_a_gap_set_by_rank_0():
+    t = [0.0]
+    calls = []
+
+    def sum_across(values):
+        calls.append(values)
+        return values
+    saved: list = []
+    cb = PeriodicCheckpoint(saved.append, seconds=10.0, sum_across=sum_across, clock=lambda: t[0])
+    cb.on_epoch_begin(0)
+    for b in range(45):
+        cb.on_train_batch_begin(b)
+        t[0] += 0.5
+        cb.on_train_batch_end(b)
+    assert [c[1] for c in calls[:3]] == [2.0, 2.0, 2.0]       # 10 s / 10 probes / 0.5 s a step
+    # called after steps 1, 3, ..., 45; 10 s pass after step 20 (seen at 21), then 10 s after the save at
+    # 10.5 s, after step 41
+    assert len(calls) == 23 and [s["step"] for s in saved] == [21, 41], (len(calls), saved)
 
 
 SERVE = """

@@ -35,6 +35,30 @@ def test_options_that_cannot_restart_are_one_line_errors(capsys):
     assert (a.np, a.min_np, a.checkpoint, train) == (3, 3, None, ["--data", "x"])
 
 
+def test_hosts_that_fail_their_check_are_left_out_of_the_next_attempt(tmp_path, capsys):
+    alive = tmp_path / "alive"
+    alive.mkdir()
+    for h in ("a", "b", "c"):
+        (alive / h).touch()
+    a, _ = launch.parse(["-np", "4", "--hosts", "a,b:2,c", "--min-np", "2", "--host-check", f"test -e {alive}/{{host}}",
+                         "--", "--data", "x", "--checkpoint", "c"])
+    assert a.hosts == {"a": 1, "b": 2, "c": 1} and a.mpirun.endswith("--host {hosts}")
+    assert launch.next_size(a, 4, a.hosts) == (4, {"a": 1, "b": 2, "c": 1}, [])      # a process died, no host
+    (alive / "b").unlink()
+    assert launch.next_size(a, 4, a.hosts) == (2, {"a": 1, "c": 1}, ["b"])
+    (alive / "c").unlink()
+    assert launch.next_size(a, 2, {"a": 1, "c": 1}) == (1, {"a": 1}, ["c"])          # below --min-np: run gives up
+    one, _ = launch.parse(["-np", "3", "--min-np", "2", "--", "--data", "x", "--checkpoint", "c"])
+    assert [launch.next_size(one, n, None)[0] for n in (3, 2)] == [2, 2]             # one machine: a slot fewer
+    for bad, message in (("a,,b", "''"), ("a:x", "'a:x'"), ("a,a", "'a'")):
+        with pytest.raises(SystemExit):
+            launch.parse(["-np", "1", "--hosts", bad, "--", "--data", "x"])
+        assert f"--hosts: {message}: HOST or HOST:SLOTS, each host once" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        launch.parse(["-np", "3", "--hosts", "a,b", "--", "--data", "x"])
+    assert "--hosts: 2 slot(s) for -np 3" in capsys.readouterr().err
+
+
 def test_one_launcher_per_checkpoint_folder(tmp_path):
     held = launch.lock(str(tmp_path))
     with pytest.raises(launch.LaunchError, match=f"{tmp_path}: another des.launch is writing this checkpoint folder"):
@@ -64,9 +88,9 @@ def _data(tmp_path) -> str:
     return path
 
 
-def _train_args(data: str, ckpt: str, summary: str) -> list[str]:
+def _train_args(data: str, ckpt: str, summary: str, every: str = "20") -> list[str]:
     return ["--mode", "des", "--data", data, "--batch", "512", "--steps", "300", "--hidden", "128,64",
-            "--threads", "1", "--checkpoint", ckpt, "--checkpoint-every", "20", "--summary-json", summary]
+            "--threads", "1", "--checkpoint", ckpt, "--checkpoint-every", every, "--summary-json", summary]
 
 
 def _trainers(ckpt: str) -> list[int]:
@@ -113,11 +137,12 @@ def _launch(args: list[str], kill: int = 0, ckpt: str = "") -> tuple[subprocess.
 def test_a_killed_process_costs_a_restart_not_the_job(tmp_path):
     data = _data(tmp_path)
     runs = {}
-    for name, kill, extra in (("whole", 0, ["-np", "2", "--max-restarts", "0"]),
-                              ("killed", 1, ["-np", "2", "--max-restarts", "1"]),
-                              ("shrunk", 2, ["-np", "3", "--min-np", "2", "--max-restarts", "2"])):
+    for name, kill, extra, every in (("whole", 0, ["-np", "2", "--max-restarts", "0"], "20"),
+                                     ("killed", 1, ["-np", "2", "--max-restarts", "1"], "2s"),     # by time
+                                     ("shrunk", 2, ["-np", "3", "--min-np", "2", "--max-restarts", "2"], "20")):
         ckpt, summary = str(tmp_path / f"ck_{name}"), str(tmp_path / f"{name}.json")
-        done, killed = _launch([*extra, "--", *_train_args(data, ckpt, summary)], kill, ckpt)
+        done, killed = _launch([*extra, "--record", str(tmp_path / f"{name}.record"), "--",
+                                *_train_args(data, ckpt, summary, every)], kill, ckpt)
         assert done.returncode == 0, done.stderr[-3000:]
         assert _trainers(ckpt) == []                                   # no process left behind
         assert len(killed) == kill, (killed, done.stderr[-2000:])
@@ -125,6 +150,9 @@ def test_a_killed_process_costs_a_restart_not_the_job(tmp_path):
         restarts = [ln for ln in log if "restart" in ln and "from" in ln]
         assert len(restarts) == kill, log
         assert all(" signal 9 (Killed)" in ln and "of work since that checkpoint lost" in ln for ln in restarts), log
+        record = json.load(open(tmp_path / f"{name}.record"))
+        assert [r["rc"] != 0 for r in record] == [True] * kill + [False], record
+        assert all(r["position"]["step"] > 0 for r in record[:-1]), record      # restarted mid-epoch
         runs[name] = json.load(open(summary + ".rank0")), log
     whole = runs["whole"][0]
     for name in ("killed", "shrunk"):

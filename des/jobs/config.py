@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -68,6 +69,40 @@ class NetworkOptions:
 
 
 @dataclass(frozen=True)
+class Every:
+    """How often to save: every ``steps`` training steps, or every ``seconds`` of training (both 0:
+    only at epochs' ends). Written ``500`` (steps), ``90s``, ``10min`` or ``2h``.
+
+        >>> Every.parse("10min"), str(Every.parse("10min")), Every.parse("500").steps, bool(Every())
+        (Every(steps=0, seconds=600.0), '10min', 500, False)
+    """
+    steps: int = 0
+    seconds: float = 0.0
+
+    UNITS = {"s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+    @classmethod
+    def parse(cls, text: str) -> "Every":
+        found = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*(s|min|m|h)?\s*", text)
+        if not found or (found[2] is None and "." in found[1]):
+            raise argparse.ArgumentTypeError(f"{text!r}: a whole number of steps (500) or a time (90s, 10min, 2h)")
+        if found[2] is None:
+            return cls(steps=int(found[1]))
+        return cls(seconds=float(found[1]) * cls.UNITS[found[2]])
+
+    def __bool__(self) -> bool:
+        return bool(self.steps or self.seconds)
+
+    def __str__(self) -> str:
+        if not self.seconds:
+            return str(self.steps)
+        for unit in ("h", "min", "s"):
+            if self.seconds % self.UNITS[unit] == 0:
+                return f"{self.seconds / self.UNITS[unit]:g}{unit}"
+        return f"{self.seconds:g}s"
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """One des.train run. ``cache``, ``allocation`` and ``network`` hold those options' parts."""
     data: list = field(default_factory=list)
@@ -97,7 +132,7 @@ class RunConfig:
     wire_dtype: str = "float32"
     replica_check: int = 100
     checkpoint: Optional[str] = None
-    checkpoint_every: int = 0
+    checkpoint_every: Every = Every()
     restore: Optional[str] = None
     check_bytes: int = 20
     threads: int = 0
@@ -306,8 +341,9 @@ OPTIONS: list[Option] = [
        help="DES: every K steps check that replicated weights agree and that every process "
             "read the same batch, in one small allreduce (0: off)"),
     _o("--checkpoint", default=None, help="save to this folder at every epoch's end"),
-    _o("--checkpoint-every", type=int, default=0, metavar="K",
-       help="also save every K training steps (needs --checkpoint)"),
+    _o("--checkpoint-every", type=Every.parse, default=Every(), metavar="K",
+       help="also save every K training steps (500), or every so much training time (90s, 10min, 2h; "
+            "the processes agree when in a few small sums per interval); needs --checkpoint"),
     _o("--restore", default=None,
        help="start from this checkpoint (any mode, any number of processes) and continue "
             "at its epoch and step"),

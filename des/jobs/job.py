@@ -172,7 +172,8 @@ class _Job:
                     a.checkpoint, model, self.optimizer, plan, mode.rank, mode.world_size,
                     config=_config(a, self.spec), position=dict(pos, seed=a.seed, global_batch=self.global_batch),
                     barrier=barrier),
-                a.checkpoint_every, self.start["epoch"], self.start["step"])
+                a.checkpoint_every.steps, a.checkpoint_every.seconds, self.start["epoch"], self.start["step"],
+                sum_across=mode.sum_across, rank=mode.rank)
             callbacks.append(self.saver)
         if a.fail_at_step is not None and mode.rank == mode.world_size - 1:
             callbacks.append(_FailAt(a.fail_at_step))

@@ -2,18 +2,24 @@
 checkpoint when a process dies, up to ``--max-restarts`` times.
 
     python -m des.launch -np 4 --max-restarts 3 --min-np 2 -- \\
-        --mode des --data train.txt --checkpoint ckpt --checkpoint-every 500
+        --mode des --data train.txt --checkpoint ckpt --checkpoint-every 10min
+    python -m des.launch -np 4 --hosts a,b,c,d --min-np 2 -- --mode des ...    # one process per host
 
 Each attempt is one mpirun of des.train. When it fails (a process killed, the stall inspector
 ending the job, any non-zero exit) every process of the attempt is stopped and the job goes on
 from the newest complete checkpoint in ``--checkpoint`` (``des.train --restore``: exact on any
-number of processes): with the same number of processes, or, with ``--min-np M`` below ``-np``,
-one fewer per restart down to M (the lost process's slot is not reused). A job that fails before
+number of processes). With ``--hosts``, the launcher then checks every host (``--host-check``, by
+default an ``ssh HOST true``) and restarts on the slots of the hosts that answer, as many processes
+as before if they fit, down to ``--min-np``. Without it (one machine), with the same number of
+processes, or, with ``--min-np M`` below ``-np``, one fewer per restart down to M (the lost
+process's slot is not reused). A job that fails before
 its first checkpoint is not restarted: it ends with that failure's exit status, as it does when
 the restarts are used up. The launcher's log (stderr, ``[des.launch]``) says what failed (mpirun's
 words: rank, host, signal or exit code), what it restarted from (epoch, step) and how much work
 was lost (seconds since that checkpoint). Ctrl-C (or SIGTERM) stops every process it started.
-One launcher at a time may write a checkpoint folder (a lock file in it).
+One launcher at a time may write a checkpoint folder (a lock file in it). ``--record PATH`` writes
+every attempt (processes, hosts, start, end, exit status, what failed, where it restarted from)
+as JSON, for scripts/bench_launch.py.
 """
 from __future__ import annotations
 
@@ -47,8 +53,16 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--max-restarts", type=int, default=3, metavar="K", help="restarts after failures (default 3)")
     ap.add_argument("--min-np", type=int, default=None, metavar="M",
                     help="below -np: each restart runs one process fewer, down to M (default: -np, the same)")
+    ap.add_argument("--hosts", default=None, metavar="H[:SLOTS],...",
+                    help="mpirun's hosts (one slot each unless :SLOTS); after a failure, the hosts that fail "
+                         "--host-check are left out of the next attempt")
+    ap.add_argument("--host-check", default="ssh -o BatchMode=yes -o ConnectTimeout=5 {host} true",
+                    help="a command that ends with 0 on a live host, {host} replaced (default: %(default)s)")
     ap.add_argument("--mpirun", default="mpirun -np {np} --oversubscribe --bind-to none",
-                    help="the launch command before python, {np} replaced (default: %(default)s)")
+                    help="the launch command before python, {np} replaced, and {hosts} by the live hosts "
+                         "(appended as --host {hosts} when --hosts is given and the command has no {hosts}) "
+                         "(default: %(default)s)")
+    ap.add_argument("--record", default=None, metavar="PATH", help="write every attempt here as JSON")
     ap.add_argument("--stop-grace", type=float, default=10.0, metavar="S",
                     help="seconds between SIGTERM and SIGKILL when stopping an attempt (default 10)")
     a = ap.parse_args(argv[:split])
@@ -58,6 +72,14 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     a.min_np = a.np if a.min_np is None else a.min_np
     if not 1 <= a.min_np <= a.np:
         ap.error(f"--min-np {a.min_np}: between 1 and -np {a.np}")
+    try:
+        a.hosts = parse_hosts(a.hosts) if a.hosts else None
+    except ValueError as e:
+        ap.error(f"--hosts: {e}")
+    if a.hosts and sum(a.hosts.values()) < a.np:
+        ap.error(f"--hosts: {sum(a.hosts.values())} slot(s) for -np {a.np}")
+    if a.hosts and "{hosts}" not in a.mpirun:
+        a.mpirun += " --host {hosts}"
     if not train:
         ap.error("no des.train arguments: python -m des.launch -np N -- --mode des --data ... --checkpoint DIR")
     config = RunConfig.parse(train)           # des.train's own checks, before any process starts
@@ -68,6 +90,32 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         ap.error("--max-restarts needs a des.train --checkpoint DIR (and --checkpoint-every) to restart from")
     a.checkpoint = config.checkpoint
     return a, train
+
+
+def parse_hosts(text: str) -> dict[str, int]:
+    """``"a,b:2"`` -> {"a": 1, "b": 2}: mpirun's host list, in order."""
+    hosts: dict[str, int] = {}
+    for item in text.split(","):
+        name, _, slots = item.strip().partition(":")
+        if not name or (slots and not slots.isdigit()) or name in hosts:
+            raise ValueError(f"{item!r}: HOST or HOST:SLOTS, each host once")
+        hosts[name] = int(slots or 1)
+    return hosts
+
+
+def live_hosts(hosts: dict[str, int], check: str, timeout: float = 30.0) -> tuple[dict[str, int], list[str]]:
+    """(the hosts whose ``check`` command ends with 0, the others)."""
+    live, lost = {}, []
+    for name, slots in hosts.items():
+        try:
+            ok = subprocess.run(check.format(host=name).split(), capture_output=True, timeout=timeout).returncode == 0
+        except (subprocess.TimeoutExpired, OSError):
+            ok = False
+        if ok:
+            live[name] = slots
+        else:
+            lost.append(name)
+    return live, lost
 
 
 def lock(folder: str):
@@ -147,8 +195,8 @@ def log(message: str) -> None:
 def run(a: argparse.Namespace, train: list[str]) -> int:
     """Attempts until one ends with 0, the job fails before a checkpoint, or the restarts run out."""
     folder = a.checkpoint
-    np, restore, restarts, attempt = a.np, [], 0, None
-    stopping = []
+    np, hosts, restore, restarts, attempt = a.np, a.hosts, [], 0, None
+    stopping, record = [], []
 
     def stop(signum, _frame):
         stopping.append(signum)
@@ -157,11 +205,15 @@ def run(a: argparse.Namespace, train: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
     while True:
-        cmd = [*a.mpirun.format(np=np).split(), sys.executable, "-m", "des.train", *train, *restore]
-        log(f"attempt {restarts + 1}: {np} process(es): {' '.join(cmd)}")
-        started = time.time()
+        host_list = ",".join(f"{h}:{n}" for h, n in hosts.items()) if hosts else ""
+        cmd = [*a.mpirun.format(np=np, hosts=host_list).split(), sys.executable, "-m", "des.train", *train, *restore]
+        log(f"attempt {restarts + 1}: {np} process(es){f' on {host_list}' if hosts else ''}: {' '.join(cmd)}")
+        entry = {"attempt": restarts + 1, "np": np, "hosts": host_list, "restored": restore[1:], "start": time.time()}
+        record.append(entry)
         attempt = Attempt(cmd)
         rc = attempt.wait()
+        entry.update(end=time.time(), rc=rc)
+        _write(a.record, record)
         if stopping:
             attempt.stop(a.stop_grace)
             log(f"stopped by signal {stopping[0]}: every process of the attempt ended")
@@ -170,20 +222,45 @@ def run(a: argparse.Namespace, train: list[str]) -> int:
             log(f"done after {restarts} restart(s)")
             return 0
         attempt.stop(a.stop_grace)                  # what mpirun left running
-        failed = what_failed(rc, "".join(attempt.tail))
+        failed = entry["failed"] = what_failed(rc, "".join(attempt.tail))
         last = newest(folder) if folder else None
+        _write(a.record, record)
         if last is None:
-            log(f"failed before its first checkpoint ({failed}, after {time.time() - started:.0f} s): not restarted")
+            log(f"failed before its first checkpoint ({failed}, after {entry['end'] - entry['start']:.0f} s): "
+                f"not restarted")
             return rc
         if restarts >= a.max_restarts:
             log(f"failed ({failed}); {restarts} restart(s) used of --max-restarts {a.max_restarts}: giving up")
             return rc
         path, position, age = last
+        np, hosts, lost = next_size(a, np, hosts)
+        gone = f"; host(s) lost: {', '.join(lost)}" if lost else ""
+        if np < a.min_np:
+            log(f"failed ({failed}){gone}: {np} slot(s) left, below --min-np {a.min_np}: giving up")
+            return rc
         restarts += 1
-        np = max(a.min_np, np - 1) if a.min_np < a.np else np
-        log(f"failed: {failed}; restart {restarts} of {a.max_restarts} from {path} (epoch {position.get('epoch', 0) + 1}, "
-            f"step {position.get('step', 0)}), {age:.0f} s of work since that checkpoint lost; on {np} process(es)")
+        entry.update(position=position, lost_seconds=age, lost_hosts=lost)
+        _write(a.record, record)
+        log(f"failed: {failed}{gone}; restart {restarts} of {a.max_restarts} from {path} (epoch "
+            f"{position.get('epoch', 0) + 1}, step {position.get('step', 0)}), {age:.0f} s of work since that "
+            f"checkpoint lost; on {np} process(es)")
         restore = ["--restore", folder]
+
+
+def next_size(a: argparse.Namespace, np: int, hosts: dict[str, int] | None) -> tuple[int, dict | None, list[str]]:
+    """(processes, hosts, hosts lost) of the next attempt: on the hosts that pass --host-check, as many
+    processes as before if they fit; on one machine, one fewer down to --min-np if below -np."""
+    if hosts:
+        live, lost = live_hosts(hosts, a.host_check)
+        return min(np, sum(live.values())), live, lost
+    return (max(a.min_np, np - 1) if a.min_np < a.np else np), None, []
+
+
+def _write(path: str | None, record: list) -> None:
+    if path:
+        with open(path + ".tmp", "w") as fh:
+            json.dump(record, fh, indent=1)
+        os.replace(path + ".tmp", path)
 
 
 def main(argv: list[str] | None = None) -> int:

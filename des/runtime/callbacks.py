@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import numpy as np
 import tensorflow as tf
@@ -189,16 +190,32 @@ class CounterDeltas(tf.keras.callbacks.Callback):
 
 
 class PeriodicCheckpoint(tf.keras.callbacks.Callback):
-    """Save every ``every`` training steps (counted over epochs) and at every epoch's end, with
-    the data position: ``save({"epoch": e, "step": s})`` where s batches of epoch e are done.
+    """Save every ``steps`` training steps (counted over epochs), or every ``seconds`` of training, and at every epoch's end, with the data position: ``save({"epoch": e, "step": s})``
+    where s batches of epoch e are done.
 
     A save due after a step runs before the next step (or at the epoch's end, as the start of
-    the next epoch), so a checkpoint never points past the end of an epoch."""
+    the next epoch), so a checkpoint never points past the end of an epoch. By time, the
+    processes agree at the same steps: ``sum_across([late, gap])`` (every process calls it at
+    the same step; des.jobs.modes) says whether any process's clock has passed the interval, and
+    rank 0's measured step time sets how many steps to the next such call (about ten per interval).
 
-    def __init__(self, save, every: int, epoch: int = 0, step: int = 0):
+        >>> saved = []
+        >>> every3 = PeriodicCheckpoint(saved.append, steps=3)
+        >>> for b in range(7): every3.on_train_batch_begin(b); every3.on_train_batch_end(b)
+        >>> saved
+        [{'epoch': 0, 'step': 3}, {'epoch': 0, 'step': 6}]
+    """
+    PROBES = 10           # agreement calls per time interval
+
+    def __init__(self, save, steps: int = 0, seconds: float = 0.0, epoch: int = 0, step: int = 0, *,
+                 sum_across: Callable[[list[float]], list[float]] = list, rank: int = 0,
+                 clock: Callable[[], float] = time.monotonic):
         super().__init__()
-        self.save, self.every = save, every
+        self.save, self.steps, self.seconds = save, steps, seconds
+        self.sum_across, self.rank, self.clock = sum_across, rank, clock
         self.epoch, self.step, self.due, self.saves, self.total = epoch, step, False, 0, 0
+        self.last = self.probed = clock()
+        self.next_probe, self.probed_total = 1, 0
 
     def on_epoch_begin(self, epoch, logs=None):
         if epoch != self.epoch:
@@ -210,7 +227,18 @@ class PeriodicCheckpoint(tf.keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.step, self.total = self.step + 1, self.total + 1
-        self.due = self.every > 0 and self.total % self.every == 0
+        self.due = self.steps > 0 and self.total % self.steps == 0
+        if self.seconds and self.total >= self.next_probe:
+            self._probe()
+
+    def _probe(self) -> None:
+        """Agree on whether the interval has passed and on the steps to the next agreement."""
+        now = self.clock()
+        per_step = (now - self.probed) / max(1, self.total - self.probed_total)
+        gap = max(1, int(self.seconds / self.PROBES / max(per_step, 1e-9))) if self.rank == 0 else 0
+        late, gap = self.sum_across([float(now - self.last >= self.seconds), float(gap)])
+        self.due = self.due or late > 0
+        self.next_probe, self.probed, self.probed_total = self.total + max(1, int(gap)), now, self.total
 
     def on_epoch_end(self, epoch, logs=None):
         self._save(epoch + 1, 0)
@@ -218,4 +246,4 @@ class PeriodicCheckpoint(tf.keras.callbacks.Callback):
 
     def _save(self, epoch: int, step: int) -> None:
         self.save({"epoch": epoch, "step": step})
-        self.due, self.saves = False, self.saves + 1
+        self.due, self.saves, self.last = False, self.saves + 1, self.clock()

@@ -127,9 +127,14 @@ class Mode:
         """Keras callbacks that measure this mode's traffic (called once, after compile)."""
         return []
 
+    def sum_across(self, values: list[float]) -> list[float]:
+        """The sums over every process of ``values`` (each passes its own): one small allreduce,
+        which every process calls at the same step; with one process, the values."""
+        return list(values)
+
     def barrier(self) -> Callable[[], Any] | None:
         """Waits for every process (checkpoints are written together); None with one process."""
-        return None
+        return None if self.world_size == 1 else (lambda: self.sum_across([0.0]))
 
     def flush(self, model) -> None:
         """Make the model's state whole before it is saved (the cache pushes pending updates)."""

@@ -51,10 +51,10 @@ class DES(Mode):
         every = self.config.replica_check
         return [self.traffic] + ([ReplicaCheck(self.comm, every)] if every else [])
 
-    def barrier(self):
+    def sum_across(self, values):
         if self.world_size == 1:
-            return None
-        return lambda: self.comm.allreduce_counted(tf.zeros([1]), "barrier")
+            return list(values)
+        return [float(v) for v in self.comm.allreduce_counted(tf.constant(values, tf.float32), "barrier").numpy()]
 
     def summarise(self, model, summary: dict) -> None:
         report, comm, batch, traffic = self.report, self.comm, self.config.batch, self.traffic
