@@ -225,9 +225,10 @@ def test_periodic_checkpoint_by_time_saves_at_the_same_step_on_every_process():
     [t.join() for t in threads]
     assert calls[0] == calls[1] and saved[0] == saved[1], (calls, saved)
     steps = [p["step"] for p in saved[0]]
-    # the sum is called after steps 1, 3, 5, ... (rank 0: 10 s / 10 calls / 0.5 s = 2 steps apart); rank 1's
-    # 0.6 s steps pass 10 s after 17 steps (10.2 s), then 10 s after that save (20.4 s, step 34 -> 35), ...
-    assert steps == [17, 35, 53, 71, 89], steps
+    # the clocks start after step 1; the sum is called after steps 2, 4, 6, ... (rank 0: 10 s / 10 calls /
+    # 0.5 s = 2 steps apart); rank 1's clock (0.6 s steps, from 0.6 s) passes 10 s after step 18 (10.8 s), then
+    # 10 s after that save (at 10.8 s) after step 35 (21.0 s), seen at 36; rank 0's would come later (38)
+    assert steps == [18, 36, 54, 72, 90], steps
     assert len(calls[0]) == 50, calls[0]
 
 
@@ -246,9 +247,9 @@ def test_periodic_checkpoint_by_time_calls_its_sum_at_a_gap_set_by_rank_0():
         t[0] += 0.5
         cb.on_train_batch_end(b)
     assert [c[1] for c in calls[:3]] == [2.0, 2.0, 2.0]       # 10 s / 10 probes / 0.5 s a step
-    # called after steps 1, 3, ..., 45; 10 s pass after step 20 (seen at 21), then 10 s after the save at
-    # 10.5 s, after step 41
-    assert len(calls) == 23 and [s["step"] for s in saved] == [21, 41], (len(calls), saved)
+    # the clock starts at 0.5 s, after step 1; called after steps 2, 4, ..., 44; 10 s pass after step 21 (seen
+    # at 22), then 10 s after the save at 11 s, after step 42
+    assert len(calls) == 22 and [s["step"] for s in saved] == [22, 42], (len(calls), saved)
 
 
 SERVE = """

@@ -79,6 +79,9 @@ def test_the_newest_complete_checkpoint_and_what_failed(tmp_path):
     assert launch.what_failed(137, said) == "rank 1 (PID 4242) on box: signal 9 (Killed)"
     assert launch.what_failed(137, said.replace("4242", "0")) == "rank 1 on box: signal 9 (Killed)"
     assert launch.what_failed(3, "nothing useful") == "exit status 3"
+    lost = ("An MPI communication peer process has unexpectedly disconnected.  This\n...\n  Local host: vm\n"
+            "  Local PID:  32261\n  Peer host:  10.77.0.3\n----\n")
+    assert launch.what_failed(9, lost) == "exit status 9: the processes lost their connection to 10.77.0.3"
 
 
 def _data(tmp_path) -> str:

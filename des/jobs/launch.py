@@ -155,6 +155,9 @@ def what_failed(rc: int, tail: str) -> str:
     found = re.search(r"process rank (\d+) with PID (\d+) on node (\S+) exited with status (\d+)", tail)
     if found:
         return f"rank {found[1]} (PID {found[2]}) on {found[3]}: exit status {found[4]}"
+    found = re.search(r"communication peer process has unexpectedly disconnected.*?Peer host:\s*(\S+)", tail, re.S)
+    if found:
+        return f"exit status {rc}: the processes lost their connection to {found[1]}"
     found = re.search(r"Primary job\s+terminated normally, but (\d+) process returned\s+a non-zero exit code", tail)
     return f"exit status {rc}" + (f" ({found[1]} process(es) returned non-zero)" if found else "")
 
@@ -223,6 +226,7 @@ def run(a: argparse.Namespace, train: list[str]) -> int:
             return 0
         attempt.stop(a.stop_grace)                  # what mpirun left running
         failed = entry["failed"] = what_failed(rc, "".join(attempt.tail))
+        entry["tail"] = attempt.tail[-40:]
         last = newest(folder) if folder else None
         _write(a.record, record)
         if last is None:

@@ -198,6 +198,7 @@ class PeriodicCheckpoint(tf.keras.callbacks.Callback):
     processes agree at the same steps: ``sum_across([late, gap])`` (every process calls it at
     the same step; des.jobs.modes) says whether any process's clock has passed the interval, and
     rank 0's measured step time sets how many steps to the next such call (about ten per interval).
+    The clock starts after the run's first step (which traces the graph) and again at each save.
 
         >>> saved = []
         >>> every3 = PeriodicCheckpoint(saved.append, steps=3)
@@ -227,6 +228,9 @@ class PeriodicCheckpoint(tf.keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.step, self.total = self.step + 1, self.total + 1
+        if self.total == 1:                       # the clock starts after the first step, which traces
+            self.last = self.probed = self.clock()
+            self.probed_total, self.next_probe = 1, 2
         self.due = self.steps > 0 and self.total % self.steps == 0
         if self.seconds and self.total >= self.next_probe:
             self._probe()
