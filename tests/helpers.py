@@ -105,3 +105,16 @@ def train_ps_counting(exchange, batches, probe, fuse: bool = False, bytes_per_fl
                       for k in ("ids_bytes", "rows_bytes", "grad_bytes", "unique_ids", "remote_ids")})
         preds.append(model.predict_on_batch(probe))
     return preds, model, steps
+
+
+def within(name: str, value: float, bound: float, floor: float | None = None) -> float:
+    """Assert ``value < bound`` (and ``value > floor`` when given), first printing one line that
+    scripts/tolerances.py collects (run pytest with -s to see it):
+    ``MEASURED <test id> <name> <value> <bound>``. The test id is pytest's current one."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+    value = float(value)
+    print(f"\nMEASURED {test} {name} {value:.3e} {bound:.1e}", flush=True)
+    assert value < bound, (name, value, bound)
+    if floor is not None:
+        assert value > floor, (name, value, floor)
+    return value

@@ -79,8 +79,12 @@ def test_multi_valued_weighted_fields_fused():
 def test_same_bits_run_after_run():
     work = lambda m: train_and_snapshot(m, "adam", 0.01, BATCHES[:6], PROBE)  # noqa: E731
     a, b = (run_in_process_world(2, build("deepfm"), work, tables="fused") for _ in range(2))
-    for x, y in zip(a, b):
-        assert np.array_equal(x["predictions"], y["predictions"])
+    for x, y in zip(a, b):                     # every rank's predictions, table rows, owned blocks and weights
+        assert x["tables"] and x["weights"] and sorted(x) == sorted(y)
+        for part in ("predictions", "tables", "owned", "weights"):
+            tf.nest.assert_same_structure(x[part], y[part])            # the same tables, keys and weights
+            for u, v in zip(tf.nest.flatten(x[part]), tf.nest.flatten(y[part])):
+                np.testing.assert_array_equal(np.asarray(u), np.asarray(v), err_msg=part)
 
 
 def test_user_tfra_embeddings_fuse_when_asked():

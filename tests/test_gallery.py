@@ -9,9 +9,13 @@ rows, weights and predictions are held to 1e-6. With Adam, predictions are held 
 AUC, rows and weights to 1e-5. Adam's step m / (sqrt(v) + eps) is about +-lr wherever a
 coordinate's gradients are tiny, so a float-order difference in such a gradient is amplified:
 measured 4.9e-6 at most here (start seed 0, every build seeded so each run is the same job),
-but up to 1.7e-5 at other start seeds (DeepCTR's default DeepFM, Keras NFM): a failure of the
-Adam bound after a change of start or summation order is that amplification until shown
-otherwise - check the same case under SGD, which does not amplify."""
+but up to 2.8e-5 at other start seeds (DeepCTR's default DeepFM at seed 3, N = 3). That is the
+spread of float32 order itself, not of DES: the untouched model on one process, fitted on the
+same batches with each batch's rows in another order, moves as far (2.4e-5 at seed 3;
+test_adam_bound_over_build_seeds_is_the_spread_of_float32_order sweeps 5 seeds and holds DES to
+1e-4 and to 3x that one-process spread; reports/tolerances.md). A failure of the Adam bound after
+a change of start or summation order is that amplification until shown otherwise - check the
+same case under SGD, which does not amplify."""
 import re
 
 import numpy as np
@@ -24,10 +28,12 @@ from des.graph.ir import Graph
 from des.jobs.verify import compare, copy_state, fit_and_snapshot, run_in_process_world
 from des_ops.comm import InProcessWorld, LocalCommunicator
 from gallery import BUILDERS, EXPECTED, FIELDS, K, V, batches_for, dlrm_offsets
+from helpers import within
 
 L = tf.keras.layers
 TOL_SGD = 1e-6           # rows, weights, predictions after 20 SGD steps (float32 order: <= 1.5e-8 measured)
 TOL_ADAM_STATE = 1e-5    # rows and weights after 20 Adam steps (4.9e-6 measured; see the module docstring)
+TOL_ADAM_STATE_SEEDS = 1e-4   # the same at 5 build seeds (2.8e-5 measured at seed 3: the next-but-one test)
 TOL_PREDICTIONS = 1e-6
 TOL_METRICS = 1e-5       # the fit's last loss and AUC
 BUILD_SEED = 0           # the starting weights of every build (Keras / DeepCTR initialisers)
@@ -66,8 +72,49 @@ def test_gallery_model_is_substituted_and_equivalent(name):
             state = max(diff["tables"], diff["owned"], diff["weights"])
             print(f"{name} {optimizer} N={n}: {diff} metrics {metrics:.1e}")
             bound = TOL_PREDICTIONS_ADAM.get(name, TOL_PREDICTIONS) if optimizer == "adam" else TOL_PREDICTIONS
-            assert diff["predictions"] < bound and metrics < TOL_METRICS, (optimizer, n, diff, metrics)
-            assert state < (TOL_ADAM_STATE if optimizer == "adam" else TOL_SGD), (optimizer, n, diff)
+            within(f"{optimizer} N={n} predictions", diff["predictions"], bound)
+            within(f"{optimizer} N={n} AUC and loss", metrics, TOL_METRICS)
+            within(f"{optimizer} N={n} rows and weights", state, TOL_ADAM_STATE if optimizer == "adam" else TOL_SGD)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_adam_bound_over_build_seeds_is_the_spread_of_float32_order(seed):
+    """DeepCTR's DeepFM as its README writes it (8 fields, DNN 256-128-64), Adam, N = 3, at 5 build
+    seeds: predictions within 1e-6 of one process, rows and weights within TOL_ADAM_STATE_SEEDS.
+    Why that wide: the untouched model on one process, fitted on the same batches with each batch's
+    rows in another order (the same mean loss; only the float32 order of the sums over rows
+    differs, no DES code runs), moves its rows and weights as far (measured 1.2e-6 - 2.4e-5 over
+    these seeds, DES 1.6e-6 - 2.8e-5: reports/tolerances.md); DES is held to 3x that spread."""
+    name, n = "deepctr_deepfm_defaults", 3
+    build = BUILDERS[name]
+    tf.keras.utils.set_random_seed(seed)
+    base = build()
+    des.make_keyed(base, seed=0)
+    batches = batches_for(base, 20, 32, seed=4)
+    probe = batches_for(base, 1, 16, seed=99)[0][0]
+    order = np.random.default_rng(seed)
+    permuted = []
+    for x, y in batches:
+        p = order.permutation(int(y.shape[0]))
+        permuted.append(({k: tf.gather(v, p) for k, v in x.items()}, tf.gather(y, p)))
+
+    def fitted(rows):
+        model = build()
+        copy_state(base, model)
+        des.make_keyed(model, seed=0)
+        return fit_and_snapshot(model, rows, probe, optimizer="adam", learning_rate=0.02)
+    ref = fitted(batches)
+    reordered = compare(ref, [fitted(permuted)])
+    spread = max(reordered["tables"], reordered["owned"], reordered["weights"])
+    ranks = run_in_process_world(n, build, lambda m: fit_and_snapshot(m, batches, probe, optimizer="adam",
+                                                                     learning_rate=0.02), init_from=base)
+    diff = compare(ref, ranks)
+    state = max(diff["tables"], diff["owned"], diff["weights"])
+    print(f"{name} adam seed {seed} N={n}: {diff}; one process, rows reordered: {reordered}")
+    within(f"adam N={n} predictions", diff["predictions"], TOL_PREDICTIONS)
+    within(f"adam N={n} rows and weights", state, TOL_ADAM_STATE_SEEDS)
+    within("one process, batch rows reordered: rows and weights", spread, TOL_ADAM_STATE_SEEDS)
+    within(f"adam N={n} rows and weights / one process's reorder spread", state / spread, 3.0)
 
 
 def test_transform_report_lists_every_table_and_strict_mode():

@@ -11,7 +11,7 @@ import models
 from des.jobs.verify import compare, fit_and_snapshot, run_in_process_world, train_and_snapshot
 from des_ops.comm import InProcessWorld
 from gallery import BUILDERS, batches_for
-from helpers import random_batches, small_spec
+from helpers import random_batches, small_spec, within
 
 TOL = 2e-6        # float32 summation order (test_equivalence_sim's bound)
 SPEC = small_spec(4, dim=3)
@@ -67,7 +67,8 @@ def test_more_slices_than_rows_and_weight_penalties():
 def test_float16_partials_halve_the_bytes_and_stay_close():
     """float16 on the wire: the step's bytes are exactly half the float32 run's (2 bytes a float);
     after 12 steps the predictions differ from the exact run by more than float32 rounding but
-    stay within a few float16 roundings (relative 2^-11 per partial, a few partials per output)."""
+    stay within a few float16 roundings (relative 2^-11 per partial, a few partials per output):
+    measured 4.5e-5, held to 4e-4 (reports/tolerances.md)."""
     work = lambda m: train_and_snapshot(m, "adam", 0.01, BATCHES, PROBE)  # noqa: E731
     ref = work(build("deepfm")())
     exact = run_in_process_world(2, build("deepfm"), lambda m: _with_collectives(m, work))
@@ -80,8 +81,7 @@ def test_float16_partials_halve_the_bytes_and_stay_close():
     assert half[0]["step"]["bytes"] == 2 * floats * (12 * 32 + 12 * 16) == exact[0]["step"]["bytes"] // 2
     assert half[0]["step"]["calls"] == exact[0]["step"]["calls"] == steps
     gap = np.abs(half[0]["predictions"] - ref["predictions"]).max()
-    print(f"float16 wire vs float32: max |prediction diff| {gap:.2e}")
-    assert 1e-5 < gap < 2e-2, gap
+    within("float16 wire vs the exact model: predictions", gap, 4e-4, floor=1e-5)
     assert np.array_equal(half[0]["predictions"], half[1]["predictions"])    # every process the same
 
 
@@ -136,7 +136,6 @@ def test_ps_float16_rows_halve_the_row_bytes_and_stay_close():
             assert 2 * b["rows_bytes"][0] == a["rows_bytes"][0] and 2 * b["grad_bytes"][0] == a["grad_bytes"][0]
         assert sum(step["rows_bytes"][0] for step in s16) > 0
         diff = float(np.abs(p16 - p32).max())
-        print(f"PS float16 rows vs float32: max prediction diff {diff:.1e}")
-        assert 0 < diff < 5e-3
+        within("PS float16 rows vs float32: predictions", diff, 1.5e-4, floor=0)     # measured 1.8e-5
     with pytest.raises(ValueError, match="wire_dtype='bfloat16': one of float32, float16"):
         KeyExchange(wire_dtype="bfloat16")

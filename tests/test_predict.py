@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from des.data.synth import write_criteo
+from helpers import within
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
@@ -125,5 +126,5 @@ def test_des_checkpoint_predicts_under_mpirun_like_the_single_process_model(job,
     for other in ("p_des.txt", "p_des_on_1.txt"):
         p = np.loadtxt(tmp_path / other)
         diff = np.abs(p - single_p).max()
-        print(f"{other} vs single-process predictions on 300 test lines: max diff {diff:.1e}")
-        assert p.shape == (300,) and diff < 1e-5
+        assert p.shape == (300,)
+        within(f"{other} vs single-process predictions", diff, 1e-5)

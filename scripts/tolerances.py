@@ -1,0 +1,183 @@
+"""Every test tolerance next to what the code achieves: runs the tests behind the bounds listed in
+issue 63 (pytest -s; each bound is checked by tests/helpers.py ``within``, which prints
+``MEASURED <test id> <name> <value> <bound>``), collects those lines and writes a table of
+test, assertion, bound, measured values, ratio bound / largest measured and the command. Then it
+measures, in one process, why Adam's bound on rows and weights is wider than SGD's: the
+untouched model trained twice on the same batches with their rows in another order (the same
+sums in another float32 order, no DES at all) against DES on 1 and 3 simulated processes, over
+5 build seeds.
+
+    .venv/bin/python scripts/tolerances.py                      # about 15 minutes on 2 cores
+    .venv/bin/python scripts/tolerances.py --only mpi_microbatch,tail --repeat 2 --out /tmp/t.md
+    .venv/bin/python scripts/tolerances.py --adam-only          # the order experiment alone
+
+``--repeat R`` runs every case R times (the table keeps every value); the mpirun cases should be
+trusted only after a few runs."""
+import argparse
+import datetime
+import os
+import re
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = os.path.join(ROOT, ".venv", "bin", "python")
+
+# (short name, pytest arguments, what the bounds stand for); one pytest process each, in this order
+CASES = [
+    ("mpi", ["tests/test_mpi.py", "-k", "not disagree"],
+     "DES, PS, cache and laia under a real mpirun against one process"),
+    ("mpi_microbatch", ["tests/test_mpi_microbatch.py"], "micro-batches and float16 partials under mpirun"),
+    ("cache", ["tests/test_cache.py", "-k", "cache_cli_under_mpirun"], "a cache run's checkpoint restored by one process"),
+    ("predict", ["tests/test_predict.py", "-k", "under_mpirun"], "DES checkpoints predicting like one process's"),
+    ("compare_data", ["tests/test_compare_data.py", "-k", "user_files"], "des.compare's DES AUC against one process's"),
+    ("tail", ["tests/test_tail.py", "-k", "equals_one_process or adaptive or same_bits"],
+     "the data-parallel tail in the simulated world"),
+    ("microbatch", ["tests/test_microbatch.py", "-k", "float16"], "float16 partials and PS float16 rows"),
+    ("gallery", ["tests/test_gallery.py", "-k", "build_seed or deepctr_deepfm_defaults"],
+     "the gallery's DeepCTR DeepFM (defaults) over 5 build seeds, Adam and SGD"),
+    ("netbed", ["tests/test_netbed.py", "-k", "des_and_ps"], "DES against the PS over an emulated 1 Gbit/s link (root only)"),
+]
+MEASURED = re.compile(r"^MEASURED (\S+) (.+) (\S+) (\S+)$")
+
+
+def run_case(args: list[str]) -> tuple[list[tuple[str, str, float, float]], str, float]:
+    """pytest -s on ``args``: the MEASURED lines as (test id, name, value, bound), the summary line
+    and the seconds it took."""
+    t0 = time.time()
+    cmd = [PY, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *args]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    rows = []
+    for line in done.stdout.splitlines():
+        m = MEASURED.match(line.strip())
+        if m:
+            rows.append((m.group(1), m.group(2), float(m.group(3)), float(m.group(4))))
+    summary = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
+    if done.returncode not in (0, 5):
+        summary = "FAILED: " + summary + " " + "; ".join(
+            line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR")))[:600]
+    return rows, summary, time.time() - t0
+
+
+def fmt(v: float) -> str:
+    return "0" if v == 0 else f"{v:.1e}"
+
+
+def adam_order_experiment(seeds=(0, 1, 2, 3, 4), name: str = "deepctr_deepfm_defaults") -> list[str]:
+    """The gallery's case (20 steps of 32 rows, its learning rates), per build seed and optimizer:
+    the untouched model against (a) itself trained on the same batches with each batch's rows
+    permuted (the same mean loss; only float32 summation order differs), (b) DES on 1 simulated
+    process, (c) DES on 3. Max over rows and weights, and over predictions (tests' compare)."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import numpy as np
+    import tensorflow as tf
+
+    import des
+    from des.jobs.verify import compare, copy_state, fit_and_snapshot, run_in_process_world
+    from gallery import BUILDERS, batches_for
+
+    tf.config.threading.set_inter_op_parallelism_threads(64)
+    build = BUILDERS[name]
+    lines = ["| optimizer | build seed | quantity | rows permuted, one process | DES N = 1 | DES N = 3 |",
+             "|---|---|---|---|---|---|"]
+    for optimizer, lr in (("adam", 0.02), ("sgd", 0.5)):
+        for seed in seeds:
+            tf.keras.utils.set_random_seed(seed)
+            base = build()
+            des.make_keyed(base, seed=0)
+            batches = batches_for(base, 20, 32, seed=4)
+            probe = batches_for(base, 1, 16, seed=99)[0][0]
+            rng = np.random.default_rng(seed)
+            permuted = []
+            for x, y in batches:
+                p = rng.permutation(int(y.shape[0]))
+                permuted.append(({k: tf.gather(v, p) for k, v in x.items()}, tf.gather(y, p)))
+
+            def fresh():
+                m = build()
+                copy_state(base, m)
+                des.make_keyed(m, seed=0)
+                return m
+            fit = lambda m, b=batches: fit_and_snapshot(m, b, probe, optimizer=optimizer, learning_rate=lr)  # noqa: E731
+            ref = fit(fresh())
+            diffs = [compare(ref, [fit(fresh(), permuted)])]
+            for n in (1, 3):
+                diffs.append(compare(ref, run_in_process_world(n, build, fit, init_from=base)))
+            state = [max(d["tables"], d["owned"], d["weights"]) for d in diffs]
+            preds = [d["predictions"] for d in diffs]
+            lines.append(f"| {optimizer} | {seed} | rows and weights | " + " | ".join(fmt(v) for v in state) + " |")
+            lines.append(f"| {optimizer} | {seed} | predictions | " + " | ".join(fmt(v) for v in preds) + " |")
+            print(lines[-2], lines[-1], sep="\n", flush=True)
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="", help="comma-separated case names (default: all): "
+                    + ", ".join(c[0] for c in CASES))
+    ap.add_argument("--repeat", type=int, default=1, help="runs of every case (default 1)")
+    ap.add_argument("--adam-only", action="store_true", help="only the Adam order experiment")
+    ap.add_argument("--no-adam", action="store_true", help="skip the Adam order experiment")
+    ap.add_argument("--out", default=os.path.join(ROOT, "reports", "tolerances.md"))
+    a = ap.parse_args()
+    if a.adam_only:
+        print("\n".join(adam_order_experiment()))
+        return
+    only = set(filter(None, a.only.split(",")))
+    t0 = time.time()
+    found: dict = {}              # (test id, name) -> [bound, [values], case]
+    runs = []
+    for case, args, what in CASES:
+        if only and case not in only:
+            continue
+        for i in range(a.repeat):
+            rows, summary, secs = run_case(args)
+            runs.append((case, " ".join(args), summary, secs))
+            print(f"[tolerances] {case} run {i + 1}: {summary} ({secs:.0f} s, {len(rows)} values)", flush=True)
+            for test, name, value, bound in rows:
+                entry = found.setdefault((test, name), [bound, [], case])
+                entry[1].append(value)
+    adam = [] if a.no_adam else adam_order_experiment()
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    out = [f"# Test tolerances against what the code achieves",
+           "",
+           f"`.venv/bin/python scripts/tolerances.py{' --repeat ' + str(a.repeat) if a.repeat > 1 else ''}"
+           f"{' --only ' + a.only if a.only else ''}` at {commit}, {now}, {os.cpu_count()} cores, "
+           f"{(time.time() - t0) / 60:.0f} min. Each bound below is one `within(name, value, bound)` of "
+           "tests/helpers.py in the test named; \"measured\" lists every value it printed (one per run and "
+           "per rank or model where the test loops), \"ratio\" is the bound over the largest. The rule "
+           "(issue 63): no bound looser than 10x what it measures; a measured 0 has a bound of 1e-7 or below "
+           "(float32's resolution near 1 is 6e-8), or an exact equality in the test instead.",
+           "",
+           "| test | assertion | bound | measured | ratio | command |",
+           "|---|---|---|---|---|---|"]
+    cmds = {c[0]: f"`.venv/bin/python -m pytest -s {' '.join(c[1])}`" for c in CASES}
+    for (test, name), (bound, values, case) in found.items():
+        top = max(values)
+        ratio = "inf" if top == 0 else f"{bound / top:.1f}"
+        shown = ", ".join(fmt(v) for v in sorted(set(values), reverse=True)[:6])
+        if len(set(values)) > 6:
+            shown += f", ... ({len(values)} values)"
+        out.append(f"| {test.replace('tests/', '')} | {name} | {fmt(bound)} | {shown} | {ratio} | {cmds[case]} |")
+    out += ["", "Runs:", ""]
+    out += [f"- {case}: `{args}`: {summary} ({secs:.0f} s)" for case, args, summary, secs in runs]
+    if adam:
+        out += ["", "## Why Adam's bound on rows and weights is wider than SGD's", "",
+                "The gallery's DeepCTR DeepFM with its defaults (tests/gallery.py `deepctr_deepfm_defaults`: 8 "
+                "fields, DNN 256-128-64, L2 on the tables), 20 steps of 32 rows, Adam at 0.02 and SGD at 0.5 as "
+                "in tests/test_gallery.py, over 5 build seeds (`tf.keras.utils.set_random_seed`). Each column "
+                "is the largest difference (tests' `compare`: absolute or relative, whichever is smaller) from "
+                "the untouched model on one process. \"rows permuted\" is that same untouched model on one "
+                "process, trained on the same batches with each batch's rows in another order: the same mean "
+                "loss, the same gradients in exact arithmetic, only the float32 order of the sums over rows "
+                "differs; no DES code runs. (`.venv/bin/python scripts/tolerances.py --adam-only`)", ""]
+        out += adam
+    with open(a.out, "w") as fh:
+        fh.write("\n".join(out) + "\n")
+    print(f"written: {a.out}")
+
+
+if __name__ == "__main__":
+    main()
