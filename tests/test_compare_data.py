@@ -46,7 +46,7 @@ def test_compare_runs_on_user_files_without_metadata(tmp_path):
     assert set(by) == {"single", "des"} and by["des"]["processes"] == "2"
     auc_single, auc_des = float(by["single"]["auc"]), float(by["des"]["auc"])
     assert 0 < auc_single < 1
-    within("|AUC - single's|", abs(auc_des - auc_single), 1e-4)
+    within("|AUC - single's|", abs(auc_des - auc_single), 1e-7)      # measured 0, twice
     md = (folder / "comparison.md").read_text()
     assert train in md.splitlines()[0] and evalf in md.splitlines()[0] and "preset" not in md.splitlines()[0]
     assert "Bayes-optimal AUC of the data: unknown." in md

@@ -35,7 +35,7 @@ def test_micro_batches_and_float16_under_mpirun(tmp_path):
     two_rows = plain.predict_on_batch({k: v[:2] for k, v in probe.items()})
     diff = compare(ref, [r["k3"] for r in ranks])
     print(f"mpirun -np {n} deepfm micro_batches=3: {diff}")
-    within("micro_batches=3: max diff", max(diff.values()), 2e-6)
+    within("micro_batches=3: max diff", max(diff.values()), 1e-6)           # measured 1.5e-7
     floats = 1 + (3 + 1) + 8      # by hand (PS_SPEC: dim 3; hidden 8,4): linear sum, FM's S and Q, first Dense
     for r in ranks:
         assert np.array_equal(r["k3"]["predictions"], ranks[0]["k3"]["predictions"])     # replicas agree bitwise
@@ -45,4 +45,4 @@ def test_micro_batches_and_float16_under_mpirun(tmp_path):
         assert r["fp16"]["collective"].endswith("__wirefloat16")
         assert np.array_equal(r["fp16"]["predictions"], ranks[0]["fp16"]["predictions"])
     gap = np.abs(ranks[0]["fp16"]["predictions"] - ref["predictions"]).max()
-    within("float16 wire vs the exact model: predictions", gap, 2e-2, floor=1e-6)
+    within("float16 wire vs the exact model: predictions", gap, 6e-4, floor=1e-6)   # measured 6.6e-5
