@@ -90,6 +90,59 @@ def rows_dense(comm: Communicator, e: tf.Tensor, kernel: tf.Tensor, rank_widths:
     return _rows_dense(e, kernel, anchor)
 
 
+def rows_to_samples(comm: Communicator, e: tf.Tensor, rank_widths: list[int], anchor: tf.Tensor,
+                    name: str) -> tf.Tensor:
+    """This process's samples' rows (``shard_rows``) of every process's ``e``, side by side in rank
+    order: [b_r, sum(rank_widths)]. ``e`` [B, w_r]: the rows this process owns (for a field vector
+    no rule splits, des_ops.suboperators.FieldRowsSubOp, under the data-parallel tail); one
+    all-to-all sends each process q the rows of q's samples, w_r (B/N) floats per destination
+    instead of the whole batch's [B, sum(rank_widths)] partials a reduce-scatter hands over.
+    Backward: the reverse all-to-all, each owner receiving its columns' gradient for the whole
+    batch (sources in rank order = batch order). ``anchor``: a trainable scalar whose gradient (0)
+    reads both all-to-alls, so that a process that owns no rows joins them. Collectives
+    ``<name>`` (counted under ``step``) and ``<name>_grad`` (under ``tail``).
+
+        >>> from des_ops.comm import LocalCommunicator
+        >>> e = tf.constant([[1.0, 2.0], [3.0, 4.0]])
+        >>> rows_to_samples(LocalCommunicator(), e, [2], tf.zeros([]), "demo").numpy().tolist()
+        [[1.0, 2.0], [3.0, 4.0]]
+    """
+    n, r = comm.world_size, comm.rank
+    widths = [int(w) for w in rank_widths]
+    if len(widths) != n or widths[r] != int(e.shape[1]):
+        raise ValueError(f"rows_to_samples: rank {r} holds rows of width {e.shape[1]}; the plan says widths "
+                         f"{widths} for {n} processes")
+
+    @tf.custom_gradient
+    def _to_samples(e_p, a):
+        batch = tf.shape(e_p, out_type=tf.int64)[0]
+        sizes = _shard_sizes(batch, n)
+        mine = sizes[r]
+        flat = tf.reshape(e_p, [-1])                      # rows in batch order = grouped by destination
+        with tf.control_dependencies([comm.count("step", nbytes(flat))]):
+            got, _ = comm.alltoall(not_folded(comm, flat), sizes * widths[r], name)
+        pieces = tf.split(got, tf.stack([mine * w for w in widths]), num=n)
+        x = tf.concat([tf.reshape(p, tf.stack([mine, w])) for p, w in zip(pieces, widths)], axis=1)
+        x = x + a * tf.cast(tf.minimum(mine, 0), tf.float32)
+
+        def grad(dx):
+            dx_flat = tf.concat([tf.reshape(p, [-1]) for p in tf.split(dx, widths, axis=1)], 0)
+            with tf.control_dependencies([comm.count("tail", nbytes(dx_flat))]):
+                back, _ = comm.alltoall(not_folded(comm, dx_flat), tf.stack([mine * w for w in widths]), f"{name}_grad")
+            de = tf.reshape(back, tf.stack([tf.cast(batch, tf.int32), widths[r]]))
+            return de, tf.reduce_sum(back) * variable_zero(comm)
+        return x, grad
+
+    return _to_samples(e, anchor)
+
+
+def samples_bytes_per_step(batch: int, rank_widths: list[int], rank: int) -> tuple[int, int]:
+    """(forward, backward) bytes process ``rank`` hands to ``rows_to_samples``'s all-to-alls per step
+    of ``batch`` rows: its rows of the whole batch; the gradient of its samples' rows of every width."""
+    lo, hi = shard_rows(batch, rank, len(rank_widths))
+    return 4 * batch * rank_widths[rank], 4 * (hi - lo) * sum(rank_widths)
+
+
 def bytes_per_step(batch: int, rank_widths: list[int], units: int, rank: int) -> tuple[int, int]:
     """(forward, backward) bytes process ``rank`` hands to ``rows_dense``'s collectives per step of
     ``batch`` rows: its rows of the whole batch and its kernel rows; the gradient of its samples'

@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from des_ops import partials as dm
 from des_ops.comm import Communicator, allreduce_sum, variable_zero
-from des_ops.rows import rows_dense
+from des_ops.rows import rows_dense, rows_to_samples
 from des_ops.tail import reduce_scatter_sum
 from models.layers import only_shapes_wanted
 
@@ -88,7 +88,13 @@ class FieldRowsSubOp(SubOperator):
     """One field vector for a reader no rule splits (Cross, CIN, attention, gates, ...): its
     owner's partial is the vector itself, every other process's zeros, so the sum over processes
     is the vector, exactly (x + 0 = x), on every process; the identity gradient hands its owner
-    the vector's gradient. [B, width]."""
+    the vector's gradient. [B, width].
+
+    ``exchange`` "samples" (the data-parallel tail; set by des.transform with ``owner``, the
+    field's process): instead of partials in the reduce-scatter, the owner sends each process its
+    samples' rows by one all-to-all shared by every such vector (des_ops.rows.rows_to_samples)."""
+    exchange = "partials"
+    owner = -1
 
     def __init__(self, fields, *, width: int, **kwargs):
         super().__init__(fields, **kwargs)
@@ -197,14 +203,17 @@ class DESFirstLayer(tf.keras.layers.Layer):
         self.widths = [op.width for op in self.ops]
         # operators whose output is not reduce-scattered: the first Dense by moving rows (des_ops.rows)
         self.by_rows = [getattr(op, "exchange", "partials") == "rows" for op in self.ops]
-        if any(self.by_rows) and not shard_rows:
-            raise ValueError("the first Dense by moving rows needs the data-parallel tail")
+        # field vectors whose rows go to their samples' processes (one all-to-all for all of them)
+        self.to_samples = [getattr(op, "exchange", "partials") == "samples" for op in self.ops]
+        if (any(self.by_rows) or any(self.to_samples)) and not shard_rows:
+            raise ValueError("the first Dense by moving rows and field rows by samples need the data-parallel tail")
         # the fused allreduce's identity on every rank: from the operators' kinds and widths (the
         # graph), never from the fields a process owns or the op feeding it (see des_ops.comm)
         self.collective = (f"des_partials_{scope}" if scope else "des_partials") + "__" + "__".join(
             _runs([f"{type(op).__name__.removesuffix('SubOp').lower()}{op.width}" for op in self.ops])
             + (["penalty1"] if penalty_column else []) + (["rows"] if shard_rows else [])
             + [f"op{i}_by_rows" for i, rows in enumerate(self.by_rows) if rows]
+            + ([f"samples{sum(w for w, s in zip(self.widths, self.to_samples) if s)}"] if any(self.to_samples) else [])
             + ([f"wire{wire_dtype}"] if wire_dtype != "float32" else []))
         # of the last training batch: the replica check compares it across processes. Over the inputs
         # named in ``fingerprint_inputs`` (None: all), e.g. the ones every process reads
@@ -239,7 +248,7 @@ class DESFirstLayer(tf.keras.layers.Layer):
     def _own_rows(self, flat: dict, batch: tf.Tensor) -> list[tf.Tensor]:
         """The data-parallel tail's outputs: this process's rows of every operator's output, by a
         reduce-scatter of the partials and, for a first Dense by rows, by des_ops.rows."""
-        summed = [i for i, rows in enumerate(self.by_rows) if not rows]
+        summed = [i for i, (rows, sampled) in enumerate(zip(self.by_rows, self.to_samples)) if not (rows or sampled)]
         # the penalties (one number per process, not a row) are summed by their own allreduce with
         # an identity gradient
         if self.penalty_column:
@@ -256,7 +265,23 @@ class DESFirstLayer(tf.keras.layers.Layer):
             if rows:
                 out[i] = self.ops[i].rows_output([flat[t] for t in self._op_inputs[i]], batch, self.comm,
                                                  self.rows_anchor, f"{self.collective}_{i}")
+        if any(self.to_samples):
+            out.update(self._samples_rows(flat, batch))
         return [out[i] for i in range(len(self.ops))]
+
+    def _samples_rows(self, flat: dict, batch: tf.Tensor) -> dict[int, tf.Tensor]:
+        """The field vectors by samples: this process's rows of each, from one all-to-all in which
+        every owner sends its vectors' rows side by side (des_ops.rows.rows_to_samples)."""
+        sampled = [i for i, s in enumerate(self.to_samples) if s]
+        by_rank = [[i for i in sampled if self.ops[i].owner == p] for p in range(self.comm.world_size)]
+        mine = by_rank[self.comm.rank]
+        e = tf.concat([tf.reshape(self.ops[i].partial([flat[t] for t in self._op_inputs[i]], batch),
+                                  [-1, self.widths[i]]) for i in mine], axis=1) if mine else dm.zeros(batch, 0)
+        x = rows_to_samples(self.comm, e, [sum(self.widths[i] for i in ops) for ops in by_rank], self.rows_anchor,
+                            f"{self.collective}_samples")
+        order = [i for ops in by_rank for i in ops]
+        return {i: self.ops[i].combine(part) for i, part in zip(order, tf.split(x, [self.widths[i] for i in order],
+                                                                                axis=1))}
 
     def _sum_in_slices(self, flat: dict, batch: tf.Tensor) -> tf.Tensor:
         """The replicated tail's sum: each slice's partials (and, in the last slice's first row, the
@@ -290,5 +315,6 @@ class DESFirstLayer(tf.keras.layers.Layer):
 
     def floats_per_sample(self) -> int:
         """Floats per sample of the fused allreduce (or reduce-scatter): the operators' partials
-        (not those of a first Dense by rows) and the penalty column."""
-        return int(sum(w for w, rows in zip(self.widths, self.by_rows) if not rows)) + int(self.penalty_column)
+        (not those of a first Dense by rows nor field rows by samples) and the penalty column."""
+        return int(sum(w for w, rows, sampled in zip(self.widths, self.by_rows, self.to_samples)
+                       if not (rows or sampled))) + int(self.penalty_column)

@@ -145,10 +145,12 @@ def tail_obstacles(layers: list, tables: list[str], comm: Communicator) -> list[
         why.append(f"the tail reads tables that are not substituted ({', '.join(tables)}): their sparse "
                    f"gradients would have to be gathered")
     for layer in layers:
-        if isinstance(layer, tf.keras.layers.BatchNormalization):
-            why.append(f"'{layer.name}' (BatchNormalization) computes statistics over the whole batch")
-        if getattr(layer, "activity_regularizer", None):
-            why.append(f"'{layer.name}' has an activity regularizer (a penalty on its rows of the batch)")
+        for inner in [layer, *(m for m in layer.submodules if isinstance(m, tf.keras.layers.Layer))]:
+            name = f"'{layer.name}'" + (f" holds '{inner.name}', which" if inner is not layer else "")
+            if isinstance(inner, tf.keras.layers.BatchNormalization):
+                why.append(f"{name} (BatchNormalization) computes statistics over the whole batch")
+            if getattr(inner, "activity_regularizer", None):
+                why.append(f"{name} has an activity regularizer (a penalty on its rows of the batch)")
         if any(w.dtype != tf.float32 for w in layer.trainable_weights):
             why.append(f"'{layer.name}' has weights that are not float32")
     if comm.world_size > 1 and type(comm).allgather is Communicator.allgather:

@@ -152,3 +152,26 @@ def choose_first_dense(batch_size: int, width: int, units: int, world_size: int,
     return choice, (f"{choice}: {partials / 1e6:.2f} MB of partials take {t_partials * 1e3:.1f} ms per step, "
                     f"{rows / 1e6:.2f} MB of rows {t_rows * 1e3:.1f} ms with 4 more collectives (B {batch_size:,}, "
                     f"{width} input floats, {units} units, N {world_size}, {auto.bandwidth:.1e} B/s)")
+
+
+def choose_field_rows(batch_size: int, width: int, world_size: int, auto: AutoTail | None = None) -> tuple[str, str]:
+    """("samples" | "partials", why) for the ``width`` floats per sample of field vectors no rule
+    splits (des_ops.suboperators.FieldRowsSubOp) under the data-parallel tail: by samples, each
+    owner sends only its own vectors' rows of the other processes' samples (one all-to-all, and
+    one back: 2 more collectives); as partials, every process hands the reduce-scatter all
+    ``width`` columns of the whole batch, mostly zeros. Both are exact (x + 0 = x; a copy).
+
+    >>> choose_field_rows(4096, 26 * 8, 4, AutoTail(bandwidth=1.25e7))[0]      # 26 fields of 8 at 100 Mbit/s
+    'samples'
+    >>> print(choose_field_rows(4096, 16, 2)[1])                               # 2 fields of 8 at 10 Gbit/s
+    partials: 0.26 MB of partials take 0.2 ms per step, 0.13 MB by samples 6.1 ms with 2 more collectives (B 4,096, 16 floats, N 2, 1.2e+09 B/s)
+    """
+    auto = auto or AutoTail()
+    share = (world_size - 1) / world_size
+    partials = 4 * 2 * share * batch_size * width            # reduce-scatter forward, all-gather back
+    samples = 4 * 2 * share * batch_size * width / world_size
+    t_samples, t_partials = 2 * auto.per_collective + samples / auto.bandwidth, partials / auto.bandwidth
+    choice = "samples" if t_samples < t_partials else "partials"
+    return choice, (f"{choice}: {partials / 1e6:.2f} MB of partials take {t_partials * 1e3:.1f} ms per step, "
+                    f"{samples / 1e6:.2f} MB by samples {t_samples * 1e3:.1f} ms with 2 more collectives "
+                    f"(B {batch_size:,}, {width} floats, N {world_size}, {auto.bandwidth:.1e} B/s)")

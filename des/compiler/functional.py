@@ -11,7 +11,7 @@ import os
 import tensorflow as tf
 
 from des.compiler.keys import StateKeys, sync_from_root, trace_once
-from des.compiler.cost import AutoTail, choose_first_dense, choose_tail
+from des.compiler.cost import AutoTail, choose_field_rows, choose_first_dense, choose_tail
 from des.graph.fields import FieldAnalysis
 from des.compiler.handle import Distributed, attach
 from des.graph.ir import Graph, Node, call_node, is_keras_tensor, replay
@@ -160,6 +160,8 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
         raise ValueError("des.transform: micro_batches and a 16-bit wire_dtype are for the replicated tail; the "
                          "data-parallel tail reduce-scatters the whole batch in float32")
     report.by_rows, report.first_dense_reason = _by_rows(matches, own, field_plan, comm, tail, options.first_dense, costs)
+    report.by_samples, report.field_rows_reason = _by_samples(matches, own, field_plan, comm, tail, options.field_rows,
+                                                              costs)
     first = _first_layer(chains, fused, own, comm, tail, options.scope, forced, options.micro_batches,
                          options.wire_dtype)
     names_in = sorted({graph.nodes[i].layer.name for m in matches for v in m.vectors for i in v.chain | fields.cone(v.tensor)
@@ -288,6 +290,27 @@ def _by_rows(matches: list[Match], own: _OwnedPart, field_plan: FieldPlan, comm:
         op.exchange, op.rank_widths = "rows", widths
         out[m.root.layer.name] = (widths, units)
     return out, "; ".join(reasons)
+
+
+def _by_samples(matches: list[Match], own: _OwnedPart, field_plan: FieldPlan, comm: Communicator, tail: str,
+                field_rows: str, costs: AutoTail) -> tuple[list[int], str]:
+    """Under the data-parallel tail, the widths by rank of the field vectors no rule splits when
+    their rows go to their samples' processes (des_ops.rows.rows_to_samples; [] when they stay
+    partials, as under the replicated tail, where every process needs every row), and the cost
+    model's reason; marks their sub-operators."""
+    rows = [(m, op) for m, op in zip(matches, own.ops) if m.rule == "field_rows"]
+    if not rows or tail != "data_parallel" or field_rows == "partials":
+        return [], ""
+    choice, why = "samples", ""
+    if field_rows == "auto":
+        choice, why = choose_field_rows(costs.batch_size, sum(op.width for _, op in rows), comm.world_size, costs)
+    if choice != "samples":
+        return [], why
+    widths = [0] * comm.world_size
+    for m, op in rows:
+        op.exchange, op.owner = "samples", field_plan.owner[m.vectors[0].field]
+        widths[op.owner] += op.width
+    return widths, why
 
 
 def _first_layer(chains, fused: list, own: _OwnedPart, comm: Communicator, tail: str, scope: str,

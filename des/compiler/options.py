@@ -42,6 +42,7 @@ class AutoTail:
 
 TAILS = ("auto", "replicated", "data_parallel")
 FIRST_DENSE = ("auto", "partials", "rows")
+FIELD_ROWS = ("auto", "partials", "samples")
 TABLES = ("auto", "per-field", "fused", "joined")
 
 
@@ -56,7 +57,10 @@ class Options:
     (the cost model picks with ``costs``; des.compiler.cost.choose_tail, the report says why).
     ``first_dense`` (data-parallel tail): "partials" ([B, units] sums reduce-scattered), "rows"
     (the owners send their fields' rows to the processes of the samples; des_ops.rows) or "auto"
-    (per layer, by cost). ``tables``: "per-field" (one TFRA table per field), "fused" (a process
+    (per layer, by cost). ``field_rows`` (data-parallel tail): the field vectors no rule splits (read
+    by Cross, attention, gates, ...) as "partials" in the reduce-scatter, by "samples" (each owner
+    sends its vectors' rows to the processes of their samples, one all-to-all;
+    des_ops.rows.rows_to_samples) or "auto" (by cost, des.compiler.cost.choose_field_rows). ``tables``: "per-field" (one TFRA table per field), "fused" (a process
     keeps its tables of one width in one TFRA table: one lookup and one update per width and
     step; des_ops.fused), "joined" (fused, and a field's linear weight in its embedding's row:
     exact when one optimizer trains both parts) or "auto" (joined for a model compiled with one
@@ -72,6 +76,7 @@ class Options:
     plan: Any = "balanced"
     tail: str = "auto"
     first_dense: str = "auto"
+    field_rows: str = "auto"
     tables: str = "auto"
     micro_batches: int = 1
     wire_dtype: str = "float32"
@@ -83,7 +88,7 @@ class Options:
     scope: str = ""
 
     def __post_init__(self):
-        for name, allowed in (("tail", TAILS), ("first_dense", FIRST_DENSE), ("tables", TABLES),
+        for name, allowed in (("tail", TAILS), ("first_dense", FIRST_DENSE), ("field_rows", FIELD_ROWS), ("tables", TABLES),
                               ("wire_dtype", WIRE_DTYPES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"des.Options: {name}={getattr(self, name)!r}; choose from {', '.join(allowed)}")
@@ -93,6 +98,9 @@ class Options:
             raise ValueError(f"des.Options: micro_batches={self.micro_batches!r}; a whole number >= 1")
         if self.first_dense == "rows" and self.tail != "data_parallel":
             raise ValueError(f"des.Options(first_dense='rows'): needs the data-parallel tail (tail='data_parallel', "
+                             f"not {self.tail!r})")
+        if self.field_rows == "samples" and self.tail != "data_parallel":
+            raise ValueError(f"des.Options(field_rows='samples'): needs the data-parallel tail (tail='data_parallel', "
                              f"not {self.tail!r})")
         if self.tail == "data_parallel" and (self.micro_batches > 1 or self.wire_dtype != "float32"):
             raise ValueError("des.Options: micro_batches and a 16-bit wire_dtype are for the replicated tail; the "
@@ -119,7 +127,7 @@ class Options:
         plan = self.plan if isinstance(self.plan, str) else "given"
         shown = [f"plan={plan}", f"tail={self.tail}", f"first_dense={self.first_dense}", f"tables={self.tables}",
                  f"micro_batches={self.micro_batches}", f"wire_dtype={self.wire_dtype}", f"seed={self.seed}"]
-        shown += [f"{k}={getattr(self, k)}" for k in ("strict", "release_unowned", "sync_weights")
+        shown += [f"{k}={getattr(self, k)}" for k in ("field_rows", "strict", "release_unowned", "sync_weights")
                   if getattr(self, k) != getattr(Options, k)]
         if self.costs is not None:
             shown.append(f"costs={self.costs}")

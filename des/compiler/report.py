@@ -12,7 +12,7 @@ from des.compiler.cost import estimate
 from des.graph.fields import GLUE, FieldAnalysis
 from des.graph.ir import Graph, Node
 from des.compiler.plan import FieldPlan
-from des_ops.rows import bytes_per_step as rows_bytes_per_step
+from des_ops.rows import bytes_per_step as rows_bytes_per_step, samples_bytes_per_step
 from des_ops.wire import ring_share
 from rewrite_rules import RULES, Match, Rejection
 
@@ -46,6 +46,8 @@ class Report:
     wire_dtype: str = "float32"       # the partials' type on the wire ("float16": half the bytes, not exact)
     by_rows: dict = dataclasses.field(default_factory=dict)   # first Dense layers by moving rows: name -> (widths, units)
     first_dense_reason: str = ""      # first_dense="auto": what des.compiler.cost.choose_first_dense weighed
+    by_samples: list = dataclasses.field(default_factory=list)   # field rows by samples: widths by rank ([]: partials)
+    field_rows_reason: str = ""       # data-parallel tail: what des.compiler.cost.choose_field_rows weighed
     options: Options | None = None    # what des.transform was asked (des.Options), printed with the report
     save_refusal: str = ""            # why model.save refuses (towers transformed one by one), else ""
     table_layout: str = ""            # the tables' layout this process used (des.Options.tables_for)
@@ -66,9 +68,10 @@ class Report:
 
     def payload_bytes(self, batch_size: int) -> int:
         """Bytes handed to the fused allreduce(s) per step (float32 partials, or 16-bit ones), and
-        to the forward collectives of a first Dense by rows (des_ops.rows)."""
+        to the forward collectives of a first Dense by rows and of field rows by samples (des_ops.rows)."""
         return self.bytes_per_float * batch_size * self.floats_per_sample + sum(
-            rows_bytes_per_step(batch_size, widths, units, self.rank)[0] for widths, units in self.by_rows.values())
+            rows_bytes_per_step(batch_size, widths, units, self.rank)[0] for widths, units in self.by_rows.values()) + (
+            samples_bytes_per_step(batch_size, self.by_samples, self.rank)[0] if self.by_samples else 0)
 
     def ring_bytes(self, batch_size: int) -> float:
         """Analytic bytes sent per process per step by a ring allreduce: 2(N-1)/N * payload."""
@@ -91,7 +94,9 @@ class Report:
                 names = [m.vectors[0].table.layer.name for m in rows]
                 shown = ", ".join(names if len(names) <= 4 else names[:3] + ["...", names[-1]])
                 lines.append(f"  {'field_rows':<20} {len(rows)} table call(s) ({shown}) read by layers no rule "
-                             f"splits: each owner's rows, {sum(m.vectors[0].width for m in rows)} floats")
+                             f"splits: each owner's rows, {sum(m.vectors[0].width for m in rows)} floats"
+                             + (f", sent to their samples' processes by one all-to-all (widths {self.by_samples} by "
+                                f"rank), not in the partials" if self.by_samples else ""))
             if self.penalty_column:
                 lines.append("  + 1 float per sample for the weight penalties (regularizers) of owned tables "
                              "and kernel rows, so every process reports the whole loss")
@@ -119,6 +124,8 @@ class Report:
                              f"samples' rows by the all-gathered kernel ({units} units); no partials for it")
             if self.first_dense_reason:
                 lines.append(f"  first Dense chosen by the cost model (first_dense='auto'): {self.first_dense_reason}")
+            if self.field_rows_reason:
+                lines.append(f"  field rows by the cost model: {self.field_rows_reason}")
         if self.compiled:
             lines.append(f"  {self.compiled}")
         lines += [str(c) for c in self.costs]
