@@ -74,13 +74,14 @@ def strike(kind: str, ns: str, ckpt: str, after: float, said: dict) -> None:
     said["victims"] = victims
 
 
-def run(kind: str, a, bed: Netbed, data: str, tmp: str, tries: int = 3) -> dict:
+def run(kind: str, a, bed: Netbed, data: str, tmp: str, tries: int = 3, np: int | None = None) -> dict:
     """One des.launch job with its strike; launched again (up to ``tries`` times) only when Open MPI's
     daemons did not start on the first attempt (as des.netbed's ``run``: about one launch in 30 here)."""
     for t in range(tries):
         ckpt, record, summary = (os.path.join(tmp, f"{kind}.{t}.{x}") for x in ("ckpt", "record.json", "summary.json"))
-        hosts = ",".join(bed.address(k) for k in range(1, a.hosts + 1))
-        cmd = [sys.executable, "-m", "des.launch", "-np", str(a.hosts), "--hosts", hosts, "--min-np", "1",
+        np = np or a.hosts
+        hosts = ",".join(bed.address(k) for k in range(1, np + 1))
+        cmd = [sys.executable, "-m", "des.launch", "-np", str(np), "--hosts", hosts, "--min-np", "1",
                "--max-restarts", "1", "--mpirun", launch_template(bed, a.hosts),
                "--host-check", f"{AGENT} {{host}} true", "--record", record, "--",
                "--mode", "des", "--data", data, "--batch", str(a.batch), "--epochs", str(a.epochs), "--threads", "1",
@@ -99,24 +100,25 @@ def run(kind: str, a, bed: Netbed, data: str, tmp: str, tries: int = 3) -> dict:
         sys.exit(f"{kind}: des.launch ended with {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     log = [ln for ln in done.stderr.splitlines() if ln.startswith("[des.launch]")]
     print(f"{kind}: {wall:.1f} s\n  " + "\n  ".join(ln[:300] for ln in log), flush=True)
-    return {"wall": wall, "attempts": json.load(open(record)), "said": said, "log": log,
+    attempts = json.load(open(record))
+    if len(attempts) > 1:
+        print("  mpirun's last lines:\n" + "".join(attempts[0]["tail"][-25:]), flush=True)
+    return {"wall": wall, "attempts": attempts, "said": said, "log": log,
             "summary": json.load(open(summary + ".rank0"))}
 
 
 def row(kind: str, r: dict, base: dict) -> str:
-    at = r["attempts"]
+    at, summary = r["attempts"], r["summary"]
     nps = " → ".join(str(x["np"]) for x in at)
+    startup = summary["seconds_to_first_step"]            # of the last attempt: the restart's
     if len(at) == 1:
-        return (f"| {kind} | {nps} | {r['wall']:.1f} | – | – | – | – | {r['summary']['logloss']:.6f} | – |")
-    noticed = at[0]["end"] - r["said"]["time"]
-    restart = at[1]["start"] - at[0]["end"]
-    redone = at[0]["lost_seconds"]
-    lost = r["wall"] - base["wall"]
-    diff = abs(r["summary"]["logloss"] - base["summary"]["logloss"])
+        return f"| {kind} | {nps} | {r['wall']:.1f} | – | – | – | {startup:.1f} | – | {summary['logloss']:.6f} | – |"
+    noticed, restart, redone = at[0]["end"] - r["said"]["time"], at[1]["start"] - at[0]["end"], at[0]["lost_seconds"]
+    diff = abs(summary["logloss"] - base["summary"]["logloss"])
     pos = at[0]["position"]
-    return (f"| {kind} | {nps} | {r['wall']:.1f} | {lost:.1f} | {noticed:.1f} | {restart:.1f} | "
-            f"{redone:.1f} (epoch {pos.get('epoch', 0) + 1}, step {pos.get('step', 0)}) | "
-            f"{r['summary']['logloss']:.6f} | {diff:.1e} |")
+    return (f"| {kind} | {nps} | {r['wall']:.1f} | {noticed + restart + startup + redone:.1f} | {noticed:.1f} | "
+            f"{restart:.1f} | {startup:.1f} | {redone:.1f} (epoch {pos.get('epoch', 0) + 1}, step {pos.get('step', 0)}) | "
+            f"{summary['logloss']:.6f} | {diff:.1e} |")
 
 
 def main():
@@ -125,9 +127,9 @@ def main():
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--rows", type=int, default=150_000)
     ap.add_argument("--batch", type=int, default=1024)
-    ap.add_argument("--epochs", type=int, default=1)
-    ap.add_argument("--every", default="10s", help="des.train --checkpoint-every")
-    ap.add_argument("--after", type=float, default=5.0, help="seconds after the first checkpoint to strike")
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--every", default="5s", help="des.train --checkpoint-every")
+    ap.add_argument("--after", type=float, default=3.0, help="seconds after the first checkpoint to strike")
     ap.add_argument("--runs", default="uninterrupted,process killed,host down", help=argparse.SUPPRESS)
     ap.add_argument("--report", default=os.path.join(ROOT, "reports", "launch_netbed.md"))
     a = ap.parse_args()
@@ -138,6 +140,8 @@ def main():
         with Netbed(a.hosts, rate=a.rate) as bed:
             for kind in a.runs.split(","):
                 runs[kind] = run(kind, a, bed, data, tmp)
+            # what the job ends as after the host is lost, uninterrupted: the same job on one host fewer
+            runs[f"uninterrupted on {a.hosts - 1}"] = run("uninterrupted", a, bed, data, tmp, np=a.hosts - 1)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(os.path.dirname(data), ignore_errors=True)
@@ -150,16 +154,19 @@ def main():
              f"--min-np 1 --max-restarts 1 -- --checkpoint-every {a.every}`. The strike comes {a.after:g} s after "
              f"the first complete checkpoint, at host {a.hosts}: 'process killed' kills one training process "
              f"(SIGKILL), 'host down' kills every process of the host's namespace and deletes it. One run each.", "",
-             "| run | processes per attempt | wall s | lost s | noticed s | restart s | work redone s (from) | "
-             "log loss | vs uninterrupted |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| run | processes per attempt | wall s | lost s | noticed s | restart s | start-up s | work redone s (from) "
+             "| log loss | vs uninterrupted |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     lines += [row(kind, r, base) for kind, r in runs.items()]
-    lines += ["", "lost: wall time minus the uninterrupted run's; noticed: from the strike to the end of the failed "
-              "mpirun (mpirun sees its process or daemon die and stops the job); restart: from there to the next "
-              "mpirun's start (every process of the attempt stopped, the hosts checked); work redone: the seconds "
-              "since the checkpoint it restarted from (the launcher's log). What the columns leave out of "
-              "'lost' is the new attempt's start-up (TensorFlow, the model, the restore) before it trains again. "
-              "On fewer processes the log loss differs from the uninterrupted run's in float32 summation order only.",
+    lines += ["", "lost: what the failure cost, the sum of: noticed, from the strike to the end of the failed mpirun "
+              "(mpirun sees its process or daemon die and stops the job); restart, from there to the next mpirun's "
+              "start (every process of the attempt stopped, the hosts checked); start-up, from the next mpirun's "
+              "start to its first step done (TensorFlow, the model, the restore; des.train's "
+              "seconds_to_first_step; on the uninterrupted line, the job's own start-up); work redone, the "
+              "seconds since the checkpoint it restarted from (the launcher's log). Wall times differ by more: "
+              "the restart on 2 hosts runs at 2 processes' speed. On fewer processes the log loss may differ "
+              "from the uninterrupted run's in float32 summation order: the last line, the same job on one host fewer "
+              "from the start, shows how much.",
               "", "The launcher's log:", ""]
     for kind, r in runs.items():
         lines += [f"- {kind}:"] + [f"  - `{ln[len('[des.launch] '):][:400]}`" for ln in r["log"]]

@@ -178,3 +178,23 @@ def test_a_job_failing_before_its_first_checkpoint_is_not_restarted(tmp_path):
     assert done.returncode != 0
     assert done.stderr.count("[des.launch] attempt") == 1 and "failed before its first checkpoint" in done.stderr
     assert "missing.txt" in done.stdout + done.stderr
+
+
+@pytest.mark.mpi
+def test_ctrl_c_on_the_launcher_ends_every_process_it_started(tmp_path):
+    data = _data(tmp_path)
+    ckpt = str(tmp_path / "ck")
+    proc = subprocess.Popen([sys.executable, "-m", "des.launch", "-np", "2", "--max-restarts", "3", "--stop-grace", "5",
+                             "--", *_train_args(data, ckpt, str(tmp_path / "s.json"))],
+                            env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while len(_trainers(ckpt)) < 3 and time.time() < deadline:       # mpirun and its 2 training processes
+        time.sleep(0.1)
+    assert len(_trainers(ckpt)) == 3
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "stopped by signal 2: every process of the attempt ended" in err
+    assert err.count("[des.launch] attempt") == 1                      # not taken for a failure to restart
+    assert _trainers(ckpt) == []
