@@ -93,7 +93,8 @@ def run(kind: str, a, bed: Netbed, data: str, tmp: str, tries: int = 3, np: int 
         t0 = time.time()
         done = subprocess.run(cmd, env=launch_env(), cwd=ROOT, capture_output=True, text=True, timeout=3600)
         wall = time.time() - t0
-        if done.returncode == 0 or "ORTE was unable to reliably start" not in done.stdout + done.stderr:
+        if done.returncode == 0 or not ("ORTE was unable to reliably start" in done.stdout + done.stderr
+                                        and "failed before its first checkpoint" in done.stderr):
             break
         print(f"{kind}: Open MPI's daemons did not start; launching again", flush=True)
     if done.returncode != 0:

@@ -84,6 +84,33 @@ def test_the_newest_complete_checkpoint_and_what_failed(tmp_path):
     assert launch.what_failed(9, lost) == "exit status 9: the processes lost their connection to 10.77.0.3"
 
 
+def _group_gone(pgid: int, within: float = 5.0) -> bool:
+    """The process group has no process left (its zombies reaped by init) within ``within`` s."""
+    deadline = time.time() + within
+    while time.time() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_an_attempt_that_said_a_process_is_gone_ends_within_the_grace():
+    """mpirun that said a process died but hangs on (as it did here waiting for a host taken down)
+    is stopped --stop-grace seconds later, with every process of its group; one that never says
+    so is left to run."""
+    said = "mpirun noticed that process rank 1 with PID 7 on node h3 exited on signal 9 (Killed)."
+    hung = launch.Attempt(["sh", "-c", f"echo '{said}'; sleep 60 & sleep 60"], grace=1.0)
+    started = time.time()
+    rc = hung.wait()
+    assert rc != 0 and time.time() - started < 10, (rc, time.time() - started)
+    assert _group_gone(hung.proc.pid)                 # the background sleep too
+    fine = launch.Attempt(["sh", "-c", "echo all good; sleep 2"], grace=0.5)
+    started = time.time()
+    assert fine.wait() == 0 and time.time() - started >= 2
+
+
 def _data(tmp_path) -> str:
     path = str(tmp_path / "train.txt")
     subprocess.run([sys.executable, "-m", "des.data.synth", "--rows", "40000", "--out", path], env=ENV, cwd=ROOT,

@@ -32,6 +32,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from des.jobs.config import RunConfig
@@ -64,7 +65,8 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
                          "(default: %(default)s)")
     ap.add_argument("--record", default=None, metavar="PATH", help="write every attempt here as JSON")
     ap.add_argument("--stop-grace", type=float, default=10.0, metavar="S",
-                    help="seconds between SIGTERM and SIGKILL when stopping an attempt (default 10)")
+                    help="seconds between SIGTERM and SIGKILL when stopping an attempt, and that mpirun gets to end "
+                         "the job itself once it said a process is gone (default 10)")
     a = ap.parse_args(argv[:split])
     train = argv[split + 1:]
     if a.np < 1 or a.max_restarts < 0:
@@ -162,20 +164,36 @@ def what_failed(rc: int, tail: str) -> str:
     return f"exit status {rc}" + (f" ({found[1]} process(es) returned non-zero)" if found else "")
 
 
-class Attempt:
-    """One mpirun of des.train in its own process group; its output goes through, the tail is kept."""
+# mpirun's words once a process of the job is gone: the job cannot go on. mpirun then stops the
+# others itself, except when it cannot reach a host any more (a host taken down mid-job: mpirun
+# waited on its daemon for minutes here), so the attempt is stopped ``--stop-grace`` s after such a line.
+FAILED = re.compile(r"noticed that process rank|peer process has unexpectedly disconnected|ORTE has lost "
+                    r"communication|ORTE was unable to reliably start|Primary job\s+terminated normally, but")
 
-    def __init__(self, cmd: list[str]):
+
+class Attempt:
+    """One mpirun of des.train in its own process group; its output goes through, the tail is kept.
+    Once mpirun says a process is gone (``FAILED``), the attempt ends within ``grace`` seconds."""
+
+    def __init__(self, cmd: list[str], grace: float = 10.0):
         self.proc = subprocess.Popen(cmd, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      start_new_session=True, text=True, bufsize=1)
         self.tail: list[str] = []
+        self.grace, self.watchdog = grace, None
 
     def wait(self) -> int:
         for line in self.proc.stdout:
             sys.stdout.write(line)
             sys.stdout.flush()
             self.tail = (self.tail + [line])[-200:]
-        return self.proc.wait()
+            if self.watchdog is None and FAILED.search(line):
+                self.watchdog = threading.Timer(self.grace, self.stop, args=(self.grace,))
+                self.watchdog.daemon = True
+                self.watchdog.start()
+        rc = self.proc.wait()
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+        return rc
 
     def stop(self, grace: float) -> None:
         """SIGTERM to the whole group, SIGKILL after ``grace`` s: no process is left behind."""
@@ -213,7 +231,7 @@ def run(a: argparse.Namespace, train: list[str]) -> int:
         log(f"attempt {restarts + 1}: {np} process(es){f' on {host_list}' if hosts else ''}: {' '.join(cmd)}")
         entry = {"attempt": restarts + 1, "np": np, "hosts": host_list, "restored": restore[1:], "start": time.time()}
         record.append(entry)
-        attempt = Attempt(cmd)
+        attempt = Attempt(cmd, a.stop_grace)
         rc = attempt.wait()
         entry.update(end=time.time(), rc=rc)
         _write(a.record, record)
