@@ -72,6 +72,28 @@ def strike(kind: str, ns: str, ckpt: str, after: float, said: dict) -> None:
     if kind == "host":
         subprocess.run(["ip", "netns", "delete", ns], check=True)
     said["victims"] = victims
+    # the checkpoint the launcher will restart from (no save completes once a process is gone)
+    said["kept"] = ckpt + ".at_strike"
+    shutil.copytree(os.path.join(ckpt, "state"), said["kept"])
+
+
+def resumed(a, bed: Netbed, data: str, tmp: str, kept: str, np: int) -> dict:
+    """des.train resumed from ``kept`` on the first ``np`` hosts, no launcher: what the restarted
+    job must equal."""
+    summary = os.path.join(tmp, "resumed.summary.json")
+    hosts = ",".join(f"{bed.address(k)}:1" for k in range(1, np + 1))
+    cmd = [*launch_template(bed, a.hosts).format(np=np, hosts=hosts).split(), sys.executable, "-m", "des.train",
+           *train_args(a, data, os.path.join(tmp, "resumed.ckpt"), summary), "--restore", kept]
+    t0 = time.time()
+    done = bed.run(cmd, env=launch_env(), cwd=ROOT, timeout=3600)
+    if done.returncode != 0:
+        sys.exit(f"resumed: des.train ended with {done.returncode}:\n{done.stderr[-3000:]}")
+    return {"wall": time.time() - t0, "attempts": [{"np": np}], "summary": json.load(open(summary + ".rank0"))}
+
+
+def train_args(a, data: str, ckpt: str, summary: str) -> list[str]:
+    return ["--mode", "des", "--data", data, "--batch", str(a.batch), "--epochs", str(a.epochs), "--threads", "1",
+            "--checkpoint", ckpt, "--checkpoint-every", a.every, "--summary-json", summary]
 
 
 def run(kind: str, a, bed: Netbed, data: str, tmp: str, tries: int = 3, np: int | None = None) -> dict:
@@ -83,9 +105,7 @@ def run(kind: str, a, bed: Netbed, data: str, tmp: str, tries: int = 3, np: int 
         hosts = ",".join(bed.address(k) for k in range(1, np + 1))
         cmd = [sys.executable, "-m", "des.launch", "-np", str(np), "--hosts", hosts, "--min-np", "1",
                "--max-restarts", "1", "--mpirun", launch_template(bed, a.hosts),
-               "--host-check", f"{AGENT} {{host}} true", "--record", record, "--",
-               "--mode", "des", "--data", data, "--batch", str(a.batch), "--epochs", str(a.epochs), "--threads", "1",
-               "--checkpoint", ckpt, "--checkpoint-every", a.every, "--summary-json", summary]
+               "--host-check", f"{AGENT} {{host}} true", "--record", record, "--", *train_args(a, data, ckpt, summary)]
         said: dict = {}
         if kind != "uninterrupted":
             threading.Thread(target=strike, args=(kind.split()[0], f"{PREFIX}{a.hosts}", ckpt, a.after, said),
@@ -112,14 +132,15 @@ def row(kind: str, r: dict, base: dict) -> str:
     at, summary = r["attempts"], r["summary"]
     nps = " → ".join(str(x["np"]) for x in at)
     startup = summary["seconds_to_first_step"]            # of the last attempt: the restart's
-    if len(at) == 1:
-        return f"| {kind} | {nps} | {r['wall']:.1f} | – | – | – | {startup:.1f} | – | {summary['logloss']:.6f} | – |"
-    noticed, restart, redone = at[0]["end"] - r["said"]["time"], at[1]["start"] - at[0]["end"], at[0]["lost_seconds"]
     diff = abs(summary["logloss"] - base["summary"]["logloss"])
+    shown = "–" if r is base else f"{diff:.1e}"
+    if len(at) == 1:
+        return f"| {kind} | {nps} | {r['wall']:.1f} | – | – | – | {startup:.1f} | – | {summary['logloss']:.6f} | {shown} |"
+    noticed, restart, redone = at[0]["end"] - r["said"]["time"], at[1]["start"] - at[0]["end"], at[0]["lost_seconds"]
     pos = at[0]["position"]
     return (f"| {kind} | {nps} | {r['wall']:.1f} | {noticed + restart + startup + redone:.1f} | {noticed:.1f} | "
             f"{restart:.1f} | {startup:.1f} | {redone:.1f} (epoch {pos.get('epoch', 0) + 1}, step {pos.get('step', 0)}) | "
-            f"{summary['logloss']:.6f} | {diff:.1e} |")
+            f"{summary['logloss']:.6f} | {shown} |")
 
 
 def main():
@@ -143,6 +164,9 @@ def main():
                 runs[kind] = run(kind, a, bed, data, tmp)
             # what the job ends as after the host is lost, uninterrupted: the same job on one host fewer
             runs[f"uninterrupted on {a.hosts - 1}"] = run("uninterrupted", a, bed, data, tmp, np=a.hosts - 1)
+            if "host down" in runs:
+                runs[f"resumed on {a.hosts - 1} from the host-down run's checkpoint"] = resumed(
+                    a, bed, data, tmp, runs["host down"]["said"]["kept"], a.hosts - 1)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(os.path.dirname(data), ignore_errors=True)
@@ -156,20 +180,25 @@ def main():
              f"the first complete checkpoint, at host {a.hosts}: 'process killed' kills one training process "
              f"(SIGKILL), 'host down' kills every process of the host's namespace and deletes it. One run each.", "",
              "| run | processes per attempt | wall s | lost s | noticed s | restart s | start-up s | work redone s (from) "
-             "| log loss | vs uninterrupted |",
+             "| log loss | differs by |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [row(kind, r, base) for kind, r in runs.items()]
-    lines += ["", "lost: what the failure cost, the sum of: noticed, from the strike to the end of the failed mpirun "
+    lines += [row(kind, r, runs["host down"] if kind.startswith("resumed") else base) for kind, r in runs.items()]
+    lines += ["", "differs by: from the uninterrupted run's log loss; on the last line, from the host-down run's.",
+              "", "lost: what the failure cost, the sum of: noticed, from the strike to the end of the failed mpirun "
               "(mpirun sees its process or daemon die and stops the job); restart, from there to the next mpirun's "
               "start (every process of the attempt stopped, the hosts checked); start-up, from the next mpirun's "
               "start to its first step done (TensorFlow, the model, the restore; des.train's "
               "seconds_to_first_step; on the uninterrupted line, the job's own start-up); work redone, the "
               "seconds since the checkpoint it restarted from (the launcher's log). Wall times differ by more: "
               "the restart on 2 hosts runs at 2 processes' speed. On fewer processes the log loss may differ "
-              "from the uninterrupted run's in float32 summation order: the last line, the same job on one host fewer "
-              "from the start, shows how much.",
+              "from the uninterrupted run's in float32 summation order (Adam amplifies it over the epochs): the "
+              "job on one host fewer from the start shows how much; the last line is what the restart must equal, "
+              f"des.train resumed on {a.hosts - 1} hosts from the checkpoint the launcher restarted from (copied at "
+              f"the strike), its log loss against the host-down run's.",
               "", "The launcher's log:", ""]
     for kind, r in runs.items():
+        if "log" not in r:
+            continue
         lines += [f"- {kind}:"] + [f"  - `{ln[len('[des.launch] '):][:400]}`" for ln in r["log"]]
     print("\n".join(lines))
     write_report(a.report, lines)
