@@ -74,7 +74,7 @@ def strike(kind: str, ns: str, ckpt: str, after: float, said: dict) -> None:
     said["victims"] = victims
     # the checkpoint the launcher will restart from (no save completes once a process is gone)
     said["kept"] = ckpt + ".at_strike"
-    shutil.copytree(os.path.join(ckpt, "state"), said["kept"])
+    shutil.copytree(os.path.join(ckpt, "state"), os.path.join(said["kept"], "state"))
 
 
 def resumed(a, bed: Netbed, data: str, tmp: str, kept: str, np: int) -> dict:
