@@ -107,13 +107,17 @@ def train_ps_counting(exchange, batches, probe, fuse: bool = False, bytes_per_fl
     return preds, model, steps
 
 
-def within(name: str, value: float, bound: float, floor: float | None = None) -> float:
+def within(name: str, value: float, bound: float, floor: float | None = None, case: str = "") -> float:
     """Assert ``value < bound`` (and ``value > floor`` when given), first printing one line that
     scripts/tolerances.py collects (run pytest with -s to see it):
-    ``MEASURED <test id> <name> <value> <bound>``. The test id is pytest's current one."""
+    ``MEASURED <test id> <file:line> <name>[ @ <case>] <value> <bound>``. The test id is pytest's
+    current one, file:line where this is called (one bound, whichever test reaches it), ``name``
+    what it checks, ``case`` which of the cases a loop checks with it."""
     test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+    caller = sys._getframe(1)
+    site = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
     value = float(value)
-    print(f"\nMEASURED {test} {name} {value:.3e} {bound:.1e}", flush=True)
+    print(f"\nMEASURED {test} {site} {name}{' @ ' + case if case else ''} {value:.3e} {bound:.1e}", flush=True)
     assert value < bound, (name, value, bound)
     if floor is not None:
         assert value > floor, (name, value, floor)

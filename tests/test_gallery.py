@@ -74,9 +74,10 @@ def test_gallery_model_is_substituted_and_equivalent(name):
             state = max(diff["tables"], diff["owned"], diff["weights"])
             print(f"{name} {optimizer} N={n}: {diff} metrics {metrics:.1e}")
             bound = TOL_PREDICTIONS_ADAM.get(name, TOL_PREDICTIONS) if optimizer == "adam" else TOL_PREDICTIONS
-            within(f"{optimizer} N={n} predictions", diff["predictions"], bound)
-            within(f"{optimizer} N={n} AUC and loss", metrics, TOL_METRICS)
-            within(f"{optimizer} N={n} rows and weights", state, TOL_ADAM_STATE if optimizer == "adam" else TOL_SGD)
+            within("predictions", diff["predictions"], bound, case=f"{optimizer} N={n}")
+            within("AUC and loss", metrics, TOL_METRICS, case=f"{optimizer} N={n}")
+            within(f"rows and weights ({optimizer})", state, TOL_ADAM_STATE if optimizer == "adam" else TOL_SGD,
+                   case=f"N={n}")
 
 
 @pytest.mark.parametrize("seed", range(5))

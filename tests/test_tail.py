@@ -45,9 +45,10 @@ def _check(ref, ranks, optimizer):
     diff = compare(ref, ranks)
     metrics = max(max(abs(r["auc"] - ref["auc"]), abs(r["loss"] - ref["loss"])) for r in ranks)
     state = max(diff["tables"], diff["owned"], diff["weights"])
-    within(f"{optimizer} predictions", diff["predictions"], TOL_PREDICTIONS)
-    within(f"{optimizer} AUC and loss", metrics, TOL_METRICS)
-    within(f"{optimizer} rows and weights", state, TOL_SGD if optimizer == "sgd" else TOL_ADAPTIVE_STATE)
+    within("predictions", diff["predictions"], TOL_PREDICTIONS, case=optimizer)
+    within("AUC and loss", metrics, TOL_METRICS, case=optimizer)
+    within(f"rows and weights ({'SGD' if optimizer == 'sgd' else 'adaptive'})", state,
+           TOL_SGD if optimizer == "sgd" else TOL_ADAPTIVE_STATE, case=optimizer)
     return diff
 
 
