@@ -136,7 +136,8 @@ def row(kind: str, r: dict, base: dict) -> str:
     shown = "–" if r is base else f"{diff:.1e}"
     if len(at) == 1:
         return f"| {kind} | {nps} | {r['wall']:.1f} | – | – | – | {startup:.1f} | – | {summary['logloss']:.6f} | {shown} |"
-    noticed, restart, redone = at[0]["end"] - r["said"]["time"], at[1]["start"] - at[0]["end"], at[0]["lost_seconds"]
+    noticed, restart = at[0]["end"] - r["said"]["time"], at[1]["start"] - at[0]["end"]
+    redone = at[0]["lost_seconds"] - noticed        # the launcher's age of the checkpoint, less the wait after the strike
     pos = at[0]["position"]
     return (f"| {kind} | {nps} | {r['wall']:.1f} | {noticed + restart + startup + redone:.1f} | {noticed:.1f} | "
             f"{restart:.1f} | {startup:.1f} | {redone:.1f} (epoch {pos.get('epoch', 0) + 1}, step {pos.get('step', 0)}) | "
@@ -185,11 +186,12 @@ def main():
     lines += [row(kind, r, runs["host down"] if kind.startswith("resumed") else base) for kind, r in runs.items()]
     lines += ["", "differs by: from the uninterrupted run's log loss; on the last line, from the host-down run's.",
               "", "lost: what the failure cost, the sum of: noticed, from the strike to the end of the failed mpirun "
-              "(mpirun sees its process or daemon die and stops the job); restart, from there to the next mpirun's "
+              "(mpirun sees its process die and stops the job; when a host is gone it waits on the host's daemon, and "
+              "des.launch stops the attempt --stop-grace, 10 s, after mpirun's first line about a lost process); restart, from there to the next mpirun's "
               "start (every process of the attempt stopped, the hosts checked); start-up, from the next mpirun's "
               "start to its first step done (TensorFlow, the model, the restore; des.train's "
               "seconds_to_first_step; on the uninterrupted line, the job's own start-up); work redone, the "
-              "seconds since the checkpoint it restarted from (the launcher's log). Wall times differ by more: "
+              "seconds from the checkpoint it restarted from to the strike. Wall times differ by more: "
               "the restart on 2 hosts runs at 2 processes' speed. On fewer processes the log loss may differ "
               "from the uninterrupted run's in float32 summation order (Adam amplifies it over the epochs): the "
               "job on one host fewer from the start shows how much; the last line is what the restart must equal, "
