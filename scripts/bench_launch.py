@@ -97,11 +97,11 @@ def train_args(a, data: str, ckpt: str, summary: str) -> list[str]:
 
 
 def run(kind: str, a, bed: Netbed, data: str, tmp: str, tries: int = 3, np: int | None = None) -> dict:
+    np = np or a.hosts
     """One des.launch job with its strike; launched again (up to ``tries`` times) only when Open MPI's
     daemons did not start on the first attempt (as des.netbed's ``run``: about one launch in 30 here)."""
     for t in range(tries):
-        ckpt, record, summary = (os.path.join(tmp, f"{kind}.{t}.{x}") for x in ("ckpt", "record.json", "summary.json"))
-        np = np or a.hosts
+        ckpt, record, summary = (os.path.join(tmp, f"{kind}.{np}.{t}.{x}") for x in ("ckpt", "record.json", "summary.json"))
         hosts = ",".join(bed.address(k) for k in range(1, np + 1))
         cmd = [sys.executable, "-m", "des.launch", "-np", str(np), "--hosts", hosts, "--min-np", "1",
                "--max-restarts", "1", "--mpirun", launch_template(bed, a.hosts),

@@ -75,6 +75,7 @@ def test_the_newest_complete_checkpoint_and_what_failed(tmp_path):
     assert launch.newest(str(tmp_path))[1] == {"epoch": 0, "step": 10}
     (tmp_path / "state" / "config.json").unlink()        # a save caught mid-swap: never read
     assert launch.newest(str(tmp_path))[1] == {"epoch": 0, "step": 5}
+    assert launch.newest(str(tmp_path), since=time.time() + 1) is None    # an earlier job's: not this launch's
     said = ("mpirun noticed that process rank 1 with PID 4242 on node box exited on signal 9 (Killed).\n")
     assert launch.what_failed(137, said) == "rank 1 (PID 4242) on box: signal 9 (Killed)"
     assert launch.what_failed(137, said.replace("4242", "0")) == "rank 1 on box: signal 9 (Killed)"

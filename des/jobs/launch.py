@@ -134,16 +134,20 @@ def lock(folder: str):
     return fh
 
 
-def newest(folder: str) -> tuple[str, dict, float] | None:
-    """(path, position, seconds since it was written) of the newest complete checkpoint, or None."""
+def newest(folder: str, since: float = 0.0) -> tuple[str, dict, float] | None:
+    """(path, position, seconds since it was written) of the newest complete checkpoint written
+    after ``since`` (a time.time(); a checkpoint an earlier job left in the folder is not this
+    job's), or None."""
     for name in ("state", "state.old"):
         path = os.path.join(folder, name, "config.json")
         try:
             with open(path) as fh:
                 config = json.load(fh)
-            return os.path.dirname(path), config.get("position") or {}, time.time() - os.path.getmtime(path)
+            written = os.path.getmtime(path)
         except (OSError, ValueError):
             continue
+        if written > since:
+            return os.path.dirname(path), config.get("position") or {}, time.time() - written
     return None
 
 
@@ -218,6 +222,7 @@ def run(a: argparse.Namespace, train: list[str]) -> int:
     folder = a.checkpoint
     np, hosts, restore, restarts, attempt = a.np, a.hosts, [], 0, None
     stopping, record = [], []
+    launched = time.time()          # only this launch's checkpoints are restarted from
 
     def stop(signum, _frame):
         stopping.append(signum)
@@ -245,7 +250,7 @@ def run(a: argparse.Namespace, train: list[str]) -> int:
         attempt.stop(a.stop_grace)                  # what mpirun left running
         failed = entry["failed"] = what_failed(rc, "".join(attempt.tail))
         entry["tail"] = attempt.tail[-40:]
-        last = newest(folder) if folder else None
+        last = newest(folder, launched) if folder else None
         _write(a.record, record)
         if last is None:
             log(f"failed before its first checkpoint ({failed}, after {entry['end'] - entry['start']:.0f} s): "
