@@ -7,7 +7,8 @@ rank is most of what a small check costs, so checks that share a process count s
 Each job is KIND:ARGS and runs, in the order given, the ``main`` of scripts/mpi_KIND.py with
 its output in OUT_DIR/KIND (ps: OUT_DIR/ps/<ARGS with '-' for ':'>), exactly as that script
 run alone would write it: gallery:NAME, tail:NAME, rows:NAME (the tail's run with the first Dense
-by rows, mpi_tail.py --first-dense rows), subclassed:NAME (one model each),
+by rows, mpi_tail.py --first-dense rows), samples:NAME (the tail's run with the field vectors no rule
+splits sent to their samples' processes, mpi_tail.py --field-rows samples), subclassed:NAME (one model each),
 equivalence:MODEL:OPTIMIZER:horovod:TABLES, ps:MODEL:OPTIMIZER:TABLES. Horovod only (mpi4py's
 communicator drives MPI itself: scripts/mpi_equivalence.py alone).
 """
@@ -23,7 +24,7 @@ import mpi_ps  # noqa: E402
 import mpi_subclassed  # noqa: E402
 import mpi_tail  # noqa: E402
 
-KINDS = ("gallery", "tail", "rows", "subclassed", "equivalence", "ps")
+KINDS = ("gallery", "tail", "rows", "samples", "subclassed", "equivalence", "ps")
 
 
 def run(out: str, job: str) -> None:
@@ -39,6 +40,8 @@ def run(out: str, job: str) -> None:
         mpi_tail.main(where, [args])
     elif kind == "rows":
         mpi_tail.main(where, [args], first_dense="rows")
+    elif kind == "samples":
+        mpi_tail.main(where, [args], field_rows="samples")
     elif kind == "subclassed":
         mpi_subclassed.main(where, [args])
     elif kind == "equivalence":

@@ -2,6 +2,7 @@
 
     mpirun -np 3 python scripts/mpi_tail.py OUT_DIR keras_deepfm deepctr_deepfm
     mpirun -np 3 python scripts/mpi_tail.py --first-dense rows OUT_DIR keras_deepfm
+    mpirun -np 3 python scripts/mpi_tail.py --field-rows samples OUT_DIR deepctr_dcn
 
 For each named model of tests/gallery.py: every rank builds it (its own random weights, seeded
 by its rank), des.transform(tail="data_parallel") gives every rank rank 0's weights and its
@@ -34,7 +35,7 @@ def tail_batches(model):
     return batches, batches_for(model, 1, 16, seed=99)[0][0]
 
 
-def main(out: str, names: list[str], first_dense: str = "partials") -> None:
+def main(out: str, names: list[str], first_dense: str = "partials", field_rows: str = "partials") -> None:
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     comm = HorovodCommunicator()
@@ -43,7 +44,8 @@ def main(out: str, names: list[str], first_dense: str = "partials") -> None:
         model = BUILDERS[name]()
         initial = model.get_weights()
         batches, probe = tail_batches(model)
-        model, report = des.transform(model, des.Options(tail="data_parallel", first_dense=first_dense), comm=comm)
+        model, report = des.transform(model, des.Options(tail="data_parallel", first_dense=first_dense,
+                                                           field_rows=field_rows), comm=comm)
         before = comm.counted()
         snap = fit_and_snapshot(model, batches, probe, optimizer="sgd", learning_rate=0.5)
         after = comm.counted()
@@ -53,6 +55,7 @@ def main(out: str, names: list[str], first_dense: str = "partials") -> None:
         snap["owns_fields"] = bool(des.distributed(model).plan.fields_of(comm.rank))
         layer = des.distributed(model).layer
         snap["by_rows"] = [(op.rank_widths, op.width) for op, rows in zip(layer.ops, layer.by_rows) if rows]
+        snap["by_samples"] = report.by_samples
         if comm.rank == 0:
             snap["initial"], snap["report"] = initial, str(report)
         with open(os.path.join(out, f"{name}.rank{comm.rank}.pkl"), "wb") as fh:
@@ -60,7 +63,7 @@ def main(out: str, names: list[str], first_dense: str = "partials") -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--first-dense":
-        main(sys.argv[3], sys.argv[4:], first_dense=sys.argv[2])
+    if sys.argv[1] in ("--first-dense", "--field-rows"):
+        main(sys.argv[3], sys.argv[4:], **{sys.argv[1][2:].replace("-", "_"): sys.argv[2]})
     else:
         main(sys.argv[1], sys.argv[2:])

@@ -258,6 +258,19 @@ def deepctr_din():
     return dm.DIN(feats, ["item"], dnn_hidden_units=(8,), att_hidden_size=(8,), seed=1)
 
 
+def deepctr_mmoe():
+    """DeepCTR's MMoE with its default gates (no hidden units: the gate's DNN passes its input
+    through), two experts, two binary tasks (des.jobs.verify.fit_and_snapshot trains both)."""
+    from deepctr import models as dm
+    from deepctr.feature_column import SparseFeat
+    cols = [SparseFeat(f, vocabulary_size=V, embedding_dim=K, dtype="int64") for f in FIELDS]
+    return dm.MMOE(cols, num_experts=2, expert_dnn_hidden_units=(8,), tower_dnn_hidden_units=(4,),
+                   task_types=("binary", "binary"), task_names=("click", "buy"), seed=1)
+
+
+# models with several outputs: not in BUILDERS (whose tests read one prediction per sample)
+MULTI_TASK = {"deepctr_mmoe": deepctr_mmoe}
+
 BUILDERS = {
     "keras_deepfm": keras_deepfm,
     "keras_fm_stack_square": keras_fm_stack_square,

@@ -35,6 +35,8 @@ def test_transform_takes_the_model_the_options_and_where_it_runs():
     ({"plan": "random"}, "plan='random'; 'balanced', 'mod' or a FieldPlan"),
     ({"micro_batches": 0}, "micro_batches=0; a whole number >= 1"),
     ({"first_dense": "rows", "tail": "replicated"}, "needs the data-parallel tail"),
+    ({"field_rows": "samples", "tail": "auto"}, "des.Options(field_rows='samples'): needs the data-parallel tail"),
+    ({"field_rows": "rows"}, "field_rows='rows'; choose from auto, partials, samples"),
     ({"costs": 1e9}, "costs=1000000000.0; a des.AutoTail"),
 ])
 def test_bad_options_are_one_line_errors_when_made(kwargs, message):

@@ -81,25 +81,33 @@ def train_and_snapshot(model, optimizer, learning_rate: float | None, batches, p
     return {"predictions": np.stack(preds), **snapshot(model)}
 
 
-def fit_and_snapshot(model, batches, probe, optimizer: str = "adam", learning_rate: float = 0.02,
+def fit_and_snapshot(model, batches, probe, optimizer="adam", learning_rate: float = 0.02,
                      epochs: int = 1, shuffle_seed: int | None = None, shuffle_buffer: int | None = None) -> dict:
-    """The user's loop: compile with an AUC metric and fit ``epochs`` epochs over the rows of
+    """The user's loop: compile (``optimizer``: a models.optim name, made with ``learning_rate``, or a
+    Keras optimizer) with an AUC metric and fit ``epochs`` epochs over the rows of
     ``batches``, batched as they are; in order, or with ``shuffle_seed`` through tf.data
     ``shuffle(shuffle_buffer or all rows, seed, reshuffle_each_iteration=True)`` (a new order
     every epoch, the same sequence of orders wherever the seeds are the same); then predictions on ``probe``,
-    the fit's last AUC and loss, and the snapshot."""
-    model.compile(make_optimizer(optimizer, learning_rate), "binary_crossentropy",
+    the fit's last AUC and loss, and the snapshot. A model with several outputs (multi-task, as
+    MMoE) learns the same labels on each; its predictions are the outputs side by side, its AUC the
+    first output's."""
+    model.compile(make_optimizer(optimizer, learning_rate) if isinstance(optimizer, str) else optimizer,
+                  "binary_crossentropy",
                   metrics=[tf.keras.metrics.AUC(name="auc")])
     create_slots(model, model.optimizer)
     xs = {k: tf.concat([x[k] for x, _ in batches], 0) for k in batches[0][0]}
     ys = tf.concat([y for _, y in batches], 0)
-    ds = tf.data.Dataset.from_tensor_slices((xs, ys))
+    tasks = len(model.outputs)
+    ds = tf.data.Dataset.from_tensor_slices((xs, ys if tasks == 1 else (ys,) * tasks))
     if shuffle_seed is not None:
         ds = ds.shuffle(shuffle_buffer or int(ys.shape[0]), seed=shuffle_seed, reshuffle_each_iteration=True)
     ds = ds.batch(int(batches[0][1].shape[0]))
     hist = model.fit(ds, epochs=epochs, verbose=0, shuffle=False).history
-    return {"predictions": np.asarray(model.predict_on_batch(probe)), "auc": hist["auc"][-1],
-            "loss": hist["loss"][-1], **snapshot(model)}
+    predictions = model.predict_on_batch(probe)
+    if tasks > 1:
+        predictions = np.concatenate([np.asarray(p) for p in predictions], axis=1)
+    auc = hist["auc" if tasks == 1 else f"{model.output_names[0]}_auc"][-1]
+    return {"predictions": np.asarray(predictions), "auc": auc, "loss": hist["loss"][-1], **snapshot(model)}
 
 
 def _maxdiff(a: np.ndarray, b: np.ndarray) -> float:
