@@ -74,9 +74,11 @@ class Report:
             samples_bytes_per_step(batch_size, self.by_samples, self.rank)[0] if self.by_samples else 0)
 
     def ring_bytes(self, batch_size: int) -> float:
-        """Analytic bytes sent per process per step by a ring allreduce: 2(N-1)/N * payload."""
+        """Analytic bytes sent per process per step: 2(N-1)/N x the payload of a ring allreduce, and
+        of the field rows by samples the (N-1)/N that go to other processes (an all-to-all)."""
         n = self.world_size
-        return ring_share(n) * self.payload_bytes(batch_size)
+        samples = samples_bytes_per_step(batch_size, self.by_samples, self.rank)[0] if self.by_samples else 0
+        return ring_share(n) * (self.payload_bytes(batch_size) - samples) + (n - 1) / n * samples
 
     def __str__(self) -> str:
         if not self.substitutions:
@@ -103,9 +105,11 @@ class Report:
             lines.append((f"  {self.collectives} allreduces (one per tower) of {self.floats_per_sample} floats per "
                           f"sample in all " if self.collectives > 1 else
                           f"  one fused allreduce of {self.floats_per_sample} floats per sample ")
+                         + (f"and this process's {self.by_samples[self.rank]} floats per sample of field rows by "
+                            f"all-to-all " if self.by_samples else "")
                          + f"= {self.payload_bytes(1)} bytes/sample; at B=4096: "
                          f"{self.payload_bytes(4096):,} bytes handed over, "
-                         f"{self.ring_bytes(4096):,.0f} sent per process (ring)")
+                         f"{self.ring_bytes(4096):,.0f} sent per process (ring{', all-to-all' if self.by_samples else ''})")
             if self.micro_batches > 1:
                 lines.append(f"  in {self.micro_batches} slices of the batch, one allreduce each (a slice's sum "
                              f"travels while the next slice's partials are computed; the same results)")
