@@ -47,7 +47,7 @@ def _setup(name):
 # (predictions, rows and weights) bounds, 20 Adam steps: measured DCN 6.0e-8 and 8.9e-8, DLRM 6.0e-8 and
 # 1.0e-7; DIN 4.2e-7 and 4.5e-6 (its attention amplifies float32 order under Adam: the 1e-5 of
 # tests/test_gallery.py's Adam bound)
-BOUNDS = {"deepctr_dcn": (6e-7, 1e-6), "din_sigmoid": (4e-6, 1e-5), "dlrm_offsets": (6e-7, 1e-6)}
+BOUNDS = {"deepctr_dcn": (6e-7, 8e-7), "din_sigmoid": (4e-6, 1e-5), "dlrm_offsets": (6e-7, 1e-6)}
 
 
 @pytest.mark.parametrize("name, worlds", [("deepctr_dcn", (2, 5)), ("din_sigmoid", (3,)), ("dlrm_offsets", (2, 3))])
