@@ -26,7 +26,8 @@ PY = os.path.join(ROOT, ".venv", "bin", "python")
 
 # (short name, pytest arguments, what the bounds stand for); one pytest process each, in this order
 CASES = [
-    ("mpi", ["tests/test_mpi.py", "-k", "not disagree"],
+    # (issue 60's two newest checks, kept_tables_whole and by_samples, are left to that issue)
+    ("mpi", ["tests/test_mpi.py", "-k", "not disagree and not kept_tables_whole and not by_samples"],
      "DES, PS, cache and laia under a real mpirun against one process"),
     ("mpi_microbatch", ["tests/test_mpi_microbatch.py"], "micro-batches and float16 partials under mpirun"),
     ("cache", ["tests/test_cache.py", "-k", "cache_cli_under_mpirun"], "a cache run's checkpoint restored by one process"),
@@ -105,6 +106,7 @@ def adam_order_experiment(seeds=(0, 1, 2, 3, 4), name: str = "deepctr_deepfm_def
     build = BUILDERS[name]
     lines = ["| optimizer | build seed | quantity | rows permuted, one process | DES N = 1 | DES N = 3 |",
              "|---|---|---|---|---|---|"]
+    top: dict = {}                # (optimizer, column) -> the largest rows-and-weights difference
     for optimizer, lr in (("adam", 0.02), ("sgd", 0.5)):
         for seed in seeds:
             tf.keras.utils.set_random_seed(seed)
@@ -129,10 +131,22 @@ def adam_order_experiment(seeds=(0, 1, 2, 3, 4), name: str = "deepctr_deepfm_def
             for n in (1, 3):
                 diffs.append(compare(ref, run_in_process_world(n, build, fit, init_from=base)))
             state = [max(d["tables"], d["owned"], d["weights"]) for d in diffs]
+            for column, v in zip(("reordered", "N=1", "N=3"), state):
+                top[optimizer, column] = max(top.get((optimizer, column), 0.0), v)
             preds = [d["predictions"] for d in diffs]
             lines.append(f"| {optimizer} | {seed} | rows and weights | " + " | ".join(fmt(v) for v in state) + " |")
             lines.append(f"| {optimizer} | {seed} | predictions | " + " | ".join(fmt(v) for v in preds) + " |")
             print(lines[-2], lines[-1], sep="\n", flush=True)
+    lines += ["", f"Largest over the {len(seeds)} seeds, rows and weights: Adam {fmt(top['adam', 'reordered'])} "
+              f"with the rows reordered on one process, {fmt(top['adam', 'N=1'])} DES N = 1, {fmt(top['adam', 'N=3'])} "
+              f"DES N = 3; SGD {fmt(top['sgd', 'reordered'])}, {fmt(top['sgd', 'N=1'])}, {fmt(top['sgd', 'N=3'])}. "
+              "Under Adam a change of float32 order alone, with no DES in the run, moves rows and weights as far "
+              "as DES does, and the seed that gives DES its largest difference gives the reorder its largest too; "
+              "under SGD the same changes stay at float32's resolution. So Adam's wider bound is float32 order "
+              "amplified by Adam's step m / (sqrt(v) + eps) (about +-lr wherever a coordinate's gradients are near "
+              "zero), not a DES error; summing the partials in float64 or in another fixed order would still "
+              "leave DES a float32 order away from the untouched model, whose own spread under a reorder is this "
+              "large. tests/test_gallery.py holds DES to 1e-4 and to 3x that one-process spread at each seed."]
     return lines
 
 
