@@ -23,7 +23,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"), rea
 @needs_root
 def test_des_and_ps_jobs_across_two_emulated_hosts(tmp_path):
     """2 hosts at 1 Gbit/s each: both jobs finish with the same held-out AUC on both hosts (DES and
-    PS agree to 1e-3, as on one machine), each host's interface carried at least the bytes its
+    PS give the same AUC, within 1e-7, as on one machine), each host's interface carried at least the bytes its
     process handed to the collectives (so the traffic really crossed the emulated network, not
     shared memory), and the namespaces are gone afterwards."""
     from des.cluster.netbed import Netbed, hosts
@@ -47,7 +47,8 @@ def test_des_and_ps_jobs_across_two_emulated_hosts(tmp_path):
     assert hosts() == []
     des, ps = out["des"], out["ps"]
     assert des[0]["auc"] == des[1]["auc"] and ps[0]["auc"] == ps[1]["auc"]
-    assert abs(des[0]["auc"] - ps[0]["auc"]) < 1e-3 and des[0]["auc"] > 0.55
+    # measured 0 (reports/tolerances.md); at N = 2 each allreduce adds two terms, in either order the same
+    assert abs(des[0]["auc"] - ps[0]["auc"]) < 1e-7 and des[0]["auc"] > 0.55
     for r in range(2):
         payload = des[r]["bytes_per_step_measured"]          # 4 * 512 * (1 + 256): each host sends it all at N=2
         wire_des, wire_ps = des[r]["wire_bytes_per_step"], ps[r]["wire_bytes_per_step"]
