@@ -95,12 +95,11 @@ def adam_order_experiment(seeds=(0, 1, 2, 3, 4), name: str = "deepctr_deepfm_def
     permuted (the same mean loss; only float32 summation order differs), (b) DES on 1 simulated
     process, (c) DES on 3. Max over rows and weights, and over predictions (tests' compare)."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
-    import numpy as np
     import tensorflow as tf
 
     import des
     from des.jobs.verify import compare, copy_state, fit_and_snapshot, run_in_process_world
-    from gallery import BUILDERS, batches_for
+    from gallery import BUILDERS, batches_for, rows_reordered
 
     tf.config.threading.set_inter_op_parallelism_threads(64)
     build = BUILDERS[name]
@@ -114,11 +113,7 @@ def adam_order_experiment(seeds=(0, 1, 2, 3, 4), name: str = "deepctr_deepfm_def
             des.make_keyed(base, seed=0)
             batches = batches_for(base, 20, 32, seed=4)
             probe = batches_for(base, 1, 16, seed=99)[0][0]
-            rng = np.random.default_rng(seed)
-            permuted = []
-            for x, y in batches:
-                p = rng.permutation(int(y.shape[0]))
-                permuted.append(({k: tf.gather(v, p) for k, v in x.items()}, tf.gather(y, p)))
+            permuted = rows_reordered(batches, seed)
 
             def fresh():
                 m = build()
@@ -197,7 +192,7 @@ def main() -> None:
     adam = [] if a.no_adam else adam_order_experiment()
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    out = [f"# Test tolerances against what the code achieves",
+    out = ["# Test tolerances against what the code achieves",
            "",
            f"`.venv/bin/python scripts/tolerances.py{' --repeat ' + str(a.repeat) if a.repeat > 1 else ''}"
            f"{' --only ' + a.only if a.only else ''}` at {commit}, {now}, {os.cpu_count()} cores, "

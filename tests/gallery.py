@@ -360,6 +360,17 @@ def batches_for(model: tf.keras.Model, steps: int, batch: int, seed: int = 0) ->
     return out
 
 
+def rows_reordered(batches: list, seed: int) -> list:
+    """``batches`` with each batch's rows in another order (a seeded permutation): the same loss,
+    other float32 summation orders (the spread one process shows by itself, tests/test_gallery.py)."""
+    order = np.random.default_rng(seed)
+    out = []
+    for x, y in batches:
+        p = order.permutation(int(y.shape[0]))
+        out.append(({k: tf.gather(v, p) for k, v in x.items()}, tf.gather(y, p)))
+    return out
+
+
 # Every optimizer Keras 2.15 ships for these models, new and legacy, as the tests of saving,
 # checkpoints and export train them (des.runtime.saving, des.checkpoint, des.export).
 OPTIMIZERS = {

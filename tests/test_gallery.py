@@ -29,7 +29,7 @@ from des.compiler import find_substitutions
 from des.graph.ir import Graph
 from des.jobs.verify import compare, copy_state, fit_and_snapshot, run_in_process_world
 from des_ops.comm import InProcessWorld, LocalCommunicator
-from gallery import BUILDERS, EXPECTED, FIELDS, K, V, batches_for, dlrm_offsets
+from gallery import BUILDERS, EXPECTED, FIELDS, K, V, batches_for, dlrm_offsets, rows_reordered
 from helpers import within
 
 L = tf.keras.layers
@@ -96,11 +96,7 @@ def test_adam_bound_over_build_seeds_is_the_spread_of_float32_order(seed):
     des.make_keyed(base, seed=0)
     batches = batches_for(base, 20, 32, seed=4)
     probe = batches_for(base, 1, 16, seed=99)[0][0]
-    order = np.random.default_rng(seed)
-    permuted = []
-    for x, y in batches:
-        p = order.permutation(int(y.shape[0]))
-        permuted.append(({k: tf.gather(v, p) for k, v in x.items()}, tf.gather(y, p)))
+    permuted = rows_reordered(batches, seed)
 
     def fitted(rows):
         model = build()

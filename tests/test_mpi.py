@@ -398,25 +398,30 @@ def test_architectures_that_kept_tables_whole_are_split_at_2_processes(battery):
         _check_against_reference(job, ranks, ("predictions, held-out architectures", 5e-6))
 
 
+def _tail_reference(name: str, initial) -> dict:
+    """The untouched model on one process, from rank 0's initial weights, fitted as
+    scripts/mpi_tail.py fits the ranks (SGD 0.5, batches of 31 rows and one of 2)."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import des
+    from des.jobs.verify import fit_and_snapshot
+    from gallery import BUILDERS
+    from mpi_tail import tail_batches
+    model = BUILDERS[name]()
+    model.set_weights(initial)
+    des.make_keyed(model, seed=0)
+    batches, probe = tail_batches(model)
+    return fit_and_snapshot(model, batches, probe, optimizer="sgd", learning_rate=0.5)
+
+
 @pytest.mark.mpi
 def test_field_rows_by_samples_under_mpirun(battery):
     """The data-parallel tail with the field vectors no rule splits sent to their samples'
     processes (des_ops.rows.rows_to_samples): DCN (N = 2; N = 5, processes owning no field) and a
     DLRM port (N = 2) equal one process, with uneven and empty shards; the bytes handed over per
     step are the reduce-scatter's partials and each owner's rows of the whole batch (by hand)."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    import des
-    from des.jobs.verify import fit_and_snapshot
-    from gallery import BUILDERS, K
-    from mpi_tail import tail_batches
+    from gallery import K
 
-    def reference(name, initial):
-        model = BUILDERS[name]()
-        model.set_weights(initial)
-        des.make_keyed(model, seed=0)
-        batches, probe = tail_batches(model)
-        return fit_and_snapshot(model, batches, probe, optimizer="sgd", learning_rate=0.5)
 
     # by hand (tests/gallery.py, K = 4): DCN's 4 fields of K floats by samples, its linear sum (1 float)
     # reduce-scattered and DeepCTR's table penalties in their own 1-float allreduce per call; the DLRM
@@ -425,7 +430,7 @@ def test_field_rows_by_samples_under_mpirun(battery):
     calls = [31] * 12 + [2] + [16]            # 13 training batches and the probe's prediction
     for name, n in (("deepctr_dcn", 2), ("dlrm_offsets", 2), ("deepctr_dcn", 5)):
         ranks = _ranks(battery(n) / "samples", name, n)
-        diff = compare(reference(name, ranks[0]["initial"]), ranks)
+        diff = compare(_tail_reference(name, ranks[0]["initial"]), ranks)
         print(f"mpirun -np {n} {name} field rows by samples: {diff}, widths by rank {ranks[0]['by_samples']}")
         within(f"samples N={n} {name}", max(diff.values()), 1e-6)
         scattered, width, penalty = hand[name]
@@ -515,23 +520,11 @@ def test_data_parallel_tail_under_mpirun(battery):
     allreduce): N = 3 with batches of 31 rows and a last one of 2 (uneven shards, one empty)
     equals one process (and gives the same bits in a second launch: the same-bits test); N = 5
     > 4 fields (a process owns nothing) on DeepCTR's DeepFM (penalties on tables and tail) too."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    import des
-    from des.jobs.verify import fit_and_snapshot
     from des_ops.comm import shard_rows
-    from gallery import BUILDERS
-    from mpi_tail import tail_batches
 
-    def reference(name, initial):
-        model = BUILDERS[name]()
-        model.set_weights(initial)
-        des.make_keyed(model, seed=0)
-        batches, probe = tail_batches(model)
-        return fit_and_snapshot(model, batches, probe, optimizer="sgd", learning_rate=0.5)
 
     ranks = _ranks(battery(3) / "tail", "keras_deepfm", 3)
-    diff = compare(reference("keras_deepfm", ranks[0]["initial"]), ranks)
+    diff = compare(_tail_reference("keras_deepfm", ranks[0]["initial"]), ranks)
     print(f"mpirun -np 3 keras_deepfm data-parallel tail: {diff}")
     within("max diff", max(diff.values()), 1e-6, case="tail N=3 keras_deepfm")
     sizes = [31] * 12 + [2]
@@ -546,7 +539,7 @@ def test_data_parallel_tail_under_mpirun(battery):
 
     ranks = _ranks(battery(5) / "tail", "deepctr_deepfm", 5)
     assert not all(r["owns_fields"] for r in ranks)                          # a process owns no field
-    diff = compare(reference("deepctr_deepfm", ranks[0]["initial"]), ranks)
+    diff = compare(_tail_reference("deepctr_deepfm", ranks[0]["initial"]), ranks)
     print(f"mpirun -np 5 deepctr_deepfm data-parallel tail: {diff}")
     within("max diff", max(diff.values()), 1e-6, case="tail N=5 deepctr_deepfm")
 
@@ -554,7 +547,7 @@ def test_data_parallel_tail_under_mpirun(battery):
     # of the kernel; N = 3 with uneven and empty shards, N = 5 with a process that owns no field
     from des_ops.rows import bytes_per_step
     ranks = _ranks(battery(3) / "rows", "keras_deepfm", 3)
-    diff = compare(reference("keras_deepfm", ranks[0]["initial"]), ranks)
+    diff = compare(_tail_reference("keras_deepfm", ranks[0]["initial"]), ranks)
     print(f"mpirun -np 3 keras_deepfm first Dense by rows: {diff}")
     within("max diff", max(diff.values()), 1e-6, case="rows N=3 keras_deepfm")
     for r, snap in enumerate(ranks):
@@ -568,6 +561,6 @@ def test_data_parallel_tail_under_mpirun(battery):
                                                        for b in sizes) + 4 * rows(16)
     ranks = _ranks(battery(5) / "rows", "deepctr_deepfm", 5)
     assert [r["by_rows"][0][0] for r in ranks][0].count(0) >= 1             # a process sends rows of no field
-    diff = compare(reference("deepctr_deepfm", ranks[0]["initial"]), ranks)
+    diff = compare(_tail_reference("deepctr_deepfm", ranks[0]["initial"]), ranks)
     print(f"mpirun -np 5 deepctr_deepfm first Dense by rows: {diff}")
     within("max diff", max(diff.values()), 1e-6, case="rows N=5 deepctr_deepfm")
