@@ -29,7 +29,7 @@ from des.compiler import find_substitutions
 from des.graph.ir import Graph
 from des.jobs.verify import compare, copy_state, fit_and_snapshot, run_in_process_world
 from des_ops.comm import InProcessWorld, LocalCommunicator
-from gallery import BUILDERS, EXPECTED, FIELDS, K, V, batches_for, dlrm_offsets, rows_reordered
+from gallery import BUILDERS, EXPECTED, FIELDS, K, V, batches_for, deepctr_mmoe, dlrm_offsets, rows_reordered
 from helpers import within
 
 L = tf.keras.layers
@@ -362,16 +362,6 @@ def test_the_transformed_model_is_consumed_and_a_compiled_model_stays_compiled()
         model.predict_on_batch(x)
 
 
-def _mmoe():
-    """DeepCTR's MMoE with its default gates (no hidden units: the gate's DNN passes its input
-    through), two experts, two binary tasks."""
-    from deepctr import models as dm
-    from deepctr.feature_column import SparseFeat
-    cols = [SparseFeat(f, vocabulary_size=V, embedding_dim=K, dtype="int64") for f in FIELDS]
-    return dm.MMOE(cols, num_experts=2, expert_dnn_hidden_units=(8,), tower_dnn_hidden_units=(4,),
-                   task_types=("binary", "binary"), task_names=("click", "buy"), seed=1)
-
-
 def test_mmoe_with_default_gates_is_split_by_partials_and_exact():
     """Both experts' and both gates' first Dense layers read the same embeddings: four first
     Dense layers split by partials, no table whole; trained on both tasks with Adam, N = 2, 3
@@ -379,7 +369,7 @@ def test_mmoe_with_default_gates_is_split_by_partials_and_exact():
     from des.compiler.keys import create_slots
     from des.runtime.state import snapshot
     tf.keras.utils.set_random_seed(BUILD_SEED)
-    base = _mmoe()
+    base = deepctr_mmoe()
     matches, _ = find_substitutions(Graph(base))
     assert sorted(m.rule for m in matches) == ["embed_concat_dense"] * 4
     batches = batches_for(base, 20, 32, seed=4)
@@ -391,11 +381,11 @@ def test_mmoe_with_default_gates_is_split_by_partials_and_exact():
         for x, y in batches:
             loss = m.train_on_batch(x, [y, 1.0 - y])
         return {"predictions": np.concatenate(m.predict_on_batch(probe), axis=1), "loss": loss[0], **snapshot(m)}
-    reference = _mmoe()
+    reference = deepctr_mmoe()
     copy_state(base, reference)
     ref = fit(reference)
     for n in (2, 3):
-        ranks = run_in_process_world(n, _mmoe, fit, init_from=base)
+        ranks = run_in_process_world(n, deepctr_mmoe, fit, init_from=base)
         diff = compare(ref, ranks)
         print(f"mmoe N={n}: {diff}")
         assert diff["predictions"] < TOL_PREDICTIONS and max(diff["tables"], diff["owned"], diff["weights"]) < \
