@@ -293,3 +293,16 @@ def test_export_serves_the_checkpoints_predictions_without_des_or_tfra(tmp_path)
             export.export(ck, out)
         assert sorted(os.listdir(out)) == before
         shutil.rmtree(ck)
+
+
+def test_checkpoint_every_takes_steps_or_a_time_and_refuses_the_rest(capsys):
+    from des.jobs.config import Every, RunConfig
+    assert [Every.parse(t) for t in ("500", "90s", "10min", "10m", "1.5h")] == [
+        Every(steps=500), Every(seconds=90.0), Every(seconds=600.0), Every(seconds=600.0), Every(seconds=5400.0)]
+    config = RunConfig.parse(["--data", "x", "--checkpoint", "c", "--checkpoint-every", "10min"])
+    assert config.checkpoint_every == Every(seconds=600.0) and RunConfig.parse(config.to_argv()) == config
+    for bad in ("1.5", "10x", "-3", "min"):
+        with pytest.raises(SystemExit):
+            RunConfig.parse(["--data", "x", "--checkpoint", "c", "--checkpoint-every", bad])
+        assert (f"argument --checkpoint-every: '{bad}': a whole number of steps (500) or a time (90s, 10min, 2h)"
+                in capsys.readouterr().err)
