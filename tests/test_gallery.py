@@ -113,7 +113,7 @@ def test_adam_bound_over_build_seeds_is_the_spread_of_float32_order(seed):
     print(f"{name} adam seed {seed} N={n}: {diff}; one process, rows reordered: {reordered}")
     within(f"adam N={n} predictions", diff["predictions"], TOL_PREDICTIONS)
     within(f"adam N={n} AUC and loss", max(max(abs(r["auc"] - ref["auc"]), abs(r["loss"] - ref["loss"])) for r in ranks),
-           TOL_METRICS)
+           1e-7)                                            # measured 0 at all 5 seeds (reports/tolerances.md)
     within(f"adam N={n} rows and weights", state, TOL_ADAM_STATE_SEEDS)
     within("one process, batch rows reordered: rows and weights", spread, TOL_ADAM_STATE_SEEDS)
     within(f"adam N={n} rows and weights / one process's reorder spread", state / spread, 3.0)
