@@ -16,6 +16,13 @@ interface counters:
     .venv/bin/python scripts/bench_peer.py --preset wide --models deepfm,wdl --rows 30000 --batch 2048 \
         --steps 10 --repeats 2 --configs '4:128,64' --netbed 15mbit --report reports/peer_wide_netbed.md
 
+``--systems tfra,des-user,des-user-rows``: next to the peer, a user's own DeepFM of one TFRA table per
+field through ``des.transform`` with the defaults, or a data-parallel tail with the first Dense by rows
+(scripts/user_deepfm.py; criteo-like preset only):
+
+    .venv/bin/python scripts/bench_peer.py --rows 200000 --batch 4096 --steps 40 --repeats 3 --configs '4:128,64' \
+        --systems tfra,des-user,des-user-rows --netbed 100mbit --report reports/peer_user_netbed.md
+
 Steps: 40 (a launch's median step) so that the tables hold most keys, as in a long run; with 12,
 most steps insert many new keys and the medians move by 10-20% from launch to launch.
 """
@@ -34,15 +41,38 @@ from des.cluster.netbed import Netbed  # noqa: E402
 
 SYSTEMS = {"tfra": "TFRA HvdAllToAllEmbedding", "des-replicated": "DES, replicated tail",
            "des-data-parallel": "DES, data-parallel tail", "des-rows": "DES, data-parallel tail, first Dense by rows",
-           "ps": "PS (this project)"}
+           "ps": "PS (this project)", "des-user": "DES, a user's DeepFM via des.transform, defaults",
+           "des-user-rows": "DES, a user's DeepFM via des.transform, data-parallel tail, first Dense by rows"}
+USER_OPTIONS = {"des-user": "", "des-user-rows": "tail=data_parallel,first_dense=rows"}   # des.Options of each
 
 
-def peer(n, model, data, a, out, launcher=None):
-    args = [sys.executable, os.path.join(ROOT, "scripts", "peer_tfra.py"), "--data", data, "--batch", str(a.batch),
-            "--steps", str(a.steps), "--dim", str(a.dim), "--hidden", a.hidden, "--model", model, "--summary-json", out]
+def peer(n, model, data, a, out, launcher=None, script="peer_tfra.py", extra=()):
+    """``script`` (scripts/peer_tfra.py, or scripts/user_deepfm.py with ``extra`` arguments) on ``n``
+    processes under mpirun, or ``launcher`` (a netbed's mpirun); rank 0's summary."""
+    args = [sys.executable, os.path.join(ROOT, "scripts", script), "--data", data, "--batch", str(a.batch),
+            "--steps", str(a.steps), "--dim", str(a.dim), "--hidden", a.hidden, "--model", model, "--summary-json", out,
+            *extra]
     launch(list(launcher or ["mpirun", "-np", str(n), "--oversubscribe", "--bind-to", "none"]) + args,
            netbed=bool(launcher))
-    return json.load(open(out + ".rank0"))
+    return json.load(open(out + ".rank0" if n > 1 else out))
+
+
+def user(n, model, data, a, out, launcher=None, options=""):
+    """A user's DeepFM (or W&D) of TFRA tables through des.transform (scripts/user_deepfm.py), every
+    process reading the global batch; ``options``: des.Options as KEY=VALUE,... (empty: the defaults)."""
+    return peer(n, model, data, a, out, launcher, "user_deepfm.py", ("--options", options) if options else ())
+
+
+def launchers_for(n, model, data, reader, a, launcher):
+    """Each system's launch of one configuration: a function of the summary's path."""
+    def des_run(out, extra):
+        return run(n, "des", model, data, a, out, (*extra, *reader), launcher)
+    return {"tfra": lambda out: peer(n, model, data, a, out, launcher),
+            "des-replicated": lambda out: des_run(out, ("--tail", "replicated")),
+            "des-data-parallel": lambda out: des_run(out, ("--tail", "data_parallel", "--first-dense", "partials")),
+            "des-rows": lambda out: des_run(out, ("--tail", "data_parallel", "--first-dense", "rows")),
+            "ps": lambda out: run(n, "ps", model, data, a, out, reader, launcher),
+            **{key: (lambda out, o=o: user(n, model, data, a, out, launcher, o)) for key, o in USER_OPTIONS.items()}}
 
 
 def main():
@@ -57,6 +87,9 @@ def main():
     chosen = a.systems.split(",")
     if "tfra" not in chosen or set(chosen) - set(SYSTEMS):
         raise SystemExit(f"--systems {a.systems}: a comma-separated subset of {','.join(SYSTEMS)} with tfra")
+    if a.preset == "wide" and set(chosen) & set(USER_OPTIONS):
+        raise SystemExit("--systems des-user*: the user's DeepFM (scripts/user_deepfm.py) has one-hot fields only; "
+                         "use --preset criteo-like")
     models = a.models.split(",")
     if set(models) - {"deepfm", "wdl"}:
         raise SystemExit(f"--models {a.models}: deepfm and/or wdl")
@@ -76,7 +109,9 @@ def main():
              f"one row); the peer: "
              f"HvdAllToAllEmbedding, all fields in one table per width, Adam, dense gradients averaged by "
              f"Horovod (scripts/peer_tfra.py). PS: this project's `--mode ps`, joined tables, its byte check "
-             f"on 2 steps (scripts/bench_des.py).", "",
+             f"on 2 steps (scripts/bench_des.py). DES via des.transform: a user's own model of one TFRA table per "
+             f"field, transformed with des.Options' defaults (or those named), every process reading the global "
+             f"batch (scripts/user_deepfm.py).", "",
              "| model | N | hidden | system | samples/s | CPU s/step/process | first step (s) | wire B/step/host "
              "| samples/s vs TFRA |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -88,21 +123,12 @@ def main():
             bed = Netbed(n, rate=a.netbed, cpus=a.cpus) if a.netbed else contextlib.nullcontext()
             with bed:
                 launcher = bed.mpirun(n) if a.netbed else None
-                launchers = {
-                    "tfra": lambda out: peer(n, model, data, a, out, launcher),
-                    "des-replicated": lambda out: run(n, "des", model, data, a, out, ("--tail", "replicated", *reader),
-                                                      launcher),
-                    "des-data-parallel": lambda out: run(n, "des", model, data, a, out,
-                                                         ("--tail", "data_parallel", "--first-dense", "partials",
-                                                          *reader), launcher),
-                    "des-rows": lambda out: run(n, "des", model, data, a, out,
-                                                ("--tail", "data_parallel", "--first-dense", "rows", *reader), launcher),
-                    "ps": lambda out: run(n, "ps", model, data, a, out, reader, launcher)}
+                launchers = launchers_for(n, model, data, reader, a, launcher)
                 systems = {SYSTEMS[key]: launchers[key] for key in SYSTEMS if key in chosen}
                 runs = {name: [] for name in systems}
                 for r in range(a.repeats):      # round-robin, so that a drift in the machine's load hits every system
-                    for k, (name, launch) in enumerate(systems.items()):
-                        runs[name].append(launch(os.path.join(tmp, f"{model}_{n}_{k}_{r}.json")))
+                    for k, (name, start) in enumerate(systems.items()):
+                        runs[name].append(start(os.path.join(tmp, f"{model}_{n}_{k}_{r}.json")))
             got = {name: [statistics.median(r.get(key, float("nan")) for r in rs)
                           for key in ("samples_per_second", "cpu_seconds_per_step", "seconds_to_first_step",
                                       "wire_bytes_per_step")]

@@ -1,0 +1,145 @@
+"""A user's own DeepFM (or W&D) through ``des.transform`` with no options, for scripts/bench_peer.py:
+the DES system next to TFRA's HvdAllToAllEmbedding (scripts/peer_tfra.py), same data, widths, optimizer
+and summary keys.
+
+    mpirun -np 2 python scripts/user_deepfm.py --data train.txt --batch 4096 --steps 12 --summary-json out.json
+
+The model is written as a user writes it, knowing nothing of DES: one TFRA table per sparse field
+(``de.keras.layers.Embedding(dim, RandomUniform(-0.05, 0.05))``) and a 1-wide one (Zeros) for its
+linear weight, FM with tf ops (``0.5 * reduce_sum(square(sum over fields) - sum of squares)``), an MLP
+(ReLU Dense layers of ``--hidden``, then Dense(1)) on the concatenated embeddings, Add and a Dense(1)
+sigmoid, as peer_tfra.build (``--model wdl``: no FM). Numeric fields are skipped (as the peer does);
+multi-valued fields are refused. It is compiled with the peer's optimizer, TFRA's
+``DynamicEmbeddingOptimizer(legacy Adam(1e-3))`` (TFRA 0.7.2 trains its tables through nothing else; a
+bare Keras Adam fails on TFRA tables, with or without DES), then ``des.transform(model)`` (``--options
+KEY=VALUE,...``: a non-default des.Options, e.g. ``tail=data_parallel,first_dense=rows``), its report
+printed on rank 0, and fitted on batches every process reads WHOLE (DES's contract: the global batch
+on every process, no shard). Compiling before the transform makes des.Options(tables="auto") choose
+joined tables, as for a compiled model; the returned model is compiled again with the same optimizer
+because des.transform re-compiles it with ``type(opt).from_config``, a bare legacy Adam without TFRA's
+wrapper, whose first step dies of SIGFPE (des/compiler/functional.py ``_compile_like``, at f7b8eba).
+Writes ``--summary-json`` (rank r: ``.rank<r>``) with
+peer_tfra.py's keys (samples/s of the global batch, median step; seconds to the end of the first step;
+CPU seconds per step; train AUC; on the netbed, bytes this host sent per step), the final loss and the
+report's lines.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+STARTED = time.perf_counter()
+
+import tensorflow as tf  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def build(spec, dim: int, hidden, model: str = "deepfm") -> tf.keras.Model:
+    """The user's Keras model over ``spec``'s categorical fields: linear + FM + MLP (``wdl``: no FM)."""
+    from tensorflow_recommenders_addons import dynamic_embedding as de
+    L = tf.keras.layers
+    multi = [f.name for f in spec.sparse() if f.kind == "multi"]
+    if multi:
+        raise SystemExit(f"user_deepfm.py: multi-valued fields ({', '.join(multi[:5])}...) are not written here; "
+                         f"use the criteo-like preset (one id per field)")
+    fields = spec.sparse()
+    x = {f.name: tf.keras.Input(shape=(), dtype=tf.int64, name=f.name) for f in fields}
+    embs = [de.keras.layers.Embedding(dim, initializer=tf.keras.initializers.RandomUniform(-0.05, 0.05),
+                                      name=f"emb_{f.name}")(x[f.name]) for f in fields]
+    weights = [de.keras.layers.Embedding(1, initializer=tf.keras.initializers.Zeros(), name=f"w_{f.name}")(x[f.name])
+               for f in fields]
+    terms = [L.Add(name="linear")(weights)]                                             # [B, 1]
+    if model == "deepfm":
+        e = tf.stack(embs, axis=1)                                                       # [B, F, dim]
+        terms.append(0.5 * tf.reduce_sum(tf.square(tf.reduce_sum(e, axis=1)) - tf.reduce_sum(tf.square(e), axis=1),
+                                          axis=1, keepdims=True))                        # [B, 1]
+    h = L.Concatenate(name="embed_concat")(embs)                                         # [B, F * dim]
+    for i, units in enumerate(hidden):
+        h = L.Dense(units, activation="relu", name=f"dnn_{i}")(h)
+    terms.append(L.Dense(1, name="dnn_out")(h))
+    return tf.keras.Model(x, L.Dense(1, activation="sigmoid", name="prob")(L.Add(name="logit")(terms)))
+
+
+def compile_user(model: tf.keras.Model) -> None:
+    """Compile as a TFRA user must (TFRA 0.7.2 trains its tables only through its
+    DynamicEmbeddingOptimizer, around a legacy Keras optimizer), with the peer's Adam(1e-3)."""
+    from tensorflow_recommenders_addons import dynamic_embedding as de
+    model.compile(de.DynamicEmbeddingOptimizer(tf.keras.optimizers.legacy.Adam(1e-3)), "binary_crossentropy",
+                  metrics=[tf.keras.metrics.AUC(name="auc")])
+
+
+def parse_options(text: str) -> dict:
+    """``KEY=VALUE,...`` -> des.Options keywords; a numeric value as an int."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--options {text}: KEY=VALUE,... (got {item!r})")
+        out[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+    return out
+
+
+def global_batches(path: str, batch: int, dim: int):
+    """(spec, dataset): batches of the GLOBAL batch size, the same whole batch on every process
+    (no shard), text (with its .meta.json) or a columnar folder (des.data.convert)."""
+    from des.data import columnar
+    from des.data.readers import make_dataset
+    from des.data.resolve import metadata, spec_for
+    if columnar.is_columnar([path]):
+        spec = columnar.spec_of(path).with_dim(dim)
+        ds = columnar.make_dataset(path, spec, batch, drop_remainder=True)
+    else:
+        meta = metadata(path)
+        spec = spec_for(meta.get("format", "criteo"), [path], dim, meta)
+        ds = make_dataset(path, meta.get("format", "criteo"), spec, batch_size=batch, drop_remainder=True)
+    names = {f.name for f in spec.sparse()}
+    return spec, ds.map(lambda x, y: ({k: v for k, v in x.items() if k in names}, y))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--batch", type=int, default=4096, help="the global batch (every process reads all of it)")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--dim", type=int, default=8)
+    ap.add_argument("--hidden", default="128,64")
+    ap.add_argument("--model", default="deepfm", choices=["deepfm", "wdl"])
+    ap.add_argument("--options", default="", help="des.Options keywords KEY=VALUE,... (default: none)")
+    ap.add_argument("--seed", type=int, default=0, help="the Dense layers' initial values (same at any N)")
+    ap.add_argument("--summary-json", required=True)
+    a = ap.parse_args()
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf.keras.utils.set_random_seed(a.seed)
+    import des
+    from des.runtime.callbacks import CPUTime, Throughput, WireBytes
+    from des_ops.comm import launcher_rank
+    spec, ds = global_batches(a.data, a.batch, a.dim)
+    model = build(spec, a.dim, [int(u) for u in a.hidden.split(",") if u], a.model)
+    compile_user(model)
+    options = parse_options(a.options)
+    model, report = des.transform(model, des.Options(**options) if options else None)
+    compile_user(model)     # again: des.transform's copy of the optimizer is a bare legacy Adam (module docstring)
+    rank, n = launcher_rank()          # des.transform's default world: Horovod's under mpirun
+    if rank == 0:
+        print(report, flush=True)
+    speed, cpu = Throughput(a.batch, STARTED), CPUTime()
+    wire = WireBytes(os.environ["DES_WIRE_INTERFACE"]) if os.environ.get("DES_WIRE_INTERFACE") else None   # des.netbed
+    hist = model.fit(ds.take(a.steps), verbose=0, callbacks=[speed, cpu] + [wire] * bool(wire)).history
+    summary = {"mode": "des-transform-user", "world_size": n, "options": a.options,
+               "samples_per_second": speed.samples_per_second(),
+               "seconds_to_first_step": speed.seconds_to_first_step, "cpu_seconds_per_step": cpu.median(),
+               "train_auc_by_step": [[len(speed.times), hist["auc"][-1]]], "train_loss": hist["loss"][-1],
+               "report": str(report).splitlines()}
+    if wire:
+        summary["wire_bytes_per_step"] = wire.median()
+    with open(a.summary_json + (f".rank{rank}" if n > 1 else ""), "w") as fh:
+        json.dump(summary, fh, indent=1)
+    if rank == 0:
+        print(json.dumps({k: v for k, v in summary.items() if k != "report"}))
+
+
+if __name__ == "__main__":
+    main()
