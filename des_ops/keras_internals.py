@@ -64,6 +64,20 @@ def compile_args(model) -> dict | None:
     return model._get_compile_args()
 
 
+def copy_optimizer(optimizer):
+    """(a new optimizer of ``optimizer``'s class and configuration, a note for the report). TFRA's
+    ``DynamicEmbeddingOptimizer`` patches the instance it wraps, which ``from_config`` does not
+    copy: the copy is wrapped again, with ``synchronous=False`` (DES sums the gradients that need
+    it; TFRA's own Horovod allreduce would mix the different kernel blocks the processes own)."""
+    copy = type(optimizer).from_config(optimizer.get_config())
+    if not hasattr(optimizer, "_custom_sync"):
+        return copy, ""
+    from tensorflow_recommenders_addons import dynamic_embedding as de
+    copy = de.DynamicEmbeddingOptimizer(copy, bp_v2=getattr(optimizer, "_bp_v2", False), synchronous=False)
+    return copy, ("; wrapped in TFRA's DynamicEmbeddingOptimizer"
+                  + (" (synchronous=False: DES sums the gradients that need summing)" if optimizer._custom_sync else ""))
+
+
 def input_spec_of(model, sample=None):
     """The nested tf.TensorSpec of ``model``'s inputs: from ``sample`` (a batch), else from the
     spec Keras kept when the model was first called, else None."""

@@ -25,57 +25,177 @@ wide layers and many processes. Exact: the same products, summed in another orde
 """
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import tensorflow as tf
 
 from des_ops.comm import Communicator, nbytes, not_folded, shard_rows, variable_zero
 
 
-def _shard_sizes(batch: tf.Tensor, n: int) -> tf.Tensor:
-    """[n] int32: rows of a batch of ``batch`` rows on each process (des_ops.comm.shard_rows)."""
-    return tf.stack([tf.cast(hi - lo, tf.int32) for lo, hi in (shard_rows(batch, r, n) for r in range(n))])
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """One field vector's columns in a rows exchange: ``width`` floats per sample and ``key``, the
+    model input (one id per sample) whose value decides the vector's value, or None. With a key,
+    an owner sends each process each distinct id's row once (the first sample of that process's
+    slice holding it): the receiver, which reads the same whole batch, knows the ids of its
+    samples and puts every row back in place, so de-duplicated rows need no index on the wire."""
+    width: int
+    key: str | None = None
+
+
+def blocks_of(rank_widths: list[int]) -> list[list[Block]]:
+    """Keyless blocks, one per process of ``rank_widths[p]`` columns (none for 0)."""
+    return [[Block(int(w))] if w else [] for w in rank_widths]
+
+
+class _Selection:
+    """Which rows of a batch slice [lo, hi) travel for one block: all of them, or with a key the
+    first sample of each distinct id (``first``), and how to put them back (``idx``: the distinct
+    id of every sample). Memoised per (key, slice): tf.unique runs once per key and slice."""
+
+    def __init__(self, keys: dict, lo, hi):
+        self.keys, self.lo, self.hi, self.memo = keys, lo, hi, {}
+
+    def of(self, block: Block):
+        """(first, idx, count) of ``block`` on this slice; (None, None, rows) without a key."""
+        if block.key is None:
+            return None, None, self.hi - self.lo
+        if block.key not in self.memo:
+            ids, idx = tf.unique(self.keys[block.key][self.lo:self.hi], out_idx=tf.int64)
+            count = tf.size(ids, out_type=tf.int64)
+            first = tf.math.unsorted_segment_min(tf.range(self.hi - self.lo), idx, count)
+            self.memo[block.key] = (first, idx, count)
+        return self.memo[block.key]
+
+
+class _Exchange:
+    """The all-to-all that hands each process its samples' rows of every owner's blocks, and its
+    reverse: ``forward(e)`` -> [b_r, sum of every block's width] (ranks in order, each rank's
+    blocks in order); ``backward(dx)`` -> the gradient of this process's ``e`` for the whole batch.
+    Plain ops: rows_to_samples and rows_dense wrap them in their custom gradients."""
+
+    def __init__(self, comm: Communicator, blocks: list[list[Block]], keys: dict, batch: tf.Tensor, name: str):
+        self.comm, self.blocks, self.name = comm, blocks, name
+        n, r = comm.world_size, comm.rank
+        self.bounds = [shard_rows(batch, q, n) for q in range(n)]
+        self.slices = [_Selection(keys, lo, hi) for lo, hi in self.bounds]
+        self.sent = [[self.slices[q].of(b) for b in blocks[r]] for q in range(n)]       # [dest][my block]
+        self.got = [[self.slices[r].of(b) for b in blocks[p]] for p in range(n)]       # [source][its block]
+
+    def forward(self, e: tf.Tensor, also_counted=0) -> tf.Tensor:
+        """``also_counted``: bytes of the caller's other collective, counted with these (one count)."""
+        mine = self.blocks[self.comm.rank]
+        cols = tf.split(e, [b.width for b in mine], axis=1) if mine else []
+        pieces, splits = [], []
+        for (lo, hi), sent in zip(self.bounds, self.sent):
+            rows = [c[lo:hi] if first is None else tf.gather(c[lo:hi], first) for c, (first, _, _) in zip(cols, sent)]
+            pieces += [tf.reshape(x, [-1]) for x in rows]
+            splits.append(sum((count * b.width for b, (_, _, count) in zip(mine, sent)), tf.constant(0, tf.int64)))
+        flat = tf.concat(pieces, 0) if pieces else tf.zeros([0], e.dtype)
+        with tf.control_dependencies([self.comm.count("step", nbytes(flat) + also_counted)]):
+            got, _ = self.comm.alltoall(not_folded(self.comm, flat), tf.cast(tf.stack(splits), tf.int32), self.name)
+        flat_blocks = [(b, sel) for p in range(self.comm.world_size) for b, sel in zip(self.blocks[p], self.got[p])]
+        if not flat_blocks:
+            lo, hi = self.bounds[self.comm.rank]
+            return tf.zeros(tf.stack([hi - lo, 0]), e.dtype)
+        parts = tf.split(got, tf.stack([count * b.width for b, (_, _, count) in flat_blocks]), num=len(flat_blocks))
+        return tf.concat([_placed(tf.reshape(x, [-1, b.width]), idx) for x, (b, (_, idx, _)) in zip(parts, flat_blocks)],
+                         axis=1)
+
+    def backward(self, dx: tf.Tensor, also_counted=0) -> tuple[tf.Tensor, tf.Tensor]:
+        """(the gradient of this process's ``e``, [B, its width]; what came back, for the anchor)."""
+        n, r = self.comm.world_size, self.comm.rank
+        widths = [b.width for p in range(n) for b in self.blocks[p]]
+        parts = iter(tf.split(dx, widths, axis=1) if widths else [])
+        pieces, splits = [], []
+        for p in range(n):
+            total = tf.constant(0, tf.int64)
+            for b, (_, idx, count) in zip(self.blocks[p], self.got[p]):
+                g = next(parts)
+                pieces.append(tf.reshape(g if idx is None else tf.math.unsorted_segment_sum(g, idx, count), [-1]))
+                total += count * b.width
+            splits.append(total)
+        flat = tf.concat(pieces, 0) if pieces else tf.zeros([0], dx.dtype)
+        with tf.control_dependencies([self.comm.count("tail", nbytes(flat) + also_counted)]):
+            back, _ = self.comm.alltoall(not_folded(self.comm, flat), tf.cast(tf.stack(splits), tf.int32),
+                                         f"{self.name}_grad")
+        mine = self.blocks[r]
+        batch = self.bounds[-1][1]
+        if not mine:
+            return tf.zeros(tf.stack([batch, 0]), dx.dtype), back
+        order = [(q, k) for q in range(n) for k in range(len(mine))]      # as sent: by destination, then block
+        sizes = [self.sent[q][k][2] * mine[k].width for q, k in order]
+        got = dict(zip(order, tf.split(back, tf.stack(sizes), num=len(order))))
+        columns = []
+        for k, b in enumerate(mine):
+            rows = []
+            for q, (lo, hi) in enumerate(self.bounds):
+                first = self.sent[q][k][0]
+                g = tf.reshape(got[q, k], [-1, b.width])
+                rows.append(g if first is None else
+                            tf.scatter_nd(first[:, None], g, tf.stack([hi - lo, tf.constant(b.width, tf.int64)])))
+            columns.append(tf.concat(rows, axis=0))
+        return tf.concat(columns, axis=1), back
+
+
+def _placed(rows: tf.Tensor, idx) -> tf.Tensor:
+    """Rows back at their samples: ``rows`` as they came (idx None) or one per distinct id."""
+    return rows if idx is None else tf.gather(rows, idx)
+
+
+def _flat_keys(keys: dict | None) -> dict:
+    return {name: tf.reshape(t, [-1]) for name, t in (keys or {}).items()}
+
+
+def _check_blocks(fn: str, comm: Communicator, e: tf.Tensor, blocks: list[list[Block]], keys: dict) -> None:
+    n, r = comm.world_size, comm.rank
+    if len(blocks) != n or sum(b.width for b in blocks[r]) != int(e.shape[1]):
+        raise ValueError(f"{fn}: rank {r} holds rows of width {e.shape[1]}; the plan says widths "
+                         f"{[sum(b.width for b in bl) for bl in blocks]} for {n} processes")
+    missing = sorted({b.key for bl in blocks for b in bl if b.key is not None} - set(keys))
+    if missing:
+        raise ValueError(f"{fn}: no ids given for the keys {missing}")
 
 
 def rows_dense(comm: Communicator, e: tf.Tensor, kernel: tf.Tensor, rank_widths: list[int], anchor: tf.Tensor,
-               name: str) -> tf.Tensor:
+               name: str, blocks: list[list[Block]] | None = None, keys: dict | None = None) -> tf.Tensor:
     """This process's rows (``shard_rows``) of concat_p(E_p) @ concat_p(W_p) over all processes p.
 
     ``e`` [B, w_r]: this process's fields' rows (w_r = ``rank_widths[rank]``, 0 for a process that
     owns none); ``kernel`` [w_r, H]: its kernel rows; ``rank_widths``: w_p of every process, the
-    same list everywhere; ``anchor``: a trainable scalar (its gradient is 0) so that every process
+    same list everywhere; ``blocks`` (optional): each process's field vectors as Blocks (widths
+    summing to w_p), whose keyed ones travel de-duplicated with ``keys`` {input name: the whole
+    batch's ids}; ``anchor``: a trainable scalar (its gradient is 0) so that every process
     runs the backward's collectives even when it holds no trainable input. Collectives:
     ``<name>_rows``, ``<name>_kernel`` (counted under ``step``), ``<name>_rows_grad``,
     ``<name>_kernel_grad`` (under ``tail``)."""
     n, r = comm.world_size, comm.rank
     widths = [int(w) for w in rank_widths]
-    if len(widths) != n or widths[r] != int(e.shape[1]) or widths[r] != int(kernel.shape[0]):
+    blocks = blocks if blocks is not None else blocks_of(widths)
+    if len(widths) != n or widths[r] != int(kernel.shape[0]) or [sum(b.width for b in bl) for bl in blocks] != widths:
         raise ValueError(f"rows_dense: rank {r} holds rows of width {e.shape[1]} and {kernel.shape[0]} kernel rows; "
                          f"the plan says widths {widths} for {n} processes")
+    keys = _flat_keys(keys)
+    _check_blocks("rows_dense", comm, e, blocks, keys)
     units = int(kernel.shape[1])
 
     @tf.custom_gradient
     def _rows_dense(e_p, w_p, a):
-        batch = tf.shape(e_p, out_type=tf.int64)[0]
-        sizes = _shard_sizes(batch, n)
-        mine = sizes[r]
-        flat = tf.reshape(e_p, [-1])                      # rows in batch order = grouped by destination
-        with tf.control_dependencies([comm.count("step", nbytes(flat) + nbytes(w_p))]):
-            got, _ = comm.alltoall(not_folded(comm, flat), sizes * widths[r], f"{name}_rows")
+        exchange = _Exchange(comm, blocks, keys, tf.shape(e_p, out_type=tf.int64)[0], f"{name}_rows")
+        x = exchange.forward(e_p, also_counted=nbytes(w_p))
+        with tf.control_dependencies([x]):
             kernel_all = tf.ensure_shape(comm.allgather(not_folded(comm, w_p), f"{name}_kernel"), [sum(widths), units])
-        pieces = tf.split(got, tf.stack([mine * w for w in widths]), num=n)
-        x = tf.concat([tf.reshape(p, tf.stack([mine, w])) for p, w in zip(pieces, widths)], axis=1)
+        mine = tf.shape(x)[0]
         y = tf.matmul(x, kernel_all) + a * tf.cast(tf.minimum(mine, 0), tf.float32)
 
         def grad(dy):
-            dx = tf.matmul(dy, kernel_all, transpose_b=True)                  # [b_r, w]
-            dx_flat = tf.concat([tf.reshape(p, [-1]) for p in tf.split(dx, widths, axis=1)], 0)
             dk = tf.matmul(x, dy, transpose_a=True)                            # [w, H], every process's share
             dk_flat = tf.reshape(dk, [-1])                                    # blocks in rank order
-            with tf.control_dependencies([comm.count("tail", nbytes(dx_flat) + nbytes(dk_flat))]):
-                back, _ = comm.alltoall(not_folded(comm, dx_flat), tf.stack([mine * w for w in widths]),
-                                        f"{name}_rows_grad")
+            de, back = exchange.backward(tf.matmul(dy, kernel_all, transpose_b=True), also_counted=nbytes(dk_flat))
+            with tf.control_dependencies([back]):
                 shares, _ = comm.alltoall(not_folded(comm, dk_flat), tf.constant([w * units for w in widths], tf.int32),
                                           f"{name}_kernel_grad")
-            de = tf.reshape(back, tf.stack([tf.cast(batch, tf.int32), widths[r]]))   # sources in rank order = rows
             parts = tf.split(shares, n) if n > 1 else [shares]
             dw = parts[0]
             for part in parts[1:]:                                            # in rank order: the same bits
@@ -91,49 +211,61 @@ def rows_dense(comm: Communicator, e: tf.Tensor, kernel: tf.Tensor, rank_widths:
 
 
 def rows_to_samples(comm: Communicator, e: tf.Tensor, rank_widths: list[int], anchor: tf.Tensor,
-                    name: str) -> tf.Tensor:
+                    name: str, blocks: list[list[Block]] | None = None, keys: dict | None = None) -> tf.Tensor:
     """This process's samples' rows (``shard_rows``) of every process's ``e``, side by side in rank
     order: [b_r, sum(rank_widths)]. ``e`` [B, w_r]: the rows this process owns (for a field vector
     no rule splits, des_ops.suboperators.FieldRowsSubOp, under the data-parallel tail); one
     all-to-all sends each process q the rows of q's samples, w_r (B/N) floats per destination
-    instead of the whole batch's [B, sum(rank_widths)] partials a reduce-scatter hands over.
+    instead of the whole batch's [B, sum(rank_widths)] partials a reduce-scatter hands over; with
+    ``blocks`` and ``keys`` (as in rows_dense) a keyed block's rows go once per distinct id.
     Backward: the reverse all-to-all, each owner receiving its columns' gradient for the whole
-    batch (sources in rank order = batch order). ``anchor``: a trainable scalar whose gradient (0)
-    reads both all-to-alls, so that a process that owns no rows joins them. Collectives
-    ``<name>`` (counted under ``step``) and ``<name>_grad`` (under ``tail``).
+    batch (a distinct id's summed over its samples, at its first one). ``anchor``: a trainable
+    scalar whose gradient (0) reads both all-to-alls, so that a process that owns no rows joins
+    them. Collectives ``<name>`` (counted under ``step``) and ``<name>_grad`` (under ``tail``).
 
         >>> from des_ops.comm import LocalCommunicator
-        >>> e = tf.constant([[1.0, 2.0], [3.0, 4.0]])
+        >>> e = tf.constant([[1.0, 2.0], [3.0, 4.0], [1.0, 2.0]])
         >>> rows_to_samples(LocalCommunicator(), e, [2], tf.zeros([]), "demo").numpy().tolist()
-        [[1.0, 2.0], [3.0, 4.0]]
+        [[1.0, 2.0], [3.0, 4.0], [1.0, 2.0]]
+        >>> ids = {"user": tf.constant([7, 9, 7], tf.int64)}        # rows 0 and 2 are user 7's: sent once
+        >>> rows_to_samples(LocalCommunicator(), e, [2], tf.zeros([]), "demo", [[Block(2, "user")]], ids).numpy().tolist()
+        [[1.0, 2.0], [3.0, 4.0], [1.0, 2.0]]
     """
     n, r = comm.world_size, comm.rank
     widths = [int(w) for w in rank_widths]
-    if len(widths) != n or widths[r] != int(e.shape[1]):
+    blocks = blocks if blocks is not None else blocks_of(widths)
+    if len(widths) != n or widths[r] != int(e.shape[1]) or [sum(b.width for b in bl) for bl in blocks] != widths:
         raise ValueError(f"rows_to_samples: rank {r} holds rows of width {e.shape[1]}; the plan says widths "
                          f"{widths} for {n} processes")
+    keys = _flat_keys(keys)
+    _check_blocks("rows_to_samples", comm, e, blocks, keys)
 
     @tf.custom_gradient
     def _to_samples(e_p, a):
-        batch = tf.shape(e_p, out_type=tf.int64)[0]
-        sizes = _shard_sizes(batch, n)
-        mine = sizes[r]
-        flat = tf.reshape(e_p, [-1])                      # rows in batch order = grouped by destination
-        with tf.control_dependencies([comm.count("step", nbytes(flat))]):
-            got, _ = comm.alltoall(not_folded(comm, flat), sizes * widths[r], name)
-        pieces = tf.split(got, tf.stack([mine * w for w in widths]), num=n)
-        x = tf.concat([tf.reshape(p, tf.stack([mine, w])) for p, w in zip(pieces, widths)], axis=1)
-        x = x + a * tf.cast(tf.minimum(mine, 0), tf.float32)
+        exchange = _Exchange(comm, blocks, keys, tf.shape(e_p, out_type=tf.int64)[0], name)
+        x = exchange.forward(e_p)
+        x = x + a * tf.cast(tf.minimum(tf.shape(x)[0], 0), tf.float32)
 
         def grad(dx):
-            dx_flat = tf.concat([tf.reshape(p, [-1]) for p in tf.split(dx, widths, axis=1)], 0)
-            with tf.control_dependencies([comm.count("tail", nbytes(dx_flat))]):
-                back, _ = comm.alltoall(not_folded(comm, dx_flat), tf.stack([mine * w for w in widths]), f"{name}_grad")
-            de = tf.reshape(back, tf.stack([tf.cast(batch, tf.int32), widths[r]]))
+            de, back = exchange.backward(dx)
             return de, tf.reduce_sum(back) * variable_zero(comm)
         return x, grad
 
     return _to_samples(e, anchor)
+
+
+def distinct_rows(ids: dict, blocks: list[list[Block]], batch: int, rank: int) -> tuple[int, int]:
+    """(floats process ``rank`` sends, floats it receives) in a rows exchange of one batch of
+    ``batch`` rows, counted in numpy from ``ids`` {key: [batch] ids}: per destination (per source)
+    slice and block, the block's width times the slice's distinct ids of a keyed block, else its rows."""
+    n = len(blocks)
+
+    def rows(block: Block, q: int) -> int:
+        lo, hi = shard_rows(batch, q, n)
+        return len(np.unique(np.asarray(ids[block.key]).reshape(-1)[lo:hi])) if block.key else hi - lo
+    sent = sum(rows(b, q) * b.width for q in range(n) for b in blocks[rank])
+    got = sum(rows(b, rank) * b.width for p in range(n) for b in blocks[p])
+    return sent, got
 
 
 def samples_bytes_per_step(batch: int, rank_widths: list[int], rank: int) -> tuple[int, int]:

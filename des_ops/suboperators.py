@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from des_ops import partials as dm
 from des_ops.comm import Communicator, allreduce_sum, variable_zero
-from des_ops.rows import rows_dense, rows_to_samples
+from des_ops.rows import Block, rows_dense, rows_to_samples
 from des_ops.tail import reduce_scatter_sum
 from models.layers import only_shapes_wanted
 
@@ -95,6 +95,7 @@ class FieldRowsSubOp(SubOperator):
     samples' rows by one all-to-all shared by every such vector (des_ops.rows.rows_to_samples)."""
     exchange = "partials"
     owner = -1
+    block: Block | None = None        # by samples: its width and the input that decides it (des_ops.rows)
 
     def __init__(self, fields, *, width: int, **kwargs):
         super().__init__(fields, **kwargs)
@@ -113,6 +114,7 @@ class DenseBlockSubOp(SubOperator):
     samples travel to it instead, and it multiplies them by the all-gathered kernel."""
     exchange = "partials"
     rank_widths: list[int] = []
+    rank_blocks: list = []          # by rows: each process's field vectors (des_ops.rows.Block)
 
     def __init__(self, fields, kernel_block: np.ndarray, widths: list[int], regularizer=None,
                  trainable_block: bool = True, **kwargs):
@@ -134,12 +136,14 @@ class DenseBlockSubOp(SubOperator):
             return dm.zeros(batch, self.width)
         return dm.dense_partial(vectors, self.kernel_block)
 
-    def rows_output(self, vectors, batch, comm: Communicator, anchor, name: str) -> tf.Tensor:
-        """This process's rows of sum_p E_p W_p by moving rows (``exchange == "rows"``)."""
+    def rows_output(self, vectors, batch, comm: Communicator, anchor, name: str, keys: dict | None = None) -> tf.Tensor:
+        """This process's rows of sum_p E_p W_p by moving rows (``exchange == "rows"``); ``keys``:
+        the whole batch's inputs, whose ids the keyed blocks travel by (once per distinct id)."""
         e = tf.concat([tf.reshape(v, [-1, w]) for v, w in zip(vectors, self.field_widths)], axis=1) \
             if vectors else dm.zeros(batch, 0)
         kernel = tf.zeros([0, self.width]) if self.kernel_block is None else tf.convert_to_tensor(self.kernel_block)
-        return rows_dense(comm, e, kernel, self.rank_widths, anchor, name)
+        return rows_dense(comm, e, kernel, self.rank_widths, anchor, name, self.rank_blocks or None,
+                          _keys_of(self.rank_blocks, keys))
 
     def rows_by_part(self) -> list[np.ndarray]:
         """This process's kernel rows, one block per owned field vector."""
@@ -147,6 +151,12 @@ class DenseBlockSubOp(SubOperator):
             return []
         kernel, starts = self.kernel_block.numpy(), np.cumsum([0] + self.field_widths)
         return [kernel[a:b] for a, b in zip(starts[:-1], starts[1:])]
+
+
+def _keys_of(blocks: list, inputs: dict | None) -> dict:
+    """{input name: tensor} of the keys ``blocks`` (a list per process) travel by."""
+    names = {b.key for bl in blocks for b in bl if b.key is not None}
+    return {name: inputs[name] for name in sorted(names)} if names else {}
 
 
 def _runs(names: list[str]) -> list[str]:
@@ -241,11 +251,11 @@ class DESFirstLayer(tf.keras.layers.Layer):
         vectors = self._field_vectors(inputs)
         flat = {t: tf.reshape(v, tf.stack([batch, -1])) for t, v in vectors.items()}
         if self.shard_rows:
-            return self._own_rows(flat, batch)
+            return self._own_rows(flat, batch, inputs)
         total = self._sum_in_slices(flat, batch)
         return [op.combine(part) for op, part in zip(self.ops, tf.split(total, self.widths, axis=1))]
 
-    def _own_rows(self, flat: dict, batch: tf.Tensor) -> list[tf.Tensor]:
+    def _own_rows(self, flat: dict, batch: tf.Tensor, inputs: dict) -> list[tf.Tensor]:
         """The data-parallel tail's outputs: this process's rows of every operator's output, by a
         reduce-scatter of the partials and, for a first Dense by rows, by des_ops.rows."""
         summed = [i for i, (rows, sampled) in enumerate(zip(self.by_rows, self.to_samples)) if not (rows or sampled)]
@@ -264,12 +274,12 @@ class DESFirstLayer(tf.keras.layers.Layer):
         for i, rows in enumerate(self.by_rows):
             if rows:
                 out[i] = self.ops[i].rows_output([flat[t] for t in self._op_inputs[i]], batch, self.comm,
-                                                 self.rows_anchor, f"{self.collective}_{i}")
+                                                 self.rows_anchor, f"{self.collective}_{i}", inputs)
         if any(self.to_samples):
-            out.update(self._samples_rows(flat, batch))
+            out.update(self._samples_rows(flat, batch, inputs))
         return [out[i] for i in range(len(self.ops))]
 
-    def _samples_rows(self, flat: dict, batch: tf.Tensor) -> dict[int, tf.Tensor]:
+    def _samples_rows(self, flat: dict, batch: tf.Tensor, inputs: dict) -> dict[int, tf.Tensor]:
         """The field vectors by samples: this process's rows of each, from one all-to-all in which
         every owner sends its vectors' rows side by side (des_ops.rows.rows_to_samples)."""
         sampled = [i for i, s in enumerate(self.to_samples) if s]
@@ -277,8 +287,9 @@ class DESFirstLayer(tf.keras.layers.Layer):
         mine = by_rank[self.comm.rank]
         e = tf.concat([tf.reshape(self.ops[i].partial([flat[t] for t in self._op_inputs[i]], batch),
                                   [-1, self.widths[i]]) for i in mine], axis=1) if mine else dm.zeros(batch, 0)
+        blocks = [[self.ops[i].block or Block(self.widths[i]) for i in ops] for ops in by_rank]
         x = rows_to_samples(self.comm, e, [sum(self.widths[i] for i in ops) for ops in by_rank], self.rows_anchor,
-                            f"{self.collective}_samples")
+                            f"{self.collective}_samples", blocks, _keys_of(blocks, inputs))
         order = [i for ops in by_rank for i in ops]
         return {i: self.ops[i].combine(part) for i, part in zip(order, tf.split(x, [self.widths[i] for i in order],
                                                                                 axis=1))}

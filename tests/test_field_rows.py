@@ -5,6 +5,8 @@ handing every column of the whole batch to the reduce-scatter. Equal to the unto
 one process (simulated N = 2, 3 and 5: more processes than fields, some own nothing; batches of
 31 rows and a last one of 2, so some processes hold no sample), the bytes counted equal to the
 hand count, and the cost model's choice."""
+import dataclasses
+
 import pytest
 import tensorflow as tf
 
@@ -88,3 +90,50 @@ def test_the_cost_model_sends_wide_field_rows_by_samples_and_narrow_ones_as_part
     choice, why = choose_field_rows(4096, 208, 4, AutoTail(bandwidth=1.25e7))
     assert choice == "samples" and "5.11 MB of partials take 408.9 ms" in why and "1.28 MB by samples 108.2 ms" in why
     assert choose_field_rows(64, 16, 2)[0] == "partials"
+
+
+def test_field_rows_travel_once_per_distinct_id_of_each_slice():
+    """DCN at N = 3 by samples, with distinct rows (the default) and once per sample: the same
+    predictions and state within float32 order, and what the processes hand to the collectives
+    differs by exactly the floats of the rows not sent, counted in numpy from the batches' ids
+    (des_ops.rows.distinct_rows: per destination slice, a field's distinct ids) - forward in
+    "step", the gradients back in "tail"."""
+    from des_ops.rows import distinct_rows
+    build, base, fit, ref = _setup("deepctr_dcn")
+    rows = 5 * 31 + 2
+    x, _ = batches_for(base, 1, rows, seed=4)[0]
+    batches = [{k: v[i:i + BATCH] for k, v in x.items()} for i in range(0, rows, BATCH)]
+    probe = batches_for(base, 1, 16, seed=99)[0][0]
+
+    def work(m):
+        layer = des.distributed(m).layer
+        before = layer.comm.counted()
+        snap = fit(m)
+        after = layer.comm.counted()
+        sampled = [op for op, s in zip(layer.ops, layer.to_samples) if s]
+        return snap, {p: after[p]["bytes"] - before[p]["bytes"] for p in ("step", "tail")}, \
+            [(op.owner, op.block) for op in sampled]
+    n = 3
+    runs = {d: run_in_process_world(n, build, work, init_from=base, tail="data_parallel", field_rows="samples",
+                                    distinct_rows=d) for d in (True, False)}
+    for r in range(n):
+        owners = runs[True][r][2]
+        assert all(block.key is not None for _, block in owners)
+        blocks = [[b for p, b in owners if p == q] for q in range(n)]
+        flat = [[dataclasses.replace(b, key=None) for b in bl] for bl in blocks]
+        fed = batches + [probe]
+        saved = [tuple(e - d for d, e in zip(distinct_rows(x, blocks, len(x[blocks_key(blocks)]), r),
+                                             distinct_rows(x, flat, len(x[blocks_key(blocks)]), r))) for x in fed]
+        step = runs[False][r][1]["step"] - runs[True][r][1]["step"]
+        tail = runs[False][r][1]["tail"] - runs[True][r][1]["tail"]
+        assert step == 4 * sum(s for s, _ in saved) > 0, (r, step, saved)
+        assert tail == 4 * sum(g for _, g in saved[:-1]) > 0, (r, tail, saved)    # the probe: no backward
+    diff = compare(ref, [s for s, _, _ in runs[True]])
+    within("deepctr_dcn N=3 distinct rows: predictions", diff["predictions"], BOUNDS["deepctr_dcn"][0])
+    within("deepctr_dcn N=3 distinct rows: rows and weights", max(diff["tables"], diff["owned"], diff["weights"]),
+           BOUNDS["deepctr_dcn"][1])
+
+
+def blocks_key(blocks) -> str:
+    """The id input of the first keyed block (every input holds the batch's rows)."""
+    return next(b.key for bl in blocks for b in bl)

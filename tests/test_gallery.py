@@ -362,6 +362,39 @@ def test_the_transformed_model_is_consumed_and_a_compiled_model_stays_compiled()
         model.predict_on_batch(x)
 
 
+def test_a_model_compiled_with_tfras_optimizer_trains_as_compiled_after_transform():
+    """A TFRA model compiled with TFRA's DynamicEmbeddingOptimizer (synchronous, as TFRA's Horovod
+    demo writes it), transformed and fitted WITHOUT compiling again: the copy of the optimizer
+    is wrapped again (a bare copy cannot train TFRA tables: the process died of SIGFPE), without
+    TFRA's own allreduce, and N = 2 equals the untouched model with the same optimizer."""
+    from tensorflow_recommenders_addons import dynamic_embedding as de
+
+    def build():
+        tf.keras.utils.set_random_seed(0)
+        m = BUILDERS["tfra_deepfm"]()
+        m.compile(de.DynamicEmbeddingOptimizer(tf.keras.optimizers.legacy.Adam(0.02), synchronous=True),
+                  "binary_crossentropy")
+        return m
+    base = build()
+    des.make_keyed(base, seed=0)
+    x, y = batches_for(base, 1, 4 * 31, seed=4)[0]
+    probe = batches_for(base, 1, 16, seed=99)[0][0]
+
+    def fit(m):
+        m.fit(x, y, batch_size=31, shuffle=False, verbose=0)
+        return m.predict_on_batch(probe)
+    reference = BUILDERS["tfra_deepfm"]()
+    copy_state(base, reference)
+    des.make_keyed(reference, seed=0)
+    reference.compile(de.DynamicEmbeddingOptimizer(tf.keras.optimizers.legacy.Adam(0.02)), "binary_crossentropy")
+    expected = fit(reference)
+    ranks = run_in_process_world(2, build, lambda m: (fit(m), m.optimizer), init_from=base)
+    for predictions, optimizer in ranks:
+        assert hasattr(optimizer, "_custom_sync") and not optimizer._custom_sync      # TFRA's wrapper, no allreduce
+        within("TFRA optimizer compiled before transform: predictions", float(np.abs(predictions - expected).max()),
+               TOL_PREDICTIONS)
+
+
 def test_mmoe_with_default_gates_is_split_by_partials_and_exact():
     """Both experts' and both gates' first Dense layers read the same embeddings: four first
     Dense layers split by partials, no table whole; trained on both tasks with Adam, N = 2, 3

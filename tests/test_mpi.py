@@ -420,8 +420,10 @@ def test_field_rows_by_samples_under_mpirun(battery):
     processes (des_ops.rows.rows_to_samples): DCN (N = 2; N = 5, processes owning no field) and a
     DLRM port (N = 2) equal one process, with uneven and empty shards; the bytes handed over per
     step are the reduce-scatter's partials and each owner's rows of the whole batch (by hand)."""
-    from gallery import K
-
+    from des_ops.rows import distinct_rows
+    sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "scripts")]
+    from gallery import BUILDERS, K
+    from mpi_tail import tail_batches
 
     # by hand (tests/gallery.py, K = 4): DCN's 4 fields of K floats by samples, its linear sum (1 float)
     # reduce-scattered and DeepCTR's table penalties in their own 1-float allreduce per call; the DLRM
@@ -440,8 +442,18 @@ def test_field_rows_by_samples_under_mpirun(battery):
             assert sorted(widths) == [0, width]                  # one table: one owner, the other sends nothing
         if n == 5:
             assert widths.count(0) == 1                          # 4 fields on 5 processes: one sends no rows
+        batches, probe = tail_batches(BUILDERS[name]())
+        fed = [x for x, _ in batches] + [probe]
+        blocks = ranks[0]["sample_blocks"]
+        assert all(b.key is not None for bl in blocks for b in bl) == (name == "deepctr_dcn")   # DLRM: [B, 4, K] rows
         for r, snap in enumerate(ranks):
-            assert snap["counted"]["step"]["bytes"] == sum(4 * (scattered + widths[r]) * b + 4 * penalty for b in calls)
+            # each field's rows once per distinct id of a destination's slice (counted in numpy); DLRM's
+            # block of 4 fields' rows once per sample
+            sent = [distinct_rows(x, blocks, b, r)[0] for x, b in zip(fed, calls)]
+            assert snap["counted"]["step"]["bytes"] == sum(4 * scattered * b + 4 * s + 4 * penalty
+                                                           for b, s in zip(calls, sent))
+            if name == "dlrm_offsets":
+                assert sent == [widths[r] * b for b in calls]
 
 
 @pytest.mark.mpi
@@ -545,20 +557,30 @@ def test_data_parallel_tail_under_mpirun(battery):
 
     # the first Dense by rows (des_ops.rows): all-to-alls of rows and kernel gradients, an all-gather
     # of the kernel; N = 3 with uneven and empty shards, N = 5 with a process that owns no field
-    from des_ops.rows import bytes_per_step
+    # rows of a field travel once per distinct id of each destination's slice (des_ops.rows.Block): counted
+    # here in numpy from the batches' ids
+    from des_ops.rows import distinct_rows
+    sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "scripts")]
+    from gallery import BUILDERS
+    from mpi_tail import tail_batches
     ranks = _ranks(battery(3) / "rows", "keras_deepfm", 3)
     diff = compare(_tail_reference("keras_deepfm", ranks[0]["initial"]), ranks)
     print(f"mpirun -np 3 keras_deepfm first Dense by rows: {diff}")
     within("max diff", max(diff.values()), 1e-6, case="rows N=3 keras_deepfm")
+    batches, probe = tail_batches(BUILDERS["keras_deepfm"]())
+    fed = [x for x, _ in batches] + [probe]
     for r, snap in enumerate(ranks):
         (widths, units), = snap["by_rows"]
+        blocks, = snap["rank_blocks"]
         w, t = snap["floats_per_sample"], snap["tail_floats"]
         assert w == 6 and sum(widths) == 16 and units == 8               # linear 1 + FM 5 summed; 4 fields x 4 by rows
+        assert sorted(b.key for bl in blocks for b in bl) == ["f0", "f1", "f2", "f3"]
         rows = lambda b: (lambda lo, hi: hi - lo)(*shard_rows(b, r, 3))
-        assert snap["counted"]["step"]["bytes"] == sum(4 * w * b + bytes_per_step(b, widths, units, r)[0]
-                                                       for b in sizes + [16])
-        assert snap["counted"]["tail"]["bytes"] == sum(4 * (rows(b) * (1 + w) + t) + bytes_per_step(b, widths, units, r)[1]
-                                                       for b in sizes) + 4 * rows(16)
+        moved = [distinct_rows(x, blocks, b, r) for x, b in zip(fed, sizes + [16])]
+        assert snap["counted"]["step"]["bytes"] == sum(4 * w * b + 4 * sent + 4 * widths[r] * units
+                                                       for b, (sent, _) in zip(sizes + [16], moved))
+        assert snap["counted"]["tail"]["bytes"] == sum(4 * (rows(b) * (1 + w) + t) + 4 * got + 4 * sum(widths) * units
+                                                       for b, (_, got) in zip(sizes, moved)) + 4 * rows(16)
     ranks = _ranks(battery(5) / "rows", "deepctr_deepfm", 5)
     assert [r["by_rows"][0][0] for r in ranks][0].count(0) >= 1             # a process sends rows of no field
     diff = compare(_tail_reference("deepctr_deepfm", ranks[0]["initial"]), ranks)

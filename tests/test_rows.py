@@ -10,9 +10,9 @@ import tensorflow as tf
 import des
 from des.compiler.cost import AutoTail, choose_first_dense, choose_tail
 from des_ops.comm import InProcessWorld, shard_rows
-from des_ops.rows import bytes_per_step, rows_dense, wire_floats
+from des_ops.rows import bytes_per_step, distinct_rows, rows_dense, wire_floats
 from des.jobs.verify import _on_every_rank, run_in_process_world
-from test_tail import BATCH, ROWS, _check, _reference_and_base
+from test_tail import _check, _data, _reference_and_base
 
 
 def test_rows_dense_equals_the_product_of_the_whole_rows_and_kernel():
@@ -66,10 +66,14 @@ def test_first_dense_by_rows_with_adaptive_optimizers(optimizer, lr):
 
 def test_same_bits_every_run_and_bytes_counted_equal_analytic():
     """Two runs give the same bits on every rank. Per train step of b rows, rank r hands over
-    b x W floats of partials (linear and FM: reduce-scatter) and des_ops.rows.bytes_per_step
-    ("step"); the output all-gather, the backward all-gather of the partials, the rows' gradients
-    and the tail's gradients ("tail")."""
+    b x W floats of partials (linear and FM: reduce-scatter) and the rows exchange's ("step"); the
+    output all-gather, the backward all-gather of the partials, the rows' gradients and the tail's
+    gradients ("tail"). The rows exchange: by default (distinct rows) each field's rows once per
+    distinct id of each destination's slice, counted here in numpy from the batches' ids
+    (des_ops.rows.distinct_rows); with ``distinct_rows=False`` once per sample
+    (des_ops.rows.bytes_per_step). The gallery's ids repeat within a slice, so the two differ."""
     build, base, fit, _ = _reference_and_base("keras_deepfm", "sgd", 0.5)
+    batches, probe = _data(base)
     n = 3
 
     def work(m):
@@ -80,7 +84,7 @@ def test_same_bits_every_run_and_bytes_counted_equal_analytic():
         rows_op = next(op for op, rows in zip(handle.layer.ops, handle.layer.by_rows) if rows)
         return snap, {p: after[p]["bytes"] - before[p]["bytes"] for p in ("step", "tail")}, \
             handle.layer.floats_per_sample(), sum(int(v.shape.num_elements()) for v in handle.tail_variables), \
-            (rows_op.rank_widths, rows_op.width)
+            (rows_op.rank_widths, rows_op.width, rows_op.rank_blocks)
     runs = [run_in_process_world(n, build, work, init_from=base, tail="data_parallel", first_dense="rows")
             for _ in range(2)]
     for a, b in zip(*runs):
@@ -88,15 +92,24 @@ def test_same_bits_every_run_and_bytes_counted_equal_analytic():
         assert len(flat_a) == len(flat_b) > 3
         for u, v in zip(flat_a, flat_b):
             np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
-    sizes = [BATCH] * (ROWS // BATCH) + [ROWS % BATCH]
-    for r, (_, counted, w, t, (widths, units)) in enumerate(runs[0]):
+    per_sample = run_in_process_world(n, build, work, init_from=base, tail="data_parallel", first_dense="rows",
+                                      distinct_rows=False)
+    fed = [x for x, _ in batches] + [probe]                                     # the probe's predict: forward only
+    for r, ((_, counted, w, t, (widths, units, blocks)), (_, counted_each, *_)) in enumerate(zip(runs[0], per_sample)):
         assert w == 1 + (4 + 1) and widths == [8, 4, 4] and units == 8      # linear 1 + FM k+1 summed; rows: 4 fields x K
+        assert [[(b.width, b.key) for b in bl] for bl in blocks] == [[(4, "f0"), (4, "f3")], [(4, "f1")], [(4, "f2")]]
         shard = lambda b: (lambda lo, hi: hi - lo)(*shard_rows(b, r, n))
-        step = sum(4 * b * w + bytes_per_step(b, widths, units, r)[0] for b in sizes) + 4 * 16 * w \
-            + bytes_per_step(16, widths, units, r)[0]                           # the probe's predict
-        tail = sum(4 * (shard(b) * 1 + shard(b) * w + t) + bytes_per_step(b, widths, units, r)[1] for b in sizes) \
-            + 4 * shard(16)
+        sizes = [len(x["f0"]) for x in fed]
+        sent_got = [distinct_rows(x, blocks, b, r) for x, b in zip(fed, sizes)]
+        step = sum(4 * b * w + 4 * sent + 4 * widths[r] * units for b, (sent, _) in zip(sizes, sent_got))
+        tail = sum(4 * (shard(b) * 1 + shard(b) * w + t) + 4 * got + 4 * sum(widths) * units
+                   for b, (_, got) in zip(sizes[:-1], sent_got)) + 4 * shard(16)
         assert counted == {"step": step, "tail": tail}, (r, counted, step, tail)
+        step = sum(4 * b * w + bytes_per_step(b, widths, units, r)[0] for b in sizes)
+        tail = sum(4 * (shard(b) * 1 + shard(b) * w + t) + bytes_per_step(b, widths, units, r)[1] for b in sizes[:-1]) \
+            + 4 * shard(16)
+        assert counted_each == {"step": step, "tail": tail}, (r, counted_each, step, tail)
+        assert counted["step"] < counted_each["step"] and counted["tail"] < counted_each["tail"]
 
 
 def test_choice_of_the_first_dense():

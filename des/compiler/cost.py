@@ -175,3 +175,58 @@ def choose_field_rows(batch_size: int, width: int, world_size: int, auto: AutoTa
     return choice, (f"{choice}: {partials / 1e6:.2f} MB of partials take {t_partials * 1e3:.1f} ms per step, "
                     f"{samples / 1e6:.2f} MB by samples {t_samples * 1e3:.1f} ms with 2 more collectives "
                     f"(B {batch_size:,}, {width} floats, N {world_size}, {auto.bandwidth:.1e} B/s)")
+
+
+# the link classes the measured bandwidth is rounded to (bytes/s per process and direction: 10 Mbit/s
+# to 100 Gbit/s): a measurement that wobbles from run to run must not change the choices, or the same
+# job would give other bits
+LINK_CLASSES = (1.25e6, 1.25e7, 1.25e8, 1.25e9, 1.25e10)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredLink:
+    """What ``measure_link`` timed: the medians over every process of a small and a 1 MiB
+    allreduce, the bandwidth they imply, and the class it was rounded to."""
+    small_seconds: float
+    large_seconds: float
+    bytes_per_second: float
+    assumed: float
+
+    def __str__(self) -> str:
+        return (f"link measured at start: allreduce of 4 B {self.small_seconds * 1e3:.2f} ms, of 1 MiB "
+                f"{self.large_seconds * 1e3:.1f} ms -> {self.bytes_per_second:.2e} B/s per process; assumed "
+                f"{self.assumed:.2e} B/s ({self.assumed * 8 / 1e6:,.0f} Mbit/s)")
+
+
+def link_class(bytes_per_second: float) -> float:
+    """The LINK_CLASSES entry nearest ``bytes_per_second`` on a log scale.
+
+    >>> link_class(9.1e6), link_class(2.3e9), link_class(4e5)
+    (12500000.0, 1250000000.0, 1250000.0)
+    """
+    return min(LINK_CLASSES, key=lambda c: abs(np.log(c) - np.log(max(bytes_per_second, 1.0))))
+
+
+def measure_link(comm, repeats: int = 3) -> MeasuredLink:
+    """Time ``repeats`` allreduces of 4 bytes and of 1 MiB on ``comm`` (every process calls it at
+    the same point), each process's median summed over processes and divided by N so that every
+    process holds the same numbers, and the per-process bandwidth a ring allreduce implies:
+    2 (N-1)/N x 1 MiB / (t_large - t_small), rounded to a link class. Eager, once, at transform."""
+    import time
+
+    import tensorflow as tf
+    n = comm.world_size
+    timings = []
+    for size, label in ((1, "small"), (1 << 18, "large")):
+        x = tf.zeros([size])
+        comm.allreduce(x, f"des_link_probe_{label}")                    # the first call sets things up
+        took = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            comm.allreduce(x, f"des_link_probe_{label}").numpy()
+            took.append(time.perf_counter() - start)
+        timings.append(float(np.median(took)))
+    agreed = comm.allreduce(tf.constant(timings, tf.float64), "des_link_probe_agree").numpy() / n
+    small, large = float(agreed[0]), float(agreed[1])
+    rate = 2 * (n - 1) / n * 4 * (1 << 18) / max(large - small, 1e-9)
+    return MeasuredLink(small, large, rate, link_class(rate))

@@ -11,7 +11,7 @@ import os
 import tensorflow as tf
 
 from des.compiler.keys import StateKeys, sync_from_root, trace_once
-from des.compiler.cost import AutoTail, choose_field_rows, choose_first_dense, choose_tail
+from des.compiler.cost import AutoTail, choose_field_rows, choose_first_dense, choose_tail, measure_link
 from des.graph.fields import FieldAnalysis
 from des.compiler.handle import Distributed, attach
 from des.graph.ir import Graph, Node, call_node, is_keras_tensor, replay
@@ -19,7 +19,9 @@ from des.compiler.plan import FieldCost, FieldPlan, check_agreement, make_plan
 from des.graph.sources import source_of
 from des_ops.comm import Communicator, agree
 from des_ops.fused import fuse_nodes
-from des_ops.keras_internals import (autograph_as_keras_decides, compile_args, has_weight_penalties, take_weight_penalties)
+from des_ops.rows import Block
+from des_ops.keras_internals import (autograph_as_keras_decides, compile_args, copy_optimizer, has_weight_penalties,
+                                     take_weight_penalties)
 from des_ops.suboperators import DESFirstLayer
 from des_ops.tail import GatherRows, ShardRows, count_tail_penalties_once, sum_tail_gradients, tail_obstacles
 from rewrite_rules import Match, find_substitutions, rule_named
@@ -152,16 +154,21 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     chains = FieldChains(graph, list(own.nodes.values()),
                          sorted({t for ids in own.op_inputs for t in ids}, key=position.__getitem__), fused)
     skip = set().union(*(m.nodes for m in matches))
-    costs = options.assumed
+    costs, report.link = _costs(options, comm)
     dense_shapes = [(sum(v.width for v in m.vectors), int(m.data["kernel"].shape[1])) for m in matches
                     if "parts" in m.data] if options.first_dense == "auto" else []
     tail, tail_reason = _tail_choice(graph, model, skip, options.tail, costs, comm, dense_shapes)
     if tail == "data_parallel" and (options.micro_batches > 1 or options.wire_dtype != "float32"):
         raise ValueError("des.transform: micro_batches and a 16-bit wire_dtype are for the replicated tail; the "
                          "data-parallel tail reduce-scatters the whole batch in float32")
-    report.by_rows, report.first_dense_reason = _by_rows(matches, own, field_plan, comm, tail, options.first_dense, costs)
+    key = fields.row_key if options.distinct_rows else (lambda v: None)
+    report.by_rows, report.first_dense_reason = _by_rows(matches, own, field_plan, comm, tail, options.first_dense, costs,
+                                                         key)
     report.by_samples, report.field_rows_reason = _by_samples(matches, own, field_plan, comm, tail, options.field_rows,
-                                                              costs)
+                                                              costs, key)
+    report.distinct_keys = sorted({b.key for op in own.ops if getattr(op, "exchange", "") in ("rows", "samples")
+                                   for b in [*(x for bl in getattr(op, "rank_blocks", ()) for x in bl),
+                                             getattr(op, "block", None) or Block(0)] if b.key is not None})
     first = _first_layer(chains, fused, own, comm, tail, options.scope, forced, options.micro_batches,
                          options.wire_dtype)
     names_in = sorted({graph.nodes[i].layer.name for m in matches for v in m.vectors for i in v.chain | fields.cone(v.tensor)
@@ -182,6 +189,19 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     if released:
         _mark_consumed(model)
     return new_model, report
+
+
+def _costs(options: Options, comm: Communicator) -> tuple[AutoTail, str]:
+    """What the auto choices assume, and the report's line on it: ``options.costs`` if given; else,
+    on several processes under Horovod with a choice left to the cost model, des.AutoTail's
+    defaults with the link's bandwidth measured now (des.compiler.cost.measure_link, rounded to a
+    class so that the same job makes the same choices run after run); else the defaults."""
+    auto = "auto" in (options.tail, options.first_dense, options.field_rows)
+    if options.costs is not None or not auto or comm.world_size == 1 or comm.name != "horovod":
+        return options.assumed, ""
+    agree(comm, "des.Options (the link is measured next)", str(options))
+    link = measure_link(comm)
+    return dataclasses.replace(options.assumed, bandwidth=link.assumed), str(link)
 
 
 def _field_plan(graph: Graph, matches: list[Match], spec, plan: str | FieldPlan, comm: Communicator,
@@ -270,7 +290,7 @@ def _tail_choice(graph: Graph, model: tf.keras.Model, skip: set[int], tail: str,
 
 
 def _by_rows(matches: list[Match], own: _OwnedPart, field_plan: FieldPlan, comm: Communicator, tail: str,
-             first_dense: str, costs: AutoTail) -> tuple[dict, str]:
+             first_dense: str, costs: AutoTail, key) -> tuple[dict, str]:
     """Which first Dense layers go by moving rows ({layer name: (widths by rank, units)}), and
     why when the cost model chose; marks their sub-operators (des_ops.rows). ``first_dense="rows"``
     comes with the data-parallel tail (transform checks it); "auto" with the replicated tail keeps
@@ -288,12 +308,14 @@ def _by_rows(matches: list[Match], own: _OwnedPart, field_plan: FieldPlan, comm:
             if choice != "rows":
                 continue
         op.exchange, op.rank_widths = "rows", widths
+        op.rank_blocks = [[Block(v.width, key(v)) for v in m.vectors if field_plan.owner[v.field] == r]
+                          for r in range(comm.world_size)]
         out[m.root.layer.name] = (widths, units)
     return out, "; ".join(reasons)
 
 
 def _by_samples(matches: list[Match], own: _OwnedPart, field_plan: FieldPlan, comm: Communicator, tail: str,
-                field_rows: str, costs: AutoTail) -> tuple[list[int], str]:
+                field_rows: str, costs: AutoTail, key) -> tuple[list[int], str]:
     """Under the data-parallel tail, the widths by rank of the field vectors no rule splits when
     their rows go to their samples' processes (des_ops.rows.rows_to_samples; [] when they stay
     partials, as under the replicated tail, where every process needs every row), and the cost
@@ -309,6 +331,7 @@ def _by_samples(matches: list[Match], own: _OwnedPart, field_plan: FieldPlan, co
     widths = [0] * comm.world_size
     for m, op in rows:
         op.exchange, op.owner = "samples", field_plan.owner[m.vectors[0].field]
+        op.block = Block(op.width, key(m.vectors[0]))
         widths[op.owner] += op.width
     return widths, why
 
@@ -361,13 +384,13 @@ def _compile_like(model: tf.keras.Model, new_model: tf.keras.Model) -> str:
         return ""
     opt = args["optimizer"]
     try:
-        args["optimizer"] = type(opt).from_config(opt.get_config())
+        args["optimizer"], note = copy_optimizer(opt)
     except Exception as e:  # noqa: BLE001 - an optimizer class of the user's without from_config
         return (f"the model was compiled, the returned one is NOT ({type(opt).__name__} could not be copied: {e}); "
                 f"compile it before fit")
     new_model.compile(**args)
     return (f"compiled as the model was: loss, metrics and a new {type(opt).__name__} with the same configuration "
-            f"(its slots start empty)")
+            f"(its slots start empty){note}")
 
 
 def _mark_consumed(model: tf.keras.Model) -> None:

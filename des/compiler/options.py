@@ -60,7 +60,10 @@ class Options:
     (per layer, by cost). ``field_rows`` (data-parallel tail): the field vectors no rule splits (read
     by Cross, attention, gates, ...) as "partials" in the reduce-scatter, by "samples" (each owner
     sends its vectors' rows to the processes of their samples, one all-to-all;
-    des_ops.rows.rows_to_samples) or "auto" (by cost, des.compiler.cost.choose_field_rows). ``tables``: "per-field" (one TFRA table per field), "fused" (a process
+    des_ops.rows.rows_to_samples) or "auto" (by cost, des.compiler.cost.choose_field_rows).
+    ``distinct_rows``: where rows travel (the first Dense by rows, field rows by samples), a field
+    vector decided by one id per sample goes once per distinct id and process (des_ops.rows.Block;
+    the receiver reads the same ids and puts it back at every sample); False: once per sample. ``tables``: "per-field" (one TFRA table per field), "fused" (a process
     keeps its tables of one width in one TFRA table: one lookup and one update per width and
     step; des_ops.fused), "joined" (fused, and a field's linear weight in its embedding's row:
     exact when one optimizer trains both parts) or "auto" (joined for a model compiled with one
@@ -77,6 +80,7 @@ class Options:
     tail: str = "auto"
     first_dense: str = "auto"
     field_rows: str = "auto"
+    distinct_rows: bool = True
     tables: str = "auto"
     micro_batches: int = 1
     wire_dtype: str = "float32"
@@ -127,7 +131,8 @@ class Options:
         plan = self.plan if isinstance(self.plan, str) else "given"
         shown = [f"plan={plan}", f"tail={self.tail}", f"first_dense={self.first_dense}", f"tables={self.tables}",
                  f"micro_batches={self.micro_batches}", f"wire_dtype={self.wire_dtype}", f"seed={self.seed}"]
-        shown += [f"{k}={getattr(self, k)}" for k in ("field_rows", "strict", "release_unowned", "sync_weights")
+        shown += [f"{k}={getattr(self, k)}" for k in ("field_rows", "distinct_rows", "strict", "release_unowned",
+                                                       "sync_weights")
                   if getattr(self, k) != getattr(Options, k)]
         if self.costs is not None:
             shown.append(f"costs={self.costs}")

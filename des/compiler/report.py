@@ -47,6 +47,8 @@ class Report:
     by_rows: dict = dataclasses.field(default_factory=dict)   # first Dense layers by moving rows: name -> (widths, units)
     first_dense_reason: str = ""      # first_dense="auto": what des.compiler.cost.choose_first_dense weighed
     by_samples: list = dataclasses.field(default_factory=list)   # field rows by samples: widths by rank ([]: partials)
+    distinct_keys: list = dataclasses.field(default_factory=list)   # inputs whose fields' rows travel once per id
+    link: str = ""                  # what the auto choices assumed of the link, when it was measured at start
     field_rows_reason: str = ""       # data-parallel tail: what des.compiler.cost.choose_field_rows weighed
     options: Options | None = None    # what des.transform was asked (des.Options), printed with the report
     save_refusal: str = ""            # why model.save refuses (towers transformed one by one), else ""
@@ -68,7 +70,8 @@ class Report:
 
     def payload_bytes(self, batch_size: int) -> int:
         """Bytes handed to the fused allreduce(s) per step (float32 partials, or 16-bit ones), and
-        to the forward collectives of a first Dense by rows and of field rows by samples (des_ops.rows)."""
+        to the forward collectives of a first Dense by rows and of field rows by samples (des_ops.rows):
+        with ``distinct_keys``, at most (those rows travel once per distinct id, which the data decide)."""
         return self.bytes_per_float * batch_size * self.floats_per_sample + sum(
             rows_bytes_per_step(batch_size, widths, units, self.rank)[0] for widths, units in self.by_rows.values()) + (
             samples_bytes_per_step(batch_size, self.by_samples, self.rank)[0] if self.by_samples else 0)
@@ -107,8 +110,9 @@ class Report:
                           f"  one fused allreduce of {self.floats_per_sample} floats per sample ")
                          + (f"and this process's {self.by_samples[self.rank]} floats per sample of field rows by "
                             f"all-to-all " if self.by_samples else "")
-                         + f"= {self.payload_bytes(1)} bytes/sample; at B=4096: "
-                         f"{self.payload_bytes(4096):,} bytes handed over, "
+                         + (f"= {self.payload_bytes(1)} bytes/sample; at B=4096: " if not self.by_rows else
+                            "and the first Dense's rows and kernel (below); at B=4096: ")
+                         + f"{self.payload_bytes(4096):,} bytes handed over, "
                          f"{self.ring_bytes(4096):,.0f} sent per process (ring{', all-to-all' if self.by_samples else ''})")
             if self.micro_batches > 1:
                 lines.append(f"  in {self.micro_batches} slices of the batch, one allreduce each (a slice's sum "
@@ -120,12 +124,20 @@ class Report:
                 lines.append("  data-parallel tail: the partials are reduce-scattered, each process runs the layers "
                              "after the first one on its B/N rows, the outputs are all-gathered and the tail's "
                              "gradients summed (one allreduce per step)")
+            if self.link:
+                lines.append(f"  {self.link}")
             if self.tail_reason:
                 lines.append(f"  tail chosen by the cost model (tail='auto'): {self.tail_reason}")
             for name, (widths, units) in self.by_rows.items():
                 lines.append(f"  first Dense {name!r} by moving rows: each process sends the rows of its fields "
                              f"(widths {widths} by rank) to the processes of their samples and multiplies its "
                              f"samples' rows by the all-gathered kernel ({units} units); no partials for it")
+            if self.distinct_keys:
+                shown = ", ".join(self.distinct_keys[:6]) + (", ..." if len(self.distinct_keys) > 6 else "")
+                lines.append(f"  rows that travel go once per distinct id and process for the fields of "
+                             f"{len(self.distinct_keys)} id input(s) ({shown}); the receivers put them back at "
+                             f"their samples (des.Options(distinct_rows=False): once per sample); the bytes above "
+                             f"are the most they can be")
             if self.first_dense_reason:
                 lines.append(f"  first Dense chosen by the cost model (first_dense='auto'): {self.first_dense_reason}")
             if self.field_rows_reason:

@@ -28,6 +28,7 @@ import dataclasses
 from functools import lru_cache
 
 import numpy as np
+import tensorflow as tf
 
 from des.graph.ir import Graph, Node, TensorId, all_keras_tensors
 
@@ -83,6 +84,14 @@ def _several_rows(dims: tuple) -> bool:
 def _row(dims: tuple) -> bool:
     """A per-sample shape that is one row vector: every axis but the last is 1."""
     return all(d == 1 for d in dims[:-1])
+
+
+def _stochastic_or_batchwise(layer) -> bool:
+    """A layer whose output for a sample may differ between two samples with the same input."""
+    kinds = (tf.keras.layers.Dropout, tf.keras.layers.GaussianNoise, tf.keras.layers.GaussianDropout,
+             tf.keras.layers.AlphaDropout, tf.keras.layers.BatchNormalization)
+    inner = [m for m in getattr(layer, "submodules", ()) if isinstance(m, tf.keras.layers.Layer)]
+    return any(isinstance(x, kinds) for x in [layer, *inner])
 
 
 class FieldAnalysis:
@@ -195,6 +204,23 @@ class FieldAnalysis:
                 if c.ndim >= 1 and c.shape[-1] > 1 and len(np.unique(c.reshape(-1, c.shape[-1]), axis=1)[0]) > 1:
                     return int(c.shape[-1])
         return 0
+
+    def row_key(self, v: FieldVector) -> str | None:
+        """The model input whose value alone decides vector ``v``'s value in a sample - one id per
+        sample (integer or string), the only input its chain reads, through layers that neither
+        draw random numbers nor look at other samples - or None. Samples with the same id have
+        the same vector, so a rows exchange sends it once (des_ops.rows.Block)."""
+        g = self.graph
+        inputs = [i for i in self.cone(v.tensor) if g.nodes[i].kind == "input"]
+        if len(inputs) != 1:
+            return None
+        t = g.nodes[inputs[0]].output
+        dtype = g.tensors[t].dtype
+        if per_sample(g, t) not in ((), (1,)) or not (dtype.is_integer or dtype == "string"):
+            return None
+        if any(_stochastic_or_batchwise(g.nodes[i].layer) for i in v.chain):
+            return None
+        return g.input_name(t)
 
     def ids_input(self, table: Node) -> str:
         """The model input a table's ids come from (the first, if several)."""
