@@ -398,7 +398,9 @@ def linear_partners(nodes: list) -> dict[int, object]:
     for n in nodes:
         reads.setdefault(id(n.layer), []).append(tuple(n.tensor_operands()))
     layers = list(dict.fromkeys(n.layer for n in nodes))
-    kind = lambda l: (sorted(reads[id(l)]), type(l), member_rows(l)[2])  # noqa: E731
+    # a keyed TFRA layer's class is made per layer (des.graph.sources): compare the class it was keyed from
+    cls = lambda l: type(l).__mro__[1] if getattr(type(l), "des_keyed_tfra", False) else type(l)  # noqa: E731
+    kind = lambda l: (sorted(reads[id(l)]), cls(l), member_rows(l)[2])  # noqa: E731
     partner: dict[int, object] = {}
     for lin in filter(linear_part, layers):
         for emb in layers:

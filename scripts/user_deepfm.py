@@ -15,10 +15,8 @@ bare Keras Adam fails on TFRA tables, with or without DES), then ``des.transform
 KEY=VALUE,...``: a non-default des.Options, e.g. ``tail=data_parallel,first_dense=rows``), its report
 printed on rank 0, and fitted on batches every process reads WHOLE (DES's contract: the global batch
 on every process, no shard). Compiling before the transform makes des.Options(tables="auto") choose
-joined tables, as for a compiled model; the returned model is compiled again with the same optimizer
-because des.transform re-compiles it with ``type(opt).from_config``, a bare legacy Adam without TFRA's
-wrapper, whose first step dies of SIGFPE (des/compiler/functional.py ``_compile_like``, at f7b8eba).
-Writes ``--summary-json`` (rank r: ``.rank<r>``) with
+joined tables, as for a compiled model, and the returned model comes compiled the same way (TFRA's
+wrapper included). Writes ``--summary-json`` (rank r: ``.rank<r>``) with
 peer_tfra.py's keys (samples/s of the global batch, median step; seconds to the end of the first step;
 CPU seconds per step; train AUC; on the netbed, bytes this host sent per step), the final loss and the
 report's lines.
@@ -121,7 +119,6 @@ def main() -> None:
     compile_user(model)
     options = parse_options(a.options)
     model, report = des.transform(model, des.Options(**options) if options else None)
-    compile_user(model)     # again: des.transform's copy of the optimizer is a bare legacy Adam (module docstring)
     rank, n = launcher_rank()          # des.transform's default world: Horovod's under mpirun
     if rank == 0:
         print(report, flush=True)

@@ -366,7 +366,9 @@ def test_a_model_compiled_with_tfras_optimizer_trains_as_compiled_after_transfor
     """A TFRA model compiled with TFRA's DynamicEmbeddingOptimizer (synchronous, as TFRA's Horovod
     demo writes it), transformed and fitted WITHOUT compiling again: the copy of the optimizer
     is wrapped again (a bare copy cannot train TFRA tables: the process died of SIGFPE), without
-    TFRA's own allreduce, and N = 2 equals the untouched model with the same optimizer."""
+    TFRA's own allreduce; the 1-wide tables of the user's linear sum join their fields' embedding
+    rows (one lookup for both, as the zoo's linear FieldEmbedding); N = 2 equals the untouched
+    model with the same optimizer."""
     from tensorflow_recommenders_addons import dynamic_embedding as de
 
     def build():
@@ -388,9 +390,12 @@ def test_a_model_compiled_with_tfras_optimizer_trains_as_compiled_after_transfor
     des.make_keyed(reference, seed=0)
     reference.compile(de.DynamicEmbeddingOptimizer(tf.keras.optimizers.legacy.Adam(0.02)), "binary_crossentropy")
     expected = fit(reference)
-    ranks = run_in_process_world(2, build, lambda m: (fit(m), m.optimizer), init_from=base)
-    for predictions, optimizer in ranks:
+    ranks = run_in_process_world(2, build, lambda m: (fit(m), m.optimizer, [l.name for l in des.distributed(m).layer.owned]),
+                                 init_from=base)
+    for predictions, optimizer, owned in ranks:
         assert hasattr(optimizer, "_custom_sync") and not optimizer._custom_sync      # TFRA's wrapper, no allreduce
+        # compiled with one optimizer: joined tables, each field's 1-wide weight (lr_sum's) in its embedding's row
+        assert any(name.startswith("des_fused5_joined") for name in owned), owned
         within("TFRA optimizer compiled before transform: predictions", float(np.abs(predictions - expected).max()),
                TOL_PREDICTIONS)
 

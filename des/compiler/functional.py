@@ -149,6 +149,8 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     # order made the same job give other bits run after run
     position = {t: k for k, t in enumerate(graph.tensors)}
     tables = report.table_layout = options.tables_for(model)
+    if tables == "joined":
+        _mark_linear_tables(matches)
     fused, fused_lines = (fuse_nodes(graph, list(own.nodes.values()), f"rank{comm.rank}", tables == "joined")
                           if tables != "per-field" else ([], []))
     chains = FieldChains(graph, list(own.nodes.values()),
@@ -255,6 +257,21 @@ class _OwnedPart:
         for i in sorted(nodes):
             penalties += take_weight_penalties(nodes[i].layer)
         return cls(ops, op_inputs, widths, nodes, penalty_column, penalties)
+
+
+def _mark_linear_tables(matches: list[Match]) -> None:
+    """The tables of a user's sparse linear sum (the 1-wide weights lr_sum matched, read by no other
+    match) are its linear part, as the zoo's ``FieldEmbedding(linear=True)`` is: joined tables then
+    keep a field's weight in its embedding's row, one lookup for both (des_ops.fused.linear_partners)."""
+    used: dict[int, set] = {}
+    for m in matches:
+        for v in m.vectors:
+            used.setdefault(id(v.table.layer), set()).add(m.rule)
+    for m in matches:
+        for v in m.vectors if m.rule == "lr_sum" else []:
+            shadow = getattr(v.table.layer, "shadow", None)
+            if used[id(v.table.layer)] == {"lr_sum"} and shadow is not None:
+                shadow.des_linear_part = True
 
 
 def _release_unowned(matches: list[Match], mine: set[str]) -> bool:
