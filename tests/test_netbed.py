@@ -122,3 +122,23 @@ def test_a_host_cpu_budget_holds_every_process_of_the_host(tmp_path):
     with pytest.raises(ValueError, match="quota of 500 us.*at least 4000 us"):
         Netbed(2, cpus=0.25, cpu_period_us=2000)
     assert Netbed(4, cpus=0.45).cpu_period_us == 2500 and Netbed(4, cpus=0.1).cpu_period_us == 10_000
+
+
+@pytest.mark.mpi
+@needs_root
+def test_des_transform_measures_the_link_at_start(tmp_path):
+    """des.transform with no options on 2 emulated hosts: the bandwidth it measures with its probe
+    allreduces is rounded to the class of the link the hosts were given (100 Mbit/s: 1.25e7 B/s;
+    1 Gbit/s: 1.25e8), both processes assume the same, and the report says what was measured."""
+    from des.cluster.netbed import Netbed
+    for rate, expected in (("100mbit", 1.25e7), ("1gbit", 1.25e8)):
+        with Netbed(2, rate=rate) as bed:
+            out = str(tmp_path / f"link_{rate}.json")
+            run = bed.run(bed.mpirun(2) + [sys.executable, os.path.join(ROOT, "scripts", "mpi_link.py"), out],
+                          env=ENV, cwd=ROOT, timeout=300)
+            assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+        ranks = [json.load(open(f"{out}.rank{r}")) for r in range(2)]
+        print(rate, ranks[0]["link"])
+        assert ranks[0]["link"].startswith("link measured at start: allreduce of 4 B")
+        assert [r["assumed"] for r in ranks] == [expected, expected], (rate, ranks)
+        assert ranks[0]["tail"] == ranks[1]["tail"] and ranks[0]["by_rows"] == ranks[1]["by_rows"]

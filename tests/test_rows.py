@@ -121,6 +121,10 @@ def test_choice_of_the_first_dense():
     assert choose_first_dense(4096, 312, 400, 4, slow)[0] == "rows"
     assert choose_first_dense(4096, 312, 400, 4, fast)[0] == "partials"
     assert choose_first_dense(4096, 312, 128, 2, slow)[0] == "partials"     # rows 2.72 MB > partials 2.10 MB
+    # a third of a slice's ids distinct (one id per field, Zipf-like data; des.Options(distinct_rows=True)):
+    # rows 2 x 1/2 x (4096 x 312/2 x 0.3 + 312 x 128) = 231,629 floats, 0.93 MB + 4 x 3 ms < 2.10 MB
+    assert wire_floats(4096, 312, 128, 2, distinct=0.3)[0] == pytest.approx(231_628.8)
+    assert choose_first_dense(4096, 312, 128, 2, AutoTail(bandwidth=1.25e7, distinct=0.3))[0] == "rows"
     # the tail: at 100 Mbit/s a 400,400,400 tail stays replicated unless the first Dense goes by rows
     dense, n = 400 * 400 * 2 + 400, 4              # the tail's kernels after the first Dense: 400x400 twice, 400x1
     assert choose_tail(dense, dense + 801, 1, n, slow)[0] == "replicated"

@@ -35,7 +35,9 @@ def transform(model: tf.keras.Model, options: Options | None = None, *, comm: Co
     """Return (DES model for this process, report); ``options``: a des.Options (how to split).
 
     ``comm``: the collectives (default: Horovod under mpirun, else a world of one). ``spec`` (a
-    FeatureSpec) gives expected cardinalities to the balanced plan. A subclassed model (a
+    FeatureSpec) gives expected cardinalities to the balanced plan. ``sample`` (a batch of the
+    inputs, optional for a functional model): the cost model's share of rows that travel once per
+    distinct id (des.AutoTail.distinct) is measured on it. A subclassed model (a
     ``tf.keras.Model`` or ``tfrs.models.Model`` with its own ``call``) is traced: its ``call``
     runs on symbolic inputs shaped like ``sample`` (a batch of its inputs; not needed once the
     model has been called), the functional graph this gives is rewritten, and the SAME model
@@ -49,5 +51,5 @@ def transform(model: tf.keras.Model, options: Options | None = None, *, comm: Co
         raise TypeError(f"des.transform: options={options!r}; a des.Options")
     comm = comm or default_communicator()
     if getattr(model, "_is_graph_network", False):
-        return transform_functional(model, options, comm, spec)
+        return transform_functional(model, options, comm, spec, sample)
     return transform_subclassed(model, options, comm, spec, sample)

@@ -73,6 +73,24 @@ def unique_ids_per_slice(feats: dict, spec, world_size: int, parts: list | None 
     return out
 
 
+def distinct_share(feats: dict, spec, world_size: int) -> float:
+    """The share of a process's slice whose rows travel in a rows exchange with distinct rows
+    (des_ops.rows.Block): per one-id field, its distinct ids over the slice's rows, averaged over
+    fields (a multi-valued field's rows travel per sample: 1). AutoTail.distinct for the cost model.
+
+    >>> from des.data import FeatureSpec, Field
+    >>> spec = FeatureSpec((Field("user"), Field("item")))
+    >>> feats = {"user": np.array([1, 1, 1, 2]), "item": np.array([5, 6, 7, 8])}
+    >>> distinct_share(feats, spec, 2)       # user: 1 and 2 distinct ids in slices of 2 rows (0.75), item 1
+    0.875
+    """
+    fields = list(spec.sparse())
+    b = len(np.asarray(feats[fields[0].name]))
+    unique = unique_ids_per_slice(feats, [f.name for f in fields if f.kind != "multi"], world_size)
+    shares = [min(1.0, unique[f.name] / max(1.0, b / world_size)) if f.kind != "multi" else 1.0 for f in fields]
+    return float(np.mean(shares))
+
+
 def estimate(report, batch_size: int, unique_per_slice: dict[str, float]) -> list[OperatorCost]:
     """One OperatorCost per substitution in a des.transform report."""
     n = report.world_size
@@ -121,7 +139,7 @@ def choose_tail(dense_weights: int, tail_weights: int, output_floats: int, world
     by_rows, rows_bytes, partial_bytes = 0.0, 0.0, 0.0
     for width, units in first_dense:
         if choose_first_dense(b, width, units, n, auto)[0] == "rows":
-            rows, partials = (4 * f for f in wire_floats(b, width, units, n))
+            rows, partials = (4 * f for f in wire_floats(b, width, units, n, auto.distinct))
             by_rows += 4 * auto.per_collective + (rows - partials) / auto.bandwidth
             rows_bytes, partial_bytes = rows_bytes + rows, partial_bytes + partials
     choice = "data_parallel" if saved > extra + by_rows else "replicated"
@@ -146,12 +164,12 @@ def choose_first_dense(batch_size: int, width: int, units: int, world_size: int,
     partials: 9.83 MB of partials take 7.9 ms per step, 2.67 MB of rows 14.1 ms with 4 more collectives (B 4,096, 312 input floats, 400 units, N 4, 1.2e+09 B/s)
     """
     auto = auto or AutoTail()
-    rows, partials = (4 * f for f in wire_floats(batch_size, width, units, world_size))
+    rows, partials = (4 * f for f in wire_floats(batch_size, width, units, world_size, auto.distinct))
     t_rows, t_partials = 4 * auto.per_collective + rows / auto.bandwidth, partials / auto.bandwidth
     choice = "rows" if t_rows < t_partials else "partials"
     return choice, (f"{choice}: {partials / 1e6:.2f} MB of partials take {t_partials * 1e3:.1f} ms per step, "
                     f"{rows / 1e6:.2f} MB of rows {t_rows * 1e3:.1f} ms with 4 more collectives (B {batch_size:,}, "
-                    f"{width} input floats, {units} units, N {world_size}, {auto.bandwidth:.1e} B/s)")
+                    f"{width} input floats, {units} units, N {world_size}, {auto.bandwidth:.1e} B/s{_distinct(auto)})")
 
 
 def choose_field_rows(batch_size: int, width: int, world_size: int, auto: AutoTail | None = None) -> tuple[str, str]:
@@ -169,12 +187,16 @@ def choose_field_rows(batch_size: int, width: int, world_size: int, auto: AutoTa
     auto = auto or AutoTail()
     share = (world_size - 1) / world_size
     partials = 4 * 2 * share * batch_size * width            # reduce-scatter forward, all-gather back
-    samples = 4 * 2 * share * batch_size * width / world_size
+    samples = 4 * 2 * share * batch_size * width / world_size * auto.distinct
     t_samples, t_partials = 2 * auto.per_collective + samples / auto.bandwidth, partials / auto.bandwidth
     choice = "samples" if t_samples < t_partials else "partials"
     return choice, (f"{choice}: {partials / 1e6:.2f} MB of partials take {t_partials * 1e3:.1f} ms per step, "
                     f"{samples / 1e6:.2f} MB by samples {t_samples * 1e3:.1f} ms with 2 more collectives "
-                    f"(B {batch_size:,}, {width} floats, N {world_size}, {auto.bandwidth:.1e} B/s)")
+                    f"(B {batch_size:,}, {width} floats, N {world_size}, {auto.bandwidth:.1e} B/s{_distinct(auto)})")
+
+
+def _distinct(auto: AutoTail) -> str:
+    return f", {auto.distinct:.0%} of a slice's rows distinct" if auto.distinct < 1 else ""
 
 
 # the link classes the measured bandwidth is rounded to (bytes/s per process and direction: 10 Mbit/s

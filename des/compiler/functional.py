@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import numpy as np
 import tensorflow as tf
 
 from des.compiler.keys import StateKeys, sync_from_root, trace_once
@@ -17,7 +18,7 @@ from des.compiler.handle import Distributed, attach
 from des.graph.ir import Graph, Node, call_node, is_keras_tensor, replay
 from des.compiler.plan import FieldCost, FieldPlan, check_agreement, make_plan
 from des.graph.sources import source_of
-from des_ops.comm import Communicator, agree
+from des_ops.comm import Communicator, agree, shard_rows
 from des_ops.fused import fuse_nodes
 from des_ops.rows import Block
 from des_ops.keras_internals import (autograph_as_keras_decides, compile_args, copy_optimizer, has_weight_penalties,
@@ -107,7 +108,7 @@ class FieldChains:
 
 
 def transform_functional(model: tf.keras.Model, options: Options, comm: Communicator,
-                         spec=None) -> tuple[tf.keras.Model, Report]:
+                         spec=None, sample=None) -> tuple[tf.keras.Model, Report]:
     """des.transform of a functional (or Sequential) model: (DES model for this process, report).
     See des.compiler.api.transform."""
     if options.wire_dtype not in comm.wire_dtypes:
@@ -126,11 +127,11 @@ def transform_functional(model: tf.keras.Model, options: Options, comm: Communic
         raise TransformError(report)
     if not matches:
         return model, report
-    return _substitute(model, graph, fields, matches, report, comm, options, spec)
+    return _substitute(model, graph, fields, matches, report, comm, options, spec, sample)
 
 
 def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matches: list[Match], report: Report,
-                comm: Communicator, options: Options, spec) -> tuple[tf.keras.Model, Report]:
+                comm: Communicator, options: Options, spec, sample=None) -> tuple[tf.keras.Model, Report]:
     """transform's second half: the same rows everywhere, the field plan, this process's DES
     layer in place of the matches, the model replayed around it (see transform)."""
     for n in graph.nodes:
@@ -157,6 +158,9 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
                          sorted({t for ids in own.op_inputs for t in ids}, key=position.__getitem__), fused)
     skip = set().union(*(m.nodes for m in matches))
     costs, report.link = _costs(options, comm)
+    if sample is not None and options.costs is None:
+        costs = dataclasses.replace(costs, distinct=_distinct_share(sample, [fields.row_key(v) for m in matches
+                                                                             for v in m.vectors], comm.world_size))
     dense_shapes = [(sum(v.width for v in m.vectors), int(m.data["kernel"].shape[1])) for m in matches
                     if "parts" in m.data] if options.first_dense == "auto" else []
     tail, tail_reason = _tail_choice(graph, model, skip, options.tail, costs, comm, dense_shapes)
@@ -204,6 +208,18 @@ def _costs(options: Options, comm: Communicator) -> tuple[AutoTail, str]:
     agree(comm, "des.Options (the link is measured next)", str(options))
     link = measure_link(comm)
     return dataclasses.replace(options.assumed, bandwidth=link.assumed), str(link)
+
+
+def _distinct_share(sample: dict, keys: list, world_size: int) -> float:
+    """AutoTail.distinct from a batch of the inputs: per field vector, the distinct ids of its key in
+    a process's slice over the slice's rows (1 for a vector without a key), averaged."""
+    shares = {}
+    for key in {k for k in keys if k is not None}:
+        ids = np.asarray(sample[key]).reshape(-1)
+        b = len(ids)
+        bounds = [shard_rows(b, r, world_size) for r in range(world_size)]
+        shares[key] = float(np.mean([len(np.unique(ids[lo:hi])) / max(1, hi - lo) for lo, hi in bounds]))
+    return float(np.mean([shares.get(k, 1.0) for k in keys])) if keys else 1.0
 
 
 def _field_plan(graph: Graph, matches: list[Match], spec, plan: str | FieldPlan, comm: Communicator,

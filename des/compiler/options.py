@@ -33,11 +33,15 @@ class AutoTail:
     project's machine, one thread; reports/tail.md). ``bandwidth``: effective bytes/s per process
     and direction (1.25e9: 10 Gbit/s). ``per_collective``: the seconds an extra collective costs a
     step beyond its bytes (3 ms: the 128,64 tail at N=4 on one machine, reports/tail.md).
+    ``distinct``: the share of a process's slice whose rows travel when rows travel once per
+    distinct id (des.Options(distinct_rows=True)): 1.0 assumes every sample's; des.train measures
+    it on its first batch (des.compiler.cost.distinct_share).
     """
     batch_size: int = 4096
     flops: float = 5e10
     bandwidth: float = 1.25e9
     per_collective: float = 3e-3
+    distinct: float = 1.0
 
 
 TAILS = ("auto", "replicated", "data_parallel")

@@ -154,13 +154,15 @@ class RunConfig:
             return True
         return self.tables is None and self.linear_optimizer is None and self.mode != "cache"
 
-    def options(self, plan=None) -> Options:
-        """The des.Options this run's DES mode transforms with (``plan``: a restored FieldPlan):
-        des.train and the library share one record of the choices, and its defaults."""
+    def options(self, plan=None, distinct: float = 1.0) -> Options:
+        """The des.Options this run's DES mode transforms with (``plan``: a restored FieldPlan;
+        ``distinct``: AutoTail.distinct, measured on the first batch): des.train and the library
+        share one record of the choices, and its defaults."""
         tables = self.tables or ("joined" if self.join_linear else "fused")
         return Options(plan=plan or self.plan, tail=self.tail, first_dense=self.first_dense, tables=tables,
                        micro_batches=self.micro_batches, wire_dtype=self.wire_dtype,
-                       costs=AutoTail(batch_size=self.batch, bandwidth=self.network.link_bytes_per_second))
+                       costs=AutoTail(batch_size=self.batch, bandwidth=self.network.link_bytes_per_second,
+                                      distinct=distinct))
 
     @property
     def sgd_everywhere(self) -> bool:

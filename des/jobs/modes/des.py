@@ -15,7 +15,7 @@ import tensorflow as tf
 import des
 from des.runtime import checkpoint
 from des.runtime.callbacks import BytesPerStep, ReplicaCheck
-from des.compiler.cost import unique_ids_per_slice
+from des.compiler.cost import distinct_share, unique_ids_per_slice
 from des.compiler.handle import distributed
 from des.jobs.modes.base import Mode
 from des_ops.comm import default_communicator
@@ -32,8 +32,9 @@ class DES(Mode):
     def prepare(self, model):
         a = self.config
         plan = (a.restore and checkpoint.load_plan(a.restore, self.world_size)) or a.plan
-        model, self.report = des.transform(model, a.options(plan), comm=self.comm, spec=self.run.spec)
         first = {k: v.numpy() for k, v in self.run.first_batch().items()}
+        distinct = distinct_share(first, self.run.spec, self.world_size)
+        model, self.report = des.transform(model, a.options(plan, distinct), comm=self.comm, spec=self.run.spec)
         self.report.estimate_costs(a.batch, unique_ids_per_slice(first, self.run.spec, self.world_size))
         self.run.log(self.report)
         self._inputs = own_inputs(model, self.run.spec, self.rank)
