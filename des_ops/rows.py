@@ -285,9 +285,10 @@ def bytes_per_step(batch: int, rank_widths: list[int], units: int, rank: int) ->
     return 4 * (batch * mine + mine * units), 4 * ((hi - lo) * w + w * units)
 
 
-def wire_floats(batch: int, width: int, units: int, world_size: int) -> tuple[float, float]:
+def wire_floats(batch: int, width: int, units: int, world_size: int, distinct: float = 1.0) -> tuple[float, float]:
     """(rows, partials): floats one process sends per step for the first Dense layer, by moving
-    rows (fields spread evenly) or by reduce-scattering partials (forward and backward)."""
+    rows (fields spread evenly; ``distinct``: the share of a slice's rows that travel, one per
+    distinct id, see Block) or by reduce-scattering partials (forward and backward)."""
     n = world_size
     share = (n - 1) / n
-    return 2 * share * (batch * width / n + width * units), 2 * share * batch * units
+    return 2 * share * (batch * width / n * distinct + width * units), 2 * share * batch * units
