@@ -83,6 +83,8 @@ def main():
     ap.add_argument("--preset", default="criteo-like", choices=["criteo-like", "wide"])
     ap.add_argument("--netbed", default=None, metavar="RATE", help="run on the emulated cluster at this rate")
     ap.add_argument("--cpus", default="share", help="--netbed: each host's CPU budget")
+    ap.add_argument("--columnar", action="store_true",
+                    help="criteo-like: every system reads a columnar copy (des.data.convert) instead of the text")
     a = ap.parse_args()
     chosen = a.systems.split(",")
     if "tfra" not in chosen or set(chosen) - set(SYSTEMS):
@@ -94,15 +96,20 @@ def main():
     if set(models) - {"deepfm", "wdl"}:
         raise SystemExit(f"--models {a.models}: deepfm and/or wdl")
     data, reader, tmp = preset_data(a.preset, a.rows, "peer_runs")
+    if a.columnar and a.preset != "wide":
+        from des.jobs.compare import ensure_columnar
+        data, _ = ensure_columnar([data], "criteo", None, json.load(open(data + ".meta.json")))
+        reader = ("--format", "columnar")
     where = (f"the netbed (des.netbed: one host per process at {a.netbed}, CPU budget {a.cpus} each; "
              f"wire = bytes a host sent on its interface per step, median, rank 0's host)" if a.netbed else
              "this machine (2 shared cores; N processes oversubscribe them, one TF thread each)")
     data_name = ("wide synthetic data (~950 features per sample, libffm read from a columnar copy by every system)"
-                 if a.preset == "wide" else "criteo-like synthetic data")
+                 if a.preset == "wide" else "criteo-like synthetic data"
+                 + (", read from a columnar copy by every system" if a.columnar else ""))
     lines = [f"# DES vs TFRA's all-to-all embedding ({', '.join(models)}, {data_name}, {a.rows} rows)", "",
              f"`scripts/bench_peer.py --preset {a.preset} --models {a.models} --rows {a.rows} --batch {a.batch} "
              f"--steps {a.steps} --repeats {a.repeats} --configs '{a.configs}' --systems {a.systems}"
-             + (f" --netbed {a.netbed} --cpus {a.cpus}" if a.netbed else "")
+             + (f" --netbed {a.netbed} --cpus {a.cpus}" if a.netbed else "") + (" --columnar" if a.columnar else "")
              + f"`, {time.strftime('%Y-%m-%d')}, {where}. Global batch {a.batch}, dim {a.dim}; median over "
              f"launches of each launch's median step (the first step excluded); the launches go round-robin over "
              f"the systems. DES: joined tables (one per process: each field's embedding and linear weight in "

@@ -9,7 +9,8 @@ its output in OUT_DIR/KIND (ps: OUT_DIR/ps/<ARGS with '-' for ':'>), exactly as 
 run alone would write it: gallery:NAME, tail:NAME, rows:NAME (the tail's run with the first Dense
 by rows, mpi_tail.py --first-dense rows), samples:NAME (the tail's run with the field vectors no rule
 splits sent to their samples' processes, mpi_tail.py --field-rows samples), subclassed:NAME (one model each),
-equivalence:MODEL:OPTIMIZER:horovod:TABLES, ps:MODEL:OPTIMIZER:TABLES. Horovod only (mpi4py's
+equivalence:MODEL:OPTIMIZER:horovod:TABLES, ps:MODEL:OPTIMIZER:TABLES, psuser:tfra_deepfm (the PS on
+a user's TFRA model, mpi_ps_user.py). Horovod only (mpi4py's
 communicator drives MPI itself: scripts/mpi_equivalence.py alone).
 """
 import os
@@ -21,10 +22,11 @@ sys.path.insert(0, HERE)
 import mpi_equivalence  # noqa: E402  (sets the 1-thread pools before TensorFlow starts)
 import mpi_gallery  # noqa: E402
 import mpi_ps  # noqa: E402
+import mpi_ps_user  # noqa: E402
 import mpi_subclassed  # noqa: E402
 import mpi_tail  # noqa: E402
 
-KINDS = ("gallery", "tail", "rows", "samples", "subclassed", "equivalence", "ps")
+KINDS = ("gallery", "tail", "rows", "samples", "subclassed", "equivalence", "ps", "psuser")
 
 
 def run(out: str, job: str) -> None:
@@ -42,6 +44,8 @@ def run(out: str, job: str) -> None:
         mpi_tail.main(where, [args], first_dense="rows")
     elif kind == "samples":
         mpi_tail.main(where, [args], field_rows="samples")
+    elif kind == "psuser":
+        mpi_ps_user.main(where)
     elif kind == "subclassed":
         mpi_subclassed.main(where, [args])
     elif kind == "equivalence":

@@ -39,7 +39,7 @@ REPEATED = ["gallery:deepctr_deepfm_defaults", "gallery:two_tower", "gallery:sha
 BATTERY = {2: [f"gallery:{m}" for m in HELD_OUT] + ["samples:deepctr_dcn", "samples:dlrm_offsets"], 3: REPEATED + [f"gallery:{m}" for m in USERS + FIELD_ROWS if f"gallery:{m}" not in REPEATED]
            + [f"subclassed:{m}" for m in SUBCLASSED], 4: [],
            5: ["gallery:two_tower", "gallery:shared_table_deepfm", "tail:deepctr_deepfm", "rows:deepctr_deepfm",
-               "gallery:deepctr_dcn", "samples:deepctr_dcn"]}
+               "gallery:deepctr_dcn", "samples:deepctr_dcn", "psuser:tfra_deepfm"]}
 for _m, _o, _n, _c, _t in EQUIVALENCE:
     if _c == "horovod":
         BATTERY[_n].append(f"equivalence:{_m}:{_o}:horovod:{_t}")
@@ -265,6 +265,37 @@ def test_ps_under_mpirun_equals_single_process_and_counts_bytes_exactly(battery,
              for r in ranks]
     print(f"PS rows/weights vs single process: {diffs[0]}")
     within("rows and weights", max(max(d.values()) for d in diffs), 5e-7)     # measured <= 8.0e-8
+
+
+@pytest.mark.mpi
+def test_ps_on_a_users_tfra_model_under_mpirun_equals_one_process(battery):
+    """The parameter-server baseline on a user's own model (scripts/mpi_ps_user.py: tests/gallery.py's
+    TFRA DeepFM, every table sharded by key) on 5 processes, each training its slice (the last batch
+    of 2 rows leaves 3 processes none): the same predictions as the untouched model trained on the
+    whole batches on one process, and every key's row on process key mod 5 only, all of them."""
+    sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "scripts")]
+    from tensorflow_recommenders_addons import dynamic_embedding as de
+    from mpi_ps_user import build, user_batches
+    n = 5
+    ranks = _ranks(battery(n) / "psuser", "ps_user", n)
+    assert sorted(r["slice_rows"][-1] for r in ranks) == [0, 0, 0, 1, 1]
+    reference = build()
+    batches, probe = user_batches(reference)
+    reference.compile(de.DynamicEmbeddingOptimizer(tf.keras.optimizers.legacy.Adam(0.02)), "binary_crossentropy")
+    for x, y in batches:
+        reference.train_on_batch(x, y)
+    expected = reference.predict_on_batch(probe)
+    for r in ranks:
+        within("PS on a user's model: predictions", float(np.abs(r["predictions"] - expected).max()), 1e-6,
+               case=f"rank {r['rank']}")
+    tables = {l.name: l for l in reference.layers if hasattr(l, "params")}
+    assert len(ranks[0]["keys"]) == len(tables) == 8
+    for key in ranks[0]["keys"]:
+        held = [set(r["keys"][key]) for r in ranks]
+        assert all(k % n == r for r, keys in enumerate(held) for k in keys)
+        assert sum(len(h) for h in held) == len(set().union(*held))          # no key on two processes
+    assert sum(len(set().union(*[set(r["keys"][k]) for r in ranks])) for k in ranks[0]["keys"]) == \
+        sum(int(l.params.size()) for l in tables.values())
 
 
 @pytest.mark.mpi

@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow_recommenders_addons import dynamic_embedding as de
 
-from des.baselines.ps.tables import KeyExchange, ShardedFieldEmbedding, ShardedFusedTable
+from des.baselines.ps.tables import KeyExchange, ShardedFieldEmbedding, ShardedFusedTable, ShardedKeyedEmbedding
 from des.compiler.fusion import fuse_model
 from des.graph.ir import Graph, replay
 from des.compiler.keys import trace_once
@@ -88,9 +88,11 @@ class PSModel(tf.keras.Model):
 
 
 def shard(model: tf.keras.Model, exchange: KeyExchange, make_table=None, cls=PSModel,
-          mode: str = "ps", fuse: bool = False, join_linear: bool = False) -> PSModel:
+          mode: str = "ps", fuse: bool = False, join_linear: bool = False, seed: int = 0) -> PSModel:
     """The same model with every FieldEmbedding replaced by a ShardedFieldEmbedding
-    (or by ``make_table(old_layer)``, e.g. a cached one), as a ``cls`` model. ``fuse``: the
+    (or by ``make_table(old_layer)``, e.g. a cached one), and every TFRA Embedding of a user's
+    model by a ShardedKeyedEmbedding (the rows its keyed table holds, from (table, key, ``seed``)
+    as in des.transform), as a ``cls`` model. ``fuse``: the
     sharded tables of one width share one TFRA table per process (des.baselines.ps.tables.ShardedFusedTable):
     one set of all-to-alls per width and step instead of one per table; ``join_linear``: and a field's
     linear weight travels in its embedding's row (des_ops.fused: one exchange of ids for both)."""
@@ -99,14 +101,21 @@ def shard(model: tf.keras.Model, exchange: KeyExchange, make_table=None, cls=PSM
     given = {}
     env = {t: graph.tensors[t] for t in graph.input_ids}
     for n in embeds:
-        if not getattr(n.layer, "des_embedding", False):
-            raise ValueError(f"--mode {mode} shards this project's FieldEmbedding tables; {n.layer.name!r} is a "
-                             f"{n.attrs['source'].name}")
-        if any(graph.input_name(t) is None for t in n.tensor_operands()):
-            raise ValueError(f"embedding {n.layer.name!r} does not read model inputs directly")
         old = n.layer
-        new = make_table(old) if make_table else ShardedFieldEmbedding(old.field, old.dim, exchange, old.seed,
-                                                                          old.init_scale, linear=old.linear)
+        if any(graph.input_name(t) is None for t in n.tensor_operands()):
+            raise ValueError(f"embedding {old.name!r} does not read model inputs directly")
+        keyed = not getattr(old, "des_embedding", False) and n.attrs["source"].name == "TFRA Embedding"
+        if keyed and not make_table and not getattr(old, "des_squashed", False):
+            n.attrs["source"].keyed(old, seed, graph.layer_key(old))    # rows from (table, key, seed), as DES's
+            new = ShardedKeyedEmbedding(old, exchange, graph.layer_key(old))
+        elif not getattr(old, "des_embedding", False):
+            raise ValueError(f"--mode {mode} shards FieldEmbedding and TFRA Embedding tables; {old.name!r} is a "
+                             f"{n.attrs['source'].name}" + (" (its rows are a [V, K] variable: write it as a TFRA "
+                                                            "de.keras.layers.Embedding to shard it by key)"
+                                                            if n.attrs["source"].name == "Keras Embedding" else ""))
+        else:
+            new = make_table(old) if make_table else ShardedFieldEmbedding(old.field, old.dim, exchange, old.seed,
+                                                                              old.init_scale, linear=old.linear)
         args = tf.nest.map_structure(lambda t: env.get(id(t), t), n.call_args)
         out = new(*args, **n.call_kwargs)
         given[n.output] = lambda look, out=out: out

@@ -30,6 +30,8 @@ backward, gradient rows out (4*dim B) - what ``des.baselines.ps.rewrite.analytic
 """
 from __future__ import annotations
 
+import re
+
 import tensorflow as tf
 
 from des.data.hashing import ID_MASK
@@ -187,6 +189,34 @@ class ShardedFieldEmbedding(FieldEmbedding):
     def distinct_rows(self, uniq, training, multi_valued):
         """The rows of the distinct ids from their owners (padding: zero rows, never a key)."""
         return owners_rows(self, uniq, training)
+
+
+class ShardedKeyedEmbedding(ShardedFieldEmbedding):
+    """A user's TFRA ``de.keras.layers.Embedding`` (keyed: its new rows from (table, key, seed),
+    des.graph.sources) sharded by key: the rows the keyed table would hold, ids of any shape ->
+    ids.shape + [dim] as TFRA returns them (no pooling). ``key``: the table's name alike on every
+    process (des.graph.ir.Graph.layer_key)."""
+
+    def __init__(self, keyed, exchange: KeyExchange, key: str, **kwargs):
+        super().__init__(key, int(keyed.embedding_size), exchange, init_scale=keyed.des_scale,
+                         name="ps_" + re.sub(r"[^A-Za-z0-9_.]", "_", key), **kwargs)
+        self.salt = keyed.des_salt                 # the keyed table's: the same start rows
+        if getattr(keyed.shadow, "des_linear_part", False):
+            self.shadow.des_linear_part = True
+
+    @property
+    def tag(self) -> str:
+        return f"{self.field}:{self.dim}"
+
+    @tf.autograph.experimental.do_not_convert
+    def call(self, inputs, training=None):
+        ids = tf.convert_to_tensor(inputs, tf.int64)
+        uniq, idx = tf.unique(tf.reshape(ids, [-1]))
+        rows = self.distinct_rows(uniq, training, multi_valued=False)
+        return tf.reshape(tf.gather(rows, idx), tf.concat([tf.shape(ids), [self.dim]], 0))
+
+    def compute_output_shape(self, input_shape):
+        return tf.TensorShape(input_shape).concatenate([self.dim])
 
 
 def owners_rows(table, uniq: tf.Tensor, training, ids_of=None) -> tf.Tensor:

@@ -1,0 +1,65 @@
+"""The parameter-server baseline on a user's own model (des.baselines.ps.rewrite.shard): every TFRA
+Embedding of tests/gallery.py's TFRA DeepFM sharded by key (des.baselines.ps.tables.ShardedKeyedEmbedding,
+the rows its keyed table would hold), each simulated process training its slice of every global
+batch, equals the untouched model trained on the whole batches on one process (N = 2 and 3; batches
+of 31 rows and a last one of 2: uneven and empty slices). A Keras Embedding is refused with a reason."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import des
+from des.baselines.ps.rewrite import shard
+from des.baselines.ps.tables import KeyExchange, ShardedKeyedEmbedding
+from des.data.readers import _slice_batch
+from des.jobs.verify import _on_every_rank, copy_state
+from des_ops.comm import InProcessWorld
+from gallery import BUILDERS, batches_for
+from helpers import within
+
+ROWS, BATCH = 4 * 31 + 2, 31
+
+
+def _fit(model, batches, probe, rank=0, n=1):
+    for x, y in batches:
+        xs, ys = _slice_batch(x, y, rank, n) if n > 1 else (x, y)
+        model.train_on_batch(xs, ys)
+    return model.predict_on_batch(probe)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_users_tfra_model_sharded_by_key_equals_one_process(optimizer):
+    from tensorflow_recommenders_addons import dynamic_embedding as de
+    make = {"sgd": lambda: tf.keras.optimizers.legacy.SGD(0.5), "adam": lambda: tf.keras.optimizers.legacy.Adam(0.02)}
+    tf.keras.utils.set_random_seed(0)
+    base = BUILDERS["tfra_deepfm"]()
+    des.make_keyed(base, seed=0)
+    x, y = batches_for(base, 1, ROWS, seed=4)[0]
+    batches = [({k: v[i:i + BATCH] for k, v in x.items()}, y[i:i + BATCH]) for i in range(0, ROWS, BATCH)]
+    probe = batches_for(base, 1, 16, seed=99)[0][0]
+    reference = BUILDERS["tfra_deepfm"]()
+    copy_state(base, reference)
+    des.make_keyed(reference, seed=0)
+    reference.compile(de.DynamicEmbeddingOptimizer(make[optimizer]()), "binary_crossentropy")
+    expected = _fit(reference, batches, probe)
+    for n in (2, 3):
+        world = InProcessWorld(n)
+        models = []
+        for r in range(n):
+            m = BUILDERS["tfra_deepfm"]()
+            copy_state(base, m)
+            ps = shard(m, KeyExchange(world.communicator(r)))
+            ps.compile(de.DynamicEmbeddingOptimizer(make[optimizer]()), "binary_crossentropy")
+            models.append(ps)
+        assert sum(isinstance(l, ShardedKeyedEmbedding) for l in models[0].layers) == 8     # 4 fields x (K, 1)
+        out = _on_every_rank(world, lambda r: _fit(models[r], batches, probe, r, n))
+        for r, predictions in enumerate(out):
+            within("PS on a user's TFRA model: predictions", float(np.abs(predictions - expected).max()), 1e-6,
+                   case=f"{optimizer} N={n} rank {r}")
+        held = [sum(int(l.params.size()) for l in m.layers if isinstance(l, ShardedKeyedEmbedding)) for m in models]
+        whole = sum(int(l.params.size()) for l in reference.layers if hasattr(l, "params"))
+        assert sum(held) == whole and max(held) < whole           # every row once, split over the processes
+
+
+def test_a_keras_embedding_is_refused_with_what_to_write():
+    with pytest.raises(ValueError, match=r"Keras Embedding \(its rows are a \[V, K\] variable: write it as a TFRA"):
+        shard(BUILDERS["keras_deepfm"](), KeyExchange(InProcessWorld(1).communicator(0)))
