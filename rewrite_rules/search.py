@@ -16,11 +16,13 @@ from rewrite_rules.base import RULES, Match, Rejection, Rule
 from rewrite_rules.field_rows import gather_left
 
 
-def find_substitutions(graph: Graph, fields: FieldAnalysis | None = None) -> tuple[list[Match], list[Rejection]]:
-    """Run every rule at every node (outputs first), then drop unsafe matches."""
+def find_substitutions(graph: Graph, fields: FieldAnalysis | None = None,
+                       operators: bool = True) -> tuple[list[Match], list[Rejection]]:
+    """Run every rule at every node (outputs first), then drop unsafe matches. ``operators=False``:
+    no operator is split; every table goes by field rows (des.Options(first_layer="rows"))."""
     fields = fields or FieldAnalysis(graph)
     matches, rejections, claimed = [], [], set()
-    for node in reversed(graph.nodes):
+    for node in reversed(graph.nodes) if operators else []:
         if node.index in claimed or node.kind in ("input", "table"):
             continue
         for rule in RULES:

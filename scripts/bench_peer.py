@@ -42,8 +42,10 @@ from des.cluster.netbed import Netbed  # noqa: E402
 SYSTEMS = {"tfra": "TFRA HvdAllToAllEmbedding", "des-replicated": "DES, replicated tail",
            "des-data-parallel": "DES, data-parallel tail", "des-rows": "DES, data-parallel tail, first Dense by rows",
            "ps": "PS (this project)", "des-user": "DES, a user's DeepFM via des.transform, defaults",
-           "des-user-rows": "DES, a user's DeepFM via des.transform, data-parallel tail, first Dense by rows"}
-USER_OPTIONS = {"des-user": "", "des-user-rows": "tail=data_parallel,first_dense=rows"}   # des.Options of each
+           "des-user-rows": "DES, a user's DeepFM via des.transform, data-parallel tail, first Dense by rows",
+           "des-user-operators": "DES, a user's DeepFM via des.transform, operators split (first_layer=operators)"}
+USER_OPTIONS = {"des-user": "", "des-user-rows": "first_layer=operators,tail=data_parallel,first_dense=rows",
+                "des-user-operators": "first_layer=operators"}   # des.Options of each
 
 
 def peer(n, model, data, a, out, launcher=None, script="peer_tfra.py", extra=()):

@@ -252,3 +252,39 @@ def measure_link(comm, repeats: int = 3) -> MeasuredLink:
     small, large = float(agreed[0]), float(agreed[1])
     rate = 2 * (n - 1) / n * 4 * (1 << 18) / max(large - small, 1e-9)
     return MeasuredLink(small, large, rate, link_class(rate))
+
+
+def choose_first_layer(width: int, partials: list[int], dense: list[tuple[int, int]], world_size: int,
+                       auto: AutoTail | None = None) -> tuple[str, str]:
+    """("rows" | "operators", why) under the data-parallel tail, for des.Options(first_layer="auto").
+    ``width``: floats per sample of every field vector; ``partials``: the widths of the split
+    operators' partials other than the first Dense layers; ``dense``: (input width, units) of each
+    first Dense layer. Per process and step, the operators move their partials by reduce-scatter
+    and all-gather (2 collectives) and each first Dense by partials or rows (``choose_first_dense``,
+    4 more collectives by rows); by rows, each owner sends its vectors' rows of the other
+    processes' samples and gets their gradients back (the share ``auto.distinct`` of them), and the
+    first Dense kernels join the tail's gradient allreduce (ring: 2 (N-1)/N of them) - 2 collectives.
+
+    >>> auto = AutoTail(bandwidth=1.25e7, distinct=0.3)      # 100 Mbit/s, a third of the rows distinct
+    >>> print(choose_first_layer(39 * 9, [1, 9], [(312, 128)], 4, auto)[1])   # criteo-like DeepFM, 128,64
+    rows: 0.89 MB of rows and kernel gradients take 76.9 ms per step, the operators 1.06 MB 102.8 ms (partials 0.25 MB, first Dense by rows 0.81 MB; B 4,096, N 4, 1.2e+07 B/s, 30% of a slice's rows distinct)
+    """
+    auto = auto or AutoTail()
+    n, b = world_size, auto.batch_size
+    share = (n - 1) / n
+    partial_bytes = 4 * 2 * share * b * sum(partials)
+    dense_bytes, dense_calls = 0.0, 0
+    for w, units in dense:
+        choice = choose_first_dense(b, w, units, n, auto)[0]
+        rows, parts = (4 * f for f in wire_floats(b, w, units, n, auto.distinct))
+        dense_bytes += rows if choice == "rows" else parts
+        dense_calls += 4 if choice == "rows" else 0
+    ops_bytes = partial_bytes + dense_bytes
+    t_ops = (2 + dense_calls) * auto.per_collective + ops_bytes / auto.bandwidth
+    rows_bytes = 4 * 2 * share * b * width / n * auto.distinct + 4 * 2 * share * sum(w * u for w, u in dense)
+    t_rows = 2 * auto.per_collective + rows_bytes / auto.bandwidth
+    choice = "rows" if t_rows < t_ops else "operators"
+    return choice, (f"{choice}: {rows_bytes / 1e6:.2f} MB of rows and kernel gradients take {t_rows * 1e3:.1f} ms "
+                    f"per step, the operators {ops_bytes / 1e6:.2f} MB {t_ops * 1e3:.1f} ms (partials "
+                    f"{partial_bytes / 1e6:.2f} MB, first Dense by {'rows' if dense_calls else 'partials'} "
+                    f"{dense_bytes / 1e6:.2f} MB; B {b:,}, N {n}, {auto.bandwidth:.1e} B/s{_distinct(auto)})")

@@ -12,7 +12,8 @@ import numpy as np
 import tensorflow as tf
 
 from des.compiler.keys import StateKeys, sync_from_root, trace_once
-from des.compiler.cost import AutoTail, choose_field_rows, choose_first_dense, choose_tail, measure_link
+from des.compiler.cost import (AutoTail, choose_field_rows, choose_first_dense, choose_first_layer, choose_tail,
+                               measure_link)
 from des.graph.fields import FieldAnalysis
 from des.compiler.handle import Distributed, attach
 from des.graph.ir import Graph, Node, call_node, is_keras_tensor, replay
@@ -116,22 +117,37 @@ def transform_functional(model: tf.keras.Model, options: Options, comm: Communic
                          f"{', '.join(comm.wire_dtypes)} only (use Horovod)")
     graph = Graph(model)
     fields = FieldAnalysis(graph)
-    matches, rejections = find_substitutions(graph, fields)
-    table_lines, left = explain_tables(graph, fields, matches, rejections)
-    report = Report(matches, rejections, None, comm.rank, comm.world_size, tables=table_lines, unsubstituted=left,
-                    opaque=_opaque_models(graph), options=options)
-    if options.strict and (rejections or left or not matches):
+    matches, rejections = find_substitutions(graph, fields, operators=options.first_layer != "rows")
+    report = _report(graph, fields, matches, rejections, comm, options)
+    if options.strict and (rejections or report.unsubstituted or not matches):
         report.widths = {m.root.layer.name: rule_named(m.rule).sub_operator(m, m.vectors, name=f"probe_{m.rule}").width
                          for m in matches}                  # what would be sent
         report.floats_per_sample = sum(report.widths.values())
         raise TransformError(report)
     if not matches:
         return model, report
-    return _substitute(model, graph, fields, matches, report, comm, options, spec, sample)
+    costs, link = _costs(options, comm, fields, matches, sample)
+    rows, why = options.first_layer == "rows", ""
+    if options.first_layer == "auto" and comm.world_size > 1:
+        rows, why = _first_layer_choice(graph, model, matches, options, costs, comm)
+        if rows:
+            matches, rejections = find_substitutions(graph, fields, operators=False)
+            report = _report(graph, fields, matches, rejections, comm, options)
+    report.link, report.first_layer, report.first_layer_reason = link, "rows" if rows else "operators", why
+    if rows:      # every vector by samples under the data-parallel tail
+        options = dataclasses.replace(options, tail="data_parallel", field_rows="samples")
+    return _substitute(model, graph, fields, matches, report, comm, options, spec, costs)
+
+
+def _report(graph: Graph, fields: FieldAnalysis, matches: list[Match], rejections: list, comm: Communicator,
+            options: Options) -> Report:
+    table_lines, left = explain_tables(graph, fields, matches, rejections)
+    return Report(matches, rejections, None, comm.rank, comm.world_size, tables=table_lines, unsubstituted=left,
+                  opaque=_opaque_models(graph), options=options)
 
 
 def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matches: list[Match], report: Report,
-                comm: Communicator, options: Options, spec, sample=None) -> tuple[tf.keras.Model, Report]:
+                comm: Communicator, options: Options, spec, costs: AutoTail) -> tuple[tf.keras.Model, Report]:
     """transform's second half: the same rows everywhere, the field plan, this process's DES
     layer in place of the matches, the model replayed around it (see transform)."""
     for n in graph.nodes:
@@ -157,10 +173,6 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     chains = FieldChains(graph, list(own.nodes.values()),
                          sorted({t for ids in own.op_inputs for t in ids}, key=position.__getitem__), fused)
     skip = set().union(*(m.nodes for m in matches))
-    costs, report.link = _costs(options, comm)
-    if sample is not None and options.costs is None:
-        costs = dataclasses.replace(costs, distinct=_distinct_share(sample, [fields.row_key(v) for m in matches
-                                                                             for v in m.vectors], comm.world_size))
     dense_shapes = [(sum(v.width for v in m.vectors), int(m.data["kernel"].shape[1])) for m in matches
                     if "parts" in m.data] if options.first_dense == "auto" else []
     tail, tail_reason = _tail_choice(graph, model, skip, options.tail, costs, comm, dense_shapes)
@@ -197,17 +209,45 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     return new_model, report
 
 
-def _costs(options: Options, comm: Communicator) -> tuple[AutoTail, str]:
+def _costs(options: Options, comm: Communicator, fields: FieldAnalysis, matches: list[Match],
+           sample) -> tuple[AutoTail, str]:
     """What the auto choices assume, and the report's line on it: ``options.costs`` if given; else,
     on several processes under Horovod with a choice left to the cost model, des.AutoTail's
     defaults with the link's bandwidth measured now (des.compiler.cost.measure_link, rounded to a
-    class so that the same job makes the same choices run after run); else the defaults."""
-    auto = "auto" in (options.tail, options.first_dense, options.field_rows)
-    if options.costs is not None or not auto or comm.world_size == 1 or comm.name != "horovod":
-        return options.assumed, ""
-    agree(comm, "des.Options (the link is measured next)", str(options))
-    link = measure_link(comm)
-    return dataclasses.replace(options.assumed, bandwidth=link.assumed), str(link)
+    class so that the same job makes the same choices run after run); else the defaults. With a
+    ``sample`` batch (and no ``options.costs``), the share of distinct rows measured on it."""
+    if options.costs is not None:
+        return options.costs, ""
+    costs, line = options.assumed, ""
+    auto = "auto" in (options.first_layer, options.tail, options.first_dense, options.field_rows)
+    if auto and comm.world_size > 1 and comm.name == "horovod":
+        agree(comm, "des.Options (the link is measured next)", str(options))
+        link = measure_link(comm)
+        costs, line = dataclasses.replace(costs, bandwidth=link.assumed), str(link)
+    if sample is not None:
+        keys = [fields.row_key(v) for m in matches for v in m.vectors]
+        costs = dataclasses.replace(costs, distinct=_distinct_share(sample, keys, comm.world_size))
+    return costs, line
+
+
+def _first_layer_choice(graph: Graph, model: tf.keras.Model, matches: list[Match], options: Options,
+                        costs: AutoTail, comm: Communicator) -> tuple[bool, str]:
+    """(rows or not, why) for des.Options(first_layer="auto") with the other exchanges left to the
+    cost model too: the rows of every field vector to their samples' processes when the tail
+    would run data-parallel anyway and, by
+    des.compiler.cost.choose_first_layer, that takes less time than the operators' exchanges."""
+    if (options.tail, options.first_dense, options.field_rows) != ("auto", "auto", "auto"):
+        return False, ""                # a choice the user pinned is for the operators' exchanges
+    skip = set().union(*(m.nodes for m in matches))
+    dense = [(sum(v.width for v in m.vectors), int(m.data["kernel"].shape[1])) for m in matches if "parts" in m.data]
+    tail, _ = _tail_choice(graph, model, skip, options.tail, costs, comm, dense)
+    if tail != "data_parallel":
+        return False, ""
+    partials = [rule_named(m.rule).sub_operator(m, m.vectors, name=f"probe_{m.rule}").width for m in matches
+                if "parts" not in m.data]
+    tables = {(id(v.table.layer), v.tensor): v.width for m in matches for v in m.vectors}
+    choice, why = choose_first_layer(sum(tables.values()), partials, dense, comm.world_size, costs)
+    return choice == "rows", why
 
 
 def _distinct_share(sample: dict, keys: list, world_size: int) -> float:

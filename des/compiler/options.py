@@ -47,6 +47,7 @@ class AutoTail:
 TAILS = ("auto", "replicated", "data_parallel")
 FIRST_DENSE = ("auto", "partials", "rows")
 FIELD_ROWS = ("auto", "partials", "samples")
+FIRST_LAYER = ("auto", "operators", "rows")
 TABLES = ("auto", "per-field", "fused", "joined")
 
 
@@ -55,7 +56,11 @@ class Options:
     """How des.transform splits a model. Every choice is exact except ``wire_dtype="float16"``.
 
     ``plan``: "balanced" (fields spread by cost), "mod" (field i on process i mod N) or a
-    des.compiler.plan.FieldPlan. ``tail``: "replicated" (every process runs the layers after the
+    des.compiler.plan.FieldPlan. ``first_layer``: "operators" (the rules split the sum, FM, the
+    first Dense... into sub-operators whose partial results are summed), "rows" (no operator is
+    split: every field vector's rows go to the processes of its samples, once per distinct id, and
+    the first layers run in the data-parallel tail on them; des_ops.rows) or "auto" (rows where the
+    cost model says they move fewer bytes: des.compiler.cost.choose_first_layer). ``tail``: "replicated" (every process runs the layers after the
     first one on the whole batch), "data_parallel" (each on its own rows of the batch: partials
     reduce-scattered, outputs all-gathered, the tail's gradients summed; des_ops.tail) or "auto"
     (the cost model picks with ``costs``; des.compiler.cost.choose_tail, the report says why).
@@ -81,6 +86,7 @@ class Options:
     ``scope``: prefix of the collective's name (des.transform sets it per tower).
     """
     plan: Any = "balanced"
+    first_layer: str = "auto"
     tail: str = "auto"
     first_dense: str = "auto"
     field_rows: str = "auto"
@@ -96,7 +102,7 @@ class Options:
     scope: str = ""
 
     def __post_init__(self):
-        for name, allowed in (("tail", TAILS), ("first_dense", FIRST_DENSE), ("field_rows", FIELD_ROWS), ("tables", TABLES),
+        for name, allowed in (("first_layer", FIRST_LAYER), ("tail", TAILS), ("first_dense", FIRST_DENSE), ("field_rows", FIELD_ROWS), ("tables", TABLES),
                               ("wire_dtype", WIRE_DTYPES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"des.Options: {name}={getattr(self, name)!r}; choose from {', '.join(allowed)}")
@@ -107,6 +113,9 @@ class Options:
         if self.first_dense == "rows" and self.tail != "data_parallel":
             raise ValueError(f"des.Options(first_dense='rows'): needs the data-parallel tail (tail='data_parallel', "
                              f"not {self.tail!r})")
+        if self.first_layer == "rows" and self.tail == "replicated":
+            raise ValueError("des.Options(first_layer='rows'): the rows go to their samples' processes, which needs "
+                             "the data-parallel tail (tail='data_parallel' or 'auto', not 'replicated')")
         if self.field_rows == "samples" and self.tail != "data_parallel":
             raise ValueError(f"des.Options(field_rows='samples'): needs the data-parallel tail (tail='data_parallel', "
                              f"not {self.tail!r})")

@@ -49,6 +49,8 @@ class Report:
     by_samples: list = dataclasses.field(default_factory=list)   # field rows by samples: widths by rank ([]: partials)
     distinct_keys: list = dataclasses.field(default_factory=list)   # inputs whose fields' rows travel once per id
     link: str = ""                  # what the auto choices assumed of the link, when it was measured at start
+    first_layer: str = "operators"  # "rows": no operator split, every field vector by samples
+    first_layer_reason: str = ""
     field_rows_reason: str = ""       # data-parallel tail: what des.compiler.cost.choose_field_rows weighed
     options: Options | None = None    # what des.transform was asked (des.Options), printed with the report
     save_refusal: str = ""            # why model.save refuses (towers transformed one by one), else ""
@@ -126,6 +128,11 @@ class Report:
                              "gradients summed (one allreduce per step)")
             if self.link:
                 lines.append(f"  {self.link}")
+            if self.first_layer == "rows":
+                lines.append("  first layer by rows: no operator is split; every field vector's rows go to the "
+                             "processes of its samples and the first layers run in the data-parallel tail")
+            if self.first_layer_reason:
+                lines.append(f"  first layer chosen by the cost model (first_layer='auto'): {self.first_layer_reason}")
             if self.tail_reason:
                 lines.append(f"  tail chosen by the cost model (tail='auto'): {self.tail_reason}")
             for name, (widths, units) in self.by_rows.items():
