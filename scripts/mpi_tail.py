@@ -3,6 +3,7 @@
     mpirun -np 3 python scripts/mpi_tail.py OUT_DIR keras_deepfm deepctr_deepfm
     mpirun -np 3 python scripts/mpi_tail.py --first-dense rows OUT_DIR keras_deepfm
     mpirun -np 3 python scripts/mpi_tail.py --field-rows samples OUT_DIR deepctr_dcn
+    mpirun -np 3 python scripts/mpi_tail.py --first-layer rows OUT_DIR keras_deepfm
 
 For each named model of tests/gallery.py: every rank builds it (its own random weights, seeded
 by its rank), des.transform(tail="data_parallel") gives every rank rank 0's weights and its
@@ -35,7 +36,8 @@ def tail_batches(model):
     return batches, batches_for(model, 1, 16, seed=99)[0][0]
 
 
-def main(out: str, names: list[str], first_dense: str = "partials", field_rows: str = "partials") -> None:
+def main(out: str, names: list[str], first_dense: str = "partials", field_rows: str = "partials",
+         first_layer: str = "operators") -> None:
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     comm = HorovodCommunicator()
@@ -44,8 +46,9 @@ def main(out: str, names: list[str], first_dense: str = "partials", field_rows: 
         model = BUILDERS[name]()
         initial = model.get_weights()
         batches, probe = tail_batches(model)
-        model, report = des.transform(model, des.Options(tail="data_parallel", first_dense=first_dense,
-                                                           field_rows=field_rows), comm=comm)
+        options = (des.Options(first_layer="rows") if first_layer == "rows" else
+                   des.Options(tail="data_parallel", first_dense=first_dense, field_rows=field_rows))
+        model, report = des.transform(model, options, comm=comm)
         before = comm.counted()
         snap = fit_and_snapshot(model, batches, probe, optimizer="sgd", learning_rate=0.5)
         after = comm.counted()
@@ -66,7 +69,7 @@ def main(out: str, names: list[str], first_dense: str = "partials", field_rows: 
 
 
 if __name__ == "__main__":
-    if sys.argv[1] in ("--first-dense", "--field-rows"):
+    if sys.argv[1] in ("--first-dense", "--field-rows", "--first-layer"):
         main(sys.argv[3], sys.argv[4:], **{sys.argv[1][2:].replace("-", "_"): sys.argv[2]})
     else:
         main(sys.argv[1], sys.argv[2:])

@@ -7,6 +7,7 @@ one process (simulated N = 2, 3 and 5: more processes than fields, some own noth
 hand count, and the cost model's choice."""
 import dataclasses
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -137,3 +138,44 @@ def test_field_rows_travel_once_per_distinct_id_of_each_slice():
 def blocks_key(blocks) -> str:
     """The id input of the first keyed block (every input holds the batch's rows)."""
     return next(b.key for bl in blocks for b in bl)
+
+
+@pytest.mark.parametrize("name, worlds", [("keras_deepfm", (2, 3)), ("tfra_deepfm", (2,)), ("deepctr_deepfm", (5,))])
+def test_the_first_layer_by_rows_equals_one_process(name, worlds):
+    """des.Options(first_layer="rows"): no operator is split (the linear sum, FM and the first Dense
+    run in the data-parallel tail), every table's rows go to their samples' processes once per
+    distinct id; 20 Adam steps equal the untouched model on one process (N = 5: a process owns no
+    field); the first Dense's kernel is a tail weight, summed, equal on every process."""
+    build, base, fit, ref = _setup(name)
+    for n in worlds:
+        ranks = run_in_process_world(n, build, lambda m: {**fit(m), "layer": des.distributed(m).layer},
+                                     init_from=base, first_layer="rows")
+        layers = [r.pop("layer") for r in ranks]
+        assert all(all(type(op).__name__ == "FieldRowsSubOp" and op.exchange == "samples" for op in layer.ops)
+                   for layer in layers)
+        assert all(op.block.key is not None for op in layers[0].ops)
+        for r in ranks:
+            within(f"{name} N={n} first layer by rows: predictions",
+                   float(np.abs(np.asarray(r["predictions"]) - np.asarray(ref["predictions"])).max()), 1e-6)
+            within(f"{name} N={n} first layer by rows: loss", abs(r["loss"] - ref["loss"]), 1e-6)
+            for k, w in r["weights"].items():                  # the tail: equal on every process
+                np.testing.assert_array_equal(np.asarray(w), np.asarray(ranks[0]["weights"][k]))
+
+
+def test_auto_takes_the_first_layer_by_rows_where_it_moves_less_and_says_why():
+    """4 simulated processes, a DeepFM with a wide tail (400,400,400: the tail runs data-parallel):
+    at 100 Mbit/s (a given des.AutoTail; under mpirun it is measured) the first layer goes by rows
+    (cost.choose_first_layer: 2 collectives and the rows, against the partials and the first Dense's
+    exchanges); a small model whose tail stays replicated keeps its operators; a pinned tail too."""
+    import models
+    from des.jobs.verify import small_spec
+    from des_ops.comm import InProcessWorld
+    wide = lambda: models.deepfm(small_spec(n_fields=8, dim=8), hidden=(400, 400, 400))  # noqa: E731
+    slow = AutoTail(bandwidth=1.25e7)
+    _, report = des.transform(wide(), des.Options(costs=slow), comm=InProcessWorld(4).communicator(0))
+    assert report.tail == "data_parallel" and report.first_layer == "rows", str(report)
+    assert report.first_layer_reason.startswith("rows: ") and "first layer by rows: no operator is split" in str(report)
+    _, report = des.transform(wide(), des.Options(costs=slow, tail="data_parallel"), comm=InProcessWorld(4).communicator(0))
+    assert report.first_layer == "operators" and report.first_layer_reason == ""
+    _, report = des.transform(BUILDERS["keras_deepfm"](), des.Options(costs=slow), comm=InProcessWorld(4).communicator(0))
+    assert report.tail == "replicated" and report.first_layer == "operators"

@@ -38,6 +38,8 @@ def test_transform_takes_the_model_the_options_and_where_it_runs():
     ({"field_rows": "samples", "tail": "auto"}, "des.Options(field_rows='samples'): needs the data-parallel tail"),
     ({"field_rows": "rows"}, "field_rows='rows'; choose from auto, partials, samples"),
     ({"costs": 1e9}, "costs=1000000000.0; a des.AutoTail"),
+    ({"first_layer": "rows", "tail": "replicated"}, "des.Options(first_layer='rows'): the rows go to their samples'"),
+    ({"first_layer": "split"}, "first_layer='split'; choose from auto, operators, rows"),
 ])
 def test_bad_options_are_one_line_errors_when_made(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -215,7 +215,7 @@ def _costs(options: Options, comm: Communicator, fields: FieldAnalysis, matches:
     on several processes under Horovod with a choice left to the cost model, des.AutoTail's
     defaults with the link's bandwidth measured now (des.compiler.cost.measure_link, rounded to a
     class so that the same job makes the same choices run after run); else the defaults. With a
-    ``sample`` batch (and no ``options.costs``), the share of distinct rows measured on it."""
+    ``sample`` batch (and no ``options.costs``), its size and the share of distinct rows measured on it."""
     if options.costs is not None:
         return options.costs, ""
     costs, line = options.assumed, ""
@@ -226,7 +226,8 @@ def _costs(options: Options, comm: Communicator, fields: FieldAnalysis, matches:
         costs, line = dataclasses.replace(costs, bandwidth=link.assumed), str(link)
     if sample is not None:
         keys = [fields.row_key(v) for m in matches for v in m.vectors]
-        costs = dataclasses.replace(costs, distinct=_distinct_share(sample, keys, comm.world_size))
+        batch = int(np.shape(next(iter(tf.nest.flatten(sample))))[0])
+        costs = dataclasses.replace(costs, batch_size=batch, distinct=_distinct_share(sample, keys, comm.world_size))
     return costs, line
 
 
