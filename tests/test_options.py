@@ -59,7 +59,7 @@ def test_the_report_prints_the_options_that_applied():
     last = str(report).splitlines()[-1]
     assert last == ("options: plan=balanced tail=auto first_dense=auto tables=fused micro_batches=2 "
                     "wire_dtype=float32 seed=0 costs=AutoTail(batch_size=512, flops=50000000000.0, "
-                    "bandwidth=1250000000.0, per_collective=0.003)")
+                    "bandwidth=1250000000.0, per_collective=0.003, distinct=1.0)")
     assert report.options is opts and report.tail == "replicated" and report.micro_batches == 2
 
 

@@ -145,7 +145,8 @@ def test_auto_picks_rows_where_they_take_less_time_and_says_why():
     """keras_deepfm's first Dense: 4 fields x K 4 = 16 input floats, 8 units, at B = 4096 and a slow
     link (1e5 B/s, so that bytes decide). N = 2: rows move 2 x 1/2 x (4096 x 8 + 16 x 8) = 32,896
     floats, partials 32,768: partials; N = 3: rows 2 x 2/3 x (4096 x 16/3 + 128) = 29,298 < 43,691:
-    rows. With tail='auto' too, the tail goes data-parallel only with the rows."""
+    rows. With tail='auto' too, the tail goes data-parallel only with the rows (the operators kept:
+    first_layer='auto' would take the whole first layer by rows, tests/test_field_rows.py)."""
     build, base, _, _ = _reference_and_base("keras_deepfm", "sgd", 0.5)
     slow = AutoTail(batch_size=4096, bandwidth=1e5)
     for n, expected in ((2, False), (3, True)):
@@ -153,7 +154,7 @@ def test_auto_picks_rows_where_they_take_less_time_and_says_why():
                                    tail="data_parallel", first_dense="auto", costs=slow)
         assert all(any(r) == expected for r in out), (n, out)
     out = run_in_process_world(3, build, lambda m: (des.distributed(m).tail, any(des.distributed(m).layer.by_rows)),
-                               init_from=base, tail="auto", first_dense="auto", costs=slow)
+                               init_from=base, tail="auto", first_dense="auto", costs=slow, first_layer="operators")
     assert out == [("data_parallel", True)] * 3
     world = InProcessWorld(1)
     _, report = des.transform(build(), des.Options(tail="data_parallel", first_dense="auto"), comm=world.communicator(0))

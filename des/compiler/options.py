@@ -144,8 +144,8 @@ class Options:
         plan = self.plan if isinstance(self.plan, str) else "given"
         shown = [f"plan={plan}", f"tail={self.tail}", f"first_dense={self.first_dense}", f"tables={self.tables}",
                  f"micro_batches={self.micro_batches}", f"wire_dtype={self.wire_dtype}", f"seed={self.seed}"]
-        shown += [f"{k}={getattr(self, k)}" for k in ("field_rows", "distinct_rows", "strict", "release_unowned",
-                                                       "sync_weights")
+        shown += [f"{k}={getattr(self, k)}" for k in ("first_layer", "field_rows", "distinct_rows", "strict",
+                                                       "release_unowned", "sync_weights")
                   if getattr(self, k) != getattr(Options, k)]
         if self.costs is not None:
             shown.append(f"costs={self.costs}")
