@@ -34,7 +34,6 @@ table rows this process holds at the end, on the netbed (des.netbed) the bytes t
 step, and for des the report's lines, its choices and the tables it left whole.
 """
 import argparse
-import json
 import os
 import sys
 import time
@@ -198,25 +197,16 @@ def main() -> None:
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     tf.keras.utils.set_random_seed(a.seed)
-    from des.runtime.callbacks import CPUTime, Throughput, WireBytes
     from des_ops.comm import init_horovod, launcher_rank
+    from user_deepfm import timed_fit, write_summary
     rank, n = launcher_rank()
     if n > 1 and a.system != "des":
         init_horovod()                          # des.transform starts Horovod itself under mpirun
     model, ds, extra = build_system(a, rank, n)
-    speed, cpu = Throughput(a.batch, STARTED), CPUTime()
-    wire = WireBytes(os.environ["DES_WIRE_INTERFACE"]) if os.environ.get("DES_WIRE_INTERFACE") else None   # des.netbed
-    hist = model.fit(ds.take(a.steps), verbose=0, callbacks=[speed, cpu] + [wire] * bool(wire)).history
-    summary = {"system": a.system, "arch": a.arch, "world_size": n, "rank": rank,
-               "samples_per_second": speed.samples_per_second(), "seconds_to_first_step": speed.seconds_to_first_step,
-               "cpu_seconds_per_step": cpu.median(), "steps": len(speed.times), "train_loss": hist["loss"][-1],
-               "train_auc": hist["auc"][-1], "rows_held": rows_held(model, a.system), **extra}
-    if wire:
-        summary["wire_bytes_per_step"] = wire.median()
-    with open(a.summary_json + (f".rank{rank}" if n > 1 else ""), "w") as fh:
-        json.dump(summary, fh, indent=1)
-    if rank == 0:
-        print(json.dumps({k: v for k, v in summary.items() if k != "report"}))
+    hist, timed = timed_fit(model, ds, a.steps, a.batch, STARTED)
+    write_summary(a.summary_json, rank, n, {
+        "system": a.system, "arch": a.arch, "world_size": n, "rank": rank, **timed, "train_loss": hist["loss"][-1],
+        "train_auc": hist["auc"][-1], "rows_held": rows_held(model, a.system), **extra})
 
 
 if __name__ == "__main__":

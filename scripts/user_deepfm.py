@@ -112,7 +112,6 @@ def main() -> None:
     tf.config.threading.set_inter_op_parallelism_threads(1)
     tf.keras.utils.set_random_seed(a.seed)
     import des
-    from des.runtime.callbacks import CPUTime, Throughput, WireBytes
     from des_ops.comm import launcher_rank
     spec, ds = global_batches(a.data, a.batch, a.dim)
     model = build(spec, a.dim, [int(u) for u in a.hidden.split(",") if u], a.model)
@@ -122,17 +121,29 @@ def main() -> None:
     rank, n = launcher_rank()          # des.transform's default world: Horovod's under mpirun
     if rank == 0:
         print(report, flush=True)
-    speed, cpu = Throughput(a.batch, STARTED), CPUTime()
-    wire = WireBytes(os.environ["DES_WIRE_INTERFACE"]) if os.environ.get("DES_WIRE_INTERFACE") else None   # des.netbed
-    hist = model.fit(ds.take(a.steps), verbose=0, callbacks=[speed, cpu] + [wire] * bool(wire)).history
-    summary = {"mode": "des-transform-user", "world_size": n, "options": a.options,
-               "samples_per_second": speed.samples_per_second(),
-               "seconds_to_first_step": speed.seconds_to_first_step, "cpu_seconds_per_step": cpu.median(),
-               "train_auc_by_step": [[len(speed.times), hist["auc"][-1]]], "train_loss": hist["loss"][-1],
-               "report": str(report).splitlines()}
-    if wire:
-        summary["wire_bytes_per_step"] = wire.median()
-    with open(a.summary_json + (f".rank{rank}" if n > 1 else ""), "w") as fh:
+    hist, timed = timed_fit(model, ds, a.steps, a.batch, STARTED)
+    write_summary(a.summary_json, rank, n, {
+        "mode": "des-transform-user", "world_size": n, "options": a.options, **timed,
+        "train_auc_by_step": [[timed["steps"], hist["auc"][-1]]], "train_loss": hist["loss"][-1],
+        "report": str(report).splitlines()})
+
+
+def timed_fit(model, ds, steps: int, batch: int, started: float) -> tuple[dict, dict]:
+    """``model.fit`` on ``steps`` batches of ``ds``: (the history, samples/s of the global ``batch``
+    (median step), seconds from ``started`` (perf_counter) to the end of the first step, CPU seconds per step, steps and,
+    on the netbed (des.netbed), the bytes this host sent per step)."""
+    from des.runtime.callbacks import CPUTime, Throughput, WireBytes
+    speed, cpu = Throughput(batch, started), CPUTime()
+    wire = WireBytes(os.environ["DES_WIRE_INTERFACE"]) if os.environ.get("DES_WIRE_INTERFACE") else None
+    hist = model.fit(ds.take(steps), verbose=0, callbacks=[speed, cpu] + [wire] * bool(wire)).history
+    timed = {"samples_per_second": speed.samples_per_second(), "seconds_to_first_step": speed.seconds_to_first_step,
+             "cpu_seconds_per_step": cpu.median(), "steps": len(speed.times)}
+    return hist, {**timed, **({"wire_bytes_per_step": wire.median()} if wire else {})}
+
+
+def write_summary(path: str, rank: int, n: int, summary: dict) -> None:
+    """``summary`` as JSON at ``path`` (rank r of several: ``path.rank<r>``); rank 0 prints it (no report)."""
+    with open(path + (f".rank{rank}" if n > 1 else ""), "w") as fh:
         json.dump(summary, fh, indent=1)
     if rank == 0:
         print(json.dumps({k: v for k, v in summary.items() if k != "report"}))

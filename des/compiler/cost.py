@@ -110,7 +110,8 @@ def estimate(report, batch_size: int, unique_per_slice: dict[str, float]) -> lis
 
 
 def choose_tail(dense_weights: int, tail_weights: int, output_floats: int, world_size: int,
-                auto: AutoTail, obstacles: list[str] = (), first_dense: list[tuple[int, int]] = ()) -> tuple[str, str]:
+                auto: AutoTail, obstacles: list[str] = (), first_dense: list[tuple[int, int]] = (),
+                field_rows: int = 0) -> tuple[str, str]:
     """("replicated" | "data_parallel", why). The data-parallel tail saves each process
     (N-1)/N of the tail's matrix products, 6 x ``dense_weights`` operations per sample (forward
     2, backward 4), and costs three collectives more per step: the all-gather of the outputs
@@ -119,13 +120,15 @@ def choose_tail(dense_weights: int, tail_weights: int, output_floats: int, world
     allreduce it replaces). ``first_dense``: (input width, units) of each first Dense layer that
     may go by rows under the data-parallel tail (des_ops.rows; ``choose_first_dense`` decides per
     layer): where rows win, their time replaces the partials' in the data-parallel tail's cost.
+    ``field_rows``: floats per sample of field vectors no rule splits, which the data-parallel tail
+    sends by samples where ``choose_field_rows`` says so (their time replaces their partials').
 
     >>> choose_tail(320_400, 320_401, 1, 4, AutoTail())[0]      # DeepFM, hidden 400,400,400
     'data_parallel'
     >>> print(choose_tail(8_256, 8_257, 1, 4, AutoTail())[1])   # hidden 128,64
     replicated: the tail's products would save 3.0 ms per step (6 x 8,256 weights x B 4,096 x 3/4 at 5e+10 FLOP/s), 3 more collectives cost 9.0 ms (3 x 3.0 ms + 0.1 MB at 1.2e+09 B/s)
     >>> print(choose_tail(320_400, 320_401, 1, 4, AutoTail(bandwidth=1.25e7), first_dense=[(312, 400)])[1])  # 100 Mbit/s
-    data_parallel: the tail's products would save 118.1 ms per step (6 x 320,400 weights x B 4,096 x 3/4 at 5e+10 FLOP/s), 3 more collectives cost 163.8 ms (3 x 3.0 ms + 1.9 MB at 1.2e+07 B/s); the first Dense by rows adds -561.2 ms to that (rows: 2.67 MB against 9.83 MB of partials, 4 more collectives)
+    data_parallel: the tail's products would save 118.1 ms per step (6 x 320,400 weights x B 4,096 x 3/4 at 5e+10 FLOP/s), 3 more collectives cost 163.8 ms (3 x 3.0 ms + 1.9 MB at 1.2e+07 B/s); the first Dense and field rows by rows add -561.2 ms to that (rows: 2.67 MB against 9.83 MB of partials, 4 more collectives)
     """
     n = world_size
     if n <= 1:
@@ -142,12 +145,17 @@ def choose_tail(dense_weights: int, tail_weights: int, output_floats: int, world
             rows, partials = (4 * f for f in wire_floats(b, width, units, n, auto.distinct))
             by_rows += 4 * auto.per_collective + (rows - partials) / auto.bandwidth
             rows_bytes, partial_bytes = rows_bytes + rows, partial_bytes + partials
+    if field_rows and choose_field_rows(b, field_rows, n, auto)[0] == "samples":
+        share = (n - 1) / n
+        samples, partials = 4 * 2 * share * b * field_rows / n * auto.distinct, 4 * 2 * share * b * field_rows
+        by_rows += 2 * auto.per_collective + (samples - partials) / auto.bandwidth
+        rows_bytes, partial_bytes = rows_bytes + samples, partial_bytes + partials
     choice = "data_parallel" if saved > extra + by_rows else "replicated"
     return choice, (f"{choice}: the tail's products would save {saved * 1e3:.1f} ms per step (6 x {dense_weights:,} "
                     f"weights x B {b:,} x {n - 1}/{n} at {auto.flops:.0e} FLOP/s), 3 more collectives cost "
                     f"{extra * 1e3:.1f} ms (3 x {auto.per_collective * 1e3:.1f} ms + {extra_bytes / 1e6:.1f} MB at "
                     f"{auto.bandwidth:.1e} B/s)"
-                    + (f"; the first Dense by rows adds {by_rows * 1e3:+.1f} ms to that (rows: {rows_bytes / 1e6:.2f} MB "
+                    + (f"; the first Dense and field rows by rows add {by_rows * 1e3:+.1f} ms to that (rows: {rows_bytes / 1e6:.2f} MB "
                        f"against {partial_bytes / 1e6:.2f} MB of partials, 4 more collectives)" if rows_bytes else ""))
 
 

@@ -175,7 +175,8 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     skip = set().union(*(m.nodes for m in matches))
     dense_shapes = [(sum(v.width for v in m.vectors), int(m.data["kernel"].shape[1])) for m in matches
                     if "parts" in m.data] if options.first_dense == "auto" else []
-    tail, tail_reason = _tail_choice(graph, model, skip, options.tail, costs, comm, dense_shapes)
+    rows_width = sum(m.vectors[0].width for m in matches if m.rule == "field_rows") if options.field_rows == "auto" else 0
+    tail, tail_reason = _tail_choice(graph, model, skip, options.tail, costs, comm, dense_shapes, rows_width)
     if tail == "data_parallel" and (options.micro_batches > 1 or options.wire_dtype != "float32"):
         raise ValueError("des.transform: micro_batches and a 16-bit wire_dtype are for the replicated tail; the "
                          "data-parallel tail reduce-scatters the whole batch in float32")
@@ -343,7 +344,7 @@ def _release_unowned(matches: list[Match], mine: set[str]) -> bool:
 
 
 def _tail_choice(graph: Graph, model: tf.keras.Model, skip: set[int], tail: str, costs: AutoTail,
-                 comm: Communicator, dense_shapes: list[tuple[int, int]] = ()) -> tuple[str, str]:
+                 comm: Communicator, dense_shapes: list[tuple[int, int]] = (), field_rows: int = 0) -> tuple[str, str]:
     """("replicated" or "data_parallel", why): the asked tail, or for "auto" the cost model's choice
     under ``costs`` (``dense_shapes``: first Dense layers that may go by rows, des.compiler.cost.choose_tail)."""
     if tail == "replicated":
@@ -356,7 +357,7 @@ def _tail_choice(graph: Graph, model: tf.keras.Model, skip: set[int], tail: str,
             sum(int(l.kernel.shape.num_elements()) for l in tail_layers if isinstance(l, tf.keras.layers.Dense)),
             sum(int(w.shape.num_elements()) for l in tail_layers for w in l.trainable_weights),
             sum(int(t.shape[-1] or 1) for t in model.outputs), comm.world_size,
-            costs, obstacles, dense_shapes)
+            costs, obstacles, dense_shapes, field_rows)
     if obstacles:
         raise ValueError("des.transform(tail='data_parallel'): the tail cannot run data-parallel: "
                          + "; ".join(obstacles))
