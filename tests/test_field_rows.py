@@ -191,6 +191,6 @@ def test_the_tail_goes_data_parallel_where_field_rows_by_samples_save_the_link()
     slow = des.Options(costs=AutoTail(bandwidth=1.25e7, batch_size=1 << 16))
     _, report = des.transform(BUILDERS["deepctr_dcn"](), slow, comm=InProcessWorld(4).communicator(0))
     assert report.tail == "data_parallel" and sum(report.by_samples) > 0, str(report)
-    assert "field rows by rows add" in report.tail_reason
+    assert "field rows by samples add" in report.tail_reason
     _, report = des.transform(BUILDERS["deepctr_dcn"](), des.Options(), comm=InProcessWorld(4).communicator(0))
     assert report.tail == "replicated" and report.by_samples == []

@@ -128,7 +128,7 @@ def choose_tail(dense_weights: int, tail_weights: int, output_floats: int, world
     >>> print(choose_tail(8_256, 8_257, 1, 4, AutoTail())[1])   # hidden 128,64
     replicated: the tail's products would save 3.0 ms per step (6 x 8,256 weights x B 4,096 x 3/4 at 5e+10 FLOP/s), 3 more collectives cost 9.0 ms (3 x 3.0 ms + 0.1 MB at 1.2e+09 B/s)
     >>> print(choose_tail(320_400, 320_401, 1, 4, AutoTail(bandwidth=1.25e7), first_dense=[(312, 400)])[1])  # 100 Mbit/s
-    data_parallel: the tail's products would save 118.1 ms per step (6 x 320,400 weights x B 4,096 x 3/4 at 5e+10 FLOP/s), 3 more collectives cost 163.8 ms (3 x 3.0 ms + 1.9 MB at 1.2e+07 B/s); the first Dense and field rows by rows add -561.2 ms to that (rows: 2.67 MB against 9.83 MB of partials, 4 more collectives)
+    data_parallel: the tail's products would save 118.1 ms per step (6 x 320,400 weights x B 4,096 x 3/4 at 5e+10 FLOP/s), 3 more collectives cost 163.8 ms (3 x 3.0 ms + 1.9 MB at 1.2e+07 B/s); the first Dense by rows / field rows by samples add -561.2 ms to that (rows: 2.67 MB against 9.83 MB of partials, 4 more collectives)
     """
     n = world_size
     if n <= 1:
@@ -155,7 +155,8 @@ def choose_tail(dense_weights: int, tail_weights: int, output_floats: int, world
                     f"weights x B {b:,} x {n - 1}/{n} at {auto.flops:.0e} FLOP/s), 3 more collectives cost "
                     f"{extra * 1e3:.1f} ms (3 x {auto.per_collective * 1e3:.1f} ms + {extra_bytes / 1e6:.1f} MB at "
                     f"{auto.bandwidth:.1e} B/s)"
-                    + (f"; the first Dense and field rows by rows add {by_rows * 1e3:+.1f} ms to that (rows: {rows_bytes / 1e6:.2f} MB "
+                    + (f"; the first Dense by rows / field rows by samples add {by_rows * 1e3:+.1f} ms to that "
+                       f"(rows: {rows_bytes / 1e6:.2f} MB "
                        f"against {partial_bytes / 1e6:.2f} MB of partials, 4 more collectives)" if rows_bytes else ""))
 
 
