@@ -33,7 +33,6 @@ first excluded), seconds to the end of the first step, CPU seconds per step, the
 table rows this process holds at the end, on the netbed (des.netbed) the bytes this host sent per
 step, and for des the report's lines, its choices and the tables it left whole.
 """
-import argparse
 import os
 import sys
 import time
@@ -182,23 +181,13 @@ def build_system(a, rank: int, n: int):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    from user_deepfm import runner_parser, started, timed_fit, write_summary
+    ap = runner_parser()
     ap.add_argument("--system", required=True, choices=["des", "tfra", "replicated"])
     ap.add_argument("--arch", required=True, choices=["dcn", "autoint", "dlrm"])
-    ap.add_argument("--data", required=True, help="criteo-like text with its .meta.json, or a columnar folder")
-    ap.add_argument("--batch", type=int, default=4096, help="the global batch")
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--dim", type=int, default=8)
-    ap.add_argument("--hidden", default="128,64")
     ap.add_argument("--vocab", type=int, default=1 << 18, help="replicated: rows of each hashed Keras table")
-    ap.add_argument("--seed", type=int, default=0, help="the dense layers' initial values")
-    ap.add_argument("--summary-json", required=True)
-    a = ap.parse_args()
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
-    tf.keras.utils.set_random_seed(a.seed)
+    a = started(ap)
     from des_ops.comm import init_horovod, launcher_rank
-    from user_deepfm import timed_fit, write_summary
     rank, n = launcher_rank()
     if n > 1 and a.system != "des":
         init_horovod()                          # des.transform starts Horovod itself under mpirun

@@ -97,20 +97,10 @@ def global_batches(path: str, batch: int, dim: int):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--batch", type=int, default=4096, help="the global batch (every process reads all of it)")
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--dim", type=int, default=8)
-    ap.add_argument("--hidden", default="128,64")
+    ap = runner_parser()
     ap.add_argument("--model", default="deepfm", choices=["deepfm", "wdl"])
     ap.add_argument("--options", default="", help="des.Options keywords KEY=VALUE,... (default: none)")
-    ap.add_argument("--seed", type=int, default=0, help="the Dense layers' initial values (same at any N)")
-    ap.add_argument("--summary-json", required=True)
-    a = ap.parse_args()
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
-    tf.keras.utils.set_random_seed(a.seed)
+    a = started(ap)
     import des
     from des_ops.comm import launcher_rank
     spec, ds = global_batches(a.data, a.batch, a.dim)
@@ -126,6 +116,29 @@ def main() -> None:
         "mode": "des-transform-user", "world_size": n, "options": a.options, **timed,
         "train_auc_by_step": [[timed["steps"], hist["auc"][-1]]], "train_loss": hist["loss"][-1],
         "report": str(report).splitlines()})
+
+
+def runner_parser() -> argparse.ArgumentParser:
+    """The flags a benchmark's process shares with scripts/arch_runner.py: data, global batch, steps,
+    width, hidden units, the dense layers' seed and the summary's path."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", required=True, help="criteo-like text with its .meta.json, or a columnar folder")
+    ap.add_argument("--batch", type=int, default=4096, help="the global batch")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--dim", type=int, default=8)
+    ap.add_argument("--hidden", default="128,64")
+    ap.add_argument("--seed", type=int, default=0, help="the dense layers' initial values (the same at any N)")
+    ap.add_argument("--summary-json", required=True)
+    return ap
+
+
+def started(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    """The parsed flags, with TensorFlow at one thread per pool and the seed set."""
+    a = ap.parse_args()
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf.keras.utils.set_random_seed(a.seed)
+    return a
 
 
 def timed_fit(model, ds, steps: int, batch: int, started: float) -> tuple[dict, dict]:

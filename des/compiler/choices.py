@@ -26,7 +26,7 @@ from rewrite_rules import Match, rule_named
 
 
 def costs_for(options: Options, comm: Communicator, fields: FieldAnalysis, matches: list[Match],
-           sample) -> tuple[AutoTail, str]:
+              sample) -> tuple[AutoTail, str]:
     """What the auto choices assume, and the report's line on it: ``options.costs`` if given; else,
     on several processes under Horovod with a choice left to the cost model, des.AutoTail's
     defaults with the link's bandwidth measured now (des.compiler.cost.measure_link, rounded to a
@@ -48,7 +48,7 @@ def costs_for(options: Options, comm: Communicator, fields: FieldAnalysis, match
 
 
 def first_layer_choice(graph: Graph, model: tf.keras.Model, matches: list[Match], options: Options,
-                        costs: AutoTail, comm: Communicator) -> tuple[bool, str]:
+                       costs: AutoTail, comm: Communicator) -> tuple[bool, str]:
     """(rows or not, why) for des.Options(first_layer="auto") with the other exchanges left to the
     cost model too: the rows of every field vector to their samples' processes when the tail
     would run data-parallel anyway and, by
@@ -56,7 +56,7 @@ def first_layer_choice(graph: Graph, model: tf.keras.Model, matches: list[Match]
     if (options.tail, options.first_dense, options.field_rows) != ("auto", "auto", "auto"):
         return False, ""                # a choice the user pinned is for the operators' exchanges
     skip = set().union(*(m.nodes for m in matches))
-    dense = [(sum(v.width for v in m.vectors), int(m.data["kernel"].shape[1])) for m in matches if "parts" in m.data]
+    dense = dense_shapes(matches)
     tail, _ = tail_choice(graph, model, skip, options.tail, costs, comm, dense)
     if tail != "data_parallel":
         return False, ""
@@ -65,6 +65,19 @@ def first_layer_choice(graph: Graph, model: tf.keras.Model, matches: list[Match]
     tables = {(id(v.table.layer), v.tensor): v.width for m in matches for v in m.vectors}
     choice, why = choose_first_layer(sum(tables.values()), partials, dense, comm.world_size, costs)
     return choice == "rows", why
+
+
+def dense_shapes(matches: list[Match]) -> list[tuple[int, int]]:
+    """(input width, units) of every first Dense layer among the matches."""
+    return [(sum(v.width for v in m.vectors), int(m.data["kernel"].shape[1])) for m in matches if "parts" in m.data]
+
+
+def exchanged_keys(ops: list) -> list[str]:
+    """The id inputs whose fields' rows travel once per distinct id, over the sub-operators that move
+    rows (the first Dense by rows: ``rank_blocks``; field rows by samples: ``block``)."""
+    blocks = [b for op in ops if getattr(op, "exchange", "") == "rows" for bl in op.rank_blocks for b in bl]
+    blocks += [op.block for op in ops if getattr(op, "exchange", "") == "samples"]
+    return sorted({b.key for b in blocks if b.key is not None})
 
 
 def distinct_share_of(sample: dict, keys: list, world_size: int) -> float:
@@ -80,7 +93,7 @@ def distinct_share_of(sample: dict, keys: list, world_size: int) -> float:
 
 
 def tail_choice(graph: Graph, model: tf.keras.Model, skip: set[int], tail: str, costs: AutoTail,
-                 comm: Communicator, dense_shapes: list[tuple[int, int]] = (), field_rows: int = 0) -> tuple[str, str]:
+                comm: Communicator, dense_shapes: list[tuple[int, int]] = (), field_rows: int = 0) -> tuple[str, str]:
     """("replicated" or "data_parallel", why): the asked tail, or for "auto" the cost model's choice
     under ``costs`` (``dense_shapes``: first Dense layers that may go by rows, des.compiler.cost.choose_tail)."""
     if tail == "replicated":
@@ -101,7 +114,7 @@ def tail_choice(graph: Graph, model: tf.keras.Model, skip: set[int], tail: str, 
 
 
 def by_rows(matches: list[Match], own, field_plan: FieldPlan, comm: Communicator, tail: str,
-             first_dense: str, costs: AutoTail, key) -> tuple[dict, str]:
+            first_dense: str, costs: AutoTail, key) -> tuple[dict, str]:
     """Which first Dense layers go by moving rows ({layer name: (widths by rank, units)}), and
     why when the cost model chose; marks their sub-operators (des_ops.rows). ``first_dense="rows"``
     comes with the data-parallel tail (transform checks it); "auto" with the replicated tail keeps
@@ -126,7 +139,7 @@ def by_rows(matches: list[Match], own, field_plan: FieldPlan, comm: Communicator
 
 
 def by_samples(matches: list[Match], own, field_plan: FieldPlan, comm: Communicator, tail: str,
-                field_rows: str, costs: AutoTail, key) -> tuple[list[int], str]:
+               field_rows: str, costs: AutoTail, key) -> tuple[list[int], str]:
     """Under the data-parallel tail, the widths by rank of the field vectors no rule splits when
     their rows go to their samples' processes (des_ops.rows.rows_to_samples; [] when they stay
     partials, as under the replicated tail, where every process needs every row), and the cost

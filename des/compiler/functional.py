@@ -11,7 +11,8 @@ import os
 import tensorflow as tf
 
 from des.compiler.keys import StateKeys, sync_from_root, trace_once
-from des.compiler.choices import by_rows, by_samples, costs_for, first_layer_choice, tail_choice
+from des.compiler.choices import (by_rows, by_samples, costs_for, dense_shapes, exchanged_keys, first_layer_choice,
+                                  tail_choice)
 from des.compiler.cost import AutoTail
 from des.graph.fields import FieldAnalysis
 from des.compiler.handle import Distributed, attach
@@ -20,7 +21,6 @@ from des.compiler.plan import FieldCost, FieldPlan, check_agreement, make_plan
 from des.graph.sources import source_of
 from des_ops.comm import Communicator, agree
 from des_ops.fused import fuse_nodes
-from des_ops.rows import Block
 from des_ops.keras_internals import (autograph_as_keras_decides, compile_args, copy_optimizer, has_weight_penalties,
                                      take_weight_penalties)
 from des_ops.suboperators import DESFirstLayer
@@ -172,10 +172,10 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     chains = FieldChains(graph, list(own.nodes.values()),
                          sorted({t for ids in own.op_inputs for t in ids}, key=position.__getitem__), fused)
     skip = set().union(*(m.nodes for m in matches))
-    dense_shapes = [(sum(v.width for v in m.vectors), int(m.data["kernel"].shape[1])) for m in matches
-                    if "parts" in m.data] if options.first_dense == "auto" else []
-    rows_width = sum(m.vectors[0].width for m in matches if m.rule == "field_rows") if options.field_rows == "auto" else 0
-    tail, tail_reason = tail_choice(graph, model, skip, options.tail, costs, comm, dense_shapes, rows_width)
+    dense = dense_shapes(matches) if options.first_dense == "auto" else []
+    rows_width = (sum(m.vectors[0].width for m in matches if m.rule == "field_rows")
+                  if options.field_rows == "auto" else 0)
+    tail, tail_reason = tail_choice(graph, model, skip, options.tail, costs, comm, dense, rows_width)
     if tail == "data_parallel" and (options.micro_batches > 1 or options.wire_dtype != "float32"):
         raise ValueError("des.transform: micro_batches and a 16-bit wire_dtype are for the replicated tail; the "
                          "data-parallel tail reduce-scatters the whole batch in float32")
@@ -184,9 +184,7 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
                                                          key)
     report.by_samples, report.field_rows_reason = by_samples(matches, own, field_plan, comm, tail, options.field_rows,
                                                               costs, key)
-    report.distinct_keys = sorted({b.key for op in own.ops if getattr(op, "exchange", "") in ("rows", "samples")
-                                   for b in [*(x for bl in getattr(op, "rank_blocks", ()) for x in bl),
-                                             getattr(op, "block", None) or Block(0)] if b.key is not None})
+    report.distinct_keys = exchanged_keys(own.ops)
     first = _first_layer(chains, fused, own, comm, tail, options.scope, forced, options.micro_batches,
                          options.wire_dtype)
     names_in = sorted({graph.nodes[i].layer.name for m in matches for v in m.vectors for i in v.chain | fields.cone(v.tensor)
