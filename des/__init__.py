@@ -52,6 +52,9 @@ def transform(model, options=None, *, comm=None, spec=None, sample=None, **moved
     new, report = compile_model(model, options, comm=comm, spec=spec, sample=sample)
     if report.changed or report.save_refusal:
         install(new, report.save_refusal)
+    if options is not None and options.row_policy.active:
+        from des.runtime.bounded import bound_rows, describe
+        report.row_policy = describe(new, options.row_policy, bound_rows(new, options.row_policy))
     return new, report
 
 
@@ -65,14 +68,18 @@ def distributed(model):
 def __getattr__(name):
     """Lazily: des.Options (how des.transform splits a model), des.TransformError, des.make_keyed (TFRA tables with key-deterministic new rows),
     des.register_adapter (map a third-party layer to canonical math), des.AutoTail (what
-    tail="auto" assumes: batch size, FLOP rate, bandwidth), des.export (``des.export(model, out)``:
+    tail="auto" assumes: batch size, FLOP rate, bandwidth), des.RowPolicy (admission and eviction
+    of table rows; des.bound_rows applies one to an untouched model, des.table_rows counts), des.export (``des.export(model, out)``:
     one SavedModel for serving) and des.checkpoint (save and restore with optimizer state)."""
     if name == "Options":
         from des.compiler.options import Options
         return Options
-    if name == "AutoTail":
-        from des.compiler.options import AutoTail
-        return AutoTail
+    if name in ("AutoTail", "RowPolicy"):
+        from des.compiler import options
+        return getattr(options, name)
+    if name in ("bound_rows", "table_rows"):   # a RowPolicy on an untouched model; rows held, admitted, evicted
+        from des.runtime import bounded
+        return getattr(bounded, name)
     if name == "TransformError":
         from des.compiler import TransformError
         return TransformError

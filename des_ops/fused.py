@@ -153,8 +153,8 @@ class FusedTable(FieldEmbedding):
             return self._zeros(inputs, with_block)
         single, other = self.reads(inputs)
         packed, padded = self.packed_keys(inputs, single, other)
-        uniq, idx = tf.unique(tf.concat(packed, axis=0))
-        rows = tf.gather(self.distinct_rows(uniq, training, multi_valued=padded), idx)
+        uniq, idx, counts = self.unique_keys(tf.concat(packed, axis=0), training)
+        rows = tf.gather(self.distinct_rows(uniq, training, multi_valued=padded, counts=counts), idx)
         parts = tf.split(rows, [tf.size(p) for p in packed]) if len(packed) > 1 else [rows]
         out = [None] * len(inputs)
         if single:

@@ -109,23 +109,35 @@ class FieldEmbedding(de.keras.layers.Embedding):
         ids = tf.convert_to_tensor(ids, tf.int64)
         if only_shapes_wanted(self):
             return tf.zeros(tf.stack([tf.shape(ids)[0], self.dim]))
-        uniq, idx = tf.unique(tf.reshape(ids, [-1]))
-        rows = self.distinct_rows(uniq, training, multi_valued=ids.shape.rank == 2)
+        uniq, idx, counts = self.unique_keys(tf.reshape(ids, [-1]), training)
+        rows = self.distinct_rows(uniq, training, multi_valued=ids.shape.rank == 2, counts=counts)
         return pool(tf.gather(rows, idx), ids, weights, self.dim)
 
-    def distinct_rows(self, uniq: tf.Tensor, training, multi_valued: bool) -> tf.Tensor:
-        """The lookup hook: rows [n, dim] of the distinct ids ``uniq`` of a batch (in the order
-        of its tf.unique). Sharded and cached tables override it; ``call`` stays the same."""
-        return self.rows(uniq, training, skip_pad=multi_valued)
+    des_row_state = None     # des_ops.row_policy.RowState: admission and eviction, when a policy is set
 
-    def rows(self, uniq: tf.Tensor, training, skip_pad: bool = False) -> tf.Tensor:
+    def unique_keys(self, keys: tf.Tensor, training) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor | None]:
+        """(distinct keys, index of each key among them, occurrences of each or None): the
+        occurrences only when a row policy counts them (des_ops.row_policy)."""
+        if training and self.des_row_state is not None:
+            return tf.unique_with_counts(keys)
+        uniq, idx = tf.unique(keys)
+        return uniq, idx, None
+
+    def distinct_rows(self, uniq: tf.Tensor, training, multi_valued: bool, counts=None) -> tf.Tensor:
+        """The lookup hook: rows [n, dim] of the distinct ids ``uniq`` of a batch (in the order
+        of its tf.unique; ``counts``: their occurrences, for a row policy). Sharded and cached
+        tables override it; ``call`` stays the same."""
+        return self.rows(uniq, training, skip_pad=multi_valued, counts=counts)
+
+    def rows(self, uniq: tf.Tensor, training, skip_pad: bool = False, counts=None) -> tf.Tensor:
         """Rows of distinct keys ``uniq`` [n] -> [n, dim]; PAD_ID rows are zero when ``skip_pad``.
 
-        In training, missing keys are first inserted with ``key_init``; in inference they read
-        ``key_init`` and are not inserted."""
+        In training, missing keys are first inserted with ``key_init`` (with a row policy: those
+        it admits, des_ops.row_policy); in inference they read ``key_init`` and are not inserted."""
         if skip_pad:
             real = tf.where(uniq != PAD_ID)
-            found = self.rows(tf.gather_nd(uniq, real), training)
+            found = self.rows(tf.gather_nd(uniq, real), training,
+                              counts=None if counts is None else tf.gather_nd(counts, real))
             return tf.scatter_nd(real, found, tf.stack([tf.size(uniq, tf.int64), self.dim]))
         values, exists = self.params.lookup(uniq, return_exists=True)
         missing = tf.where(tf.logical_not(exists))
@@ -134,6 +146,9 @@ class FieldEmbedding(de.keras.layers.Embedding):
         rows = tf.tensor_scatter_nd_update(values, missing, init)
         if not training:
             return rows
+        if self.des_row_state is not None:
+            return self.des_row_state.train_rows(uniq, counts, exists, rows,
+                                                 lambda keys, held: _read_through_shadow(self.shadow, keys, held))
         with tf.control_dependencies([self.params.upsert(new, init)]):
             return _read_through_shadow(self.shadow, uniq, rows)
 

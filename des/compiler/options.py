@@ -17,6 +17,7 @@ library and the CLI cannot drift apart.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 from des_ops.wire import WIRE_DTYPES
@@ -42,6 +43,48 @@ class AutoTail:
     bandwidth: float = 1.25e9
     per_collective: float = 3e-3
     distinct: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPolicy:
+    """Bounds on a model's TFRA tables (des.Options(row_policy=...), des.train's --admit-min-count,
+    --evict-idle-steps, --max-rows, --evict-every; the state and its exactness: des_ops.row_policy).
+
+    ``admit_min_count`` C: a key gets a trainable row at its C-th occurrence (0 or 1: at the
+    first). ``evict_idle_steps`` S: a row not read for S steps is removed (0: never).
+    ``max_rows`` R: at most R rows per table, the least recently read go first (0: unbounded).
+    ``every``: the cadence of eviction, in steps."""
+    admit_min_count: int = 0
+    evict_idle_steps: int = 0
+    max_rows: int = 0
+    every: int = 10
+
+    def __post_init__(self):
+        for name in ("admit_min_count", "evict_idle_steps", "max_rows", "every"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"des.RowPolicy: {name}={value!r}; a whole number >= 0")
+        if self.every < 1:
+            raise ValueError(f"des.RowPolicy: every={self.every}; a whole number of steps >= 1")
+
+    @property
+    def active(self) -> bool:
+        return self.admit_min_count > 1 or self.evict_idle_steps > 0 or self.max_rows > 0
+
+    @property
+    def threshold(self) -> int:
+        """The occurrences a key needs for a row (at least 1)."""
+        return max(1, self.admit_min_count)
+
+    def __str__(self) -> str:
+        parts = [f"admit at {self.admit_min_count} occurrences" if self.admit_min_count > 1 else "admit every key"]
+        if self.evict_idle_steps:
+            parts.append(f"evict rows idle {self.evict_idle_steps} steps")
+        if self.max_rows:
+            parts.append(f"at most {self.max_rows:,} rows a table (least recently read out first)")
+        if self.evict_idle_steps or self.max_rows:
+            parts.append(f"evicting every {self.every} steps")
+        return ", ".join(parts)
 
 
 TAILS = ("auto", "replicated", "data_parallel")
@@ -83,7 +126,8 @@ class Options:
     depend on (table, key, seed) only. ``strict``: raise TransformError where a table or a
     candidate operator was not substituted. ``release_unowned``: drop the rows of tables this
     process does not own. ``sync_weights``: every process first takes rank 0's weights and rows.
-    ``scope``: prefix of the collective's name (des.transform sets it per tower).
+    ``scope``: prefix of the collective's name (des.transform sets it per tower). ``row_policy``
+    (des.RowPolicy): admission and eviction of the rows of every TFRA table this process holds.
     """
     plan: Any = "balanced"
     first_layer: str = "auto"
@@ -96,6 +140,7 @@ class Options:
     wire_dtype: str = "float32"
     costs: AutoTail | None = None
     seed: int = 0
+    row_policy: RowPolicy = RowPolicy()
     strict: bool = False
     release_unowned: bool = True
     sync_weights: bool = True
@@ -122,6 +167,8 @@ class Options:
         if self.tail == "data_parallel" and (self.micro_batches > 1 or self.wire_dtype != "float32"):
             raise ValueError("des.Options: micro_batches and a 16-bit wire_dtype are for the replicated tail; the "
                              "data-parallel tail reduce-scatters the whole batch in float32")
+        if not isinstance(self.row_policy, RowPolicy):
+            raise ValueError(f"des.Options: row_policy={self.row_policy!r}; a des.RowPolicy")
         if self.costs is not None and not isinstance(self.costs, AutoTail):
             raise ValueError(f"des.Options: costs={self.costs!r}; a des.AutoTail")
 
@@ -149,4 +196,6 @@ class Options:
                   if getattr(self, k) != getattr(Options, k)]
         if self.costs is not None:
             shown.append(f"costs={self.costs}")
+        if self.row_policy.active:
+            shown.append(f"row_policy=({self.row_policy})")
         return " ".join(shown)

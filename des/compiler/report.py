@@ -55,6 +55,7 @@ class Report:
     options: Options | None = None    # what des.transform was asked (des.Options), printed with the report
     save_refusal: str = ""            # why model.save refuses (towers transformed one by one), else ""
     table_layout: str = ""            # the tables' layout this process used (des.Options.tables_for)
+    row_policy: list = dataclasses.field(default_factory=list)   # which tables a des.RowPolicy bounds (lines)
 
     @property
     def bytes_per_float(self) -> int:
@@ -158,6 +159,7 @@ class Report:
         if self.tables:
             lines.append("tables:")
             lines += [f"  {t}" for t in self.tables]
+        lines += self.row_policy
         if self.plan is not None:
             lines.append(str(self.plan))
         if self.options is not None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from des.cluster.timemodel import parse_rate
-from des.compiler.options import AutoTail, Options
+from des.compiler.options import AutoTail, Options, RowPolicy
 
 OPTIMIZERS = ["sgd", "adagrad", "adam", "ftrl"]
 MODEL_NAMES = ["lr", "fm", "dnn", "wdl", "deepfm"]
@@ -141,6 +141,7 @@ class RunConfig:
     cache: CacheOptions = CacheOptions()
     allocation: AllocationOptions = AllocationOptions()
     network: NetworkOptions = NetworkOptions()
+    row_policy: RowPolicy = RowPolicy()
 
     @property
     def hidden_units(self) -> tuple[int, ...]:
@@ -162,7 +163,7 @@ class RunConfig:
         return Options(plan=plan or self.plan, tail=self.tail, first_dense=self.first_dense, tables=tables,
                        micro_batches=self.micro_batches, wire_dtype=self.wire_dtype,
                        costs=AutoTail(batch_size=self.batch, bandwidth=self.network.link_bytes_per_second,
-                                      distinct=distinct))
+                                      distinct=distinct), row_policy=self.row_policy)
 
     @property
     def sgd_everywhere(self) -> bool:
@@ -194,7 +195,12 @@ class RunConfig:
                      f"own --linear-optimizer {ns.linear_optimizer} (use --tables fused)")
         if ns.tables == "joined" and ns.mode == "cache":
             ap.error("--tables joined: the cache mode fuses by width only (--tables fused)")
-        flat, parts = {}, {"cache": {}, "allocation": {}, "network": {}}
+        for flag in ("admit_min_count", "evict_idle_steps", "max_rows"):
+            if getattr(ns, flag) < 0:
+                ap.error(f"--{flag.replace('_', '-')} {getattr(ns, flag)}: a whole number >= 0 (0: off)")
+        if ns.evict_every < 1:
+            ap.error(f"--evict-every {ns.evict_every}: a whole number of steps >= 1")
+        flat, parts = {}, {"cache": {}, "allocation": {}, "network": {}, "row_policy": {}}
         for opt in OPTIONS:
             value = getattr(ns, opt.dest)
             if "." in opt.path:
@@ -203,7 +209,8 @@ class RunConfig:
             else:
                 flat[opt.path] = value
         return cls(**flat, cache=CacheOptions(**parts["cache"]),
-                   allocation=AllocationOptions(**parts["allocation"]), network=NetworkOptions(**parts["network"]))
+                   allocation=AllocationOptions(**parts["allocation"]), network=NetworkOptions(**parts["network"]),
+                   row_policy=RowPolicy(**parts["row_policy"]))
 
     def get(self, path: str) -> Any:
         """The value at ``path`` ("batch", "cache.staleness")."""
@@ -342,6 +349,15 @@ OPTIONS: list[Option] = [
     _o("--replica-check", type=int, default=100, metavar="K",
        help="DES: every K steps check that replicated weights agree and that every process "
             "read the same batch, in one small allreduce (0: off)"),
+    _o("--admit-min-count", "row_policy.admit_min_count", type=int, default=0, metavar="C",
+       help="a key gets a trainable row at its C-th occurrence; before that it reads an unseen key's row and "
+            "gets no update (counted by the table that holds it: exact on any N; des_ops.row_policy); 0: off"),
+    _o("--evict-idle-steps", "row_policy.evict_idle_steps", type=int, default=0, metavar="S",
+       help="remove a row (with its optimizer slots and count) not read for S steps; 0: never"),
+    _o("--max-rows", "row_policy.max_rows", type=int, default=0, metavar="R",
+       help="at most R rows per table (per field), the least recently read removed first; 0: unbounded"),
+    _o("--evict-every", "row_policy.every", type=int, default=10, metavar="K",
+       help="with --evict-idle-steps or --max-rows: evict after every K-th step (the same steps in every mode)"),
     _o("--checkpoint", default=None, help="save to this folder at every epoch's end"),
     _o("--checkpoint-every", type=Every.parse, default=Every(), metavar="K",
        help="also save every K training steps (500), or every so much training time (90s, 10min, 2h; "

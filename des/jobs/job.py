@@ -13,6 +13,7 @@ import tensorflow as tf
 
 import models
 from des.runtime import checkpoint
+from des.runtime.bounded import bound_rows, table_rows
 from des.jobs import modes
 from des.runtime.callbacks import CPUTime, PeriodicCheckpoint, Throughput, WireBytes
 from des.jobs.config import RunConfig
@@ -141,6 +142,8 @@ class _Job:
             model = mode.prepare(self.run.reference_model())
         except (DataError, modes.ModeError) as e:
             raise _fail(str(e)) from None
+        if a.row_policy.active and not hasattr(model, "des_row_states"):     # des.transform bounds its own
+            bound_rows(model, a.row_policy)
         optimizer = models.make_optimizer(a.optimizer, a.lr, linear=a.linear_optimizer,
                                           linear_learning_rate=a.linear_lr)
         model.compile(optimizer, "binary_crossentropy",
@@ -223,6 +226,11 @@ class _Job:
         if mode.auto is not None:
             summary["auto"] = {"chosen": mode.auto.mode, "des_bytes_estimate": mode.auto.des_bytes,
                                "ps_bytes_estimate": mode.auto.ps_bytes}
+        summary["table_rows"] = table_rows(self.model)
+        rows = summary["table_rows"]
+        log(f"table rows on this process: {rows['held']:,} held" + (
+            f" ({rows['admitted']:,} admitted, {rows['evicted']:,} evicted, {rows['counting']:,} keys counted without "
+            f"a row; {a.row_policy})" if a.row_policy.active else "") + f"; peak RSS {summary['peak_rss_mib']:.0f} MiB")
         mode.summarise(self.model, summary)
         if self.wire is not None:
             summary["wire_bytes_per_step"] = self.wire.median()

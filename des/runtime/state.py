@@ -17,6 +17,7 @@ import tensorflow as tf
 
 
 from des.compiler.keys import state_keys, _part_of
+from des_ops.row_policy import state_of
 
 
 def snapshot(model: tf.keras.Model) -> dict:
@@ -141,6 +142,9 @@ def export_rows(model: tf.keras.Model, optimizer, kinds=("table", "owned", "weig
                     entry[f"slot:{name}"], entry[f"has:{name}"] = source.slot_rows(var, slot.params, entry["keys"])
                 else:
                     entry[f"slot:{name}"] = slot.numpy()
+            policy = state_of(var)
+            if policy is not None:                  # a RowPolicy's counts and last steps read (des_ops.row_policy)
+                entry["seen:keys"], entry["seen:value"] = policy[0].member_seen(policy[1])
         else:
             entry = {"value": _rows(var.numpy(), ranges)}
             for name, slot in optimizer_slots(optimizer, var).items():
@@ -183,6 +187,7 @@ def load_rows(model: tf.keras.Model, optimizer, entries, keep_key=None) -> list[
                     source.load_slot(var, slot.params, keys[has], cat(f"slot:{name}")[has])
                 else:
                     slot.assign(cat(f"slot:{name}"))
+            _load_seen(var, saved, keep, keys, optimizer)
             continue
         entry = saved[0]
         want = _rows(np.zeros(var.shape, np.float32), ranges).shape if ranges is not None else tuple(var.shape)
@@ -195,3 +200,22 @@ def load_rows(model: tf.keras.Model, optimizer, entries, keep_key=None) -> list[
                 raise KeyError(f"{kind} {key}: the checkpoint has no optimizer slot {name!r}")
             slot.assign(_put_rows(slot.numpy(), ranges, entry[f"slot:{name}"]))
     return missing
+
+
+def _load_seen(layer, saved: list[dict], keep, keys: np.ndarray, optimizer) -> None:
+    """A RowPolicy's counts of ``layer``'s keys (des_ops.row_policy): as saved, those this process
+    holds (``keep``); from a checkpoint saved without a policy, the rows loaded (``keys``) count as
+    admitted and read at the optimizer's current step."""
+    policy = state_of(layer)
+    if policy is None:
+        return
+    state, member = policy
+    if all("seen:keys" in e for e in saved):
+        seen = np.concatenate([e["seen:keys"] for e in saved])
+        vals = np.concatenate([e["seen:value"] for e in saved]).reshape(-1, 2)
+        mask = keep(seen) if keep is not None else slice(None)
+        state.load_member_seen(member, seen[mask], vals[mask])
+        return
+    step = int(optimizer.iterations.numpy()) if optimizer is not None else 0
+    vals = np.tile(np.array([[state.policy.threshold, step]], np.int64), (len(keys), 1))
+    state.load_member_seen(member, keys, vals)

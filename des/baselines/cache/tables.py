@@ -159,11 +159,11 @@ class CacheProtocol:
         """The process that owns each key (id mod N)."""
         return self.exchange.owner(keys)
 
-    def distinct_rows(self, uniq, training, multi_valued):
+    def distinct_rows(self, uniq, training, multi_valued, counts=None):
         """In a training step, the rows ``fetch`` read (for the same tf.unique of the same ids);
         otherwise the owners' rows, as the PS mode reads them."""
         if self.lines.feed is None:
-            return super().distinct_rows(uniq, training, multi_valued)
+            return super().distinct_rows(uniq, training, multi_valued, counts)
         return self.lines.feed
 
     # ---- helpers -------------------------------------------------------------------------------

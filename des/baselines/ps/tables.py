@@ -73,14 +73,16 @@ class KeyExchange:
     def _add(self, name: str, value) -> tf.Operation:
         return self.counters[name].assign_add(tf.cast(value, tf.int64))
 
-    def lookup(self, local_rows, uniq: tf.Tensor, dim: int, tag: str = "", ids_of=None) -> tf.Tensor:
+    def lookup(self, local_rows, uniq: tf.Tensor, dim: int, tag: str = "", ids_of=None, counts=None) -> tf.Tensor:
         """Rows [n, dim] of distinct keys ``uniq`` [n]; ``local_rows(keys)`` reads the owner's table.
         ``tag`` names the table alike on every process (the in-process world meets by name).
-        ``ids_of(keys)``: the ids whose owner (id mod N) holds a key (a fused table's keys pack them)."""
+        ``ids_of(keys)``: the ids whose owner (id mod N) holds a key (a fused table's keys pack them).
+        ``counts`` [n] (a row policy's occurrences): sent with the keys; the owner calls
+        ``local_rows(keys, counts)`` with each key's sum over the processes."""
         n = tf.size(uniq)
         if self.world_size == 1:
             with tf.control_dependencies([self._add("unique_ids", n)]):
-                return local_rows(tf.identity(uniq))
+                return local_rows(tf.identity(uniq)) if counts is None else local_rows(tf.identity(uniq), counts)
         owner = self.owner(uniq if ids_of is None else ids_of(uniq))
         order = tf.argsort(owner, stable=True)
         splits = tf.math.bincount(owner, minlength=self.world_size, maxlength=self.world_size, dtype=tf.int32)
@@ -90,7 +92,13 @@ class KeyExchange:
             received, received_splits = self.alltoall(tf.gather(uniq, order), splits, "ids", add_sent="ids_bytes",
                                                           tag=tag)
         keys, where = tf.unique(received)                 # the same key may come from several processes
-        rows = tf.reshape(tf.gather(local_rows(keys), where), [-1, dim])
+        if counts is None:
+            held = local_rows(keys)
+        else:
+            got, _ = self.alltoall(tf.gather(tf.cast(counts, tf.int64), order), splits, "ids",
+                                   add_sent="control_bytes", tag=f"{tag}/counts")
+            held = local_rows(keys, tf.math.unsorted_segment_sum(got, where, tf.size(keys)))
+        rows = tf.reshape(tf.gather(held, where), [-1, dim])
         # in wire_dtype both ways: the cast's gradient casts the gradient rows before they travel
         back, _ = self.alltoall(tf.cast(rows, self.wire_dtype), received_splits, "rows", add_received="rows_bytes",
                                 grad_kind="grads", grad_add_sent="grad_bytes", tag=tag)
@@ -186,9 +194,9 @@ class ShardedFieldEmbedding(FieldEmbedding):
         built several models, e.g. the simulated world)."""
         return f"{self.field}:{self.dim}:{'linear' if self.linear else 'rows'}"
 
-    def distinct_rows(self, uniq, training, multi_valued):
+    def distinct_rows(self, uniq, training, multi_valued, counts=None):
         """The rows of the distinct ids from their owners (padding: zero rows, never a key)."""
-        return owners_rows(self, uniq, training)
+        return owners_rows(self, uniq, training, counts=counts)
 
 
 class ShardedKeyedEmbedding(ShardedFieldEmbedding):
@@ -211,21 +219,23 @@ class ShardedKeyedEmbedding(ShardedFieldEmbedding):
     @tf.autograph.experimental.do_not_convert
     def call(self, inputs, training=None):
         ids = tf.convert_to_tensor(inputs, tf.int64)
-        uniq, idx = tf.unique(tf.reshape(ids, [-1]))
-        rows = self.distinct_rows(uniq, training, multi_valued=False)
+        uniq, idx, counts = self.unique_keys(tf.reshape(ids, [-1]), training)
+        rows = self.distinct_rows(uniq, training, multi_valued=False, counts=counts)
         return tf.reshape(tf.gather(rows, idx), tf.concat([tf.shape(ids), [self.dim]], 0))
 
     def compute_output_shape(self, input_shape):
         return tf.TensorShape(input_shape).concatenate([self.dim])
 
 
-def owners_rows(table, uniq: tf.Tensor, training, ids_of=None) -> tf.Tensor:
+def owners_rows(table, uniq: tf.Tensor, training, ids_of=None, counts=None) -> tf.Tensor:
     """Rows [n, dim] of the distinct keys ``uniq`` of a sharded ``table`` (a FieldEmbedding with
     ``exchange`` and ``tag``), read from their owners' tables; PAD_ID gives a zero row, never a key.
-    ``ids_of``: see KeyExchange.lookup."""
+    ``ids_of``: see KeyExchange.lookup. ``counts``: the keys' occurrences in this process's slice,
+    for a row policy: they travel with the keys and the owner counts their sum."""
     real = tf.where(uniq != PAD_ID)
-    found = table.exchange.lookup(lambda k: FieldEmbedding.rows(table, k, training), tf.gather_nd(uniq, real),
-                                  table.dim, tag=table.tag, ids_of=ids_of)
+    found = table.exchange.lookup(lambda k, c=None: FieldEmbedding.rows(table, k, training, counts=c),
+                                  tf.gather_nd(uniq, real), table.dim, tag=table.tag, ids_of=ids_of,
+                                  counts=None if counts is None else tf.gather_nd(counts, real))
     return tf.scatter_nd(real, found, tf.stack([tf.size(uniq, tf.int64), table.dim]))
 
 
@@ -244,8 +254,8 @@ class ShardedFusedTable(FusedTable):
         """The ids packed in fused keys (their owner is id mod N)."""
         return tf.bitwise.bitwise_and(keys, tf.constant(ID_MASK, tf.int64))
 
-    def distinct_rows(self, uniq, training, multi_valued):
-        return owners_rows(self, uniq, training, ids_of=self.ids_of)
+    def distinct_rows(self, uniq, training, multi_valued, counts=None):
+        return owners_rows(self, uniq, training, ids_of=self.ids_of, counts=counts)
 
 
 FUSED_CLASS[ShardedFieldEmbedding] = ShardedFusedTable

@@ -95,6 +95,12 @@ class Mode:
         if a.wire_dtype != "float32" and self.name not in ("des", "ps"):
             raise ModeError(f"--wire-dtype {a.wire_dtype} is an option of --mode des (the partials) and ps (the "
                             f"rows and gradient rows)")
+        if a.row_policy.active and self.name == "cache":
+            raise ModeError("--admit-min-count, --evict-idle-steps and --max-rows are for --mode single, des and ps "
+                            "(the cache's lines keep rows of their own)")
+        if a.row_policy.max_rows and self.name == "ps":
+            raise ModeError("--max-rows with --mode ps: each process holds a slice of every table by key, so a "
+                            "per-table bound would need a global order of its rows; use --evict-idle-steps")
         if a.tables == "fused" and self.name not in ("single", "des", "ps", "cache"):
             raise ModeError(f"--tables fused is built by --mode single, des, ps and cache; --mode {self.name} keeps "
                             f"one table per field")
