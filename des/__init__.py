@@ -65,31 +65,22 @@ def distributed(model):
     return _distributed(model)
 
 
+_HOMES = {"Options": "des.compiler.options", "AutoTail": "des.compiler.options", "RowPolicy": "des.compiler.options",
+          "TransformError": "des.compiler", "make_keyed": "des.compiler.keys",
+          "register_adapter": "des.graph.adapters", "bound_rows": "des.runtime.bounded",
+          "table_rows": "des.runtime.bounded"}
+
+
 def __getattr__(name):
     """Lazily: des.Options (how des.transform splits a model), des.TransformError, des.make_keyed (TFRA tables with key-deterministic new rows),
     des.register_adapter (map a third-party layer to canonical math), des.AutoTail (what
     tail="auto" assumes: batch size, FLOP rate, bandwidth), des.RowPolicy (admission and eviction
     of table rows; des.bound_rows applies one to an untouched model, des.table_rows counts), des.export (``des.export(model, out)``:
     one SavedModel for serving) and des.checkpoint (save and restore with optimizer state)."""
-    if name == "Options":
-        from des.compiler.options import Options
-        return Options
-    if name in ("AutoTail", "RowPolicy"):
-        from des.compiler import options
-        return getattr(options, name)
-    if name in ("bound_rows", "table_rows"):   # a RowPolicy on an untouched model; rows held, admitted, evicted
-        from des.runtime import bounded
-        return getattr(bounded, name)
-    if name == "TransformError":
-        from des.compiler import TransformError
-        return TransformError
     if name in ("export", "checkpoint"):  # des.export(model, out) (a callable module), des.checkpoint.save(...)
         import importlib
         return importlib.import_module(f"des.{name}")
-    if name == "make_keyed":
-        from des.compiler.keys import make_keyed
-        return make_keyed
-    if name == "register_adapter":
-        from des.graph.adapters import register_adapter
-        return register_adapter
+    if name in _HOMES:
+        import importlib
+        return getattr(importlib.import_module(_HOMES[name]), name)
     raise AttributeError(name)

@@ -1,6 +1,11 @@
 """Admission and eviction of table rows (des.RowPolicy, des_ops.row_policy, des.runtime.bounded):
 what a policy keeps, checked against a plain-Python replay of the policy on the same ids, and that
 one process, DES on N and the PS on N keep the same rows and compute the same model under one."""
+import json
+import re
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -15,6 +20,7 @@ from des.compiler.keys import create_slots
 from des.runtime import checkpoint
 from des.runtime.bounded import bound_rows, table_rows
 from des.runtime.state import optimizer_slots
+from helpers import MPI_ENV as ENV, ROOT, mpirun, write_small_ffm
 from models.layers import FieldEmbedding
 from models.optim import make_optimizer
 
@@ -200,3 +206,43 @@ def test_the_report_names_what_the_policy_bounds():
 def test_a_bad_policy_is_refused_with_its_name(kwargs, message):
     with pytest.raises(ValueError, match=message):
         des.RowPolicy(**kwargs)
+
+
+TRAIN = ["-m", "des.train", "--model", "deepfm", "--batch", "128", "--hidden", "16", "--dim", "4", "--threads", "1",
+         "--holdout", "500", "--lr", "0.02", "--steps", "12", "--admit-min-count", "2", "--evict-idle-steps", "3",
+         "--evict-every", "2"]
+
+
+@pytest.mark.mpi
+def test_des_train_under_a_policy_under_mpirun_equals_one_process(tmp_path):
+    """des.train with --admit-min-count 2 --evict-idle-steps 3 on a 3-field file, 12 steps: one process;
+    DES on 4 processes (rank 3 owns no field); DES on 4 killed after step 8 with a checkpoint at step 6,
+    then finished by the PS on 2 processes from it (counts and last steps re-sharded by key). All three:
+    the same held-out log loss and AUC, and the same rows held and keys counted, summed over processes."""
+    data = str(tmp_path / "three.ffm")
+    write_small_ffm(data, 3000, seed=5, fields=3)
+    args = [*TRAIN, "--data", data]
+    single = subprocess.run([sys.executable, *args, "--summary-json", str(tmp_path / "one.json")],
+                            env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert "admitted" in single.stdout and "peak RSS" in single.stdout, single.stdout[-2000:]
+    des_run = mpirun(4, *args, "--mode", "des", "--summary-json", str(tmp_path / "des.json"))
+    assert des_run.returncode == 0, des_run.stderr[-3000:]
+    assert re.search(r"rank 3: load 0\.000 +\[no fields", des_run.stdout), des_run.stdout[-2000:]
+    killed = mpirun(4, *args, "--mode", "des", "--checkpoint", str(tmp_path / "ck"), "--checkpoint-every", "6",
+                    "--fail-at-step", "8", timeout=300)
+    assert killed.returncode == 17, (killed.stdout + killed.stderr)[-3000:]
+    ps = mpirun(2, *args, "--mode", "ps", "--restore", str(tmp_path / "ck"), "--summary-json", str(tmp_path / "ps.json"))
+    assert ps.returncode == 0, ps.stderr[-3000:]
+    assert "continuing at epoch 1, step 6" in ps.stdout, ps.stdout[-2000:]
+    one = json.load(open(tmp_path / "one.json"))
+    rows = one["table_rows"]
+    assert 0 < rows["held"] < rows["admitted"] and rows["evicted"] > 0 and rows["counting"] > 0, rows
+    for name, n in (("des", 4), ("ps", 2)):
+        got = [json.load(open(tmp_path / f"{name}.json.rank{r}")) for r in range(n)]
+        print(f"{name} on {n}: log loss {got[0]['logloss']:.8f} vs {one['logloss']:.8f}; rows held "
+              f"{[g['table_rows']['held'] for g in got]} vs {rows['held']}")
+        for g in got:
+            assert abs(g["logloss"] - one["logloss"]) < 1e-6 and abs(g["auc"] - one["auc"]) < 1e-6
+        for key in ("held", "counting") + (("admitted", "evicted") if name == "des" else ()):
+            assert sum(g["table_rows"][key] for g in got) == rows[key], (name, key)
