@@ -246,3 +246,30 @@ def test_des_train_under_a_policy_under_mpirun_equals_one_process(tmp_path):
             assert abs(g["logloss"] - one["logloss"]) < 1e-6 and abs(g["auc"] - one["auc"]) < 1e-6
         for key in ("held", "counting") + (("admitted", "evicted") if name == "des" else ()):
             assert sum(g["table_rows"][key] for g in got) == rows[key], (name, key)
+
+
+@pytest.mark.parametrize("n,options", [(2, {}), (3, {"first_layer": "rows", "tail": "data_parallel"})],
+                         ids=["N2-operators", "N3-first-layer-by-rows"])
+def test_a_users_tfra_model_under_a_policy_equals_one_process(n, options):
+    """The gallery's DeepFM on TFRA tables (4 fields), des.transform(..., row_policy=) on one
+    process and on N simulated ones (by operators; the whole first layer by rows): the same
+    predictions and rows held, and the policy reached every TFRA table."""
+    from gallery import BUILDERS, batches_for
+    batches = batches_for(BUILDERS["tfra_deepfm"](), steps=10, batch=32, seed=2)
+    probe = batches_for(BUILDERS["tfra_deepfm"](), steps=1, batch=16, seed=9)[0][0]
+    work = lambda m: (train_and_snapshot(m, "adam", 0.02, batches, probe), table_rows(m))  # noqa: E731
+    policy = des.RowPolicy(admit_min_count=2, evict_idle_steps=2, max_rows=40, every=2)
+    start = BUILDERS["tfra_deepfm"]()          # both worlds' rank 0 starts from its weights (Dense: random)
+    ref = run_in_process_world(1, BUILDERS["tfra_deepfm"], work, init_from=start, row_policy=policy, **options)[0]
+    assert ref[1]["evicted"] > 0 and ref[1]["counting"] > 0 and ref[1]["held"] > 0, ref[1]
+    got = run_in_process_world(n, BUILDERS["tfra_deepfm"], work, init_from=start, row_policy=policy, **options)
+    diff = compare(ref[0], [g[0] for g in got])
+    assert max(diff.values()) < 1e-6, diff
+    for key in ("held", "admitted", "evicted", "counting"):
+        assert sum(g[1][key] for g in got) == ref[1][key], key
+
+
+def test_a_tfra_table_the_policy_cannot_reach_is_refused_by_name():
+    from gallery import BUILDERS
+    with pytest.raises(ValueError, match="cannot bound the TFRA table"):
+        des.transform(BUILDERS["tfra_deepfm"](), des.Options(tables="per-field", row_policy=POLICY))

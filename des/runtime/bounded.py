@@ -33,29 +33,43 @@ from models.spec import ID_BITS
 def bound_rows(model: tf.keras.Model, policy: RowPolicy) -> list[RowState]:
     """Apply ``policy`` to every table of ``model`` (des_ops.row_policy.policy_tables) and run
     eviction between its training steps (``install``); returns the states. A policy that bounds
-    nothing (``RowPolicy()``) leaves the model as it is."""
+    nothing (``RowPolicy()``) leaves the model as it is. A TFRA table it cannot bound (one kept in
+    its own layer: des.Options(tables="per-field"), or an untouched model's TFRA Embedding) stops
+    it with a ValueError naming the table; a Keras Embedding's fixed matrix needs no bound."""
     if not policy.active:
         return []
     states = [attach(t, policy) for t in policy_tables(model)]
+    left = [layer.name for layer, src in _not_bounded(model, states) if src.dynamic]
+    if left:
+        for s in states:
+            del s.table.des_row_state
+        raise ValueError(f"des.RowPolicy: cannot bound the TFRA table(s) {', '.join(left)} (each read by its own "
+                         f"layer's lookup): pass the model through des.transform with tables='fused' or 'joined' "
+                         f"(on one process for a reference: des.transform(model, options) without mpirun)")
     install(model, states)
     return states
 
 
+def _not_bounded(model: tf.keras.Model, states: list[RowState]) -> list:
+    """(layer, table source) of the tables of ``model`` no state bounds."""
+    bounded = {id(s.table) for s in states}
+    out = []
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        fused = getattr(layer, "des_fused", None)
+        src = source_of(layer)
+        if src is not None and id(layer) not in bounded and not (fused and id(fused[0]) in bounded):
+            out.append((layer, src))
+    return out
+
+
 def describe(model: tf.keras.Model, policy: RowPolicy, states: list[RowState]) -> list[str]:
-    """Report lines: which tables of this process the policy bounds, and which it cannot."""
+    """Report lines: which tables of this process the policy bounds, and which need no bound."""
     lines = [f"row policy ({policy}):"]
     for s in states:
         held = ", ".join(s.table.slot_names) if s.fused else s.table.name
         lines.append(f"  {s.table.name}: {held}")
-    bounded = {id(s.table) for s in states}
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        fused = getattr(layer, "des_fused", None)
-        src = source_of(layer)
-        if src is None or id(layer) in bounded or (fused and id(fused[0]) in bounded):
-            continue
-        why = ("a Keras Embedding's rows are a fixed matrix" if not src.dynamic else
-               "a TFRA table kept in its own layer (tables='per-field'): fuse it (tables='fused') to bound it")
-        lines.append(f"  NOT bounded: {layer.name} ({src.name}): {why}")
+    for layer, src in _not_bounded(model, states):
+        lines.append(f"  not bounded: {layer.name} ({src.name}): its rows are a fixed matrix")
     return lines
 
 
