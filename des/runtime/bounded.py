@@ -91,7 +91,9 @@ def install(model: tf.keras.Model, states: list[RowState]) -> None:
                 s.step.assign(before)
             logs = fn(iterator)
             done = int(iterations.numpy())
-            if states and done // states[0].policy.every != before // states[0].policy.every:
+            policy = states[0].policy if states else None
+            evicts = policy is not None and (policy.evict_idle_steps or policy.max_rows)
+            if evicts and done // policy.every != before // policy.every:
                 for s in states:
                     s.step.assign(done)
                     s.evict([slot.params for slot in optimizer_slots(model.optimizer, s.table.shadow).values()])
