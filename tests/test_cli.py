@@ -107,6 +107,11 @@ def test_restore_continues_where_the_checkpoint_stopped(tmp_path):
     assert "continuing at epoch 2, step 0" in out["continued"]
     assert (restored["auc"], restored["logloss"]) == (saved["auc"], saved["logloss"])
     assert continued["logloss"] < saved["logloss"] - 1e-4
+    # the summary's timings: one save (the epoch's end) and no restore in the saving run, a restore in the others
+    assert len(saved["checkpoint_save_seconds"]) == 1 and 0 < saved["checkpoint_save_seconds"][0] < 600
+    assert 0 < saved["peak_rss_mib_before_first_save"] <= saved["peak_rss_mib"]
+    assert "restore_seconds" not in saved and 0 < restored["restore_seconds"] < 600
+    assert [len(r["samples_per_second_by_epoch"]) for r in (saved, restored, continued)] == [1, 1, 1]
 
 
 def test_resume_after_a_crash_equals_the_uninterrupted_run(tmp_path):

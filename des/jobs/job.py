@@ -8,6 +8,7 @@ import json
 import os
 import resource
 import sys
+import time
 
 import tensorflow as tf
 
@@ -150,11 +151,14 @@ class _Job:
                       metrics=[tf.keras.metrics.AUC(num_thresholds=10_000, name="auc"),
                                tf.keras.metrics.BinaryCrossentropy(name="logloss")])
         create_slots(model, optimizer)      # before the first step: Keras traces the step once, not twice
+        self.restore_seconds = None
         if a.restore:
+            began = time.perf_counter()
             try:
                 path = checkpoint.restore(a.restore, model, optimizer, mode.rank, mode.world_size)
             except checkpoint.CheckpointError as e:
                 raise _fail(str(e), once=False) from None
+            self.restore_seconds = time.perf_counter() - began
             self.log(f"restored {path}; continuing at epoch {self.start['epoch'] + 1}, step {self.start['step']}")
         self.model, self.optimizer = model, optimizer
 
@@ -162,7 +166,7 @@ class _Job:
         a, mode, model = self.config, self.mode, self.model
         self.speed, self.cpu, self.curve = Throughput(self.global_batch, self.started), CPUTime(), _AucCurve()
         callbacks = [self.speed, self.cpu, self.curve] + mode.callbacks(model)
-        self.wire = self.saver = None
+        self.wire = self.saver = self.rss_before_save = None
         if os.environ.get("DES_WIRE_INTERFACE"):        # set by des.netbed: one process per emulated host
             self.wire = WireBytes(os.environ["DES_WIRE_INTERFACE"])
             callbacks.append(self.wire)
@@ -170,11 +174,17 @@ class _Job:
             barrier = mode.barrier()
             handle = distributed(model)
             plan = handle.plan if handle is not None else None
+
+            def save(pos: dict) -> None:
+                if self.rss_before_save is None:          # the training's own peak, before a save's exports
+                    self.rss_before_save = _peak_rss_mib()
+                mode.flush(model)
+                checkpoint.save(a.checkpoint, model, self.optimizer, plan, mode.rank, mode.world_size,
+                                config=_config(a, self.spec),
+                                position=dict(pos, seed=a.seed, global_batch=self.global_batch), barrier=barrier)
+
             self.saver = PeriodicCheckpoint(
-                lambda pos: mode.flush(model) or checkpoint.save(
-                    a.checkpoint, model, self.optimizer, plan, mode.rank, mode.world_size,
-                    config=_config(a, self.spec), position=dict(pos, seed=a.seed, global_batch=self.global_batch),
-                    barrier=barrier),
+                save,
                 a.checkpoint_every.steps, a.checkpoint_every.seconds, self.start["epoch"], self.start["step"],
                 sum_across=mode.sum_across, rank=mode.rank)
             callbacks.append(self.saver)
@@ -217,6 +227,7 @@ class _Job:
         summary = {"model": a.model, "mode": a.mode, "world_size": mode.world_size,
                    "auc": result.get("auc"), "logloss": result.get("logloss"),
                    "samples_per_second": self.speed.samples_per_second(), "cpu_seconds_per_step": self.cpu.median(),
+                   "samples_per_second_by_epoch": self.speed.samples_per_second_by_epoch(),
                    "tail": a.tail, "seconds_to_first_step": self.speed.seconds_to_first_step,
                    "bayes_auc": bayes_auc(a, self.meta), "bad_lines_skipped": self.skips.total,
                    "global_batch": self.global_batch, "train_auc_by_step": self.curve.points,
@@ -232,6 +243,11 @@ class _Job:
             f" ({rows['admitted']:,} admitted, {rows['evicted']:,} evicted, {rows['counting']:,} keys counted without "
             f"a row; {a.row_policy})" if a.row_policy.active else "") + f"; peak RSS {summary['peak_rss_mib']:.0f} MiB")
         mode.summarise(self.model, summary)
+        if self.saver is not None and self.saver.saves:
+            summary.update(checkpoint_save_seconds=self.saver.seconds_by_save,
+                           peak_rss_mib_before_first_save=self.rss_before_save)
+        if self.restore_seconds is not None:
+            summary["restore_seconds"] = self.restore_seconds
         if self.wire is not None:
             summary["wire_bytes_per_step"] = self.wire.median()
             log(f"bytes/step this host sent on its interface (measured, {os.environ['DES_WIRE_INTERFACE']}): "

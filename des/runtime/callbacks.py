@@ -33,22 +33,45 @@ class _StepClock(tf.keras.callbacks.Callback):
 class Throughput(_StepClock):
     """Samples per second of training (median over batches after the first, which traces), and
     ``seconds_to_first_step``: from ``started`` (a time.perf_counter() reading) to the end of the
-    first training step (reading the first batch, building, transforming and tracing the model)."""
+    first training step (reading the first batch, building, transforming and tracing the model);
+    ``samples_per_second_by_epoch``: the same per epoch trained (a list, in the order trained).
+
+        >>> speed = Throughput(100)          # model.fit(..., callbacks=[speed])
+        >>> speed.times, speed.epochs = [9.0, 0.5, 0.5, 0.25, 0.2, 0.25], [0, 0, 0, 1, 1, 1]
+        >>> speed.samples_per_second(), speed.samples_per_second_by_epoch()
+        (400.0, [200.0, 400.0])
+    """
 
     def __init__(self, batch_size: int, started: float | None = None):
         super().__init__()
         self.batch_size = batch_size
         self.started = time.perf_counter() if started is None else started
         self.seconds_to_first_step: float | None = None
+        self.epochs: list[int] = []       # the epoch of each step in ``times``
+        self._epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
         super().on_train_batch_end(batch, logs)
+        self.epochs.append(self._epoch)
         if self.seconds_to_first_step is None:
             self.seconds_to_first_step = time.perf_counter() - self.started
 
     def samples_per_second(self) -> float:
         t = self.median()
         return float(self.batch_size / t) if t else 0.0
+
+    def samples_per_second_by_epoch(self) -> list[float]:
+        """Per epoch trained, in order: the batch over the median time of its steps (the run's
+        first step, which traces, left out unless it is its epoch's only step)."""
+        out = []
+        for epoch in dict.fromkeys(self.epochs):
+            steps = [(k, t) for k, (t, e) in enumerate(zip(self.times, self.epochs)) if e == epoch]
+            t = float(np.median([t for k, t in steps if k > 0] or [t for _, t in steps]))
+            out.append(float(self.batch_size / t) if t else 0.0)
+        return out
 
 
 class BytesPerStep(tf.keras.callbacks.Callback):
@@ -215,6 +238,7 @@ class PeriodicCheckpoint(tf.keras.callbacks.Callback):
         self.save, self.steps, self.seconds = save, steps, seconds
         self.sum_across, self.rank, self.clock = sum_across, rank, clock
         self.epoch, self.step, self.due, self.saves, self.total = epoch, step, False, 0, 0
+        self.seconds_by_save: list[float] = []          # wall seconds of each save, in order
         self.last = self.probed = clock()
         self.next_probe, self.probed_total = 1, 0
 
@@ -249,5 +273,7 @@ class PeriodicCheckpoint(tf.keras.callbacks.Callback):
         self.epoch, self.step = epoch + 1, 0
 
     def _save(self, epoch: int, step: int) -> None:
+        began = time.perf_counter()
         self.save({"epoch": epoch, "step": step})
+        self.seconds_by_save.append(time.perf_counter() - began)
         self.due, self.saves, self.last = False, self.saves + 1, self.clock()
