@@ -296,12 +296,42 @@ class FusedTable(FieldEmbedding):
     def _columns(self, member: int) -> slice:
         return slice(self._start[member], self._start[member] + self._width[member])
 
+    _exported: dict | None = None  # within ``exporting``: {what: {slot: (ids, rows)}}, each table read once
+
+    @contextlib.contextmanager
+    def exporting(self):
+        """Within it, the table (and the policy's ``seen`` table, des_ops.row_policy) is exported
+        once and split by slot, instead of once per member: a save of F members was F exports of the
+        whole table (time F x rows, and a whole copy at a time on top of what was gathered). Nothing
+        may write the table meanwhile (des.checkpoint.save holds it around its export)."""
+        self._exported = {}
+        try:
+            yield self
+        finally:
+            self._exported = None
+
+    def by_slot(self, what: str, export) -> dict:
+        """{slot: (ids, rows)} of ``export()`` ((keys, values) tensors of packed keys); kept
+        within ``exporting`` under ``what``, computed anew outside it."""
+        if self._exported is not None and what in self._exported:
+            return self._exported[what]
+        keys, values = (x.numpy() for x in export())
+        keep = keys >= 0
+        keys, values = keys[keep], values[keep]
+        order = np.argsort(keys >> ID_BITS, kind="stable")
+        keys, values = keys[order], values[order]
+        slots, starts = np.unique(keys >> ID_BITS, return_index=True)
+        ends = list(starts[1:]) + [len(keys)]
+        out = {int(slot): (keys[a:b] & _ID_MASK, values[a:b]) for slot, a, b in zip(slots, starts, ends)}
+        if self._exported is not None:
+            self._exported[what] = out
+        return out
+
     def field_rows(self, member: int) -> tuple[np.ndarray, np.ndarray]:
         """(ids, rows) of member ``member``."""
-        keys, values = self.params.export()
-        keys, values = keys.numpy(), values.numpy()
-        mine = (keys >= 0) & ((keys >> ID_BITS) == self._slot[member])
-        return keys[mine] & _ID_MASK, values[mine][:, self._columns(member)]
+        ids, rows = self.by_slot("rows", self.params.export).get(
+            int(self._slot[member]), (np.zeros([0], np.int64), np.zeros([0, self.dim], np.float32)))
+        return ids, rows[:, self._columns(member)]
 
     def member_slot_rows(self, member: int, params, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(rows, exists) of member ``member``'s ``ids`` in ``params``, one of this table's

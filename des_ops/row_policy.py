@@ -129,11 +129,10 @@ class RowState:
     # --- checkpoints: one member's counts, keyed by its ids ---------------------------------------
     def member_seen(self, member: int | None) -> tuple[np.ndarray, np.ndarray]:
         """(ids, [count, last step]) of member ``member`` of a fused table (None: the table's own)."""
-        keys, vals = (x.numpy() for x in self.seen.export())
         if member is None:
-            return keys, vals
-        mine = (keys >> ID_BITS) == self.table.slot_of(member)
-        return keys[mine] & ((1 << ID_BITS) - 1), vals[mine]
+            return tuple(x.numpy() for x in self.seen.export())
+        empty = (np.zeros([0], np.int64), np.zeros([0, 2], np.int64))
+        return self.table.by_slot("seen", self.seen.export).get(int(self.table.slot_of(member)), empty)
 
     def load_member_seen(self, member: int | None, ids: np.ndarray, vals: np.ndarray) -> None:
         """Make member ``member``'s part of ``seen`` hold exactly ``ids`` -> ``vals``."""

@@ -190,6 +190,55 @@ def test_checkpoint_of_des_2_resumes_exactly_on_des_3_and_one_process(tmp_path, 
     assert max(np.abs(p - ref).max() for p in got) < 2e-6
 
 
+def test_the_first_layer_by_rows_checkpoints_saves_and_resumes_on_the_operators_and_one_process(tmp_path):
+    """des.Options(first_layer="rows") on 5 processes (4 fields: rank 4 owns none; the first Dense's
+    kernel is a tail weight, every table's rows go by samples): after 4 of 8 Adam steps
+    checkpoint.save and model.save. The saved file is the untouched Keras DeepFM with the 4-step
+    weights; the checkpoint resumes on 2 processes with the operators split and on one plain
+    process, and after the other 4 steps both equal the uninterrupted single process."""
+    name = "keras_deepfm"
+    init, batches, probe = _case(name, 8)
+    ref_half, ref = (_reference(name, init, batches[:k], probe) for k in (4, 8))
+    ckpt = str(tmp_path / "ckpt")
+
+    def first_half(m):
+        for x, y in batches[:4]:
+            m.train_on_batch(x, y)
+        checkpoint.save(ckpt, m, m.optimizer)
+        m.save(str(tmp_path / "half.keras"))
+        return np.asarray(m.predict_on_batch(probe))
+
+    def second_half(m):
+        checkpoint.restore(ckpt, m, m.optimizer)
+        for x, y in batches[4:]:
+            m.train_on_batch(x, y)
+        return np.asarray(m.predict_on_batch(probe))
+
+    def run(n, work, **options):
+        world, ranks = _world(n, name, init, **options)
+        for m in ranks:
+            m.compile(optimizer_for(m, "adam"), "binary_crossentropy")
+        return _on_every_rank(world, lambda r: work(ranks[r]))
+    world, ranks = _world(5, name, init, first_layer="rows", tail="data_parallel")
+    ops = des.distributed(ranks[0]).layer.ops
+    assert ops and all(type(op).__name__ == "FieldRowsSubOp" and op.exchange == "samples" for op in ops)
+    for m in ranks:
+        m.compile(optimizer_for(m, "adam"), "binary_crossentropy")
+    half = _on_every_rank(world, lambda r: first_half(ranks[r]))
+    assert max(np.abs(p - ref_half).max() for p in half) < 2e-6
+    saved = tf.keras.models.load_model(str(tmp_path / "half.keras"), compile=False)
+    assert not any("des" in type(layer).__module__ for layer in saved.submodules)
+    assert np.abs(saved.predict_on_batch(probe) - half[0]).max() <= 1e-6
+    got = run(2, second_half)
+    one = BUILDERS[name]()
+    copy_state(init, one)
+    des.make_keyed(one, seed=0)
+    one.compile(optimizer_for(one, "adam"), "binary_crossentropy")
+    got.append(second_half(one))
+    assert np.abs(got[-1] - got[0]).max() < 2e-6
+    assert max(np.abs(p - ref).max() for p in got) < 2e-6
+
+
 @pytest.mark.parametrize("tables", [{}, {"tables": "joined"}])
 def test_export_of_a_tfra_model_serves_what_des_predicts(tmp_path, tables):
     """Per-field TFRA tables, and the same joined into one table a process (the export reads

@@ -55,6 +55,7 @@ class StateKeys:
         self.owned: dict[int, tuple] = {}          # id(var) -> (var, [(key, start, stop)]) rows split by key
         self.weights: dict[int, tuple] = {}        # id(var) -> (var, key) replicated
         self.kernel_parts: dict[int, tuple] = {}   # id(var) -> [(key, start, stop)]: split rows (plain model)
+        self.whole: set[int] = set()               # ids of ``owned`` vars every process holds whole (rank 0 writes)
 
     @staticmethod
     def of_model(model: tf.keras.Model) -> "StateKeys":
@@ -72,19 +73,7 @@ class StateKeys:
         for n in graph.nodes:
             if n.kind == "table":
                 sk.tables[keys[id(n.layer)]] = (n.layer, n.attrs["source"])
-        matches, _ = find_substitutions(graph)
-        split = {}
-        for m in matches:
-            if "parts" in m.data:           # a kernel split by field rows (embed_concat_dense)
-                kernel, start, parts, reps = m.data["kernel"], 0, [], []
-                dense_key = keys[id(m.root.layer)]
-                for p in m.data["parts"]:
-                    if p.vector is not None:
-                        parts.append((rows_key(graph, dense_key, keys, p.vector), start, start + p.width))
-                    else:
-                        reps.append((start, start + p.width))
-                    start += p.width
-                split[id(kernel)] = (kernel, parts, reps, f"{dense_key}/others")
+        split = _split_kernels(graph, keys)
         for wid, key in _weight_keys(graph, set()).items():
             var = _find_var(graph, wid)
             if wid in split:
@@ -123,6 +112,10 @@ class StateKeys:
         # kernels split by field (their rows live in the DES layer and the tail): not the model's any more
         sk._replaced = {id(m.data["kernel"]) for m in matches if "parts" in m.data}
         sk._dense_keys = {id(m.root.layer): keys[id(m.root.layer)] for m in matches}
+        # a kernel the untouched model splits by field rows but this one keeps whole in its tail (the
+        # first layer by rows): keyed by the same field rows, so that its checkpoints and saves mean
+        # what the untouched model's do (written by rank 0 only: every process holds the same kernel)
+        sk._whole_split = {wid: v for wid, v in _split_kernels(graph, keys).items() if wid not in sk._replaced}
         return sk
 
     def bind_tail(self, model: tf.keras.Model) -> None:
@@ -131,10 +124,37 @@ class StateKeys:
         for w in model.weights:          # a subclassed model still holds the split kernel: skipped
             if id(w) in skip:
                 continue
+            if id(w) in getattr(self, "_whole_split", {}):
+                _, parts, reps, other_key = self._whole_split[id(w)]
+                self.owned[id(w)] = (w, parts)
+                self.whole.add(id(w))
+                if reps:
+                    self.kernel_parts[id(w)] = (other_key, reps)
+                continue
             key = self._origin.get(id(w)) or getattr(w, "des_key", None)
             if key is None:
                 raise KeyError(f"no state key for weight {w.name}")
             self.weights[id(w)] = (w, key)
+
+
+def _split_kernels(graph: Graph, keys: dict[int, str]) -> dict[int, tuple]:
+    """id(kernel) -> (kernel, parts, reps, others key) of each Dense kernel the untouched model
+    splits by field rows (embed_concat_dense): ``parts`` [(rows key, start, stop)] per field vector,
+    ``reps`` [(start, stop)] of its other rows, keyed together under ``others key``."""
+    matches, _ = find_substitutions(graph)
+    split = {}
+    for m in matches:
+        if "parts" in m.data:
+            kernel, start, parts, reps = m.data["kernel"], 0, [], []
+            dense_key = keys[id(m.root.layer)]
+            for p in m.data["parts"]:
+                if p.vector is not None:
+                    parts.append((rows_key(graph, dense_key, keys, p.vector), start, start + p.width))
+                else:
+                    reps.append((start, start + p.width))
+                start += p.width
+            split[id(kernel)] = (kernel, parts, reps, f"{dense_key}/others")
+    return split
 
 
 def _find_var(graph: Graph, wid: int):

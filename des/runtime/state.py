@@ -11,12 +11,14 @@ checkpoints, saves and exports read and write.
 """
 from __future__ import annotations
 
+import contextlib
 
 import numpy as np
 import tensorflow as tf
 
 
 from des.compiler.keys import state_keys, _part_of
+from des_ops.fused import FusedTable
 from des_ops.row_policy import state_of
 
 
@@ -126,12 +128,20 @@ def pieces(model: tf.keras.Model) -> list[tuple]:
 def export_rows(model: tf.keras.Model, optimizer, kinds=("table", "owned", "weight")) -> dict:
     """{(kind, key): {"keys"?: [n], "value": array, "slot:<name>": array}} for ``kinds``.
 
-    Tables give all the rows this process holds (keys + values + each slot's rows)."""
+    Tables give all the rows this process holds (keys + values + each slot's rows); a fused table
+    is exported once for all its members (FusedTable.exporting)."""
+    with contextlib.ExitStack() as exporting:
+        for table in {id(m): m for m in model.submodules if isinstance(m, FusedTable)}.values():
+            exporting.enter_context(table.exporting())
+        return _export_rows(model, optimizer, kinds)
+
+
+def _export_rows(model: tf.keras.Model, optimizer, kinds) -> dict:
     sk = state_keys(model)
     out = {}
     for kind, key, var, ranges in pieces(model):
-        if kind not in kinds:
-            continue
+        if kind not in kinds or (kind == "owned" and id(var) in sk.whole and "weight" not in kinds):
+            continue                # a kernel every process holds whole: written once, with the weights
         if kind == "table":
             source = sk.tables[key][1]
             keys, values = source.export(var)
