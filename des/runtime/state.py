@@ -23,22 +23,25 @@ from des_ops.row_policy import state_of
 
 
 def snapshot(model: tf.keras.Model) -> dict:
-    """{"tables": {key: {id: row}}, "owned": {key: array}, "weights": {key: array}}."""
+    """{"tables": {key: {id: row}}, "owned": {key: array}, "weights": {key: array}, "whole": {keys of
+    "owned" that every process holds whole (the first layer by rows: the tail's kernel)}}."""
     sk = state_keys(model)
     tables = {}
     for key, (layer, source) in sk.tables.items():
         ids, values = source.export(layer)
         tables[key] = dict(zip(np.asarray(ids).tolist(), values))
-    owned = {}
-    for var, parts in sk.owned.values():
+    owned, whole = {}, set()
+    for wid, (var, parts) in sk.owned.items():
         value = var.numpy()
         for key, a, b in parts:
             owned[key] = value[a:b] if b is not None else value
+            if wid in sk.whole:
+                whole.add(key)
     weights = {key: var.numpy() for var, key in sk.weights.values()}
     for wid, (key, reps) in sk.kernel_parts.items():
         value = sk.owned[wid][0].numpy()
         weights[key] = np.concatenate([value[a:b] for a, b in reps])
-    return {"tables": tables, "owned": owned, "weights": weights}
+    return {"tables": tables, "owned": owned, "weights": weights, "whole": whole}
 
 
 def _trainable_of(layer, source):
