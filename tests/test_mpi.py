@@ -95,7 +95,11 @@ def test_des_under_mpirun_equals_single_process(battery, tmp_path, name, optimiz
                              random_batches(spec, 20, 32, seed=4), random_batches(spec, 1, 16, seed=99)[0][0])
     diff = compare(ref, ranks)
     print(f"mpirun -np {n} {name} {optimizer} ({comm}): {diff}")
-    within("max diff", max(diff.values()), 1e-6)       # measured <= 1.8e-7 (reports/tolerances.md)
+    within("predictions", diff["predictions"], 1e-6)       # measured <= 1.8e-7 (reports/tolerances.md)
+    # rows and weights: 1e-6, with Adam 1e-5 (its step m/(sqrt(v)+eps) amplifies float32 summation order on
+    # a near-zero gradient: the README's contract per optimizer). Measured: <= 1.8e-7 on one machine, 1.06e-6
+    # (a table row of deepfm, Adam, N = 2) on an AMD EPYC one, the same at 00f206a (before the row policy)
+    within("rows and weights", max(diff["tables"], diff["owned"], diff["weights"]), 1e-5 if "adam" in optimizer else 1e-6)
     for r in ranks:
         assert np.array_equal(r["predictions"], ranks[0]["predictions"])   # replicas agree bitwise
         assert np.allclose(r["grad_des"], 1.0)                              # identity gradient
