@@ -7,7 +7,7 @@ checkpoints, saves and exports read and write.
     >>> model = models.lr(FeatureSpec((Field("C1", dim=4), Field("C2", dim=4))))
     >>> snap = snapshot(model)        # {"tables": {key: {id: row}}, "owned": {key: array}, "weights": {key: array}}
     >>> {part: sorted(keys) for part, keys in snap.items()}
-    {'tables': ['2:FieldEmbedding', '3:FieldEmbedding'], 'owned': [], 'weights': ['5:Bias/0']}
+    {'tables': ['2:FieldEmbedding', '3:FieldEmbedding'], 'owned': [], 'weights': ['5:Bias/0'], 'whole': []}
 """
 from __future__ import annotations
 
