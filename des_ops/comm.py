@@ -281,6 +281,12 @@ class HorovodCommunicator(Communicator):
             self._started = hvd
         return self._started
 
+    def one_machine(self) -> bool:
+        """Whether every process runs on this machine (Horovod's local size is the world's): the
+        same answer on every process, as MPI groups them by node."""
+        hvd = self.start()
+        return hvd.local_size() == hvd.size()
+
     def allreduce(self, x, name="des_allreduce"):
         hvd = self.start()
         return hvd.allreduce(x, op=hvd.Sum, name=op_name(name))

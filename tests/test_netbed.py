@@ -129,7 +129,8 @@ def test_a_host_cpu_budget_holds_every_process_of_the_host(tmp_path):
 def test_des_transform_measures_the_link_at_start(tmp_path):
     """des.transform with no options on 2 emulated hosts: the bandwidth it measures with its probe
     allreduces is rounded to the class of the link the hosts were given (100 Mbit/s: 1.25e7 B/s;
-    1 Gbit/s: 1.25e8), both processes assume the same, and the report says what was measured."""
+    1 Gbit/s: 1.25e8), both processes assume the same, and the report says what was measured.
+    With both processes on one machine the link is not timed: the fastest class, every run."""
     from des.cluster.netbed import Netbed
     for rate, expected in (("100mbit", 1.25e7), ("1gbit", 1.25e8)):
         with Netbed(2, rate=rate) as bed:
@@ -142,3 +143,12 @@ def test_des_transform_measures_the_link_at_start(tmp_path):
         assert ranks[0]["link"].startswith("link measured at start: allreduce of 4 B")
         assert [r["assumed"] for r in ranks] == [expected, expected], (rate, ranks)
         assert ranks[0]["tail"] == ranks[1]["tail"] and ranks[0]["by_rows"] == ranks[1]["by_rows"]
+    # the same job with both processes on this machine: shared memory, not timed (a busy machine
+    # measured it slow enough to flip the choices, test_mpi's reports on a CI run)
+    out = str(tmp_path / "link_one_machine.json")
+    run = subprocess.run(["mpirun", "-np", "2", sys.executable, os.path.join(ROOT, "scripts", "mpi_link.py"), out],
+                         env=ENV, cwd=ROOT, timeout=300, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    ranks = [json.load(open(f"{out}.rank{r}")) for r in range(2)]
+    assert [r["assumed"] for r in ranks] == [1.25e9, 1.25e9], ranks
+    assert ranks[0]["link"].startswith("link not timed: every process on this machine"), ranks[0]["link"]

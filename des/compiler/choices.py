@@ -13,8 +13,8 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
-from des.compiler.cost import (AutoTail, choose_field_rows, choose_first_dense, choose_first_layer, choose_tail,
-                               measure_link)
+from des.compiler.cost import (LINK_CLASSES, AutoTail, choose_field_rows, choose_first_dense, choose_first_layer,
+                               choose_tail, measure_link)
 from des.compiler.options import Options
 from des.compiler.plan import FieldPlan
 from des.graph.fields import FieldAnalysis
@@ -30,7 +30,8 @@ def costs_for(options: Options, comm: Communicator, fields: FieldAnalysis, match
     """What the auto choices assume, and the report's line on it: ``options.costs`` if given; else,
     on several processes under Horovod with a choice left to the cost model, des.AutoTail's
     defaults with the link's bandwidth measured now (des.compiler.cost.measure_link, rounded to a
-    class so that the same job makes the same choices run after run); else the defaults. With a
+    class so that the same job makes the same choices run after run), or, when every process is
+    on one machine, the fastest class untimed; else the defaults. With a
     ``sample`` batch (and no ``options.costs``), its size and the share of distinct rows measured on it."""
     if options.costs is not None:
         return options.costs, ""
@@ -38,8 +39,15 @@ def costs_for(options: Options, comm: Communicator, fields: FieldAnalysis, match
     auto = "auto" in (options.first_layer, options.tail, options.first_dense, options.field_rows)
     if auto and comm.world_size > 1 and comm.name == "horovod":
         agree(comm, "des.Options (the link is measured next)", str(options))
-        link = measure_link(comm)
-        costs, line = dataclasses.replace(costs, bandwidth=link.assumed), str(link)
+        if comm.one_machine():
+            # shared memory: the fastest class, untimed (timing it on a busy machine measured
+            # anything from 1e8 to 1e15 B/s, and a slow figure flipped the choices between runs)
+            costs = dataclasses.replace(costs, bandwidth=LINK_CLASSES[-1])
+            line = (f"link not timed: every process on this machine (shared memory); assumed "
+                    f"{LINK_CLASSES[-1]:.2e} B/s ({LINK_CLASSES[-1] * 8 / 1e6:,.0f} Mbit/s)")
+        else:
+            link = measure_link(comm)
+            costs, line = dataclasses.replace(costs, bandwidth=link.assumed), str(link)
     if sample is not None:
         keys = [fields.row_key(v) for m in matches for v in m.vectors]
         batch = int(np.shape(next(iter(tf.nest.flatten(sample))))[0])
