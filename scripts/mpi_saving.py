@@ -5,13 +5,15 @@
 
 For each MODEL:OPTIMIZER of tests/gallery.py, ``train``: every rank builds the model (its own
 random weights, seeded by its rank; des.transform gives every rank rank 0's), rank 0 saves them
-as OUT/<case>.initial.pkl; each rank fits 30 steps of 32 with that optimizer, writes a DES
-checkpoint after step 15 (des.checkpoint.save, every rank), then after step 30 ``model.save``
-(a Keras SavedModel folder and a .keras file where the model's layers serialize) and
-``model.save_weights`` and ``des.export``: every rank calls each, rank 0 writes. Rank 0 pickles
-its predictions. ``resume``: builds and transforms the model on this many processes, restores
-the checkpoint of step 15, fits steps 16-30 and writes the predictions (rank 0) and a
-``model.save`` of its own (every rank takes part, a process that owns no field too).
+as OUT/<case>.initial.pkl; each rank fits 30 steps of 32 with that optimizer and writes a DES
+checkpoint after step 15 (des.checkpoint.save, every rank). A case written MODEL:OPTIMIZER:saves
+then, after step 30, also calls ``model.save`` (a Keras SavedModel folder and a .keras file where
+the model's layers serialize), ``model.save_weights`` and ``des.export``: every rank calls each,
+rank 0 writes (these write weights, not the optimizer's slots: one optimizer per model is
+enough). Rank 0 pickles its predictions. ``resume``: builds and transforms the model on this
+many processes, restores the checkpoint of step 15 (the optimizer's slots with it), fits steps
+16-30 and writes the predictions (rank 0) and, for a ``saves`` case, a ``model.save`` of its own
+(every rank takes part, a process that owns no field too).
 ``rank0`` (the Horovod habit of saving on rank 0 only): after 2 steps rank 0 alone calls
 ``model.save`` while the others train on; the job must end (Horovod's stall shutdown) with
 nothing written.
@@ -45,7 +47,8 @@ def main(phase: str, out: str, cases: list[str]) -> None:
     barrier = lambda: comm.allreduce_counted(tf.zeros([1]), "barrier")   # noqa: E731
     tf.keras.utils.set_random_seed(comm.rank)
     for case in cases:
-        name, opt = case.split(":")
+        name, opt, *flags = case.split(":")
+        saves = flags == ["saves"]
         model, batches, probe = case_data(name)
         base = os.path.join(out, f"{name}-{opt}")
         initial = model.get_weights()
@@ -64,16 +67,18 @@ def main(phase: str, out: str, cases: list[str]) -> None:
                 if step == HALF:
                     checkpoint.save(base + ".ckpt", model, model.optimizer, rank=comm.rank,
                                     world_size=comm.world_size, barrier=barrier)
-            model.save(base + ".savedmodel")
-            if not name.startswith("tfra"):          # TFRA's layers do not serialize to .keras
-                model.save(base + ".keras")
-            model.save_weights(base + ".weights.h5")
-            des.export(model, base + ".served")
+            if saves:
+                model.save(base + ".savedmodel")
+                if not name.startswith("tfra"):          # TFRA's layers do not serialize to .keras
+                    model.save(base + ".keras")
+                model.save_weights(base + ".weights.h5")
+                des.export(model, base + ".served")
         else:
             checkpoint.restore(base + ".ckpt", model, model.optimizer, rank=comm.rank, world_size=comm.world_size)
             for x, y in batches[HALF:]:
                 model.train_on_batch(x, y)
-            model.save(base + f".resumed{comm.world_size}.savedmodel")
+            if saves:
+                model.save(base + f".resumed{comm.world_size}.savedmodel")
         predictions = model.predict_on_batch(probe)
         if comm.rank == 0:
             with open(f"{base}.{phase}{comm.world_size}.pkl", "wb") as fh:

@@ -23,39 +23,47 @@ def build(name):
     return lambda: models.build(name, SPEC, seed=3, hidden=(8, 4))
 
 
-# N = 5 > 4 fields: one rank owns no field (idle). It runs for one optimizer per model, every
-# optimizer at least once. What an idle rank holds - replicated dense weights only, no table, no
-# kernel block - every rank holds at N = 2 and 3 too, and those run for every model x optimizer
-# below; what is idle-specific (zeros as its partial results, nothing to look up or update)
-# depends on the model, not on the optimizer. The plan side of an idle rank: tests/test_rules.py.
-IDLE_RANK_OPTIMIZER = {"lr": "ftrl", "fm": "adagrad", "dnn": "sgd", "wdl": "ftrl", "deepfm": "adam"}
-# N = 2 (two fields per rank, an even split) for two optimizers per model, every optimizer at
-# least twice; N = 3 (an uneven split, 2/1/1 fields) for every model x optimizer. What N = 2
-# adds over N = 3 is the split, which depends on the model, not on the optimizer (suite time).
-EVEN_SPLIT_OPTIMIZERS = {"lr": ("sgd", "adam"), "fm": ("adagrad", "ftrl"), "dnn": ("adam", "ftrl"),
-                         "wdl": ("sgd", "adagrad"), "deepfm": ("adam", "ftrl")}
+# Two optimizers per model, each optimizer on two or three models (pairwise, not the full 5 x 4:
+# an optimizer's update of the owned rows does not depend on which rule split the model, and what
+# a model's split does with the gradients does not depend on the optimizer; suite time). Each pair
+# runs at N = 3 (an uneven split, 2/1/1 fields) and at one more size: N = 2 (two fields per rank,
+# an even split) or N = 5 (more ranks than fields: one is idle). Every model runs at N = 2, 3 and
+# 5. What an idle rank holds - replicated dense weights only, no table, no kernel block - every
+# rank holds at N = 2 and 3 too; what is idle-specific (zeros as its partial results, nothing to
+# look up or update) depends on the model, not on the optimizer. The plan side of an idle rank:
+# tests/test_rules.py. The wide sweeps under mpirun: tests/test_mpi.py (N = 4 there).
+SWEEP = [("lr", "ftrl", 5), ("lr", "sgd", 2), ("fm", "adagrad", 5), ("fm", "adam", 2),
+         ("dnn", "sgd", 5), ("dnn", "adam", 2), ("wdl", "ftrl", 5), ("wdl", "adagrad", 2),
+         ("deepfm", "adam", 5), ("deepfm", "ftrl", 2)]
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam", "ftrl"])
-@pytest.mark.parametrize("name", ["lr", "fm", "dnn", "wdl", "deepfm"])
-def test_sweep_n_2_3_5(name, optimizer):
-    """Every model x optimizer at N = 3, at N = 2 with EVEN_SPLIT_OPTIMIZERS[name], and at N = 5
-    (more ranks than fields: one is idle) with IDLE_RANK_OPTIMIZER[name]. N = 1 is
-    test_n1_des_equals_plain_model; N = 4 runs under mpirun (tests/test_mpi.py)."""
+@pytest.mark.parametrize("name, optimizer, other_n", SWEEP)
+def test_sweep_n_3_and_2_or_5(name, optimizer, other_n):
+    """A model x optimizer of SWEEP at N = 3 and at ``other_n`` equals the untouched model on one
+    process. N = 1 is test_n1_des_equals_plain_model."""
     work = lambda m: train_and_snapshot(m, optimizer, LR[optimizer], BATCHES, PROBE)
     ref = work(build(name)())
     assert np.ptp(ref["predictions"][:, 0]) > 1e-3          # training moved the predictions
-    sizes = [2] * (optimizer in EVEN_SPLIT_OPTIMIZERS[name]) + [3] + [5] * (IDLE_RANK_OPTIMIZER[name] == optimizer)
-    for n in sizes:
+    for n in (3, other_n):
         diff = compare(ref, run_in_process_world(n, build(name), work))
         print(f"{name} {optimizer} N={n}: {diff}")
         assert max(diff.values()) < TOL, (n, diff)
 
 
-@pytest.mark.parametrize("name", ["wdl", "deepfm"])     # the models with a linear part and a rest
+def test_the_sweep_covers_every_model_optimizer_and_size():
+    """SWEEP's design: every model at N = 2, 3 and 5 with two optimizers, every optimizer twice or more."""
+    names = ["lr", "fm", "dnn", "wdl", "deepfm"]
+    assert sorted({m for m, _, _ in SWEEP}) == sorted(names)
+    for m in names:
+        assert sorted(n for mm, _, n in SWEEP if mm == m) == [2, 5] and len({o for mm, o, _ in SWEEP if mm == m}) == 2
+    for o in LR:
+        assert sum(oo == o for _, oo, _ in SWEEP) >= 2, o
+
+
+@pytest.mark.parametrize("name", ["deepfm"])     # a linear part and a rest (Wide & Deep's too, with FM)
 def test_ftrl_on_the_linear_part_adam_on_the_rest(name):
     """Wide&Deep's usual optimizers (FTRL for the linear part, Adam for the rest) under DES on 2
-    processes (which optimizer updates a row does not depend on N: test_sweep_n_2_3_5 sweeps N)."""
+    processes (which optimizer updates a row does not depend on N: test_sweep_n_3_and_2_or_5 sweeps N)."""
     make = lambda: models.make_optimizer("adam", LR["adam"], linear="ftrl", linear_learning_rate=LR["ftrl"])  # noqa: E731
     work = lambda m: train_and_snapshot(m, make, None, BATCHES, PROBE)  # noqa: E731
     ref = work(build(name)())
@@ -176,7 +184,7 @@ MIXED = FeatureSpec((Field("u", "categorical", 3, 30), Field("tags", "multi", 3,
 MIXED_BATCHES = random_batches(MIXED, 12, 32, seed=5)
 
 
-@pytest.mark.parametrize("name", ["fm", "wdl", "deepfm"])
+@pytest.mark.parametrize("name", ["deepfm"])    # its three rules are FM's and Wide & Deep's too
 def test_multi_valued_and_weighted_fields(name):
     """Sum-pooled and weighted (libsvm/libffm idx:val) fields substitute exactly too."""
     make = lambda: models.build(name, MIXED, seed=3, hidden=(8, 4))

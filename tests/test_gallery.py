@@ -45,6 +45,11 @@ BUILD_SEED = 0           # the starting weights of every build (Keras / DeepCTR 
 TOL_PREDICTIONS_ADAM = {"deepctr_autoint": 1e-5}
 
 
+# also on one process (the transform's N = 1 path: every field on rank 0, the same sub-operators as
+# N = 3 with no process to sum over), a model per style: plain Keras, TFRA, subclassed towers, DeepCTR
+AT_ONE = {"keras_deepfm", "tfra_deepfm", "nested_towers", "deepctr_deepfm_defaults", "deepctr_dcn"}
+
+
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_gallery_model_is_substituted_and_equivalent(name):
     build = BUILDERS[name]
@@ -56,7 +61,8 @@ def test_gallery_model_is_substituted_and_equivalent(name):
     batches = batches_for(base, 20, 32, seed=4)
     probe = batches_for(base, 1, 16, seed=99)[0][0]
     # (optimizer, learning rate, how far the probe's predictions must move, worlds)
-    for optimizer, learning_rate, moves, worlds in (("adam", 0.02, 1e-2, (1, 3)), ("sgd", 0.5, 1e-4, (2,))):
+    for optimizer, learning_rate, moves, worlds in (("adam", 0.02, 1e-2, (1, 3) if name in AT_ONE else (3,)),
+                                                    ("sgd", 0.5, 1e-4, (2,))):
         reference = build()
         copy_state(base, reference)
         des.make_keyed(reference, seed=0)
@@ -80,9 +86,9 @@ def test_gallery_model_is_substituted_and_equivalent(name):
                    case=f"N={n}")
 
 
-@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("seed", range(3))     # 5 seeds measured: reports/tolerances.md
 def test_adam_bound_over_build_seeds_is_the_spread_of_float32_order(seed):
-    """DeepCTR's DeepFM as its README writes it (8 fields, DNN 256-128-64), Adam, N = 3, at 5 build
+    """DeepCTR's DeepFM as its README writes it (8 fields, DNN 256-128-64), Adam, N = 3, at 3 build
     seeds: predictions within 1e-6 of one process, AUC and loss within 1e-6, rows and weights within
     TOL_ADAM_STATE_SEEDS.
     Why that wide: the untouched model on one process, fitted on the same batches with each batch's

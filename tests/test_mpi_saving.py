@@ -20,8 +20,10 @@ from helpers import ROOT, mpirun
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from gallery import OPTIMIZERS  # noqa: E402
 
-CASES = ([f"keras_deepfm:{o}" for o in OPTIMIZERS] + ["deepctr_deepfm:adam"] +
-         [f"tfra_deepfm:{o}" for o in ("adam", "legacy_adagrad", "rmsprop")])
+# every case checkpoints at step 15 and resumes on 5 processes (the optimizer's slots travel);
+# one case per model (":saves") also writes every saved form, which holds weights, not slots
+CASES = ([f"keras_deepfm:{o}" + (":saves" if o == "adam" else "") for o in OPTIMIZERS] + ["deepctr_deepfm:adam:saves"] +
+         [f"tfra_deepfm:{o}" for o in ("adam:saves", "legacy_adagrad", "rmsprop")])
 # A model written by Keras after 30 steps, read back elsewhere, predicts what one process's model
 # predicts; float32 summation order is all that differs (measured: 6e-8).
 TOL = 2e-6
@@ -77,8 +79,9 @@ def _load_elsewhere(tmp_path, jobs: list, tfra: bool) -> tuple[dict, str]:
 
 @pytest.mark.mpi
 def test_users_models_saved_resumed_and_served_from_mpirun(tmp_path):
-    """2 processes train 30 steps and save every way; 5 processes resume the checkpoint of step
-    15. Everything read back equals the untouched model trained on one process."""
+    """2 processes train 30 steps (a checkpoint at step 15) and save every way; 5 processes resume
+    the checkpoint of step 15 and save again. Everything read back equals the untouched model
+    trained on one process."""
     out = str(tmp_path)
     run = mpirun(2, "scripts/mpi_saving.py", "train", out, *CASES, timeout=1200)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -87,7 +90,7 @@ def test_users_models_saved_resumed_and_served_from_mpirun(tmp_path):
 
     keras_jobs, tfra_jobs, served_jobs, refs, trained = [], [], [], {}, {}
     for case in CASES:
-        name, opt = case.split(":")
+        name, opt, *saves = case.split(":")
         base = os.path.join(out, f"{name}-{opt}")
         job = pickle.load(open(f"{base}.train2.pkl", "rb"))
         refs[base], trained[base] = _reference(name, opt, job["initial"]), job["predictions"]
@@ -95,6 +98,9 @@ def test_users_models_saved_resumed_and_served_from_mpirun(tmp_path):
         diff = {"des2": np.abs(job["predictions"] - refs[base]).max(), "des2->5": np.abs(resumed - refs[base]).max()}
         print(case, diff)
         assert max(diff.values()) < TOL, (case, diff)
+        assert os.path.exists(f"{base}.savedmodel") == bool(saves), case
+        if not saves:
+            continue
         saved = [f"{base}.savedmodel", f"{base}.resumed5.savedmodel"] + ([] if name.startswith("tfra") else
                                                                           [f"{base}.keras"])
         (tfra_jobs if name.startswith("tfra") else keras_jobs).extend((p, f"{base}.train2.pkl", "keras")
@@ -115,8 +121,8 @@ def test_users_models_saved_resumed_and_served_from_mpirun(tmp_path):
     import des  # noqa: F401 - builds the gallery models with this process's TensorFlow set-up
     from gallery import BUILDERS, batches_for
     for case in CASES:
-        name, opt = case.split(":")
-        if name.startswith("tfra"):
+        name, opt, *saves = case.split(":")
+        if name.startswith("tfra") or not saves:
             continue                  # h5 holds no TFRA table; its SavedModel is checked above
         base = os.path.join(out, f"{name}-{opt}")
         fresh = BUILDERS[name]()

@@ -26,7 +26,9 @@ def _fit(model, batches, probe, rank=0, n=1):
     return model.predict_on_batch(probe)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+# Adam: its slots are sharded with the rows (SGD has none; the PS with SGD: des.train's Wide & Deep
+# under mpirun, tests/test_mpi.py; this model with Adam under mpirun there too)
+@pytest.mark.parametrize("optimizer", ["adam"])
 def test_a_users_tfra_model_sharded_by_key_equals_one_process(optimizer):
     from tensorflow_recommenders_addons import dynamic_embedding as de
     make = {"sgd": lambda: tf.keras.optimizers.legacy.SGD(0.5), "adam": lambda: tf.keras.optimizers.legacy.Adam(0.02)}
