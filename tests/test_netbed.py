@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from helpers import write_small_ffm
+from helpers import mpirun, write_small_ffm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
@@ -146,8 +146,7 @@ def test_des_transform_measures_the_link_at_start(tmp_path):
     # the same job with both processes on this machine: shared memory, not timed (a busy machine
     # measured it slow enough to flip the choices, test_mpi's reports on a CI run)
     out = str(tmp_path / "link_one_machine.json")
-    run = subprocess.run(["mpirun", "-np", "2", sys.executable, os.path.join(ROOT, "scripts", "mpi_link.py"), out],
-                         env=ENV, cwd=ROOT, timeout=300, capture_output=True, text=True)
+    run = mpirun(2, os.path.join(ROOT, "scripts", "mpi_link.py"), out, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     ranks = [json.load(open(f"{out}.rank{r}")) for r in range(2)]
     assert [r["assumed"] for r in ranks] == [1.25e9, 1.25e9], ranks
