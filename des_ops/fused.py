@@ -268,18 +268,23 @@ class FusedTable(FieldEmbedding):
         return ids | np.int64(self._slot[member] << ID_BITS)
 
     _held: dict | None = None     # within ``loading``: {id(params): {slot: keys held}}
+    _pending: dict | None = None  # within ``loading``: {(id(params), slot): (params, rows, [(member, keys, values)])}
 
     @contextlib.contextmanager
     def loading(self):
-        """Within it, the keys each slot of ``params`` holds are exported once per table (rows or
-        optimizer slot) and kept up to date by ``load_member``, instead of once per member:
-        restoring F members was F exports of the whole table. Nothing else may write the table
-        meanwhile (des.checkpoint.restore holds it around its loads)."""
-        self._held = {}
+        """Within it, ``load_member`` only records what each member's part should hold; at the end
+        each slot of each table (rows or optimizer slot) is written once: one export of what the
+        table holds, start rows only for the columns no member wrote, one upsert. Restoring F
+        members was F exports of the whole table, and a lookup and an upsert per member of a joined
+        slot. Nothing else may write the table meanwhile (des.checkpoint.restore holds it around
+        its loads)."""
+        self._held, self._pending = {}, {}
         try:
             yield self
+            for params, rows, ops in self._pending.values():
+                self._write_slot(params, rows, ops)
         finally:
-            self._held = None
+            self._held = self._pending = None
 
     def _keys_of(self, params, member: int) -> np.ndarray:
         held = self._held
@@ -343,39 +348,59 @@ class FusedTable(FieldEmbedding):
         """Make member ``member``'s part of ``params`` (this table's rows when ``rows``, else one of
         its optimizer slots) hold exactly ``ids`` -> ``values``. Members that share its slot keep their
         columns; a key new to the slot starts their columns as a lookup would (``new_rows``, or the
-        slot's start value). A slot's first member decides which keys the slot holds."""
-        held = self._keys_of(params, member)
+        slot's start value). A slot's first member decides which keys the slot holds. Within
+        ``loading`` the write happens at its end, with the other members' of the slot."""
         keys = self.pack(member, ids) if len(ids) else np.zeros([0], np.int64)
-        gone = np.setdiff1d(held, keys)
-        cols = self._columns(member)
-        if len(gone) and self._start[member] == 0:
-            params.remove(tf.constant(gone, tf.int64))
-        elif len(gone):
-            self._write_columns(params, gone, cols, None, rows)
-        if len(keys):
-            self._write_columns(params, keys, cols, np.asarray(values, np.float32).reshape(len(keys), -1), rows)
-        if self._held is not None:     # the slot now holds ``keys`` (first member) or both
-            self._held[id(params)][int(self._slot[member])] = keys if self._start[member] == 0 else \
-                np.union1d(held, keys)
+        values = np.asarray(values, np.float32).reshape(len(keys), self._width[member])
+        if self._pending is not None:
+            entry = self._pending.setdefault((id(params), int(self._slot[member])), (params, rows, []))
+            entry[2].append((member, keys, values))
+            return
+        self._write_slot(params, rows, [(member, keys, values)])
 
-    def _write_columns(self, params, keys: np.ndarray, cols: slice, values, rows: bool) -> None:
-        """Upsert ``keys`` with ``values`` in columns ``cols`` (None: the columns' start value), the
-        other columns as held (or, for a key not held, their start value)."""
-        current, exists = params.lookup(tf.constant(keys, tf.int64), return_exists=True)
-        current, exists = current.numpy().copy(), exists.numpy()
-        if rows:
-            fresh = ~exists if values is not None else np.ones(len(keys), bool)
-            if fresh.any():
-                start = self.new_rows(tf.constant(keys[fresh], tf.int64)).numpy()
-                if values is None:
-                    current[fresh, cols] = start[:, cols]
-                else:
-                    current[fresh] = start
-        elif values is None:          # the slot's start value: what a key never written reads
-            current[:, cols] = params.lookup(tf.constant([np.iinfo(np.int64).min], tf.int64)).numpy()[0, cols]
-        if values is not None:
-            current[:, cols] = values
-        params.upsert(tf.constant(keys, tf.int64), tf.constant(current, params.value_dtype))
+    def _write_slot(self, params, rows: bool, ops: list[tuple]) -> None:
+        """Apply ``load_member``'s (member, packed keys, values) ``ops`` of one slot of ``params``, in
+        order, as one write: the keys the slot keeps, their rows (held, written, or where neither,
+        the columns' start value), one upsert; keys it no longer holds are removed."""
+        held = self._keys_of(params, ops[0][0])
+        keys = held
+        vals = params.lookup(tf.constant(held, tf.int64)).numpy().copy() if len(held) else \
+            np.zeros([0, self.dim], np.float32)
+        start = np.zeros(vals.shape, bool)                  # columns that read their start value
+        for member, new_keys, new_vals in ops:
+            cols = self._columns(member)
+            if len(keys) == 0 and self._start[member] == 0:   # an empty slot takes the keys as they come
+                keys, vals = new_keys, np.zeros([len(new_keys), self.dim], np.float32)
+                start = np.ones(vals.shape, bool)
+            if not np.array_equal(keys, new_keys):   # (a restore: a slot's members come with the same keys)
+                if self._start[member] == 0:                # the first member: the slot holds its keys
+                    kept = np.isin(keys, new_keys)
+                    keys, vals, start = keys[kept], vals[kept], start[kept]
+                else:                                       # the others: their columns start again
+                    start[~np.isin(keys, new_keys), cols] = True
+                fresh = new_keys[~np.isin(new_keys, keys)]
+                keys = np.concatenate([keys, fresh])
+                vals = np.concatenate([vals, np.zeros([len(fresh), self.dim], np.float32)])
+                start = np.concatenate([start, np.ones([len(fresh), self.dim], bool)])
+                order = np.argsort(keys, kind="stable")
+                keys, vals, start = keys[order], vals[order], start[order]
+                at = np.searchsorted(keys, new_keys)
+            else:
+                at = slice(None)
+            vals[at, cols], start[at, cols] = new_vals, False
+        gone = np.setdiff1d(held, keys)
+        if len(gone):
+            params.remove(tf.constant(gone, tf.int64))
+        need = start.any(axis=1)
+        if need.any() and rows:
+            vals[need] = np.where(start[need], self.new_rows(tf.constant(keys[need], tf.int64)).numpy(), vals[need])
+        elif need.any():              # the slot's start value: what a key never written reads
+            first = params.lookup(tf.constant([np.iinfo(np.int64).min], tf.int64)).numpy()[0]
+            vals[need] = np.where(start[need], first, vals[need])
+        if len(keys):
+            params.upsert(tf.constant(keys, tf.int64), tf.constant(vals, params.value_dtype))
+        if self._held is not None:
+            self._held[id(params)][int(self._slot[ops[0][0]])] = keys
 
     def clear_field(self, params, member: int) -> None:
         """Remove member ``member``'s rows from ``params`` (this table's rows or one of its optimizer

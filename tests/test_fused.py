@@ -2,6 +2,7 @@
 all its tables of one width in one TFRA table. Fused DES on N equals the untouched per-field model
 on one process; checkpoints keep their per-field format both ways; ids that do not fit the key
 rule stop the step with the field's name."""
+import contextlib
 import re
 
 import numpy as np
@@ -175,6 +176,60 @@ def test_a_restore_exports_each_fused_table_once_not_once_per_field(tmp_path, mo
         order_a, order_b = (np.argsort(a[k]["keys"]), np.argsort(b[k]["keys"])) if k[0] == "table" else (..., ...)
         for part in a[k]:
             np.testing.assert_array_equal(np.asarray(a[k][part])[order_a], np.asarray(b[k][part])[order_b])
+
+
+def _expected_after_loads(table, params, rows: bool, ops) -> dict:
+    """What ``params`` holds after ``table.load_member`` of each (member, ids, values) of ``ops``, as
+    its docstring says, key by key: a slot's first member decides its keys; a key new to the slot
+    starts as a lookup would; a member's columns of a key it lacks start again."""
+    keys, values = (x.numpy() for x in params.export())
+    held = {int(k): v.copy() for k, v in zip(keys, values)}
+
+    def start(key: int) -> np.ndarray:
+        if rows:
+            return table.new_rows(tf.constant([key], tf.int64)).numpy()[0]
+        return params.lookup(tf.constant([np.iinfo(np.int64).min], tf.int64)).numpy()[0]
+    for member, ids, vals in ops:
+        cols, slot = table._columns(member), int(table._slot[member])
+        mine = {int(k) for k in table.pack(member, ids)}
+        for key in [k for k in held if k >> ID_BITS == slot and k not in mine]:
+            if table._start[member] == 0:
+                del held[key]
+            else:
+                held[key][cols] = start(key)[cols]
+        for key, v in zip(table.pack(member, ids), vals):
+            held.setdefault(int(key), start(int(key)).copy())[cols] = v
+    return held
+
+
+def test_member_loads_within_loading_and_one_by_one_write_what_each_load_says():
+    """Within ``FusedTable.loading`` a slot's member loads become one write at its end (a restore:
+    one upsert per slot, not a lookup and an upsert per member); outside it each load writes at
+    once. Both leave the rows and Adam's slots as the loads, applied one at a time key by key, say:
+    members of a joined slot with different keys, a second member loaded before its first, a slot
+    that already holds rows, a member emptied."""
+    rng = np.random.default_rng(0)
+    ops = []
+    for member in [1, 0, 3, 2, 2, 5, 6]:
+        ids = rng.choice(60, size=int(rng.integers(0, 14)), replace=False).astype(np.int64)
+        ops.append((member, ids, rng.normal(size=(len(ids), 1 if member % 2 else 3)).astype(np.float32)))
+    for deferred in (True, False):
+        model, opt = _trained(True, steps=2, join=True)
+        table = fused_tables(model)[0]
+        assert len(table.member_names) == 8 and list(table._width) == [3, 1] * 4
+        every = [(table.params, True)] + [(s.params, False) for s in state.optimizer_slots(opt, table.shadow).values()]
+        assert len(every) == 3
+        expected = [_expected_after_loads(table, params, rows, ops) for params, rows in every]
+        assert any(len(e) > 20 for e in expected)
+        with (table.loading() if deferred else contextlib.nullcontext()):
+            for params, rows in every:
+                for member, ids, vals in ops:
+                    table.load_member(member, params, ids, vals, rows=rows)
+        for (params, _), want in zip(every, expected):
+            keys, values = (x.numpy() for x in params.export())
+            assert sorted(int(k) for k in keys) == sorted(want), deferred
+            for k, v in zip(keys, values):
+                np.testing.assert_array_equal(v, want[int(k)], err_msg=f"deferred={deferred} key {k}")
 
 
 def test_an_id_outside_the_key_rule_names_the_field():
