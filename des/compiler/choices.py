@@ -14,7 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from des.compiler.cost import (LINK_CLASSES, AutoTail, choose_field_rows, choose_first_dense, choose_first_layer,
-                               choose_tail, measure_link)
+                               choose_tail, link_text, measure_link)
 from des.compiler.options import Options
 from des.compiler.plan import FieldPlan
 from des.graph.fields import FieldAnalysis
@@ -43,8 +43,7 @@ def costs_for(options: Options, comm: Communicator, fields: FieldAnalysis, match
             # shared memory: the fastest class, untimed (timing it on a busy machine measured
             # anything from 1e8 to 1e15 B/s, and a slow figure flipped the choices between runs)
             costs = dataclasses.replace(costs, bandwidth=LINK_CLASSES[-1])
-            line = (f"link not timed: every process on this machine (shared memory); assumed "
-                    f"{LINK_CLASSES[-1]:.2e} B/s ({LINK_CLASSES[-1] * 8 / 1e6:,.0f} Mbit/s)")
+            line = f"link not timed: every process on this machine (shared memory); assumed {link_text(LINK_CLASSES[-1])}"
         else:
             link = measure_link(comm)
             costs, line = dataclasses.replace(costs, bandwidth=link.assumed), str(link)

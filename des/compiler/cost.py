@@ -227,7 +227,16 @@ class MeasuredLink:
     def __str__(self) -> str:
         return (f"link measured at start: allreduce of 4 B {self.small_seconds * 1e3:.2f} ms, of 1 MiB "
                 f"{self.large_seconds * 1e3:.1f} ms -> {self.bytes_per_second:.2e} B/s per process; assumed "
-                f"{self.assumed:.2e} B/s ({self.assumed * 8 / 1e6:,.0f} Mbit/s)")
+                f"{link_text(self.assumed)}")
+
+
+def link_text(bytes_per_second: float) -> str:
+    """A link's speed as the reports say it.
+
+    >>> link_text(1.25e9)
+    '1.25e+09 B/s (10,000 Mbit/s)'
+    """
+    return f"{bytes_per_second:.2e} B/s ({bytes_per_second * 8 / 1e6:,.0f} Mbit/s)"
 
 
 def link_class(bytes_per_second: float) -> float:
