@@ -349,7 +349,7 @@ class FusedTable(FieldEmbedding):
         its optimizer slots) hold exactly ``ids`` -> ``values``. Members that share its slot keep their
         columns; a key new to the slot starts their columns as a lookup would (``new_rows``, or the
         slot's start value). A slot's first member decides which keys the slot holds. Within
-        ``loading`` the write happens at its end, with the other members' of the slot."""
+        ``loading`` the write happens at its end, with the slot's other members' loads."""
         keys = self.pack(member, ids) if len(ids) else np.zeros([0], np.int64)
         values = np.asarray(values, np.float32).reshape(len(keys), self._width[member])
         if self._pending is not None:
