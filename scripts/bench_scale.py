@@ -403,8 +403,9 @@ def report(a, rows: list[dict], baselines: dict, base_repeat: int, seconds: floa
               *table(rows),
               "",
               *EXPLAINED.format(
-                  repeat=a.repeat, lines_per_batch=a.batch // a.repeat, batch=a.batch, policy=a.policy or "none",
-                  policy_keys=", ".join(f"{k:,}" for k in a.policy_sizes) or "none", base_keys=a.baseline_keys,
+                  repeat=a.repeat, lines_per_batch=a.batch // a.repeat, batch=a.batch,
+                  policy_runs=(f"Policy on: `{a.policy}` at {', '.join(f'{k:,}' for k in a.policy_sizes)} keys."
+                               if a.policy_sizes else "No run here has a policy."), base_keys=a.baseline_keys,
                   base_repeat=base_repeat, baselines=base, payload=PAYLOAD, policy_payload=POLICY_PAYLOAD).split("\n"),
               "",
               "## What a key costs: TFRA's tables alone",
@@ -427,7 +428,7 @@ per field and epoch 2 none; 13 integer fields of 0-9 (a few dozen more keys afte
 log-bucketing) and a random label (p=0.25; nothing is held out, no AUC: not the point here). \
 Every run: `des.train --model deepfm --dim 8 --optimizer adam --batch {batch} --shuffle-buffer 0 --holdout 0` \
 (the file in order), single with TensorFlow's default threads (both cores), N processes under \
-`mpirun -np N --oversubscribe --bind-to none` with `--threads 1` each. Policy on: `{policy}` at {policy_keys} keys.
+`mpirun -np N --oversubscribe --bind-to none` with `--threads 1` each. {policy_runs}
 
 **Columns.** *Peak RSS/process*: des.train's `peak_rss_mib_before_first_save` (the process's ru_maxrss at the end of epoch 1, when every key is in the tables, before the save exports them), the largest over processes. *Keys held*: the keys with a row at the end of the run, from `table_rows` (which counts a key twice, its embedding and its linear weight: one joined row of 9 floats), the largest process's and all processes' together. *Bytes/key*: per process (that peak RSS - the baseline's) / keys it holds, the mean over processes; the baseline is the same system and policy on a file of {base_keys:,} keys, each on {base_repeat} lines (at least 3 steps an epoch): {baselines}. The payload of a key is {payload} B (a row of 9 float32 and Adam's two slots of it) plus its int64 key in each of the 3 tables (24 B), and with a policy {policy_payload} B (count and last step, int64) and a key more in the seen table; the rest is the hash tables' own overhead (TFRA's CPU tables are cuckoo hash maps that grow by doubling, so bytes per key move with where a size falls between two doublings, and a growth holds the old and the new buckets at once) and the allocator's. *Samples/s epoch 1 / epoch 2*: the global batch over the median step time of each epoch (rank 0; des.train's `samples_per_second_by_epoch`); epoch 1 inserts every key, epoch 2 finds them. With the policy, a key idle for the policy's steps is evicted, so epoch 2 meets new keys again, and the eviction after every 10th step is mostly outside the median. *Checkpoint MiB*: the run saves with `--checkpoint DIR` at each epoch's end; the size of the newest DIR/state (every process's shard). *Save s*: the first save's wall seconds (des.train's `checkpoint_save_seconds`, the slowest process; every key is in the tables then). *Peak RSS with saves*: the run's peak RSS per process (`peak_rss_mib`: a save exports a process's rows to numpy before it writes them). *Restore s*: `restore_seconds` of `des.train ... --restore DIR --epochs 2` (nothing left to train): reading the shards and inserting the rows, the slowest process. *Admitted / evicted*: keys over all processes (policy runs).\
 """
