@@ -82,9 +82,13 @@ def criteo_format(path: str, scratch: str) -> tuple[str, int]:
         rows = list(csv.DictReader(fh))
     out = os.path.join(scratch, os.path.basename(path) + ".criteo.txt")
     with open(out, "w") as fh:
-        for r in rows:
-            ints = ["" if r[f"I{k}"] == "" else str(int(float(r[f"I{k}"]))) for k in range(1, 14)]
-            fh.write("\t".join([r["label"], *ints, *(r[f"C{k}"] for k in range(1, 27))]) + "\n")
+        for line, r in enumerate(rows, start=2):
+            try:
+                ints = ["" if r[f"I{k}"] == "" else str(int(float(r[f"I{k}"]))) for k in range(1, 14)]
+                cats = [r[f"C{k}"] for k in range(1, 27)]
+            except (KeyError, TypeError, ValueError) as e:
+                raise SystemExit(f"{path}:{line}: not a line of Criteo's columns ({e!r})") from None
+            fh.write("\t".join([r["label"], *ints, *cats]) + "\n")
     return out, len(rows)
 
 
