@@ -38,6 +38,7 @@ import threading
 import numpy as np
 import tensorflow as tf
 
+from des_ops.serial_tracing import TraceToken
 from des_ops.wire import WIRE_DTYPES, ring_share   # WIRE_DTYPES: the partials' types; float32 is exact
 
 
@@ -358,6 +359,7 @@ class InProcessWorld:
         self._sequence: list[dict] = [{} for _ in range(world_size)]
         self._meetings: dict = {}
         self._aborted = False
+        self.tracing = TraceToken(timeout)   # one rank traces at a time (des_ops.serial_tracing)
 
     def communicator(self, rank: int) -> "InProcessCommunicator":
         return InProcessCommunicator(self, rank)
@@ -380,6 +382,10 @@ class InProcessWorld:
         """Meet the other ranks at their call of the same ``tag`` (the n-th call of a tag meets the
         others' n-th, in whatever order the ranks' graphs run their collectives) and return
         ``combine(values of every rank, rank)``."""
+        with self.tracing.released(rank):
+            return self._meet(rank, tag, value, combine)
+
+    def _meet(self, rank: int, tag: str, value, combine):
         n = self.world_size
         with self._cond:
             seq = self._sequence[rank].get(tag, 0)
@@ -415,11 +421,12 @@ class InProcessWorld:
         with self._cond:
             self._aborted = True
             self._cond.notify_all()
+        self.tracing.abort()
 
     def broadcast(self, rank: int, a: np.ndarray, root: int) -> np.ndarray:
         """The root publishes without waiting (so ranks may transform one after another in one
         thread); the others wait for the root's n-th broadcast."""
-        with self._cond:
+        with self.tracing.released(rank), self._cond:
             n = self._broadcasts[rank]
             self._broadcasts[rank] += 1
             if rank == root:

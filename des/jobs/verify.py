@@ -29,6 +29,7 @@ from des.graph.ir import Graph
 from des.compiler.keys import create_slots, state_keys
 from des.runtime.state import snapshot as state_snapshot
 from des_ops.comm import InProcessWorld
+from des_ops.serial_tracing import running_as
 from models.optim import make_optimizer
 from models.spec import PAD_ID, FeatureSpec, Field
 
@@ -178,7 +179,8 @@ def _on_every_rank(world: InProcessWorld, work: Callable[[int], object]) -> list
 
     def run(r):
         try:
-            results[r] = work(r)
+            with running_as(world.tracing, r):     # one rank builds graphs at a time
+                results[r] = work(r)
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append((r, e, traceback.format_exc()))
             world.abort()
