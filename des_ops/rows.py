@@ -50,93 +50,139 @@ def blocks_of(rank_widths: list[int]) -> list[list[Block]]:
 
 
 class _Selection:
-    """Which rows of a batch slice [lo, hi) travel for one block: all of them, or with a key the
-    first sample of each distinct id (``first``), and how to put them back (``idx``: the distinct
-    id of every sample). Memoised per (key, slice): tf.unique runs once per key and slice."""
+    """Which rows of a batch slice [lo, hi) travel for one key: all of them (key None), or the first
+    sample of each distinct id (``first``), and how to put them back (``idx``: the distinct id of
+    every sample). Memoised per (key, slice): tf.unique runs once per key and slice."""
 
     def __init__(self, keys: dict, lo, hi):
         self.keys, self.lo, self.hi, self.memo = keys, lo, hi, {}
 
-    def of(self, block: Block):
-        """(first, idx, count) of ``block`` on this slice; (None, None, rows) without a key."""
-        if block.key is None:
+    def of(self, key: str | None):
+        """(first, idx, count) of ``key`` on this slice; (None, None, rows) without a key."""
+        if key is None:
             return None, None, self.hi - self.lo
-        if block.key not in self.memo:
-            ids, idx = tf.unique(self.keys[block.key][self.lo:self.hi], out_idx=tf.int64)
+        if key not in self.memo:
+            ids, idx = tf.unique(self.keys[key][self.lo:self.hi], out_idx=tf.int64)
             count = tf.size(ids, out_type=tf.int64)
             first = tf.math.unsorted_segment_min(tf.range(self.hi - self.lo), idx, count)
-            self.memo[block.key] = (first, idx, count)
-        return self.memo[block.key]
+            self.memo[key] = (first, idx, count)
+        return self.memo[key]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """A process's blocks that share a key (or all its keyless ones), moved as one: their columns
+    ``cols`` of the process's rows (in block order) side by side, ``width`` floats a row."""
+    key: str | None
+    cols: tuple[int, ...]
+
+    @property
+    def width(self) -> int:
+        return len(self.cols)
+
+
+def _groups(blocks: list[Block]) -> list[_Group]:
+    """``blocks`` grouped by key, in order of first appearance (a field's embedding and linear
+    weight read by one id input travel as one row: one gather, one split and one segment sum)."""
+    cols: dict = {}
+    start = 0
+    for b in blocks:
+        cols.setdefault(b.key, []).extend(range(start, start + b.width))
+        start += b.width
+    return [_Group(key, tuple(c)) for key, c in cols.items()]
+
+
+def _columns(x: tf.Tensor, cols: tuple[int, ...]) -> tf.Tensor:
+    """Columns ``cols`` of ``x``: a slice when they are contiguous."""
+    if list(cols) == list(range(cols[0], cols[0] + len(cols))):
+        return x[:, cols[0]:cols[0] + len(cols)]
+    return tf.gather(x, list(cols), axis=1)
+
+
+def _in_block_order(grouped: list[tf.Tensor], groups: list[list[_Group]]) -> tf.Tensor:
+    """The groups' columns (``grouped``, one tensor per group of every process in order) put back
+    in block order (every process's blocks in rank order)."""
+    x = tf.concat(grouped, axis=1)
+    order, offset = [], 0
+    for gs in groups:
+        order += [offset + c for g in gs for c in g.cols]
+        offset += sum(g.width for g in gs)
+    if order == sorted(order):
+        return x
+    inverse = np.argsort(order)
+    return tf.gather(x, inverse.tolist(), axis=1)
 
 
 class _Exchange:
     """The all-to-all that hands each process its samples' rows of every owner's blocks, and its
     reverse: ``forward(e)`` -> [b_r, sum of every block's width] (ranks in order, each rank's
     blocks in order); ``backward(dx)`` -> the gradient of this process's ``e`` for the whole batch.
-    Plain ops: rows_to_samples and rows_dense wrap them in their custom gradients."""
+    On the wire a process's blocks go grouped by key (_groups): per destination, each group's rows
+    (one per distinct id of a keyed group) in group order. Plain ops: rows_to_samples and
+    rows_dense wrap them in their custom gradients."""
 
     def __init__(self, comm: Communicator, blocks: list[list[Block]], keys: dict, batch: tf.Tensor, name: str):
-        self.comm, self.blocks, self.name = comm, blocks, name
+        self.comm, self.name = comm, name
         n, r = comm.world_size, comm.rank
+        self.groups = [_groups(bl) for bl in blocks]
         self.bounds = [shard_rows(batch, q, n) for q in range(n)]
         self.slices = [_Selection(keys, lo, hi) for lo, hi in self.bounds]
-        self.sent = [[self.slices[q].of(b) for b in blocks[r]] for q in range(n)]       # [dest][my block]
-        self.got = [[self.slices[r].of(b) for b in blocks[p]] for p in range(n)]       # [source][its block]
+        self.sent = [[self.slices[q].of(g.key) for g in self.groups[r]] for q in range(n)]     # [dest][my group]
+        self.got = [[self.slices[r].of(g.key) for g in self.groups[p]] for p in range(n)]     # [source][its group]
 
     def forward(self, e: tf.Tensor, also_counted=0) -> tf.Tensor:
         """``also_counted``: bytes of the caller's other collective, counted with these (one count)."""
-        mine = self.blocks[self.comm.rank]
-        cols = tf.split(e, [b.width for b in mine], axis=1) if mine else []
+        mine = self.groups[self.comm.rank]
+        cols = [_columns(e, g.cols) for g in mine]
         pieces, splits = [], []
         for (lo, hi), sent in zip(self.bounds, self.sent):
             rows = [c[lo:hi] if first is None else tf.gather(c[lo:hi], first) for c, (first, _, _) in zip(cols, sent)]
             pieces += [tf.reshape(x, [-1]) for x in rows]
-            splits.append(sum((count * b.width for b, (_, _, count) in zip(mine, sent)), tf.constant(0, tf.int64)))
+            splits.append(sum((count * g.width for g, (_, _, count) in zip(mine, sent)), tf.constant(0, tf.int64)))
         flat = tf.concat(pieces, 0) if pieces else tf.zeros([0], e.dtype)
         with tf.control_dependencies([self.comm.count("step", nbytes(flat) + also_counted)]):
             got, _ = self.comm.alltoall(not_folded(self.comm, flat), tf.cast(tf.stack(splits), tf.int32), self.name)
-        flat_blocks = [(b, sel) for p in range(self.comm.world_size) for b, sel in zip(self.blocks[p], self.got[p])]
-        if not flat_blocks:
+        flat_groups = [(g, sel) for p in range(self.comm.world_size) for g, sel in zip(self.groups[p], self.got[p])]
+        if not flat_groups:
             lo, hi = self.bounds[self.comm.rank]
             return tf.zeros(tf.stack([hi - lo, 0]), e.dtype)
-        parts = tf.split(got, tf.stack([count * b.width for b, (_, _, count) in flat_blocks]), num=len(flat_blocks))
-        return tf.concat([_placed(tf.reshape(x, [-1, b.width]), idx) for x, (b, (_, idx, _)) in zip(parts, flat_blocks)],
-                         axis=1)
+        parts = tf.split(got, tf.stack([count * g.width for g, (_, _, count) in flat_groups]), num=len(flat_groups))
+        placed = [_placed(tf.reshape(x, [-1, g.width]), idx) for x, (g, (_, idx, _)) in zip(parts, flat_groups)]
+        return _in_block_order(placed, self.groups)
 
     def backward(self, dx: tf.Tensor, also_counted=0) -> tuple[tf.Tensor, tf.Tensor]:
         """(the gradient of this process's ``e``, [B, its width]; what came back, for the anchor)."""
         n, r = self.comm.world_size, self.comm.rank
-        widths = [b.width for p in range(n) for b in self.blocks[p]]
-        parts = iter(tf.split(dx, widths, axis=1) if widths else [])
-        pieces, splits = [], []
+        pieces, splits, offset = [], [], 0
         for p in range(n):
             total = tf.constant(0, tf.int64)
-            for b, (_, idx, count) in zip(self.blocks[p], self.got[p]):
-                g = next(parts)
-                pieces.append(tf.reshape(g if idx is None else tf.math.unsorted_segment_sum(g, idx, count), [-1]))
-                total += count * b.width
+            for g, (_, idx, count) in zip(self.groups[p], self.got[p]):
+                d = _columns(dx, tuple(offset + c for c in g.cols))
+                pieces.append(tf.reshape(d if idx is None else tf.math.unsorted_segment_sum(d, idx, count), [-1]))
+                total += count * g.width
+            offset += sum(g.width for g in self.groups[p])
             splits.append(total)
         flat = tf.concat(pieces, 0) if pieces else tf.zeros([0], dx.dtype)
         with tf.control_dependencies([self.comm.count("tail", nbytes(flat) + also_counted)]):
             back, _ = self.comm.alltoall(not_folded(self.comm, flat), tf.cast(tf.stack(splits), tf.int32),
                                          f"{self.name}_grad")
-        mine = self.blocks[r]
+        mine = self.groups[r]
         batch = self.bounds[-1][1]
         if not mine:
             return tf.zeros(tf.stack([batch, 0]), dx.dtype), back
-        order = [(q, k) for q in range(n) for k in range(len(mine))]      # as sent: by destination, then block
+        order = [(q, k) for q in range(n) for k in range(len(mine))]      # as sent: by destination, then group
         sizes = [self.sent[q][k][2] * mine[k].width for q, k in order]
         got = dict(zip(order, tf.split(back, tf.stack(sizes), num=len(order))))
         columns = []
-        for k, b in enumerate(mine):
+        for k, g in enumerate(mine):
             rows = []
             for q, (lo, hi) in enumerate(self.bounds):
                 first = self.sent[q][k][0]
-                g = tf.reshape(got[q, k], [-1, b.width])
-                rows.append(g if first is None else
-                            tf.scatter_nd(first[:, None], g, tf.stack([hi - lo, tf.constant(b.width, tf.int64)])))
+                d = tf.reshape(got[q, k], [-1, g.width])
+                rows.append(d if first is None else
+                            tf.scatter_nd(first[:, None], d, tf.stack([hi - lo, tf.constant(g.width, tf.int64)])))
             columns.append(tf.concat(rows, axis=0))
-        return tf.concat(columns, axis=1), back
+        return _in_block_order(columns, [mine]), back
 
 
 def _placed(rows: tf.Tensor, idx) -> tf.Tensor:

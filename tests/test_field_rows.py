@@ -14,6 +14,7 @@ import tensorflow as tf
 import des
 from des.compiler.cost import AutoTail, choose_field_rows
 from des.jobs.verify import compare, copy_state, fit_and_snapshot, run_in_process_world
+from des_ops.fused import FusedTable
 from gallery import BUILDERS, batches_for
 from helpers import within
 
@@ -140,20 +141,27 @@ def blocks_key(blocks) -> str:
     return next(b.key for bl in blocks for b in bl)
 
 
-@pytest.mark.parametrize("name, worlds", [("keras_deepfm", (2, 3)), ("tfra_deepfm", (2,)), ("deepctr_deepfm", (5,))])
-def test_the_first_layer_by_rows_equals_one_process(name, worlds):
+@pytest.mark.parametrize("name, worlds, tables", [("keras_deepfm", (2, 3), "auto"), ("tfra_deepfm", (2,), "auto"),
+                                                  ("tfra_deepfm", (3,), "joined"), ("deepctr_deepfm", (5,), "auto")])
+def test_the_first_layer_by_rows_equals_one_process(name, worlds, tables):
     """des.Options(first_layer="rows"): no operator is split (the linear sum, FM and the first Dense
     run in the data-parallel tail), every table's rows go to their samples' processes once per
     distinct id; 20 Adam steps equal the untouched model on one process (N = 5: a process owns no
-    field); the first Dense's kernel is a tail weight, summed, equal on every process."""
+    field); the first Dense's kernel is a tail weight, summed, equal on every process. Joined tables
+    (a user's 1-wide linear weights carried as field rows): one TFRA table per process holds each
+    owned field's embedding and weight side by side, and both travel as one row."""
     build, base, fit, ref = _setup(name)
     for n in worlds:
         ranks = run_in_process_world(n, build, lambda m: {**fit(m), "layer": des.distributed(m).layer},
-                                     init_from=base, first_layer="rows")
+                                     init_from=base, first_layer="rows", tables=tables)
         layers = [r.pop("layer") for r in ranks]
         assert all(all(type(op).__name__ == "FieldRowsSubOp" and op.exchange == "samples" for op in layer.ops)
                    for layer in layers)
         assert all(op.block.key is not None for op in layers[0].ops)
+        if tables == "joined":
+            for layer in layers:
+                fused = [t.name for t in layer.owned if isinstance(t, FusedTable)]
+                assert len(fused) == 1 and "_joined" in fused[0], fused
         for r in ranks:
             within(f"{name} N={n} first layer by rows: predictions",
                    float(np.abs(np.asarray(r["predictions"]) - np.asarray(ref["predictions"])).max()), 1e-6)

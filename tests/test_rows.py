@@ -10,7 +10,7 @@ import tensorflow as tf
 import des
 from des.compiler.cost import AutoTail, choose_first_dense, choose_tail
 from des_ops.comm import InProcessWorld, shard_rows
-from des_ops.rows import bytes_per_step, distinct_rows, rows_dense, wire_floats
+from des_ops.rows import Block, bytes_per_step, distinct_rows, rows_dense, rows_to_samples, wire_floats
 from des.jobs.verify import _on_every_rank, run_in_process_world
 from test_tail import _check, _data, _reference_and_base
 
@@ -42,6 +42,58 @@ def test_rows_dense_equals_the_product_of_the_whole_rows_and_kernel():
         assert y.shape == (hi - lo, 2) and de.shape == (7, widths[r]) and dk.shape == (widths[r], 2)
         assert (counted["step"]["bytes"], counted["tail"]["bytes"]) == bytes_per_step(7, widths, 2, r)
         assert (counted["step"]["calls"], counted["tail"]["calls"]) == (1, 1)
+
+
+def test_rows_to_samples_moves_blocks_of_one_key_together_and_puts_every_column_back():
+    """Blocks of one key interleaved with others' and keyless ones (rank 0: A, B, A, none, B; rank 1
+    owns nothing; rank 2: B, A), 3 processes, a batch of 11 with repeated ids: each process gets its
+    samples' rows of every block in rank and block order, exactly; each owner gets, per slice, the
+    gradient of a distinct id summed over the slice's samples holding it at its first sample (a
+    keyless block's at every sample); bytes are the distinct rows' (des_ops.rows.distinct_rows)."""
+    rng = np.random.default_rng(3)
+    n, batch = 3, 11
+    ids = {"A": np.array([5, 5, 7, 5, 9, 7, 7, 5, 9, 9, 1]), "B": np.array([2, 4, 2, 2, 4, 4, 8, 8, 2, 4, 4])}
+    blocks = [[Block(2, "A"), Block(3, "B"), Block(1, "A"), Block(2), Block(1, "B")], [], [Block(1, "B"), Block(2, "A")]]
+    e = []
+    for bl in blocks:              # a keyed block's row is a function of its id, as a table lookup's is
+        cols = [rng.normal(size=(20, b.width))[ids[b.key]] if b.key else rng.normal(size=(batch, b.width)) for b in bl]
+        e.append(np.concatenate(cols, axis=1) if cols else np.zeros((batch, 0)))
+    x_all = np.concatenate(e, axis=1)
+    dx_all = rng.normal(size=(batch, x_all.shape[1]))
+    world = InProcessWorld(n)
+
+    def work(r):
+        comm = world.communicator(r)
+        er = tf.constant(e[r], tf.float32)
+        lo, hi = shard_rows(batch, r, n)
+        with tf.GradientTape() as tape:
+            tape.watch(er)
+            x = rows_to_samples(comm, er, [sum(b.width for b in bl) for bl in blocks], tf.zeros([]), "t", blocks,
+                                {k: tf.constant(v, tf.int64) for k, v in ids.items()})
+            loss = tf.reduce_sum(x * tf.constant(dx_all[lo:hi], tf.float32))
+        return x.numpy(), tape.gradient(loss, er).numpy(), comm.counted()
+    out = _on_every_rank(world, work)
+    offsets = np.cumsum([0] + [e_p.shape[1] for e_p in e])
+    for r, (x, de, counted) in enumerate(out):
+        lo, hi = shard_rows(batch, r, n)
+        np.testing.assert_array_equal(x, x_all[lo:hi].astype(np.float32))
+        expected = np.zeros_like(e[r], np.float32)
+        start = 0
+        for b in blocks[r]:
+            cols = slice(start, start + b.width)
+            g = dx_all[:, offsets[r] + start:offsets[r] + start + b.width].astype(np.float32)
+            for q in range(n):
+                qlo, qhi = shard_rows(batch, q, n)
+                for i in range(qlo, qhi):
+                    same = [j for j in range(qlo, qhi) if b.key and ids[b.key][j] == ids[b.key][i]]
+                    if not b.key:
+                        expected[i, cols] = g[i]
+                    elif same[0] == i:
+                        expected[i, cols] = np.sum(g[same], axis=0, dtype=np.float32)
+            start += b.width
+        np.testing.assert_allclose(de, expected, rtol=1e-6, atol=1e-7)
+        sent, got = distinct_rows(ids, blocks, batch, r)
+        assert (counted["step"]["bytes"], counted["tail"]["bytes"]) == (4 * sent, 4 * got)
 
 
 @pytest.mark.parametrize("name, worlds", [("keras_deepfm", (2, 3, 5)), ("deepctr_deepfm", (5,)),

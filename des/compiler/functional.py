@@ -261,17 +261,20 @@ class _OwnedPart:
 
 
 def _mark_linear_tables(matches: list[Match]) -> None:
-    """The tables of a user's sparse linear sum (the 1-wide weights lr_sum matched, read by no other
-    match) are its linear part, as the zoo's ``FieldEmbedding(linear=True)`` is: joined tables then
-    keep a field's weight in its embedding's row, one lookup for both (des_ops.fused.linear_partners)."""
+    """The 1-wide tables of a user's sparse linear sum (those lr_sum matched or, with the first layer
+    by rows, field_rows carries; read by nothing else) are its linear part, as the zoo's
+    ``FieldEmbedding(linear=True)`` is: joined tables then keep a field's weight in its embedding's
+    row, one lookup and one update for both (des_ops.fused.linear_partners)."""
     used: dict[int, set] = {}
     for m in matches:
         for v in m.vectors:
             used.setdefault(id(v.table.layer), set()).add(m.rule)
     for m in matches:
-        for v in m.vectors if m.rule == "lr_sum" else []:
+        for v in m.vectors if m.rule in ("lr_sum", "field_rows") else []:
+            if m.rule == "field_rows" and v.width != 1:
+                continue
             shadow = getattr(v.table.layer, "shadow", None)
-            if used[id(v.table.layer)] == {"lr_sum"} and shadow is not None:
+            if used[id(v.table.layer)] <= {"lr_sum", "field_rows"} and shadow is not None:
                 shadow.des_linear_part = True
 
 
