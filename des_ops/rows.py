@@ -92,25 +92,41 @@ def _groups(blocks: list[Block]) -> list[_Group]:
     return [_Group(key, tuple(c)) for key, c in cols.items()]
 
 
+def _runs(positions: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(tensor, position) pairs in order -> runs (tensor, start, stop) of consecutive positions."""
+    runs: list[list[int]] = []
+    for t, c in positions:
+        if runs and runs[-1][0] == t and runs[-1][2] == c:
+            runs[-1][2] = c + 1
+        else:
+            runs.append([t, c, c + 1])
+    return [tuple(r) for r in runs]
+
+
+def _join_columns(tensors: list[tf.Tensor], positions: list[tuple[int, int]]) -> tf.Tensor:
+    """The columns ``positions`` [(tensor, column)] of ``tensors``, side by side: slices of their
+    runs, concatenated (a column gather copies one float at a time)."""
+    runs = _runs(positions)
+    parts = [tensors[t][:, a:b] for t, a, b in runs]
+    if len(parts) == 1 and runs[0][1] == 0 and runs[0][2] == int(tensors[runs[0][0]].shape[1]):
+        return tensors[runs[0][0]]
+    return tf.concat(parts, axis=1)
+
+
 def _columns(x: tf.Tensor, cols: tuple[int, ...]) -> tf.Tensor:
-    """Columns ``cols`` of ``x``: a slice when they are contiguous."""
-    if list(cols) == list(range(cols[0], cols[0] + len(cols))):
-        return x[:, cols[0]:cols[0] + len(cols)]
-    return tf.gather(x, list(cols), axis=1)
+    """Columns ``cols`` of ``x``."""
+    return _join_columns([x], [(0, c) for c in cols])
 
 
 def _in_block_order(grouped: list[tf.Tensor], groups: list[list[_Group]]) -> tf.Tensor:
     """The groups' columns (``grouped``, one tensor per group of every process in order) put back
     in block order (every process's blocks in rank order)."""
-    x = tf.concat(grouped, axis=1)
-    order, offset = [], 0
+    positions, first = [], 0
     for gs in groups:
-        order += [offset + c for g in gs for c in g.cols]
-        offset += sum(g.width for g in gs)
-    if order == sorted(order):
-        return x
-    inverse = np.argsort(order)
-    return tf.gather(x, inverse.tolist(), axis=1)
+        where = {c: (first + k, j) for k, g in enumerate(gs) for j, c in enumerate(g.cols)}
+        positions += [where[c] for c in range(sum(g.width for g in gs))]
+        first += len(gs)
+    return _join_columns(grouped, positions)
 
 
 class _Exchange:
