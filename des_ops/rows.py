@@ -106,11 +106,9 @@ def _runs(positions: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
 def _join_columns(tensors: list[tf.Tensor], positions: list[tuple[int, int]]) -> tf.Tensor:
     """The columns ``positions`` [(tensor, column)] of ``tensors``, side by side: slices of their
     runs, concatenated (a column gather copies one float at a time)."""
-    runs = _runs(positions)
-    parts = [tensors[t][:, a:b] for t, a, b in runs]
-    if len(parts) == 1 and runs[0][1] == 0 and runs[0][2] == int(tensors[runs[0][0]].shape[1]):
-        return tensors[runs[0][0]]
-    return tf.concat(parts, axis=1)
+    parts = [tensors[t] if (a, b) == (0, int(tensors[t].shape[1])) else tensors[t][:, a:b]
+             for t, a, b in _runs(positions)]
+    return parts[0] if len(parts) == 1 else tf.concat(parts, axis=1)
 
 
 def _columns(x: tf.Tensor, cols: tuple[int, ...]) -> tf.Tensor:
