@@ -49,30 +49,10 @@ def blocks_of(rank_widths: list[int]) -> list[list[Block]]:
     return [[Block(int(w))] if w else [] for w in rank_widths]
 
 
-class _Selection:
-    """Which rows of a batch slice [lo, hi) travel for one key: all of them (key None), or the first
-    sample of each distinct id (``first``), and how to put them back (``idx``: the distinct id of
-    every sample). Memoised per (key, slice): tf.unique runs once per key and slice."""
-
-    def __init__(self, keys: dict, lo, hi):
-        self.keys, self.lo, self.hi, self.memo = keys, lo, hi, {}
-
-    def of(self, key: str | None):
-        """(first, idx, count) of ``key`` on this slice; (None, None, rows) without a key."""
-        if key is None:
-            return None, None, self.hi - self.lo
-        if key not in self.memo:
-            ids, idx = tf.unique(self.keys[key][self.lo:self.hi], out_idx=tf.int64)
-            count = tf.size(ids, out_type=tf.int64)
-            first = tf.math.unsorted_segment_min(tf.range(self.hi - self.lo), idx, count)
-            self.memo[key] = (first, idx, count)
-        return self.memo[key]
-
-
 @dataclasses.dataclass(frozen=True)
 class _Group:
-    """A process's blocks that share a key (or all its keyless ones), moved as one: their columns
-    ``cols`` of the process's rows (in block order) side by side, ``width`` floats a row."""
+    """A process's blocks that share a key (or all its keyless ones): their columns ``cols`` of
+    the process's rows (in block order), one row of ``width`` floats per sample."""
     key: str | None
     cols: tuple[int, ...]
 
@@ -83,13 +63,95 @@ class _Group:
 
 def _groups(blocks: list[Block]) -> list[_Group]:
     """``blocks`` grouped by key, in order of first appearance (a field's embedding and linear
-    weight read by one id input travel as one row: one gather, one split and one segment sum)."""
+    weight read by one id input travel as one row)."""
     cols: dict = {}
     start = 0
     for b in blocks:
         cols.setdefault(b.key, []).extend(range(start, start + b.width))
         start += b.width
     return [_Group(key, tuple(c)) for key, c in cols.items()]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lane:
+    """A process's groups of one row width, moved as ONE tensor: ``keys`` (a group's each, in
+    order; (None,) for the keyless columns, which are one group), rows of ``width`` floats and
+    ``cols``, the groups' columns of the process's rows one group after another, so that the
+    lane is [B, G * width] viewed as [B * G, width]: a few ops per lane, not per field."""
+    keys: tuple
+    width: int
+    cols: tuple[int, ...]
+
+
+def _lanes(blocks: list[Block]) -> list[_Lane]:
+    """The lanes of one process's ``blocks``: its keyed groups (_groups) by width, the keyless
+    columns on their own, in order of first appearance.
+
+        >>> [(l.keys, l.width, l.cols) for l in _lanes([Block(2, "a"), Block(1, "a"), Block(3, "b"), Block(2)])]
+        [(('a', 'b'), 3, (0, 1, 2, 3, 4, 5)), ((None,), 2, (6, 7))]
+    """
+    lanes: dict = {}
+    for g in _groups(blocks):
+        keys, cols = lanes.setdefault(None if g.key is None else g.width, ([], []))
+        keys.append(g.key)
+        cols.extend(g.cols)
+    return [_Lane(tuple(keys), len(cols) if w is None else w, tuple(cols)) for w, (keys, cols) in lanes.items()]
+
+
+def wire_order(blocks: list[Block]) -> list[int]:
+    """An order of ``blocks`` (indices) in which each lane's columns are one run, lanes in order:
+    a caller that lays its rows out so moves each lane with one slice, not a column gather.
+
+        >>> wire_order([Block(2, "a"), Block(3, "b"), Block(1, "a"), Block(2)])
+        [0, 2, 1, 3]
+    """
+    start, where = 0, {}
+    for k, b in enumerate(blocks):
+        where[start] = k
+        start += b.width
+    return [where[c] for lane in _lanes(blocks) for c in lane.cols if c in where]
+
+
+def _packed(keys: list[tf.Tensor]) -> tf.Tensor:
+    """[B, G] int64 from G keys [B]: equal exactly where (key, id) pairs are equal. Ids in [0, 2**(63 - bits))
+    are packed as ``group << (63 - bits) | id`` (bits: enough for G groups); other ids through
+    each key's tf.unique index, ``group * B + index``."""
+    k = tf.stack(keys, axis=1) if len(keys) > 1 else keys[0][:, None]
+    if len(keys) == 1:
+        return k
+    shift = 63 - (len(keys) - 1).bit_length()
+    fits = tf.logical_and(tf.reduce_min(k) >= 0, tf.reduce_max(k) < 2 ** shift)
+
+    def by_index():
+        index = tf.stack([tf.unique(key, out_idx=tf.int64)[1] for key in keys], axis=1)
+        return index + tf.range(len(keys), dtype=tf.int64)[None, :] * tf.shape(k, out_type=tf.int64)[0]
+    groups = tf.constant([[g << shift for g in range(len(keys))]], tf.int64)
+    return tf.cond(fits, lambda: tf.bitwise.bitwise_or(k, groups), by_index)
+
+
+class _Selection:
+    """Which rows of each lane travel to each batch slice [lo, hi): all of them (keyless), or
+    per distinct (group, id) pair the first of them in the slice's rows [b * G + group]
+    (``first``), and how to put them back (``idx``: the distinct pair of every row). Memoised per
+    (lane keys, slice): one tf.unique per lane and slice, the same on sender and receiver."""
+
+    def __init__(self, keys: dict, bounds: list):
+        self.keys, self.bounds, self.packed, self.memo = keys, bounds, {}, {}
+
+    def of(self, lane: _Lane, q: int):
+        """(first, idx, count) of ``lane`` on slice ``q``; (None, None, rows) for a keyless lane."""
+        lo, hi = self.bounds[q]
+        if lane.keys == (None,):
+            return None, None, hi - lo
+        if (lane.keys, q) not in self.memo:
+            if lane.keys not in self.packed:
+                self.packed[lane.keys] = _packed([self.keys[k] for k in lane.keys])
+            rows = tf.reshape(self.packed[lane.keys][lo:hi], [-1])
+            ids, idx = tf.unique(rows, out_idx=tf.int64)
+            count = tf.size(ids, out_type=tf.int64)
+            first = tf.math.unsorted_segment_min(tf.range(tf.size(rows, out_type=tf.int64)), idx, count)
+            self.memo[lane.keys, q] = (first, idx, count)
+        return self.memo[lane.keys, q]
 
 
 def _runs(positions: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -116,53 +178,58 @@ def _columns(x: tf.Tensor, cols: tuple[int, ...]) -> tf.Tensor:
     return _join_columns([x], [(0, c) for c in cols])
 
 
-def _in_block_order(grouped: list[tf.Tensor], groups: list[list[_Group]]) -> tf.Tensor:
-    """The groups' columns (``grouped``, one tensor per group of every process in order) put back
-    in block order (every process's blocks in rank order)."""
+def _in_block_order(laned: list[tf.Tensor], lanes: list[list[_Lane]]) -> tf.Tensor:
+    """The lanes' columns (``laned``, one tensor per lane of every process in order) put back in
+    block order (every process's blocks in rank order)."""
     positions, first = [], 0
-    for gs in groups:
-        where = {c: (first + k, j) for k, g in enumerate(gs) for j, c in enumerate(g.cols)}
-        positions += [where[c] for c in range(sum(g.width for g in gs))]
-        first += len(gs)
-    return _join_columns(grouped, positions)
+    for ls in lanes:
+        where = {c: (first + k, j) for k, lane in enumerate(ls) for j, c in enumerate(lane.cols)}
+        positions += [where[c] for c in range(len(where))]
+        first += len(ls)
+    return _join_columns(laned, positions)
 
 
 class _Exchange:
     """The all-to-all that hands each process its samples' rows of every owner's blocks, and its
     reverse: ``forward(e)`` -> [b_r, sum of every block's width] (ranks in order, each rank's
     blocks in order); ``backward(dx)`` -> the gradient of this process's ``e`` for the whole batch.
-    On the wire a process's blocks go grouped by key (_groups): per destination, each group's rows
-    (one per distinct id of a keyed group) in group order. Plain ops: rows_to_samples and
+    On the wire a process's blocks go by lane (_lanes): per destination, each lane's rows (one
+    per distinct (group, id) of a keyed lane) in lane order. Plain ops: rows_to_samples and
     rows_dense wrap them in their custom gradients."""
 
     def __init__(self, comm: Communicator, blocks: list[list[Block]], keys: dict, batch: tf.Tensor, name: str):
         self.comm, self.name = comm, name
         n, r = comm.world_size, comm.rank
-        self.groups = [_groups(bl) for bl in blocks]
+        self.lanes = [_lanes(bl) for bl in blocks]
         self.bounds = [shard_rows(batch, q, n) for q in range(n)]
-        self.slices = [_Selection(keys, lo, hi) for lo, hi in self.bounds]
-        self.sent = [[self.slices[q].of(g.key) for g in self.groups[r]] for q in range(n)]     # [dest][my group]
-        self.got = [[self.slices[r].of(g.key) for g in self.groups[p]] for p in range(n)]     # [source][its group]
+        select = _Selection(keys, self.bounds)
+        self.sent = [[select.of(lane, q) for lane in self.lanes[r]] for q in range(n)]     # [dest][my lane]
+        self.got = [[select.of(lane, r) for lane in self.lanes[p]] for p in range(n)]      # [source][its lane]
 
     def forward(self, e: tf.Tensor, also_counted=0) -> tf.Tensor:
         """``also_counted``: bytes of the caller's other collective, counted with these (one count)."""
-        mine = self.groups[self.comm.rank]
-        cols = [_columns(e, g.cols) for g in mine]
+        mine = self.lanes[self.comm.rank]
+        rows = [tf.reshape(_columns(e, lane.cols), [-1, lane.width]) for lane in mine]     # [B * G, width]
         pieces, splits = [], []
         for (lo, hi), sent in zip(self.bounds, self.sent):
-            rows = [c[lo:hi] if first is None else tf.gather(c[lo:hi], first) for c, (first, _, _) in zip(cols, sent)]
-            pieces += [tf.reshape(x, [-1]) for x in rows]
-            splits.append(sum((count * g.width for g, (_, _, count) in zip(mine, sent)), tf.constant(0, tf.int64)))
+            total = tf.constant(0, tf.int64)
+            for lane, x, (first, _, count) in zip(mine, rows, sent):
+                g = len(lane.keys)
+                part = x[lo * g:hi * g]
+                pieces.append(tf.reshape(part if first is None else tf.gather(part, first), [-1]))
+                total += count * lane.width
+            splits.append(total)
         flat = tf.concat(pieces, 0) if pieces else tf.zeros([0], e.dtype)
         with tf.control_dependencies([self.comm.count("step", nbytes(flat) + also_counted)]):
             got, _ = self.comm.alltoall(not_folded(self.comm, flat), tf.cast(tf.stack(splits), tf.int32), self.name)
-        flat_groups = [(g, sel) for p in range(self.comm.world_size) for g, sel in zip(self.groups[p], self.got[p])]
-        if not flat_groups:
+        flat_lanes = [(lane, sel) for p in range(self.comm.world_size) for lane, sel in zip(self.lanes[p], self.got[p])]
+        if not flat_lanes:
             lo, hi = self.bounds[self.comm.rank]
             return tf.zeros(tf.stack([hi - lo, 0]), e.dtype)
-        parts = tf.split(got, tf.stack([count * g.width for g, (_, _, count) in flat_groups]), num=len(flat_groups))
-        placed = [_placed(tf.reshape(x, [-1, g.width]), idx) for x, (g, (_, idx, _)) in zip(parts, flat_groups)]
-        return _in_block_order(placed, self.groups)
+        parts = tf.split(got, tf.stack([count * lane.width for lane, (_, _, count) in flat_lanes]), num=len(flat_lanes))
+        placed = [tf.reshape(_placed(tf.reshape(x, [-1, lane.width]), idx), [-1, len(lane.cols)])
+                  for x, (lane, (_, idx, _)) in zip(parts, flat_lanes)]
+        return _in_block_order(placed, self.lanes)
 
     def backward(self, dx: tf.Tensor, also_counted=0) -> tuple[tf.Tensor, tf.Tensor]:
         """(the gradient of this process's ``e``, [B, its width]; what came back, for the anchor)."""
@@ -170,32 +237,32 @@ class _Exchange:
         pieces, splits, offset = [], [], 0
         for p in range(n):
             total = tf.constant(0, tf.int64)
-            for g, (_, idx, count) in zip(self.groups[p], self.got[p]):
-                d = _columns(dx, tuple(offset + c for c in g.cols))
+            for lane, (_, idx, count) in zip(self.lanes[p], self.got[p]):
+                d = tf.reshape(_columns(dx, tuple(offset + c for c in lane.cols)), [-1, lane.width])
                 pieces.append(tf.reshape(d if idx is None else tf.math.unsorted_segment_sum(d, idx, count), [-1]))
-                total += count * g.width
-            offset += sum(g.width for g in self.groups[p])
+                total += count * lane.width
+            offset += sum(len(lane.cols) for lane in self.lanes[p])
             splits.append(total)
         flat = tf.concat(pieces, 0) if pieces else tf.zeros([0], dx.dtype)
         with tf.control_dependencies([self.comm.count("tail", nbytes(flat) + also_counted)]):
             back, _ = self.comm.alltoall(not_folded(self.comm, flat), tf.cast(tf.stack(splits), tf.int32),
                                          f"{self.name}_grad")
-        mine = self.groups[r]
+        mine = self.lanes[r]
         batch = self.bounds[-1][1]
         if not mine:
             return tf.zeros(tf.stack([batch, 0]), dx.dtype), back
-        order = [(q, k) for q in range(n) for k in range(len(mine))]      # as sent: by destination, then group
+        order = [(q, k) for q in range(n) for k in range(len(mine))]      # as sent: by destination, then lane
         sizes = [self.sent[q][k][2] * mine[k].width for q, k in order]
         got = dict(zip(order, tf.split(back, tf.stack(sizes), num=len(order))))
         columns = []
-        for k, g in enumerate(mine):
+        for k, lane in enumerate(mine):
             rows = []
             for q, (lo, hi) in enumerate(self.bounds):
                 first = self.sent[q][k][0]
-                d = tf.reshape(got[q, k], [-1, g.width])
-                rows.append(d if first is None else
-                            tf.scatter_nd(first[:, None], d, tf.stack([hi - lo, tf.constant(g.width, tf.int64)])))
-            columns.append(tf.concat(rows, axis=0))
+                d = tf.reshape(got[q, k], [-1, lane.width])
+                shape = tf.stack([(hi - lo) * len(lane.keys), tf.constant(lane.width, tf.int64)])
+                rows.append(d if first is None else tf.scatter_nd(first[:, None], d, shape))
+            columns.append(tf.reshape(tf.concat(rows, axis=0), [-1, len(lane.cols)]))
         return _in_block_order(columns, [mine]), back
 
 

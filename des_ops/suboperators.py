@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from des_ops import partials as dm
 from des_ops.comm import Communicator, allreduce_sum, variable_zero
-from des_ops.rows import Block, rows_dense, rows_to_samples
+from des_ops.rows import Block, rows_dense, rows_to_samples, wire_order
 from des_ops.tail import reduce_scatter_sum
 from models.layers import only_shapes_wanted
 
@@ -284,10 +284,14 @@ class DESFirstLayer(tf.keras.layers.Layer):
         every owner sends its vectors' rows side by side (des_ops.rows.rows_to_samples)."""
         sampled = [i for i, s in enumerate(self.to_samples) if s]
         by_rank = [[i for i in sampled if self.ops[i].owner == p] for p in range(self.comm.world_size)]
+        block = lambda i: self.ops[i].block or Block(self.widths[i])  # noqa: E731
+        # each process's vectors in wire order (the same on every process): a lane of des_ops.rows
+        # (its fields' embedding and linear weight, row after row) is one slice of ``e``
+        by_rank = [[ops[k] for k in wire_order([block(i) for i in ops])] for ops in by_rank]
         mine = by_rank[self.comm.rank]
         e = tf.concat([tf.reshape(self.ops[i].partial([flat[t] for t in self._op_inputs[i]], batch),
                                   [-1, self.widths[i]]) for i in mine], axis=1) if mine else dm.zeros(batch, 0)
-        blocks = [[self.ops[i].block or Block(self.widths[i]) for i in ops] for ops in by_rank]
+        blocks = [[block(i) for i in ops] for ops in by_rank]
         x = rows_to_samples(self.comm, e, [sum(self.widths[i] for i in ops) for ops in by_rank], self.rows_anchor,
                             f"{self.collective}_samples", blocks, _keys_of(blocks, inputs))
         order = [i for ops in by_rank for i in ops]

@@ -44,16 +44,22 @@ def test_rows_dense_equals_the_product_of_the_whole_rows_and_kernel():
         assert (counted["step"]["calls"], counted["tail"]["calls"]) == (1, 1)
 
 
-def test_rows_to_samples_moves_blocks_of_one_key_together_and_puts_every_column_back():
-    """Blocks of one key interleaved with others' and keyless ones (rank 0: A, B, A, none, B; rank 1
-    owns nothing; rank 2: B, A), 3 processes, a batch of 11 with repeated ids: each process gets its
-    samples' rows of every block in rank and block order, exactly; each owner gets, per slice, the
-    gradient of a distinct id summed over the slice's samples holding it at its first sample (a
-    keyless block's at every sample); bytes are the distinct rows' (des_ops.rows.distinct_rows)."""
+@pytest.mark.parametrize("offset", [0, 2 ** 61, -2 ** 62])
+def test_rows_to_samples_moves_blocks_of_one_key_together_and_puts_every_column_back(offset):
+    """Blocks of one key interleaved with others' and keyless ones (rank 0: A, B, A, none, B, C, so
+    A and C are one lane of rows of 3; rank 1 owns nothing; rank 2: B, A), 3 processes, a batch of
+    11 with repeated ids, C's equal to A's in places: each process gets its samples' rows of every
+    block in rank and block order, exactly; each owner gets, per slice, the gradient of a distinct
+    id summed over the slice's samples holding it at its first sample (a keyless block's at every
+    sample); bytes are the distinct rows' (des_ops.rows.distinct_rows). ``offset`` is added to every
+    id: large ids are packed with the lane's group in the top bits, negative ones through
+    tf.unique's index (des_ops.rows._packed), with the same result."""
     rng = np.random.default_rng(3)
     n, batch = 3, 11
-    ids = {"A": np.array([5, 5, 7, 5, 9, 7, 7, 5, 9, 9, 1]), "B": np.array([2, 4, 2, 2, 4, 4, 8, 8, 2, 4, 4])}
-    blocks = [[Block(2, "A"), Block(3, "B"), Block(1, "A"), Block(2), Block(1, "B")], [], [Block(1, "B"), Block(2, "A")]]
+    ids = {"A": np.array([5, 5, 7, 5, 9, 7, 7, 5, 9, 9, 1]), "B": np.array([2, 4, 2, 2, 4, 4, 8, 8, 2, 4, 4]),
+           "C": np.array([5, 1, 7, 7, 9, 7, 5, 5, 9, 1, 1])}
+    blocks = [[Block(2, "A"), Block(3, "B"), Block(1, "A"), Block(2), Block(1, "B"), Block(3, "C")], [],
+              [Block(1, "B"), Block(2, "A")]]
     e = []
     for bl in blocks:              # a keyed block's row is a function of its id, as a table lookup's is
         cols = [rng.normal(size=(20, b.width))[ids[b.key]] if b.key else rng.normal(size=(batch, b.width)) for b in bl]
@@ -69,7 +75,7 @@ def test_rows_to_samples_moves_blocks_of_one_key_together_and_puts_every_column_
         with tf.GradientTape() as tape:
             tape.watch(er)
             x = rows_to_samples(comm, er, [sum(b.width for b in bl) for bl in blocks], tf.zeros([]), "t", blocks,
-                                {k: tf.constant(v, tf.int64) for k, v in ids.items()})
+                                {k: tf.constant(v, tf.int64) + offset for k, v in ids.items()})
             loss = tf.reduce_sum(x * tf.constant(dx_all[lo:hi], tf.float32))
         return x.numpy(), tape.gradient(loss, er).numpy(), comm.counted()
     out = _on_every_rank(world, work)
