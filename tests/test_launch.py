@@ -108,13 +108,13 @@ def test_an_attempt_that_said_a_process_is_gone_ends_within_the_grace():
     is stopped --stop-grace seconds later, with every process of its group; one that never says
     so is left to run."""
     said = "mpirun noticed that process rank 1 with PID 7 on node h3 exited on signal 9 (Killed)."
-    hung = launch.Attempt(["sh", "-c", f"echo '{said}'; sleep 60 & sleep 60"], grace=1.0)
     started = time.time()
+    hung = launch.Attempt(["sh", "-c", f"echo '{said}'; sleep 60 & sleep 60"], grace=1.0)
     rc = hung.wait()
     assert rc != 0 and time.time() - started < 10, (rc, time.time() - started)
     assert _alive_in_group(hung.proc.pid) == []       # the background sleep too
+    started = time.time()          # before Popen: the child's sleep 2 starts after this
     fine = launch.Attempt(["sh", "-c", "echo all good; sleep 2"], grace=0.5)
-    started = time.time()
     assert fine.wait() == 0 and time.time() - started >= 2
 
 
