@@ -65,3 +65,74 @@ def test_a_users_tfra_model_sharded_by_key_equals_one_process(optimizer):
 def test_a_keras_embedding_is_refused_with_what_to_write():
     with pytest.raises(ValueError, match=r"Keras Embedding \(its rows are a \[V, K\] variable: write it as a TFRA"):
         shard(BUILDERS["keras_deepfm"](), KeyExchange(InProcessWorld(1).communicator(0)))
+
+
+def _fit_whole(model, batches, probe):
+    """train_on_batch on every global batch (des.transform's contract: each process is handed all of
+    it): the logged loss and AUC of each step, then predictions of the probe."""
+    logs = [model.train_on_batch(x, y, return_dict=True) for x, y in batches]
+    return [(d["loss"], d["auc"]) for d in logs], model.predict_on_batch(probe)
+
+
+def test_des_transform_mode_ps_trains_the_global_batch_like_one_process():
+    """des.Options(mode="ps") through des.transform on a compiled user model: every simulated
+    process is handed the whole global batch, trains on its rows (N = 2, 3: slices of 15/16 and
+    0/1/1 rows) and reports the whole batch's loss and AUC, step by step, as the untouched model
+    on one process does; every row is held once, split over the processes."""
+    from tensorflow_recommenders_addons import dynamic_embedding as de
+
+    def build():
+        tf.keras.utils.set_random_seed(0)
+        m = BUILDERS["tfra_deepfm"]()
+        m.compile(de.DynamicEmbeddingOptimizer(tf.keras.optimizers.legacy.Adam(0.02)), "binary_crossentropy",
+                  metrics=[tf.keras.metrics.AUC(name="auc")])
+        return m
+
+    base = build()
+    x, y = batches_for(base, 1, ROWS, seed=4)[0]
+    batches = [({k: v[i:i + BATCH] for k, v in x.items()}, y[i:i + BATCH]) for i in range(0, ROWS, BATCH)]
+    probe = batches_for(base, 1, 16, seed=99)[0][0]
+    reference = build()
+    des.make_keyed(reference, seed=0)
+    expected_logs, expected = _fit_whole(reference, batches, probe)
+    for n in (2, 3):
+        world = InProcessWorld(n)
+        users = [build() for _ in range(n)]
+        made = _on_every_rank(world, lambda r: des.transform(users[r], des.Options(mode="ps"),
+                                                               comm=world.communicator(r), sample=batches[0][0]))
+        models = [m for m, _ in made]
+        assert "a parameter server" in str(made[0][1]) and "compiled as the model was" in str(made[0][1])
+        out = _on_every_rank(world, lambda r: _fit_whole(models[r], batches, probe))
+        for r, (logs, predictions) in enumerate(out):
+            within("mode ps: predictions", float(np.abs(predictions - expected).max()), 1e-6, case=f"N={n} rank {r}")
+            within("mode ps: logged loss per step", float(np.abs(np.subtract(logs, expected_logs)[:, 0]).max()),
+                   1e-6, case=f"N={n} rank {r}")
+            within("mode ps: logged AUC per step", float(np.abs(np.subtract(logs, expected_logs)[:, 1]).max()),
+                   1e-6, case=f"N={n} rank {r}")
+        held = [sum(int(l.params.size()) for l in m.layers if isinstance(l, ShardedKeyedEmbedding)) for m in models]
+        whole = sum(int(l.params.size()) for l in reference.layers if hasattr(l, "params"))
+        assert sum(held) == whole and max(held) < whole
+        with pytest.raises(NotImplementedError, match="saving does not gather them"):
+            models[0].save("/nonexistent")
+
+
+def test_mode_auto_chooses_as_des_train_does_and_the_processes_must_agree():
+    """mode="auto" takes des.jobs.auto.choose's verdict on the sample (few distinct ids: the PS;
+    many: DES), says why in the report, needs a sample, and ends at once, naming the ranks, when
+    the processes were given different samples."""
+    model = BUILDERS["tfra_deepfm"]()
+    x = {k: np.asarray(v) for k, v in batches_for(model, 1, 256, seed=0)[0][0].items()}
+    few = {k: v % 3 for k, v in x.items()}              # 3 distinct ids per field: a PS moves less
+    many = {k: np.arange(len(v), dtype=v.dtype).reshape(v.shape) * 7 + i for i, (k, v) in enumerate(x.items())}
+    world = InProcessWorld(2)
+    for sample, kind in ((few, "WholeBatchPS"), (many, None)):
+        out = _on_every_rank(world, lambda r: des.transform(BUILDERS["tfra_deepfm"](), des.Options(mode="auto"),
+                                                              comm=world.communicator(r), sample=sample))
+        for m, report in out:
+            assert "mode auto: " + ("PS" if kind else "DES") in str(report), str(report)
+            assert (type(m).__name__ == "WholeBatchPS") == bool(kind)
+    with pytest.raises(ValueError, match="pass sample="):
+        des.transform(BUILDERS["tfra_deepfm"](), des.Options(mode="auto"))
+    with pytest.raises(Exception, match="rank 1 of 2 disagrees with rank 0 on the mode"):
+        _on_every_rank(world, lambda r: des.transform(BUILDERS["tfra_deepfm"](), des.Options(mode="auto"),
+                                                        comm=world.communicator(r), sample=(few, many)[r]))

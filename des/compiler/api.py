@@ -27,7 +27,7 @@ from des.compiler.functional import transform_functional
 from des.compiler.options import Options
 from des.compiler.report import Report
 from des.compiler.subclassed import transform_subclassed
-from des_ops.comm import Communicator, default_communicator
+from des_ops.comm import Communicator, agree, default_communicator
 
 
 def transform(model: tf.keras.Model, options: Options | None = None, *, comm: Communicator | None = None,
@@ -50,6 +50,43 @@ def transform(model: tf.keras.Model, options: Options | None = None, *, comm: Co
     if not isinstance(options, Options):
         raise TypeError(f"des.transform: options={options!r}; a des.Options")
     comm = comm or default_communicator()
-    if getattr(model, "_is_graph_network", False):
-        return transform_functional(model, options, comm, spec, sample)
-    return transform_subclassed(model, options, comm, spec, sample)
+    functional = getattr(model, "_is_graph_network", False)
+    if options.mode != "des":
+        mode, why = _mode(model, options, comm, sample, functional)
+        if mode == "ps":
+            return _parameter_server(model, options, comm, why)
+    else:
+        why = ""
+    if functional:
+        model, report = transform_functional(model, options, comm, spec, sample)
+    else:
+        model, report = transform_subclassed(model, options, comm, spec, sample)
+    report.mode_reason = why
+    return model, report
+
+
+def _mode(model: tf.keras.Model, options: Options, comm: Communicator, sample, functional: bool) -> tuple[str, str]:
+    """("des" | "ps", why) for des.Options(mode="ps" | "auto"); the same on every process (checked)."""
+    if not functional:
+        if options.mode == "ps":
+            raise ValueError(f"des.Options(mode='ps'): the parameter server shards the tables of a functional "
+                             f"model; {type(model).__name__} is subclassed (use mode='des')")
+        return "des", "mode auto: DES (a subclassed model: the parameter server shards functional models only)"
+    if options.mode == "ps":
+        return "ps", "mode ps: asked for"
+    if sample is None:
+        raise ValueError("des.Options(mode='auto') weighs DES against a parameter server on a batch of the inputs: "
+                         "pass sample= (a global batch, the same on every process)")
+    from des.jobs.auto import choose
+    choice = choose(model, sample, comm.world_size)
+    why = str(choice).replace("plan auto:", "mode auto:", 1)
+    agree(comm, "mode des.Options(mode='auto') chose (is sample= the same batch on every process?)", choice.mode)
+    return choice.mode, why
+
+
+def _parameter_server(model: tf.keras.Model, options: Options, comm: Communicator, why: str):
+    from des.baselines.ps.user import ps_lines, shard_users_model
+    ps = shard_users_model(model, comm, options.seed, options.sync_weights)
+    report = Report([], [], None, comm.rank, comm.world_size, tables=ps_lines(model, comm.world_size),
+                    options=options, compiled=ps.des_compiled, mode="ps", mode_reason=why)
+    return ps, report

@@ -91,6 +91,7 @@ TAILS = ("auto", "replicated", "data_parallel")
 FIRST_DENSE = ("auto", "partials", "rows")
 FIELD_ROWS = ("auto", "partials", "samples")
 FIRST_LAYER = ("auto", "operators", "rows")
+MODES = ("des", "ps", "auto")
 TABLES = ("auto", "per-field", "fused", "joined")
 
 
@@ -98,6 +99,9 @@ TABLES = ("auto", "per-field", "fused", "joined")
 class Options:
     """How des.transform splits a model. Every choice is exact except ``wire_dtype="float16"``.
 
+    ``mode``: "des" (the substitutions), "ps" (no substitution: every table sharded by key, a
+    parameter server; des.baselines.ps.user) or "auto" (whichever moves fewer bytes on the
+    ``sample`` given to des.transform, as ``des.train --mode auto``: des.jobs.auto.choose).
     ``plan``: "balanced" (fields spread by cost), "mod" (field i on process i mod N) or a
     des.compiler.plan.FieldPlan. ``first_layer``: "operators" (the rules split the sum, FM, the
     first Dense... into sub-operators whose partial results are summed), "rows" (no operator is
@@ -129,6 +133,7 @@ class Options:
     ``scope``: prefix of the collective's name (des.transform sets it per tower). ``row_policy``
     (des.RowPolicy): admission and eviction of the rows of every TFRA table this process holds.
     """
+    mode: str = "des"
     plan: Any = "balanced"
     first_layer: str = "auto"
     tail: str = "auto"
@@ -147,7 +152,7 @@ class Options:
     scope: str = ""
 
     def __post_init__(self):
-        for name, allowed in (("first_layer", FIRST_LAYER), ("tail", TAILS), ("first_dense", FIRST_DENSE), ("field_rows", FIELD_ROWS), ("tables", TABLES),
+        for name, allowed in (("mode", MODES), ("first_layer", FIRST_LAYER), ("tail", TAILS), ("first_dense", FIRST_DENSE), ("field_rows", FIELD_ROWS), ("tables", TABLES),
                               ("wire_dtype", WIRE_DTYPES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"des.Options: {name}={getattr(self, name)!r}; choose from {', '.join(allowed)}")
@@ -191,7 +196,7 @@ class Options:
         plan = self.plan if isinstance(self.plan, str) else "given"
         shown = [f"plan={plan}", f"tail={self.tail}", f"first_dense={self.first_dense}", f"tables={self.tables}",
                  f"micro_batches={self.micro_batches}", f"wire_dtype={self.wire_dtype}", f"seed={self.seed}"]
-        shown += [f"{k}={getattr(self, k)}" for k in ("first_layer", "field_rows", "distinct_rows", "strict",
+        shown += [f"{k}={getattr(self, k)}" for k in ("mode", "first_layer", "field_rows", "distinct_rows", "strict",
                                                        "release_unowned", "sync_weights")
                   if getattr(self, k) != getattr(Options, k)]
         if self.costs is not None:

@@ -56,6 +56,8 @@ class Report:
     save_refusal: str = ""            # why model.save refuses (towers transformed one by one), else ""
     table_layout: str = ""            # the tables' layout this process used (des.Options.tables_for)
     row_policy: list = dataclasses.field(default_factory=list)   # which tables a des.RowPolicy bounds (lines)
+    mode: str = "des"                 # "ps": des.Options(mode=...) gave the model to a parameter server
+    mode_reason: str = ""             # mode="auto" / "ps": what was weighed (des.jobs.auto.choose)
 
     @property
     def bytes_per_float(self) -> int:
@@ -87,7 +89,10 @@ class Report:
         return ring_share(n) * (self.payload_bytes(batch_size) - samples) + (n - 1) / n * samples
 
     def __str__(self) -> str:
-        if not self.substitutions:
+        if self.mode == "ps":
+            lines = [f"des.transform: a parameter server, rank {self.rank} of {self.world_size}: every table sharded "
+                     f"by key, each process trains its rows of the global batch (des.baselines.ps.user)"]
+        elif not self.substitutions:
             lines = ["des.transform: nothing to substitute; the model is returned unchanged."]
         else:
             lines = [f"des.transform: {len(self.substitutions)} substitution(s), rank {self.rank} "
@@ -150,6 +155,8 @@ class Report:
                 lines.append(f"  first Dense chosen by the cost model (first_dense='auto'): {self.first_dense_reason}")
             if self.field_rows_reason:
                 lines.append(f"  field rows by the cost model: {self.field_rows_reason}")
+        if self.mode_reason:
+            lines += [f"  {line}" for line in self.mode_reason.splitlines()]
         if self.compiled:
             lines.append(f"  {self.compiled}")
         lines += [str(c) for c in self.costs]

@@ -55,6 +55,13 @@ class PSModel(tf.keras.Model):
 
     def train_step(self, data):
         x, y = data[0], data[1]
+        pred, _ = self.update(x, y)
+        return self.compute_metrics(x, y, pred, None)
+
+    def update(self, x, y) -> tuple[tf.Tensor, tf.Tensor]:
+        """One step on this process's slice ``(x, y)`` of the global batch: its share of the global
+        mean loss, sparse gradients to their owners, dense ones summed. Returns the predictions
+        and the share (the processes' shares sum to the global batch's mean loss)."""
         if self.record_ids:
             names = sorted({ids for ids, _, _ in table_inputs(self)})
             tf.py_function(lambda *ids: self._record(names, ids), [x[n] for n in names], [])
@@ -70,7 +77,7 @@ class PSModel(tf.keras.Model):
         for i, g in zip(dense, summed):
             grads[i] = g
         self.optimizer.apply_gradients([(g, v) for g, v in zip(grads, variables) if g is not None])
-        return self.compute_metrics(x, y, pred, None)
+        return pred, loss
 
     def allreduce_dense(self, grads: list, variables: list) -> list:
         """The dense gradients summed over processes in ONE allreduce (a missing one is zero)."""

@@ -1,0 +1,77 @@
+"""A user's model on the parameter server through des.transform: ``des.Options(mode="ps")``, or
+``mode="auto"`` (DES or the PS, whichever moves fewer bytes on a batch of the inputs: the rule of
+``des.train --mode auto``, des.jobs.auto.choose).
+
+The model keeps DES's contract: every process is handed the whole global batch and sees the
+whole batch's loss, metrics and predictions. Its tables are sharded by key (des.baselines.ps.rewrite.shard,
+each key's row on process key mod N); a training step takes this process's rows of the batch
+(des_ops.comm.shard_rows), trains on them as the PS does (its share of the global mean loss,
+rows and gradient rows by all-to-all, dense gradients summed) and all-gathers the predictions for
+the metrics, so the update and the reported loss are the single process's on the whole batch.
+Evaluation and prediction look up the whole batch on every process.
+
+    >>> import des
+    >>> from gallery import BUILDERS, batches_for          # tests/gallery.py: models users write
+    >>> model = BUILDERS["tfra_deepfm"]()
+    >>> x, _ = batches_for(model, 1, 64, seed=0)[0]
+    >>> ps, report = des.transform(model, des.Options(mode="ps"), sample=x)
+    >>> type(ps).__name__, report.mode
+    ('WholeBatchPS', 'ps')
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from des.baselines.ps.rewrite import PSModel, shard, table_inputs
+from des.baselines.ps.tables import KeyExchange
+from des_ops.comm import Communicator, shard_rows
+
+
+class WholeBatchPS(PSModel):
+    """A PSModel that takes the global batch (des.transform's contract) and trains on its rows."""
+
+    def train_step(self, data):
+        x, y = data[0], data[1]
+        comm = self.exchange.comm
+        b = tf.shape(y, out_type=tf.int64)[0]
+        lo, hi = shard_rows(b, comm.rank, comm.world_size)
+        mine = tf.nest.map_structure(lambda v: v[lo:hi], x)
+        pred, share = self.update(mine, y[lo:hi])
+        whole = comm.allgather(tf.stop_gradient(pred), "ps_whole_batch_predictions")
+        # the loss tracker holds this slice's mean loss (weight: its rows); make it the global
+        # batch's: the processes' shares of the global mean loss summed, weighted by the batch
+        total = self.exchange.sum_across(share[None], counter="metrics_bytes")[0]
+        tracker = self.compiled_loss.metrics[0] if self.compiled_loss is not None else None
+        if tracker is not None:
+            rows, mine_rows = tf.cast(b, tf.float32), tf.cast(hi - lo, tf.float32)
+            tracker.total.assign_add(rows * (total - share))
+            tracker.count.assign_add(rows - mine_rows)
+        return self.compute_metrics(x, y, whole, None)
+
+    def save(self, *args, **kwargs):
+        raise NotImplementedError(
+            "des.transform(mode='ps'): each key's row lives on its owner process and saving does not gather them "
+            "yet; train with des.Options(mode='des') to save, checkpoint and export")
+
+    def save_weights(self, *args, **kwargs):
+        self.save()
+
+
+def shard_users_model(model: tf.keras.Model, comm: Communicator, seed: int, sync_weights: bool) -> WholeBatchPS:
+    """``model``'s tables sharded by key over ``comm``'s processes, as a WholeBatchPS compiled as
+    ``model`` was (``des_compiled``: the report's line). ``sync_weights``: every process first takes
+    rank 0's weights (a model built with random initialisers starts the same everywhere)."""
+    from des.compiler.functional import _compile_like
+    from des.compiler.keys import sync_from_root
+    from des.graph.ir import Graph
+    if sync_weights and comm.world_size > 1:
+        sync_from_root(Graph(model), comm)
+    ps = shard(model, KeyExchange(comm), cls=WholeBatchPS, seed=seed)
+    ps.des_compiled = _compile_like(model, ps)
+    return ps
+
+
+def ps_lines(model: tf.keras.Model, world_size: int) -> list[str]:
+    """One report line per table the PS shards: its ids input and width."""
+    return [f"table of {ids!r} (width {dim}) sharded by key over {world_size} process(es): key k on process "
+            f"k mod {world_size}" for ids, _, dim in table_inputs(model)]
