@@ -7,7 +7,9 @@ tests/gallery.py's TFRA DeepFM (a TFRA Embedding per field and per linear weight
 built from seed 0, each table sharded by key (des.baselines.ps.rewrite.shard), TFRA's
 DynamicEmbeddingOptimizer(legacy Adam 0.02); each rank trains ITS slice of 4 global batches of 31
 rows and one of 2 (a rank gets none) and predicts the shared probe; it pickles its predictions and
-the rows it holds to OUT_DIR/ps_user.rank<r>.pkl.
+the rows it holds to OUT_DIR/ps_user.rank<r>.pkl. Then the same model compiled (with an AUC) and
+given to ``des.transform(model, des.Options(mode="ps"))``, which takes every global batch whole:
+its logged loss and AUC per step and its predictions go in the same file under "transform".
 """
 import os
 import pickle
@@ -58,8 +60,23 @@ def main(out: str) -> None:
         sizes.append(int(ys.shape[0]))
         ps.train_on_batch(xs, ys)
     rows = {l.field: l.params.export()[0].numpy().tolist() for l in ps.layers if isinstance(l, ShardedKeyedEmbedding)}
+    predictions = ps.predict_on_batch(probe)
+    user = compiled(build())
+    whole, report = des.transform(user, des.Options(mode="ps"), sample=batches[0][0])
+    logs = [whole.train_on_batch(x, y, return_dict=True) for x, y in batches]
+    transform = {"logs": [(d["loss"], d["auc"]) for d in logs], "predictions": whole.predict_on_batch(probe),
+                 "report": str(report)}
     with open(os.path.join(out, f"ps_user.rank{rank}.pkl"), "wb") as fh:
-        pickle.dump({"rank": rank, "predictions": ps.predict_on_batch(probe), "keys": rows, "slice_rows": sizes}, fh)
+        pickle.dump({"rank": rank, "predictions": predictions, "keys": rows, "slice_rows": sizes,
+                     "transform": transform}, fh)
+
+
+def compiled(model):
+    """``model`` compiled as the des.transform check's user compiles it: legacy Adam, an AUC."""
+    from tensorflow_recommenders_addons import dynamic_embedding as de
+    model.compile(de.DynamicEmbeddingOptimizer(tf.keras.optimizers.legacy.Adam(0.02)), "binary_crossentropy",
+                  metrics=[tf.keras.metrics.AUC(name="auc")])
+    return model
 
 
 if __name__ == "__main__":

@@ -293,7 +293,9 @@ def test_ps_on_a_users_tfra_model_under_mpirun_equals_one_process(battery):
     """The parameter-server baseline on a user's own model (scripts/mpi_ps_user.py: tests/gallery.py's
     TFRA DeepFM, every table sharded by key) on 5 processes, each training its slice (the last batch
     of 2 rows leaves 3 processes none): the same predictions as the untouched model trained on the
-    whole batches on one process, and every key's row on process key mod 5 only, all of them."""
+    whole batches on one process, and every key's row on process key mod 5 only, all of them. The same
+    model through ``des.transform(model, des.Options(mode="ps"))``, handed the whole batches: the
+    single process's loss and AUC at every step and its predictions."""
     sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "scripts")]
     from tensorflow_recommenders_addons import dynamic_embedding as de
     from mpi_ps_user import build, user_batches
@@ -317,6 +319,19 @@ def test_ps_on_a_users_tfra_model_under_mpirun_equals_one_process(battery):
         assert sum(len(h) for h in held) == len(set().union(*held))          # no key on two processes
     assert sum(len(set().union(*[set(r["keys"][k]) for r in ranks])) for k in ranks[0]["keys"]) == \
         sum(int(l.params.size()) for l in tables.values())
+    # the same model through des.transform(mode="ps"), handed the whole batches: the single process's
+    # loss and AUC at every step, and its predictions
+    from mpi_ps_user import compiled
+    reference = compiled(build())
+    logs = [reference.train_on_batch(x, y, return_dict=True) for x, y in batches]
+    expected_logs, expected = np.array([(d["loss"], d["auc"]) for d in logs]), reference.predict_on_batch(probe)
+    for r in ranks:
+        t = r["transform"]
+        assert "a parameter server, rank" in t["report"], t["report"]
+        within("des.transform(mode='ps'): predictions", float(np.abs(t["predictions"] - expected).max()), 1e-6,
+               case=f"rank {r['rank']}")
+        within("des.transform(mode='ps'): loss and AUC per step", float(np.abs(np.array(t["logs"]) - expected_logs).max()),
+               1e-6, case=f"rank {r['rank']}")
 
 
 @pytest.mark.mpi
