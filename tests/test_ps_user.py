@@ -136,3 +136,16 @@ def test_mode_auto_chooses_as_des_train_does_and_the_processes_must_agree():
     with pytest.raises(Exception, match="rank 1 of 2 disagrees with rank 0 on the mode"):
         _on_every_rank(world, lambda r: des.transform(BUILDERS["tfra_deepfm"](), des.Options(mode="auto"),
                                                         comm=world.communicator(r), sample=(few, many)[r]))
+
+
+def test_mode_auto_keeps_des_where_a_ps_cannot_shard_the_model():
+    """A Keras Embedding model on data where a PS would move fewer bytes: DES, and the report says
+    why (the PS shards TFRA tables only)."""
+    model = BUILDERS["keras_deepfm"]()
+    x = {k: np.asarray(v) % 3 for k, v in batches_for(model, 1, 256, seed=0)[0][0].items()}
+    world = InProcessWorld(2)
+    out = _on_every_rank(world, lambda r: des.transform(BUILDERS["keras_deepfm"](), des.Options(mode="auto"),
+                                                          comm=world.communicator(r), sample=x))
+    for m, report in out:
+        assert type(m).__name__ != "WholeBatchPS"
+        assert "mode auto: DES, as a PS cannot shard this model (--mode ps shards FieldEmbedding and TFRA" in str(report)

@@ -77,11 +77,16 @@ def _mode(model: tf.keras.Model, options: Options, comm: Communicator, sample, f
     if sample is None:
         raise ValueError("des.Options(mode='auto') weighs DES against a parameter server on a batch of the inputs: "
                          "pass sample= (a global batch, the same on every process)")
+    from des.baselines.ps.rewrite import refusal
+    from des.graph.ir import Graph
     from des.jobs.auto import choose
     choice = choose(model, sample, comm.world_size)
-    why = str(choice).replace("plan auto:", "mode auto:", 1)
-    agree(comm, "mode des.Options(mode='auto') chose (is sample= the same batch on every process?)", choice.mode)
-    return choice.mode, why
+    mode, why = choice.mode, str(choice).replace("plan auto:", "mode auto:", 1)
+    cannot = refusal(Graph(model), "ps") if mode == "ps" else ""
+    if cannot:
+        mode, why = "des", why.replace("mode auto: PS", f"mode auto: DES, as a PS cannot shard this model ({cannot})", 1)
+    agree(comm, "mode des.Options(mode='auto') chose (is sample= the same batch on every process?)", mode)
+    return mode, why
 
 
 def _parameter_server(model: tf.keras.Model, options: Options, comm: Communicator, why: str):

@@ -107,19 +107,14 @@ def shard(model: tf.keras.Model, exchange: KeyExchange, make_table=None, cls=PSM
     embeds = [n for n in graph.nodes if n.kind == "table"]
     given = {}
     env = {t: graph.tensors[t] for t in graph.input_ids}
+    why = refusal(graph, mode, keyed_too=not make_table)
+    if why:
+        raise ValueError(why)
     for n in embeds:
         old = n.layer
-        if any(graph.input_name(t) is None for t in n.tensor_operands()):
-            raise ValueError(f"embedding {old.name!r} does not read model inputs directly")
-        keyed = not getattr(old, "des_embedding", False) and n.attrs["source"].name == "TFRA Embedding"
-        if keyed and not make_table and not getattr(old, "des_squashed", False):
+        if not getattr(old, "des_embedding", False) and not getattr(old, "des_squashed", False):
             n.attrs["source"].keyed(old, seed, graph.layer_key(old))    # rows from (table, key, seed), as DES's
             new = ShardedKeyedEmbedding(old, exchange, graph.layer_key(old))
-        elif not getattr(old, "des_embedding", False):
-            raise ValueError(f"--mode {mode} shards FieldEmbedding and TFRA Embedding tables; {old.name!r} is a "
-                             f"{n.attrs['source'].name}" + (" (its rows are a [V, K] variable: write it as a TFRA "
-                                                            "de.keras.layers.Embedding to shard it by key)"
-                                                            if n.attrs["source"].name == "Keras Embedding" else ""))
         else:
             new = make_table(old) if make_table else ShardedFieldEmbedding(old.field, old.dim, exchange, old.seed,
                                                                               old.init_scale, linear=old.linear)
@@ -133,6 +128,24 @@ def shard(model: tf.keras.Model, exchange: KeyExchange, make_table=None, cls=PSM
         fused, lines = fuse_model(ps, join_linear=join_linear)
         ps = fused.use(exchange, joined_inputs(entries), lines)
     return trace_once(ps)
+
+
+def refusal(graph: Graph, mode: str = "ps", keyed_too: bool = True) -> str:
+    """Why ``shard`` cannot shard the model of ``graph`` ("" if it can): every table must read model
+    inputs directly and be a FieldEmbedding or (``keyed_too``) a TFRA Embedding."""
+    for n in graph.nodes:
+        if n.kind != "table":
+            continue
+        old = n.layer
+        if any(graph.input_name(t) is None for t in n.tensor_operands()):
+            return f"embedding {old.name!r} does not read model inputs directly"
+        keyed = keyed_too and n.attrs["source"].name == "TFRA Embedding" and not getattr(old, "des_squashed", False)
+        if not getattr(old, "des_embedding", False) and not keyed:
+            return (f"--mode {mode} shards FieldEmbedding and TFRA Embedding tables; {old.name!r} is a "
+                    f"{n.attrs['source'].name}" + (" (its rows are a [V, K] variable: write it as a TFRA "
+                                                   "de.keras.layers.Embedding to shard it by key)"
+                                                   if n.attrs["source"].name == "Keras Embedding" else ""))
+    return ""
 
 
 def lookup_tables(model: tf.keras.Model) -> list:
