@@ -9,7 +9,9 @@ DynamicEmbeddingOptimizer(legacy Adam 0.02); each rank trains ITS slice of 4 glo
 rows and one of 2 (a rank gets none) and predicts the shared probe; it pickles its predictions and
 the rows it holds to OUT_DIR/ps_user.rank<r>.pkl. Then the same model compiled (with an AUC) and
 given to ``des.transform(model, des.Options(mode="ps"))``, which takes every global batch whole:
-its logged loss and AUC per step and its predictions go in the same file under "transform".
+its logged loss and AUC per step and its predictions go in the same file under "transform"; and
+DeepCTR's DeepFM with its defaults (Keras Embedding tables, an L2 penalty on them) the same way,
+with SGD 0.5, under "keras".
 """
 import os
 import pickle
@@ -66,9 +68,24 @@ def main(out: str) -> None:
     logs = [whole.train_on_batch(x, y, return_dict=True) for x, y in batches]
     transform = {"logs": [(d["loss"], d["auc"]) for d in logs], "predictions": whole.predict_on_batch(probe),
                  "report": str(report)}
+    keras_model, keras_batches, keras_probe = deepctr_user()
+    whole, _ = des.transform(keras_model, des.Options(mode="ps"), sample=keras_batches[0][0])
+    logs = [whole.train_on_batch(x, y, return_dict=True) for x, y in keras_batches]
+    keras = {"logs": [(d["loss"], d["auc"]) for d in logs], "predictions": whole.predict_on_batch(keras_probe)}
     with open(os.path.join(out, f"ps_user.rank{rank}.pkl"), "wb") as fh:
         pickle.dump({"rank": rank, "predictions": predictions, "keys": rows, "slice_rows": sizes,
-                     "transform": transform}, fh)
+                     "transform": transform, "keras": keras}, fh)
+
+
+def deepctr_user():
+    """DeepCTR's DeepFM with its defaults (seed 0), compiled with SGD 0.5 and an AUC; its batches."""
+    from tensorflow_recommenders_addons import dynamic_embedding as de
+    tf.keras.utils.set_random_seed(0)
+    model = BUILDERS["deepctr_deepfm_defaults"]()
+    model.compile(de.DynamicEmbeddingOptimizer(tf.keras.optimizers.legacy.SGD(0.5)), "binary_crossentropy",
+                  metrics=[tf.keras.metrics.AUC(name="auc")])
+    batches, probe = user_batches(model)
+    return model, batches, probe
 
 
 def compiled(model):

@@ -332,6 +332,18 @@ def test_ps_on_a_users_tfra_model_under_mpirun_equals_one_process(battery):
                case=f"rank {r['rank']}")
         within("des.transform(mode='ps'): loss and AUC per step", float(np.abs(np.array(t["logs"]) - expected_logs).max()),
                1e-6, case=f"rank {r['rank']}")
+    # DeepCTR's DeepFM (Keras Embedding tables sharded by key, their L2 penalty once) with SGD: the same
+    from mpi_ps_user import deepctr_user
+    reference, batches, probe = deepctr_user()
+    logs = [reference.train_on_batch(x, y, return_dict=True) for x, y in batches]
+    expected_logs, expected = np.array([(d["loss"], d["auc"]) for d in logs]), reference.predict_on_batch(probe)
+    for r in ranks:
+        k = r["keras"]
+        within("mode ps, Keras Embedding tables: predictions", float(np.abs(k["predictions"] - expected).max()),
+               1e-6, case=f"rank {r['rank']}")
+        within("mode ps, Keras Embedding tables: loss and AUC per step",
+               float(np.abs(np.array(k["logs"]) - expected_logs).max()), 1e-6, case=f"rank {r['rank']}")
+        assert k["logs"] == ranks[0]["keras"]["logs"], f"rank {r['rank']} logs other bits than rank 0"
 
 
 @pytest.mark.mpi

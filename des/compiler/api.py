@@ -80,11 +80,12 @@ def _mode(model: tf.keras.Model, options: Options, comm: Communicator, sample, f
     from des.baselines.ps.rewrite import refusal
     from des.graph.ir import Graph
     from des.jobs.auto import choose
-    choice = choose(model, sample, comm.world_size)
-    mode, why = choice.mode, str(choice).replace("plan auto:", "mode auto:", 1)
-    cannot = refusal(Graph(model), "ps") if mode == "ps" else ""
+    cannot = refusal(Graph(model), "ps")        # nothing to weigh: the PS cannot take this model
     if cannot:
-        mode, why = "des", why.replace("mode auto: PS", f"mode auto: DES, as a PS cannot shard this model ({cannot})", 1)
+        mode, why = "des", f"mode auto: DES, as a PS cannot shard this model ({cannot})"
+    else:
+        choice = choose(model, sample, comm.world_size)
+        mode, why = choice.mode, str(choice).replace("plan auto:", "mode auto:", 1)
     agree(comm, "mode des.Options(mode='auto') chose (is sample= the same batch on every process?)", mode)
     return mode, why
 

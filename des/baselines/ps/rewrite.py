@@ -26,7 +26,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow_recommenders_addons import dynamic_embedding as de
 
-from des.baselines.ps.tables import KeyExchange, ShardedFieldEmbedding, ShardedFusedTable, ShardedKeyedEmbedding
+from des.baselines.ps.tables import (KeyExchange, ShardedFieldEmbedding, ShardedFusedTable, ShardedKeyedEmbedding,
+                                    ShardedStaticEmbedding)
 from des.compiler.fusion import fuse_model
 from des.graph.ir import Graph, replay
 from des.compiler.keys import trace_once
@@ -61,18 +62,25 @@ class PSModel(tf.keras.Model):
     def update(self, x, y) -> tuple[tf.Tensor, tf.Tensor]:
         """One step on this process's slice ``(x, y)`` of the global batch: its share of the global
         mean loss, sparse gradients to their owners, dense ones summed. Returns the predictions
-        and the share (the processes' shares sum to the global batch's mean loss)."""
+        and the share (the processes' shares sum to the global batch's loss, penalties included)."""
         if self.record_ids:
             names = sorted({ids for ids, _, _ in table_inputs(self)})
             tf.py_function(lambda *ids: self._record(names, ids), [x[n] for n in names], [])
         n_local = tf.cast(tf.shape(y)[0], tf.float32)
         n_global = self.exchange.sum_across(n_local[None], counter="control_bytes")[0]
+        held = [layer for layer in self.layers if getattr(layer, "des_sharded_by_key", False)]
         with tf.GradientTape() as tape:
             pred = self(x, training=True)
-            loss = self.compute_loss(x, y, pred) * (n_local / n_global)
+            share = n_local / n_global
+            loss = self.compute_loss(x, y, pred) * share
+            # the penalty of the rows this process holds counts once, not in proportion to its slice
+            penalties = [p for layer in held for p in layer.losses]
+            if penalties:
+                loss += tf.add_n(penalties) * (1.0 - share)
         variables = self.trainable_variables
         grads = tape.gradient(loss, variables)
-        dense = [i for i, v in enumerate(variables) if not isinstance(v, de.TrainableWrapper)]
+        by_key = {w.ref() for layer in held for w in layer.trainable_weights}
+        dense = [i for i, v in enumerate(variables) if not isinstance(v, de.TrainableWrapper) and v.ref() not in by_key]
         summed = self.allreduce_dense([grads[i] for i in dense], [variables[i] for i in dense])
         for i, g in zip(dense, summed):
             grads[i] = g
@@ -112,7 +120,9 @@ def shard(model: tf.keras.Model, exchange: KeyExchange, make_table=None, cls=PSM
         raise ValueError(why)
     for n in embeds:
         old = n.layer
-        if not getattr(old, "des_embedding", False) and not getattr(old, "des_squashed", False):
+        if n.attrs["source"].name == "Keras Embedding":
+            new = ShardedStaticEmbedding(old, exchange, graph.layer_key(old))
+        elif not getattr(old, "des_embedding", False) and not getattr(old, "des_squashed", False):
             n.attrs["source"].keyed(old, seed, graph.layer_key(old))    # rows from (table, key, seed), as DES's
             new = ShardedKeyedEmbedding(old, exchange, graph.layer_key(old))
         else:
@@ -140,11 +150,10 @@ def refusal(graph: Graph, mode: str = "ps", keyed_too: bool = True) -> str:
         if any(graph.input_name(t) is None for t in n.tensor_operands()):
             return f"embedding {old.name!r} does not read model inputs directly"
         keyed = keyed_too and n.attrs["source"].name == "TFRA Embedding" and not getattr(old, "des_squashed", False)
-        if not getattr(old, "des_embedding", False) and not keyed:
-            return (f"--mode {mode} shards FieldEmbedding and TFRA Embedding tables; {old.name!r} is a "
-                    f"{n.attrs['source'].name}" + (" (its rows are a [V, K] variable: write it as a TFRA "
-                                                   "de.keras.layers.Embedding to shard it by key)"
-                                                   if n.attrs["source"].name == "Keras Embedding" else ""))
+        static = keyed_too and n.attrs["source"].name == "Keras Embedding"
+        if not getattr(old, "des_embedding", False) and not keyed and not static:
+            return (f"--mode {mode} shards FieldEmbedding, TFRA Embedding and Keras Embedding tables; {old.name!r} "
+                    f"is a {n.attrs['source'].name}")
     return ""
 
 

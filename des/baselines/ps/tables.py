@@ -259,3 +259,48 @@ class ShardedFusedTable(FusedTable):
 
 
 FUSED_CLASS[ShardedFieldEmbedding] = ShardedFusedTable
+
+
+class ShardedStaticEmbedding(tf.keras.layers.Layer):
+    """A user's Keras ``Embedding`` (a static [V, K] variable) sharded by key: process r holds rows
+    k = r, r + N, r + 2N, ... (k mod N = r, as every PS table) as one [ceil((V - r) / N), K]
+    variable, taken from the table's rows (the same on every process, des.compiler.keys.sync_from_root);
+    ids of any shape -> ids.shape + [K], each distinct id's row from its owner by the exchange.
+    The table's ``embeddings_regularizer`` applies to the rows a process holds (summed over
+    processes: the table's), ``mask_zero`` as Keras does. ``key``: the table's name alike on every
+    process (des.graph.ir.Graph.layer_key).
+
+        >>> exchange = KeyExchange()                      # a world of one here
+        >>> table = tf.keras.layers.Embedding(10, 4)
+        >>> ids = tf.constant([[3, 7], [3, 0]])
+        >>> sharded = ShardedStaticEmbedding(table, exchange, "t")
+        >>> bool(tf.reduce_all(sharded(ids) == table(ids))), sharded.rows.shape
+        (True, TensorShape([10, 4]))
+    """
+
+    des_sharded_by_key = True        # its rows' gradients stay with their owner (PSModel sums the others)
+
+    def __init__(self, embedding: tf.keras.layers.Embedding, exchange: KeyExchange, key: str, **kwargs):
+        super().__init__(name="ps_" + re.sub(r"[^A-Za-z0-9_.]", "_", key), **kwargs)
+        if not embedding.built:
+            embedding.build(None)
+        self.exchange, self.tag = exchange, key
+        self.vocabulary, self.dim = (int(d) for d in embedding.embeddings.shape)
+        self.mask_zero = bool(embedding.mask_zero)
+        held = embedding.embeddings.numpy()[exchange.rank::exchange.world_size]
+        self.rows = self.add_weight("rows", shape=held.shape, initializer=tf.keras.initializers.Constant(held),
+                                    regularizer=embedding.embeddings_regularizer, trainable=embedding.trainable,
+                                    dtype=embedding.embeddings.dtype)
+
+    def call(self, inputs):
+        ids = tf.cast(inputs, tf.int64)
+        uniq, idx = tf.unique(tf.reshape(ids, [-1]), out_idx=tf.int64)
+        n = self.exchange.world_size
+        rows = self.exchange.lookup(lambda keys: tf.gather(self.rows, keys // n), uniq, self.dim, tag=self.tag)
+        return tf.reshape(tf.gather(rows, idx), tf.concat([tf.shape(ids), [self.dim]], 0))
+
+    def compute_mask(self, inputs, mask=None):
+        return tf.not_equal(inputs, 0) if self.mask_zero else None
+
+    def compute_output_shape(self, input_shape):
+        return tf.TensorShape(input_shape).concatenate([self.dim])

@@ -36,16 +36,20 @@ class WholeBatchPS(PSModel):
         b = tf.shape(y, out_type=tf.int64)[0]
         lo, hi = shard_rows(b, comm.rank, comm.world_size)
         mine = tf.nest.map_structure(lambda v: v[lo:hi], x)
-        pred, share = self.update(mine, y[lo:hi])
+        # Keras's Mean of the total loss (LossesContainer's; its .metrics lists it only once built)
+        tracker = getattr(self.compiled_loss, "_total_loss_mean", None)
+        if tracker is not None:                     # its state before this step
+            before = tf.stack([tf.identity(tracker.total), tf.identity(tracker.count)])
+        with tf.control_dependencies([before] if tracker is not None else []):
+            pred, share = self.update(mine, y[lo:hi])
         whole = comm.allgather(tf.stop_gradient(pred), "ps_whole_batch_predictions")
-        # the loss tracker holds this slice's mean loss (weight: its rows); make it the global
-        # batch's: the processes' shares of the global mean loss summed, weighted by the batch
+        # update() left the loss Mean with this slice's loss; make it the global batch's (the
+        # processes' shares summed), from the state before the step: the same bits on every process
         total = self.exchange.sum_across(share[None], counter="metrics_bytes")[0]
-        tracker = self.compiled_loss.metrics[0] if self.compiled_loss is not None else None
         if tracker is not None:
-            rows, mine_rows = tf.cast(b, tf.float32), tf.cast(hi - lo, tf.float32)
-            tracker.total.assign_add(rows * (total - share))
-            tracker.count.assign_add(rows - mine_rows)
+            rows = tf.cast(b, tf.float32)
+            tracker.total.assign(before[0] + rows * total)
+            tracker.count.assign(before[1] + rows)
         return self.compute_metrics(x, y, whole, None)
 
     def save(self, *args, **kwargs):
