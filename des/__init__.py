@@ -47,7 +47,10 @@ def transform(model, options=None, *, comm=None, spec=None, sample=None, **moved
         given = ", ".join(f"{k}={v!r}" for k, v in shown.items())
         raise TypeError(f"des.transform: {', '.join(moved)} {'is' if len(moved) == 1 else 'are'} now of "
                         f"des.Options: des.transform(model, des.Options({given}))")
-    from des.compiler import transform as compile_model
+    if options is not None and getattr(options, "mode", "des") != "des":     # DES weighed against a PS
+        from des.baselines.ps.user import transform as compile_model
+    else:
+        from des.compiler import transform as compile_model
     from des.runtime.saving import install
     new, report = compile_model(model, options, comm=comm, spec=spec, sample=sample)
     if report.changed or report.save_refusal:

@@ -88,6 +88,70 @@ class Report:
         samples = samples_bytes_per_step(batch_size, self.by_samples, self.rank)[0] if self.by_samples else 0
         return ring_share(n) * (self.payload_bytes(batch_size) - samples) + (n - 1) / n * samples
 
+    def _substitution_lines(self) -> list[str]:
+        """The header and one line per substitution, collective and cost-model choice."""
+        lines = [f"des.transform: {len(self.substitutions)} substitution(s), rank {self.rank} "
+                 f"of {self.world_size}:"]
+        rows = [m for m in self.substitutions if m.rule == "field_rows"]
+        for m in self.substitutions:
+            if m.rule != "field_rows":
+                lines.append(f"  {m.rule:<20} at {m.root.layer.name!r}: {len(m.vectors)} field vectors, "
+                             f"partial width {self.widths.get(m.root.layer.name, '?')}"
+                             + (f", {len(m.others)} replicated input(s)" if m.others else ""))
+        if rows:
+            names = [m.vectors[0].table.layer.name for m in rows]
+            shown = ", ".join(names if len(names) <= 4 else names[:3] + ["...", names[-1]])
+            lines.append(f"  {'field_rows':<20} {len(rows)} table call(s) ({shown}) read by layers no rule "
+                         f"splits: each owner's rows, {sum(m.vectors[0].width for m in rows)} floats"
+                         + (f", sent to their samples' processes by one all-to-all (widths {self.by_samples} by "
+                            f"rank), not in the partials" if self.by_samples else ""))
+        if self.penalty_column:
+            lines.append("  + 1 float per sample for the weight penalties (regularizers) of owned tables "
+                         "and kernel rows, so every process reports the whole loss")
+        lines.append((f"  {self.collectives} allreduces (one per tower) of {self.floats_per_sample} floats per "
+                      f"sample in all " if self.collectives > 1 else
+                      f"  one fused allreduce of {self.floats_per_sample} floats per sample ")
+                     + (f"and this process's {self.by_samples[self.rank]} floats per sample of field rows by "
+                        f"all-to-all " if self.by_samples else "")
+                     + (f"= {self.payload_bytes(1)} bytes/sample; at B=4096: " if not self.by_rows else
+                        "and the first Dense's rows and kernel (below); at B=4096: ")
+                     + f"{self.payload_bytes(4096):,} bytes handed over, "
+                     f"{self.ring_bytes(4096):,.0f} sent per process (ring{', all-to-all' if self.by_samples else ''})")
+        if self.micro_batches > 1:
+            lines.append(f"  in {self.micro_batches} slices of the batch, one allreduce each (a slice's sum "
+                         f"travels while the next slice's partials are computed; the same results)")
+        if self.wire_dtype != "float32":
+            lines.append(f"  partials on the wire in {self.wire_dtype} and summed in {self.wire_dtype} by the "
+                         f"collective: half the bytes, NOT exact (float32 is)")
+        if self.tail == "data_parallel":
+            lines.append("  data-parallel tail: the partials are reduce-scattered, each process runs the layers "
+                         "after the first one on its B/N rows, the outputs are all-gathered and the tail's "
+                         "gradients summed (one allreduce per step)")
+        if self.link:
+            lines.append(f"  {self.link}")
+        if self.first_layer == "rows":
+            lines.append("  first layer by rows: no operator is split; every field vector's rows go to the "
+                         "processes of its samples and the first layers run in the data-parallel tail")
+        if self.first_layer_reason:
+            lines.append(f"  first layer chosen by the cost model (first_layer='auto'): {self.first_layer_reason}")
+        if self.tail_reason:
+            lines.append(f"  tail chosen by the cost model (tail='auto'): {self.tail_reason}")
+        for name, (widths, units) in self.by_rows.items():
+            lines.append(f"  first Dense {name!r} by moving rows: each process sends the rows of its fields "
+                         f"(widths {widths} by rank) to the processes of their samples and multiplies its "
+                         f"samples' rows by the all-gathered kernel ({units} units); no partials for it")
+        if self.distinct_keys:
+            shown = ", ".join(self.distinct_keys[:6]) + (", ..." if len(self.distinct_keys) > 6 else "")
+            lines.append(f"  rows that travel go once per distinct id and process for the fields of "
+                         f"{len(self.distinct_keys)} id input(s) ({shown}); the receivers put them back at "
+                         f"their samples (des.Options(distinct_rows=False): once per sample); the bytes above "
+                         f"are the most they can be")
+        if self.first_dense_reason:
+            lines.append(f"  first Dense chosen by the cost model (first_dense='auto'): {self.first_dense_reason}")
+        if self.field_rows_reason:
+            lines.append(f"  field rows by the cost model: {self.field_rows_reason}")
+        return lines
+
     def __str__(self) -> str:
         if self.mode == "ps":
             lines = [f"des.transform: a parameter server, rank {self.rank} of {self.world_size}: every table sharded "
@@ -95,66 +159,7 @@ class Report:
         elif not self.substitutions:
             lines = ["des.transform: nothing to substitute; the model is returned unchanged."]
         else:
-            lines = [f"des.transform: {len(self.substitutions)} substitution(s), rank {self.rank} "
-                     f"of {self.world_size}:"]
-            rows = [m for m in self.substitutions if m.rule == "field_rows"]
-            for m in self.substitutions:
-                if m.rule != "field_rows":
-                    lines.append(f"  {m.rule:<20} at {m.root.layer.name!r}: {len(m.vectors)} field vectors, "
-                                 f"partial width {self.widths.get(m.root.layer.name, '?')}"
-                                 + (f", {len(m.others)} replicated input(s)" if m.others else ""))
-            if rows:
-                names = [m.vectors[0].table.layer.name for m in rows]
-                shown = ", ".join(names if len(names) <= 4 else names[:3] + ["...", names[-1]])
-                lines.append(f"  {'field_rows':<20} {len(rows)} table call(s) ({shown}) read by layers no rule "
-                             f"splits: each owner's rows, {sum(m.vectors[0].width for m in rows)} floats"
-                             + (f", sent to their samples' processes by one all-to-all (widths {self.by_samples} by "
-                                f"rank), not in the partials" if self.by_samples else ""))
-            if self.penalty_column:
-                lines.append("  + 1 float per sample for the weight penalties (regularizers) of owned tables "
-                             "and kernel rows, so every process reports the whole loss")
-            lines.append((f"  {self.collectives} allreduces (one per tower) of {self.floats_per_sample} floats per "
-                          f"sample in all " if self.collectives > 1 else
-                          f"  one fused allreduce of {self.floats_per_sample} floats per sample ")
-                         + (f"and this process's {self.by_samples[self.rank]} floats per sample of field rows by "
-                            f"all-to-all " if self.by_samples else "")
-                         + (f"= {self.payload_bytes(1)} bytes/sample; at B=4096: " if not self.by_rows else
-                            "and the first Dense's rows and kernel (below); at B=4096: ")
-                         + f"{self.payload_bytes(4096):,} bytes handed over, "
-                         f"{self.ring_bytes(4096):,.0f} sent per process (ring{', all-to-all' if self.by_samples else ''})")
-            if self.micro_batches > 1:
-                lines.append(f"  in {self.micro_batches} slices of the batch, one allreduce each (a slice's sum "
-                             f"travels while the next slice's partials are computed; the same results)")
-            if self.wire_dtype != "float32":
-                lines.append(f"  partials on the wire in {self.wire_dtype} and summed in {self.wire_dtype} by the "
-                             f"collective: half the bytes, NOT exact (float32 is)")
-            if self.tail == "data_parallel":
-                lines.append("  data-parallel tail: the partials are reduce-scattered, each process runs the layers "
-                             "after the first one on its B/N rows, the outputs are all-gathered and the tail's "
-                             "gradients summed (one allreduce per step)")
-            if self.link:
-                lines.append(f"  {self.link}")
-            if self.first_layer == "rows":
-                lines.append("  first layer by rows: no operator is split; every field vector's rows go to the "
-                             "processes of its samples and the first layers run in the data-parallel tail")
-            if self.first_layer_reason:
-                lines.append(f"  first layer chosen by the cost model (first_layer='auto'): {self.first_layer_reason}")
-            if self.tail_reason:
-                lines.append(f"  tail chosen by the cost model (tail='auto'): {self.tail_reason}")
-            for name, (widths, units) in self.by_rows.items():
-                lines.append(f"  first Dense {name!r} by moving rows: each process sends the rows of its fields "
-                             f"(widths {widths} by rank) to the processes of their samples and multiplies its "
-                             f"samples' rows by the all-gathered kernel ({units} units); no partials for it")
-            if self.distinct_keys:
-                shown = ", ".join(self.distinct_keys[:6]) + (", ..." if len(self.distinct_keys) > 6 else "")
-                lines.append(f"  rows that travel go once per distinct id and process for the fields of "
-                             f"{len(self.distinct_keys)} id input(s) ({shown}); the receivers put them back at "
-                             f"their samples (des.Options(distinct_rows=False): once per sample); the bytes above "
-                             f"are the most they can be")
-            if self.first_dense_reason:
-                lines.append(f"  first Dense chosen by the cost model (first_dense='auto'): {self.first_dense_reason}")
-            if self.field_rows_reason:
-                lines.append(f"  field rows by the cost model: {self.field_rows_reason}")
+            lines = self._substitution_lines()
         if self.mode_reason:
             lines += [f"  {line}" for line in self.mode_reason.splitlines()]
         if self.compiled:

@@ -22,9 +22,53 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from des.baselines.ps.rewrite import PSModel, shard, table_inputs
+from des.baselines.ps.rewrite import PSModel, refusal, shard, table_inputs
 from des.baselines.ps.tables import KeyExchange
-from des_ops.comm import Communicator, shard_rows
+from des.compiler.api import transform as substitute
+from des.compiler.options import Options
+from des.compiler.functional import _compile_like
+from des.compiler.keys import sync_from_root
+from des.compiler.report import Report
+from des.graph.ir import Graph
+from des.jobs.auto import choose
+from des_ops.comm import Communicator, agree, default_communicator, shard_rows
+
+
+def transform(model: tf.keras.Model, options: Options, *, comm: Communicator | None = None, spec=None,
+              sample=None) -> tuple[tf.keras.Model, Report]:
+    """des.transform for des.Options(mode="ps" | "auto"): (the model for this process, report),
+    a WholeBatchPS or, when DES is chosen, des.compiler.transform's model with the reason."""
+    comm = comm or default_communicator()
+    mode, why = choose_mode(model, options, comm, sample)
+    if mode == "des":
+        return substitute(model, options, comm=comm, spec=spec, sample=sample, chosen=why)
+    ps = shard_users_model(model, comm, options.seed, options.sync_weights)
+    report = Report([], [], None, comm.rank, comm.world_size, tables=ps_lines(model, comm.world_size),
+                    options=options, compiled=ps.des_compiled, mode="ps", mode_reason=why)
+    return ps, report
+
+
+def choose_mode(model: tf.keras.Model, options: Options, comm: Communicator, sample) -> tuple[str, str]:
+    """("des" | "ps", why) for des.Options(mode="ps" | "auto"); the same on every process (checked:
+    processes that chose otherwise end the job, named)."""
+    if not getattr(model, "_is_graph_network", False):
+        if options.mode == "ps":
+            raise ValueError(f"des.Options(mode='ps'): the parameter server shards the tables of a functional "
+                             f"model; {type(model).__name__} is subclassed (use mode='des')")
+        return "des", "mode auto: DES (a subclassed model: the parameter server shards functional models only)"
+    if options.mode == "ps":
+        return "ps", "mode ps: asked for"
+    if sample is None:
+        raise ValueError("des.Options(mode='auto') weighs DES against a parameter server on a batch of the inputs: "
+                         "pass sample= (a global batch, the same on every process)")
+    cannot = refusal(Graph(model), "ps")        # nothing to weigh: the PS cannot take this model
+    if cannot:
+        mode, why = "des", f"mode auto: DES, as a PS cannot shard this model ({cannot})"
+    else:
+        choice = choose(model, sample, comm.world_size)
+        mode, why = choice.mode, str(choice).replace("plan auto:", "mode auto:", 1)
+    agree(comm, "mode des.Options(mode='auto') chose (is sample= the same batch on every process?)", mode)
+    return mode, why
 
 
 class WholeBatchPS(PSModel):
@@ -65,9 +109,6 @@ def shard_users_model(model: tf.keras.Model, comm: Communicator, seed: int, sync
     """``model``'s tables sharded by key over ``comm``'s processes, as a WholeBatchPS compiled as
     ``model`` was (``des_compiled``: the report's line). ``sync_weights``: every process first takes
     rank 0's weights (a model built with random initialisers starts the same everywhere)."""
-    from des.compiler.functional import _compile_like
-    from des.compiler.keys import sync_from_root
-    from des.graph.ir import Graph
     if sync_weights and comm.world_size > 1:
         sync_from_root(Graph(model), comm)
     ps = shard(model, KeyExchange(comm), cls=WholeBatchPS, seed=seed)
