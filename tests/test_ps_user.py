@@ -174,3 +174,12 @@ def test_mode_auto_keeps_des_where_a_ps_cannot_shard_the_model():
     for m, report in out:
         assert type(m).__name__ != "WholeBatchPS"
         assert "mode auto: DES, as a PS cannot shard this model (embedding" in str(report), str(report)
+
+
+def test_the_compiler_alone_refuses_a_mode_it_does_not_run():
+    """des.compiler.transform substitutes; handed mode "ps" or "auto" without the facade's choice it
+    says where the choice is made rather than silently running DES."""
+    from des.compiler import transform as substitute
+    for mode in ("ps", "auto"):
+        with pytest.raises(ValueError, match=r"des.transform's to weigh"):
+            substitute(BUILDERS["tfra_deepfm"](), des.Options(mode=mode))
