@@ -41,9 +41,11 @@ MODULES = _module_names()
 def _run(name: str) -> tuple[int, int, int, str]:
     """(failed, attempted, skipped, report) of the examples in module ``name``'s docstrings.
 
-    Each docstring starts from a fresh Keras session (layer names as in a new interpreter), and
-    the registries an example may add to (rules, adapters) are put back afterwards."""
+    Each docstring starts from a fresh Keras session and table-name counter (models.layers.table_name:
+    names as in a new interpreter), and the registries an example may add to (rules, adapters) and
+    the counter are put back afterwards."""
     from des.graph import adapters
+    from models import layers as model_layers
     from rewrite_rules import base
     module = importlib.import_module(name)
     out: list[str] = []
@@ -54,6 +56,8 @@ def _run(name: str) -> tuple[int, int, int, str]:
             continue
         skipped += sum(1 for ex in test.examples if ex.options.get(doctest.SKIP))
         rules, adapter_map = list(base.RULES), dict(adapters.ADAPTERS)
+        tables = dict(model_layers._names_used)     # table names as the first model in a process gets
+        model_layers._names_used.clear()
         tf.keras.backend.clear_session()
         try:
             runner.run(test, out=out.append)
@@ -61,6 +65,8 @@ def _run(name: str) -> tuple[int, int, int, str]:
             base.RULES[:] = rules
             adapters.ADAPTERS.clear()
             adapters.ADAPTERS.update(adapter_map)
+            model_layers._names_used.clear()
+            model_layers._names_used.update(tables)
     return runner.failures, runner.tries, skipped, "".join(out)
 
 
