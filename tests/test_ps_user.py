@@ -4,7 +4,8 @@ the rows its keyed table would hold), each simulated process training its slice 
 batch, equals the untouched model trained on the whole batches on one process (N = 3; batches
 of 31 rows and a last one of 2: uneven and empty slices); through des.transform(mode="ps") on TFRA
 and Keras Embedding tables (DeepCTR's, L2 penalty included); a table fed by arithmetic on the
-inputs is refused with a reason."""
+inputs is refused with a reason; a mode-ps model saves and exports the model the user gave
+des.transform, trained."""
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -81,13 +82,13 @@ def _fit_whole(model, batches, probe):
 # (Adam's first steps, m / (sqrt(v) + eps), go by each gradient's sign, and the penalty leaves
 # gradients near zero: float32 summation order amplified), DeepCTR's DCN with Adam 6e-8.
 @pytest.mark.parametrize("name,optimizer", [("tfra_deepfm", "adam"), ("deepctr_deepfm_defaults", "sgd")])
-def test_des_transform_mode_ps_trains_the_global_batch_like_one_process(name, optimizer):
+def test_des_transform_mode_ps_trains_the_global_batch_like_one_process(name, optimizer, tmp_path):
     """des.Options(mode="ps") through des.transform on a compiled user model (TFRA tables; DeepCTR's
     Keras Embedding tables with their L2 penalty): every simulated
     process is handed the whole global batch, trains on its rows (N = 3: slices of 10/10/11 and
     0/1/1 rows) and reports the whole batch's loss (penalties included) and AUC, step by step, as
     the untouched model on one process does, every process the same bits; every row is held once,
-    split over the processes."""
+    split over the processes. model.save, save_weights and des.export write the trained model."""
     from tensorflow_recommenders_addons import dynamic_embedding as de
 
     def build():
@@ -124,8 +125,32 @@ def test_des_transform_mode_ps_trains_the_global_batch_like_one_process(name, op
         held = [_rows_held(m) for m in models]
         whole = _rows_held(reference)
         assert sum(held) == whole and max(held) < whole, (held, whole)
-        with pytest.raises(NotImplementedError, match="saving does not gather them"):
-            models[0].save("/nonexistent")
+        _saves_the_trained_model(world, models, probe, out[0][1], name, tmp_path)
+
+
+def _saves_the_trained_model(world, models, probe, predictions, name, tmp_path):
+    """model.save, save_weights and des.export on every process write the model the user gave
+    des.transform with every process's trained rows: what it predicts is what the PS model does."""
+    def save(r):
+        models[r].save(str(tmp_path / "m_tf"))
+        models[r].save_weights(str(tmp_path / "w.h5"))
+        des.export(models[r], str(tmp_path / "served"))
+    _on_every_rank(world, save)
+    objects = {}
+    if name.startswith("deepctr"):
+        from deepctr.layers import custom_objects as objects
+    again = tf.keras.models.load_model(str(tmp_path / "m_tf"), custom_objects=objects, compile=False)
+    within("mode ps: model.save, loaded", float(np.abs(again.predict_on_batch(probe) - predictions).max()), 1e-6)
+    if not name.startswith("tfra"):     # TFRA's tables are not Keras weights: a weights file does not hold them
+        fresh = BUILDERS[name]()
+        fresh.load_weights(str(tmp_path / "w.h5"))
+        within("mode ps: save_weights, loaded", float(np.abs(fresh.predict_on_batch(probe) - predictions).max()), 1e-6)
+    serve = tf.saved_model.load(str(tmp_path / "served")).signatures["serving_default"]
+    served = next(iter(serve(**{k: tf.constant(v) for k, v in probe.items()}).values()))
+    within("mode ps: des.export, served", float(np.abs(np.reshape(served, [-1]) - np.reshape(predictions, [-1])).max()),
+           1e-6)
+    held = [sum(len(new.held_rows()[0]) for new, _ in m.table_pairs) for m in models]
+    assert held == [_rows_held(m) for m in models]          # the save left each process's tables as they were
 
 
 def _rows_held(model) -> int:
@@ -183,3 +208,44 @@ def test_the_compiler_alone_refuses_a_mode_it_does_not_run():
     for mode in ("ps", "auto"):
         with pytest.raises(ValueError, match=r"des.transform's to weigh"):
             substitute(BUILDERS["tfra_deepfm"](), des.Options(mode=mode))
+
+
+def test_a_mode_ps_checkpoint_resumes_on_another_number_of_processes(tmp_path):
+    """DeepCTR's DeepFM (Keras Embedding tables, L2 penalty) with Adam through mode ps:
+    des.checkpoint.save on 3 processes after two batches (rows and Adam's slots by key, each
+    process its own), des.checkpoint.restore on 2 (each keeps the keys it holds there), the rest
+    of the batches: the untouched model trained on one process without a stop, within 2e-6."""
+    from tensorflow_recommenders_addons import dynamic_embedding as de
+
+    def build():
+        tf.keras.utils.set_random_seed(0)
+        m = BUILDERS["deepctr_deepfm_defaults"]()
+        m.compile(de.DynamicEmbeddingOptimizer(tf.keras.optimizers.legacy.Adam(0.02)), "binary_crossentropy")
+        return m
+
+    base = build()
+    x, y = batches_for(base, 1, ROWS, seed=4)[0]
+    batches = [({k: v[i:i + BATCH] for k, v in x.items()}, y[i:i + BATCH]) for i in range(0, ROWS, BATCH)]
+    probe = batches_for(base, 1, 16, seed=99)[0][0]
+    reference = build()
+    for xb, yb in batches:
+        reference.train_on_batch(xb, yb)
+    expected = reference.predict_on_batch(probe)
+
+    def run(n, part, restore):
+        world = InProcessWorld(n)
+        users = [build() for _ in range(n)]
+
+        def work(r):
+            m, _ = des.transform(users[r], des.Options(mode="ps"), comm=world.communicator(r), sample=batches[0][0])
+            if restore:
+                des.checkpoint.restore(str(tmp_path / "ckpt"), m, m.optimizer)
+            for xb, yb in part:
+                m.train_on_batch(xb, yb)
+            if not restore:
+                des.checkpoint.save(str(tmp_path / "ckpt"), m, m.optimizer)
+            return m.predict_on_batch(probe)
+        return _on_every_rank(world, work)
+    run(3, batches[:2], restore=False)
+    for r, got in enumerate(run(2, batches[2:], restore=True)):
+        within("mode ps: resumed from 3 processes on 2", float(np.abs(got - expected).max()), 2e-6, case=f"rank {r}")

@@ -46,6 +46,14 @@ def attach(model, handle: Distributed) -> None:
     _HANDLES[model] = handle
 
 
+def comm_of(model):
+    """The communicator whose processes save and checkpoint ``model`` together: a DES model's, or
+    that of a model that carries its own (``des_comm``: des.baselines.ps.user's); None for a model
+    of one process."""
+    handle = distributed(model)
+    return handle.comm if handle is not None else getattr(model, "des_comm", None)
+
+
 def distributed(model) -> Distributed | None:
     """The handle of a model des.transform returned, or None for any other model."""
     try:

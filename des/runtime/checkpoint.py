@@ -51,7 +51,7 @@ import numpy as np
 import models
 from des.data import FeatureSpec
 from des.data.hashing import ID_MASK
-from des.compiler.handle import distributed
+from des.compiler.handle import comm_of, distributed
 from des.compiler.plan import FieldPlan
 from des.compiler.keys import create_slots, optimizer_parts
 from des.runtime.state import export_rows, load_rows, pieces
@@ -107,11 +107,10 @@ def _write_npz(path: str, entries: dict) -> None:
 
 def _world(model, rank: int | None, world_size: int | None, barrier=None):
     """(rank, world size, barrier): as given, else those of the DES model's communicator (a
-    small allreduce as the barrier), else one process."""
-    handle = distributed(model)
-    if handle is None:
+    small allreduce as the barrier; a mode-ps model's too), else one process."""
+    comm = comm_of(model)
+    if comm is None:
         return rank or 0, world_size or 1, barrier or (lambda: None)
-    comm = handle.comm
     if barrier is None and comm.world_size > 1:
         barrier = lambda: comm.allreduce_counted(np.zeros([1], np.float32), "barrier")  # noqa: E731
     return (comm.rank if rank is None else rank, comm.world_size if world_size is None else world_size,

@@ -54,7 +54,7 @@ import tensorflow as tf
 from des.runtime import checkpoint
 from des.runtime import saving
 from des.runtime.checkpoint import CheckpointError
-from des.compiler.handle import distributed
+from des.compiler.handle import comm_of
 from des.compiler.keys import state_keys
 from models.layers import key_init, pool
 from models.spec import PAD_ID
@@ -233,7 +233,7 @@ def export_model(model, out: str) -> dict | None:
     the others None. ``out`` must not exist or be empty (checked on every process first)."""
     if os.path.exists(out) and os.listdir(out):
         raise ValueError(f"{out}: exists and is not empty; nothing was written (choose another path)")
-    if distributed(model) is None:
+    if comm_of(model) is None:
         return _write_export(model, out)
     return saving.written_by_root(model, "des.export(model, out)", out, lambda full: _write_export(full, out),
                                   own_class=False)          # a subclassed model: the functional model of its call

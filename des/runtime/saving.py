@@ -35,7 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 from des.runtime.checkpoint import Shards, shard_bytes, shard_kinds
-from des.compiler.handle import distributed
+from des.compiler.handle import comm_of, distributed
 from des.graph.sources import source_of
 from des.runtime.state import export_rows, load_rows
 from des.compiler.keys import model_keys
@@ -88,7 +88,9 @@ def untouched(model: tf.keras.Model, what: str = "save", own_class: bool = True)
     des.transform did not change is yielded as it is."""
     handle = distributed(model)
     if handle is None:
-        yield model
+        gathered = getattr(model, "des_untouched", None)      # a model that gathers itself (mode ps)
+        with gathered() if gathered is not None else contextlib.nullcontext(model) as full:
+            yield full
         return
     comm, source = handle.comm, handle.source
     blobs = allgather_bytes(comm, shard_bytes(export_rows(model, None, shard_kinds(model, comm.rank))),
@@ -154,7 +156,7 @@ def written_by_root(model: tf.keras.Model, what: str, path, write: Callable, own
     (``untouched``), let rank 0 ``write(model)``, then tell every process how that went: a write
     that fails on rank 0 raises the same one-line SaveError on every process (none goes on into
     a collective rank 0 will not join). Returns ``write``'s result on rank 0, None elsewhere."""
-    comm = distributed(model).comm
+    comm = comm_of(model)
     agree_on(comm, what, f"{what} to {os.fspath(path)}")
     result, failure = None, None
     try:

@@ -184,6 +184,10 @@ def load_rows(model: tf.keras.Model, optimizer, entries, keep_key=None) -> list[
             keep = keep_key(var) if keep_key else None
             every_key = np.concatenate([e["keys"] for e in saved])
             mask = keep(every_key) if keep is not None else slice(None)
+            if not source.dynamic:          # a static table's slots are matrices in key order: rows by key
+                every_key = every_key[mask]
+                mask = np.flatnonzero(mask if keep is not None else np.ones(len(every_key), bool))[
+                    np.argsort(every_key, kind="stable")]
             cat = lambda name: np.concatenate([e[name] for e in saved])[mask]  # noqa: E731
             keys, values = cat("keys"), cat("value")
             dim = source.dim(var)

@@ -41,6 +41,7 @@ class PSModel(tf.keras.Model):
     exchange: KeyExchange
     record_ids: int = 0   # hand the ids of the first K training steps to ``recorded`` (byte checks)
     ps_tables: list | None = None     # a fused model: (ids, weights, dim) of the tables it fuses
+    table_pairs: tuple = ()           # an unfused model: (sharded table, the model's table it replaces)
     fused_lines: tuple = ()           # a fused model: one report line per fused table
 
     def use(self, exchange: KeyExchange, ps_tables: list | None = None, fused_lines=()) -> "PSModel":
@@ -113,7 +114,7 @@ def shard(model: tf.keras.Model, exchange: KeyExchange, make_table=None, cls=PSM
     linear weight travels in its embedding's row (des_ops.fused: one exchange of ids for both)."""
     graph = Graph(model)
     embeds = [n for n in graph.nodes if n.kind == "table"]
-    given = {}
+    given, pairs = {}, []
     env = {t: graph.tensors[t] for t in graph.input_ids}
     why = refusal(graph, mode, keyed_too=not make_table)
     if why:
@@ -131,7 +132,9 @@ def shard(model: tf.keras.Model, exchange: KeyExchange, make_table=None, cls=PSM
         args = tf.nest.map_structure(lambda t: env.get(id(t), t), n.call_args)
         out = new(*args, **n.call_kwargs)
         given[n.output] = lambda look, out=out: out
+        pairs.append((new, old))
     ps = replay(graph, {n.index for n in embeds}, given, cls=cls, suffix=mode).use(exchange)
+    object.__setattr__(ps, "table_pairs", tuple(pairs))     # not tracked: the model's own tables are not its weights
     if fuse:
         graph = Graph(ps)
         entries = [(n.layer, *names, n.attrs["dim"]) for n, names in _table_nodes(graph)]

@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import tensorflow as tf
 
 from des.data.hashing import ID_MASK
+from des.graph.sources import TableSource, register
 from des_ops.comm import WIRE_DTYPES, Communicator, default_communicator
 from des_ops.fused import FUSED_CLASS, FusedTable
 from models.layers import FieldEmbedding
@@ -198,6 +200,13 @@ class ShardedFieldEmbedding(FieldEmbedding):
         """The rows of the distinct ids from their owners (padding: zero rows, never a key)."""
         return owners_rows(self, uniq, training, counts=counts)
 
+    def held_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """(keys [n], rows [n, dim]) this process holds (the keys k with k mod N == rank it has met)."""
+        if int(self.params.size()) == 0:
+            return np.zeros([0], np.int64), np.zeros([0, self.dim], np.float32)
+        keys, values = self.params.export()
+        return keys.numpy(), values.numpy()
+
 
 class ShardedKeyedEmbedding(ShardedFieldEmbedding):
     """A user's TFRA ``de.keras.layers.Embedding`` (keyed: its new rows from (table, key, seed),
@@ -279,6 +288,7 @@ class ShardedStaticEmbedding(tf.keras.layers.Layer):
     """
 
     des_sharded_by_key = True        # its rows' gradients stay with their owner (PSModel sums the others)
+    des_state_class = "Embedding"    # its rows are keyed as the unsharded table's (checkpoints)
 
     def __init__(self, embedding: tf.keras.layers.Embedding, exchange: KeyExchange, key: str, **kwargs):
         super().__init__(name="ps_" + re.sub(r"[^A-Za-z0-9_.]", "_", key), **kwargs)
@@ -288,9 +298,14 @@ class ShardedStaticEmbedding(tf.keras.layers.Layer):
         self.vocabulary, self.dim = (int(d) for d in embedding.embeddings.shape)
         self.mask_zero = bool(embedding.mask_zero)
         held = embedding.embeddings.numpy()[exchange.rank::exchange.world_size]
-        self.rows = self.add_weight("rows", shape=held.shape, initializer=tf.keras.initializers.Constant(held),
+        # named after the table: optimizer slots are matched to their variables by name
+        self.rows = self.add_weight(f"{self.name}_rows", shape=held.shape, initializer=tf.keras.initializers.Constant(held),
                                     regularizer=embedding.embeddings_regularizer, trainable=embedding.trainable,
                                     dtype=embedding.embeddings.dtype)
+
+    def held_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """(keys [n], rows [n, dim]) this process holds: keys rank, rank + N, ..."""
+        return np.arange(self.exchange.rank, self.vocabulary, self.exchange.world_size), self.rows.numpy()
 
     def call(self, inputs):
         ids = tf.cast(inputs, tf.int64)
@@ -304,3 +319,31 @@ class ShardedStaticEmbedding(tf.keras.layers.Layer):
 
     def compute_output_shape(self, input_shape):
         return tf.TensorShape(input_shape).concatenate([self.dim])
+
+
+@register
+class _ShardedStatic(TableSource):
+    """A ShardedStaticEmbedding as a table of des.graph.sources: keys rank, rank + N, ... held in
+    one static variable, so that checkpoints save and restore its rows by key on any N."""
+    name = "sharded Keras Embedding"
+    dynamic = False
+
+    def claims(self, layer):
+        return isinstance(layer, ShardedStaticEmbedding)
+
+    def field(self, layer):
+        return None
+
+    def rows(self, layer):
+        return float(layer.rows.shape[0])
+
+    def export(self, layer):
+        return layer.held_rows()
+
+    def load(self, layer, keys, values):
+        held = layer.rows.numpy()
+        held[np.asarray(keys) // layer.exchange.world_size] = values
+        layer.rows.assign(held)
+
+    def trainable(self, layer):
+        return layer.rows

@@ -8,7 +8,9 @@ each key's row on process key mod N); a training step takes this process's rows 
 (des_ops.comm.shard_rows), trains on them as the PS does (its share of the global mean loss,
 rows and gradient rows by all-to-all, dense gradients summed) and all-gathers the predictions for
 the metrics, so the update and the reported loss are the single process's on the whole batch.
-Evaluation and prediction look up the whole batch on every process.
+Evaluation and prediction look up the whole batch on every process. ``model.save``,
+``save_weights``, ModelCheckpoint and ``des.export`` (every process calls them) write the model
+the user gave des.transform, its tables holding every process's rows (gathered on rank 0).
 
     >>> import des
     >>> from gallery import BUILDERS, batches_for          # tests/gallery.py: models users write
@@ -20,6 +22,11 @@ Evaluation and prediction look up the whole batch on every process.
 """
 from __future__ import annotations
 
+import contextlib
+import io
+from typing import Iterator
+
+import numpy as np
 import tensorflow as tf
 
 from des.baselines.ps.rewrite import PSModel, refusal, shard, table_inputs
@@ -30,6 +37,8 @@ from des.compiler.functional import _compile_like
 from des.compiler.keys import sync_from_root
 from des.compiler.report import Report
 from des.graph.ir import Graph
+from des.graph.sources import source_of
+from des.runtime.saving import allgather_bytes, written_by_root
 from des.jobs.auto import choose
 from des_ops.comm import Communicator, agree, default_communicator, shard_rows
 
@@ -96,13 +105,47 @@ class WholeBatchPS(PSModel):
             tracker.count.assign(before[1] + rows)
         return self.compute_metrics(x, y, whole, None)
 
-    def save(self, *args, **kwargs):
-        raise NotImplementedError(
-            "des.transform(mode='ps'): each key's row lives on its owner process and saving does not gather them "
-            "yet; train with des.Options(mode='des') to save, checkpoint and export")
+    @property
+    def des_comm(self) -> Communicator:
+        """The processes that save this model together (des.runtime.saving)."""
+        return self.exchange.comm
 
-    def save_weights(self, *args, **kwargs):
-        self.save()
+    @contextlib.contextmanager
+    def des_untouched(self) -> Iterator[tf.keras.Model | None]:
+        """On rank 0, the model des.transform was given, its tables holding every process's
+        trained rows (its other layers are this model's: trained in place); None elsewhere. Every
+        process enters it (one gather of the rows in pieces); afterwards the given model's tables
+        hold again what they held before."""
+        comm = self.exchange.comm
+        held = [new.held_rows() for new, _ in self.table_pairs]
+        blob = io.BytesIO()
+        np.savez(blob, **{f"{kind}{i}": a for i, rows in enumerate(held) for kind, a in zip("kv", rows)})
+        blobs = allgather_bytes(comm, blob.getvalue(), "des_ps_save_rows")
+        if comm.rank != 0:
+            yield None
+            return
+        parts = [np.load(io.BytesIO(b)) for b in blobs]
+        before = []
+        try:
+            for i, (_, old) in enumerate(self.table_pairs):
+                source = source_of(old)
+                before.append((source, old, source.export(old)))
+                source.load(old, np.concatenate([p[f"k{i}"] for p in parts]), np.concatenate([p[f"v{i}"] for p in parts]))
+            yield self.des_source
+        finally:
+            for source, old, (keys, values) in before:
+                source.load(old, keys, values)
+
+    def save(self, filepath, *args, **kwargs):
+        """``model.save``: every process calls it; rank 0 writes the model des.transform was given,
+        with every trained row and weight (des.runtime.saving)."""
+        written_by_root(self, "model.save", filepath,
+                        lambda full: type(full).save(full, filepath, *args, **kwargs))
+
+    def save_weights(self, filepath, *args, **kwargs):
+        """``model.save_weights``: as ``save``, the given model's weights."""
+        written_by_root(self, "model.save_weights", filepath,
+                        lambda full: type(full).save_weights(full, filepath, *args, **kwargs))
 
 
 def shard_users_model(model: tf.keras.Model, comm: Communicator, seed: int, sync_weights: bool) -> WholeBatchPS:
@@ -112,6 +155,7 @@ def shard_users_model(model: tf.keras.Model, comm: Communicator, seed: int, sync
     if sync_weights and comm.world_size > 1:
         sync_from_root(Graph(model), comm)
     ps = shard(model, KeyExchange(comm), cls=WholeBatchPS, seed=seed)
+    object.__setattr__(ps, "des_source", model)      # not tracked: what a save writes
     ps.des_compiled = _compile_like(model, ps)
     return ps
 
