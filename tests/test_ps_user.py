@@ -141,7 +141,7 @@ def _saves_the_trained_model(world, models, probe, predictions, name, tmp_path):
         from deepctr.layers import custom_objects as objects
     again = tf.keras.models.load_model(str(tmp_path / "m_tf"), custom_objects=objects, compile=False)
     within("mode ps: model.save, loaded", float(np.abs(again.predict_on_batch(probe) - predictions).max()), 1e-6)
-    if not name.startswith("tfra"):     # TFRA's tables are not Keras weights: a weights file does not hold them
+    if not name.startswith("tfra"):     # TFRA's tables are not Keras weights: h5 holds no TFRA table
         fresh = BUILDERS[name]()
         fresh.load_weights(str(tmp_path / "w.h5"))
         within("mode ps: save_weights, loaded", float(np.abs(fresh.predict_on_batch(probe) - predictions).max()), 1e-6)
