@@ -11,7 +11,8 @@ the rows it holds to OUT_DIR/ps_user.rank<r>.pkl. Then the same model compiled (
 given to ``des.transform(model, des.Options(mode="ps"))``, which takes every global batch whole:
 its logged loss and AUC per step and its predictions go in the same file under "transform"; and
 DeepCTR's DeepFM with its defaults (Keras Embedding tables, an L2 penalty on them) the same way,
-with SGD 0.5, under "keras".
+with SGD 0.5, under "keras": it writes a des.checkpoint after the second batch to
+OUT_DIR/ps_keras_ckpt and, trained, saves itself (model.save) to OUT_DIR/ps_keras_saved.
 """
 import os
 import pickle
@@ -70,7 +71,12 @@ def main(out: str) -> None:
                  "report": str(report)}
     keras_model, keras_batches, keras_probe = deepctr_user()
     whole, _ = des.transform(keras_model, des.Options(mode="ps"), sample=keras_batches[0][0])
-    logs = [whole.train_on_batch(x, y, return_dict=True) for x, y in keras_batches]
+    logs = []
+    for i, (x, y) in enumerate(keras_batches):
+        logs.append(whole.train_on_batch(x, y, return_dict=True))
+        if i == 1:                  # every rank its key shard, rows and slots
+            des.checkpoint.save(os.path.join(out, "ps_keras_ckpt"), whole, whole.optimizer)
+    whole.save(os.path.join(out, "ps_keras_saved"))          # every rank; rank 0 writes the user's model
     keras = {"logs": [(d["loss"], d["auc"]) for d in logs], "predictions": whole.predict_on_batch(keras_probe)}
     with open(os.path.join(out, f"ps_user.rank{rank}.pkl"), "wb") as fh:
         pickle.dump({"rank": rank, "predictions": predictions, "keys": rows, "slice_rows": sizes,

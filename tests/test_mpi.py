@@ -295,7 +295,8 @@ def test_ps_on_a_users_tfra_model_under_mpirun_equals_one_process(battery):
     of 2 rows leaves 3 processes none): the same predictions as the untouched model trained on the
     whole batches on one process, and every key's row on process key mod 5 only, all of them. The same
     model through ``des.transform(model, des.Options(mode="ps"))``, handed the whole batches: the
-    single process's loss and AUC at every step and its predictions."""
+    single process's loss and AUC at every step and its predictions; DeepCTR's DeepFM the same, and
+    its save (the user's model) and checkpoint (resumed on one process) give the reference's."""
     sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "scripts")]
     from tensorflow_recommenders_addons import dynamic_embedding as de
     from mpi_ps_user import build, user_batches
@@ -344,6 +345,21 @@ def test_ps_on_a_users_tfra_model_under_mpirun_equals_one_process(battery):
         within("mode ps, Keras Embedding tables: loss and AUC per step",
                float(np.abs(np.array(k["logs"]) - expected_logs).max()), 1e-6, case=f"rank {r['rank']}")
         assert k["logs"] == ranks[0]["keras"]["logs"], f"rank {r['rank']} logs other bits than rank 0"
+    # saved on the 5 processes: the user's model with every process's rows; the checkpoint of the
+    # second batch resumes on one process (mode ps, a world of one) and trains on like the reference
+    import des
+    from deepctr.layers import custom_objects
+    out = battery(n) / "psuser"
+    saved = tf.keras.models.load_model(str(out / "ps_keras_saved"), custom_objects=custom_objects, compile=False)
+    within("mode ps under mpirun: model.save, loaded", float(np.abs(saved.predict_on_batch(probe) - expected).max()),
+           1e-6)
+    user, _, _ = deepctr_user()
+    resumed, _ = des.transform(user, des.Options(mode="ps"), sample=batches[0][0])
+    des.checkpoint.restore(str(out / "ps_keras_ckpt"), resumed, resumed.optimizer)
+    for x, y in batches[2:]:
+        resumed.train_on_batch(x, y)
+    within("mode ps: a checkpoint of 5 processes resumed on 1", float(np.abs(resumed.predict_on_batch(probe) -
+                                                                               expected).max()), 1e-6)
 
 
 @pytest.mark.mpi
