@@ -67,7 +67,7 @@ class PSModel(tf.keras.Model):
         if self.record_ids:
             names = sorted({ids for ids, _, _ in table_inputs(self)})
             tf.py_function(lambda *ids: self._record(names, ids), [x[n] for n in names], [])
-        n_local = tf.cast(tf.shape(y)[0], tf.float32)
+        n_local = tf.cast(tf.shape(tf.nest.flatten(y)[0])[0], tf.float32)
         n_global = self.exchange.sum_across(n_local[None], counter="control_bytes")[0]
         held = [layer for layer in self.layers if getattr(layer, "des_sharded_by_key", False)]
         with tf.GradientTape() as tape:

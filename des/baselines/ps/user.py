@@ -86,24 +86,37 @@ class WholeBatchPS(PSModel):
     def train_step(self, data):
         x, y = data[0], data[1]
         comm = self.exchange.comm
-        b = tf.shape(y, out_type=tf.int64)[0]
+        b = tf.shape(tf.nest.flatten(y)[0], out_type=tf.int64)[0]
         lo, hi = shard_rows(b, comm.rank, comm.world_size)
-        mine = tf.nest.map_structure(lambda v: v[lo:hi], x)
-        # Keras's Mean of the total loss (LossesContainer's; its .metrics lists it only once built)
-        tracker = getattr(self.compiled_loss, "_total_loss_mean", None)
-        if tracker is not None:                     # its state before this step
-            before = tf.stack([tf.identity(tracker.total), tf.identity(tracker.count)])
-        with tf.control_dependencies([before] if tracker is not None else []):
-            pred, share = self.update(mine, y[lo:hi])
-        whole = comm.allgather(tf.stop_gradient(pred), "ps_whole_batch_predictions")
-        # update() left the loss Mean with this slice's loss; make it the global batch's (the
-        # processes' shares summed), from the state before the step: the same bits on every process
-        total = self.exchange.sum_across(share[None], counter="metrics_bytes")[0]
-        if tracker is not None:
-            rows = tf.cast(b, tf.float32)
-            tracker.total.assign(before[0] + rows * total)
-            tracker.count.assign(before[1] + rows)
+        rows_of = lambda t: tf.nest.map_structure(lambda v: v[lo:hi], t)  # noqa: E731
+        trackers = self._loss_trackers(y)
+        before = [tf.stack([tf.identity(t.total), tf.identity(t.count)]) for t in trackers]   # before this step
+        with tf.control_dependencies(before):
+            pred, share = self.update(rows_of(x), rows_of(y))
+        flat = tf.nest.flatten(pred)
+        whole = tf.nest.pack_sequence_as(pred, [comm.allgather(tf.stop_gradient(p), f"ps_whole_batch_predictions{i}")
+                                                for i, p in enumerate(flat)])
+        # update() left Keras's loss Means with this slice's losses; make them the global batch's, from
+        # their state before the step: the total from the processes' shares (penalties included), each
+        # output's from what the slices added to it, summed: the same bits on every process
+        added = [t.total - was[0] for t, was in zip(trackers[1:], before[1:])]
+        summed = self.exchange.sum_across(tf.stack([share] + added), counter="metrics_bytes")
+        rows = tf.cast(b, tf.float32)
+        for k, (t, was) in enumerate(zip(trackers, before)):
+            t.total.assign(was[0] + (rows * summed[0] if k == 0 else summed[k]))
+            t.count.assign(was[1] + rows)
         return self.compute_metrics(x, y, whole, None)
+
+    def _loss_trackers(self, y) -> list:
+        """Keras's Means of the total loss and of each output's loss (LossesContainer's, built here
+        if this is the first step, so that their state can be read before the step updates them)."""
+        losses = self.compiled_loss
+        total = getattr(losses, "_total_loss_mean", None)
+        if total is None:
+            return []
+        if not losses.built:
+            losses.build(self.output)
+        return [total] + [m for m in tf.nest.flatten(losses._per_output_metrics or []) if m is not None]
 
     @property
     def des_comm(self) -> Communicator:
