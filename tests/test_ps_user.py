@@ -5,7 +5,8 @@ batch, equals the untouched model trained on the whole batches on one process (N
 of 31 rows and a last one of 2: uneven and empty slices); through des.transform(mode="ps") on TFRA
 and Keras Embedding tables (DeepCTR's, L2 penalty included); a table fed by arithmetic on the
 inputs is refused with a reason; a mode-ps model saves and exports the model the user gave
-des.transform, trained."""
+des.transform, trained, and its checkpoint resumes on another N; a two-task model (DeepCTR's MMoE)
+logs each task's loss of the global batch."""
 import numpy as np
 import pytest
 import tensorflow as tf
