@@ -211,8 +211,9 @@ def test_the_compiler_alone_refuses_a_mode_it_does_not_run():
             substitute(BUILDERS["tfra_deepfm"](), des.Options(mode=mode))
 
 
-def test_a_mode_ps_checkpoint_resumes_on_another_number_of_processes(tmp_path):
-    """DeepCTR's DeepFM (Keras Embedding tables, L2 penalty) with Adam through mode ps:
+@pytest.mark.parametrize("name", ["deepctr_deepfm_defaults", "tfra_deepfm"])
+def test_a_mode_ps_checkpoint_resumes_on_another_number_of_processes(tmp_path, name):
+    """DeepCTR's DeepFM (Keras Embedding tables, L2 penalty) or a TFRA DeepFM with Adam through mode ps:
     des.checkpoint.save on 3 processes after two batches (rows and Adam's slots by key, each
     process its own), des.checkpoint.restore on 2 (each keeps the keys it holds there), the rest
     of the batches: the untouched model trained on one process without a stop, within 2e-6."""
@@ -220,7 +221,7 @@ def test_a_mode_ps_checkpoint_resumes_on_another_number_of_processes(tmp_path):
 
     def build():
         tf.keras.utils.set_random_seed(0)
-        m = BUILDERS["deepctr_deepfm_defaults"]()
+        m = BUILDERS[name]()
         m.compile(de.DynamicEmbeddingOptimizer(tf.keras.optimizers.legacy.Adam(0.02)), "binary_crossentropy")
         return m
 
@@ -229,6 +230,7 @@ def test_a_mode_ps_checkpoint_resumes_on_another_number_of_processes(tmp_path):
     batches = [({k: v[i:i + BATCH] for k, v in x.items()}, y[i:i + BATCH]) for i in range(0, ROWS, BATCH)]
     probe = batches_for(base, 1, 16, seed=99)[0][0]
     reference = build()
+    des.make_keyed(reference, seed=0)            # a TFRA table's new rows as des.transform's
     for xb, yb in batches:
         reference.train_on_batch(xb, yb)
     expected = reference.predict_on_batch(probe)
