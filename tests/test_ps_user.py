@@ -15,12 +15,20 @@ import des
 from des.baselines.ps.rewrite import shard
 from des.baselines.ps.tables import KeyExchange, ShardedKeyedEmbedding, ShardedStaticEmbedding
 from des.data.readers import _slice_batch
+from des.graph.sources import source_of
 from des.jobs.verify import _on_every_rank, copy_state
 from des_ops.comm import InProcessWorld
 from gallery import BUILDERS, batches_for
 from helpers import within
 
 ROWS, BATCH = 4 * 31 + 2, 31
+
+
+def _global_batches(model) -> tuple[list, dict]:
+    """(global batches for ``model``: 4 of 31 rows and one of 2, the probe every check predicts)."""
+    x, y = batches_for(model, 1, ROWS, seed=4)[0]
+    return ([({k: v[i:i + BATCH] for k, v in x.items()}, y[i:i + BATCH]) for i in range(0, ROWS, BATCH)],
+            batches_for(model, 1, 16, seed=99)[0][0])
 
 
 def _fit(model, batches, probe, rank=0, n=1):
@@ -39,9 +47,7 @@ def test_a_users_tfra_model_sharded_by_key_equals_one_process(optimizer):
     tf.keras.utils.set_random_seed(0)
     base = BUILDERS["tfra_deepfm"]()
     des.make_keyed(base, seed=0)
-    x, y = batches_for(base, 1, ROWS, seed=4)[0]
-    batches = [({k: v[i:i + BATCH] for k, v in x.items()}, y[i:i + BATCH]) for i in range(0, ROWS, BATCH)]
-    probe = batches_for(base, 1, 16, seed=99)[0][0]
+    batches, probe = _global_batches(base)
     reference = BUILDERS["tfra_deepfm"]()
     copy_state(base, reference)
     des.make_keyed(reference, seed=0)
@@ -101,9 +107,7 @@ def test_des_transform_mode_ps_trains_the_global_batch_like_one_process(name, op
         return m
 
     base = build()
-    x, y = batches_for(base, 1, ROWS, seed=4)[0]
-    batches = [({k: v[i:i + BATCH] for k, v in x.items()}, y[i:i + BATCH]) for i in range(0, ROWS, BATCH)]
-    probe = batches_for(base, 1, 16, seed=99)[0][0]
+    batches, probe = _global_batches(base)
     reference = build()
     des.make_keyed(reference, seed=0)
     expected_logs, expected = _fit_whole(reference, batches, probe)
@@ -150,7 +154,7 @@ def _saves_the_trained_model(world, models, probe, predictions, name, tmp_path):
     served = next(iter(serve(**{k: tf.constant(v) for k, v in probe.items()}).values()))
     within("mode ps: des.export, served", float(np.abs(np.reshape(served, [-1]) - np.reshape(predictions, [-1])).max()),
            1e-6)
-    held = [sum(len(new.held_rows()[0]) for new, _ in m.table_pairs) for m in models]
+    held = [sum(len(source_of(new).export(new)[0]) for new, _ in m.table_pairs) for m in models]
     assert held == [_rows_held(m) for m in models]          # the save left each process's tables as they were
 
 
@@ -226,9 +230,7 @@ def test_a_mode_ps_checkpoint_resumes_on_another_number_of_processes(tmp_path, n
         return m
 
     base = build()
-    x, y = batches_for(base, 1, ROWS, seed=4)[0]
-    batches = [({k: v[i:i + BATCH] for k, v in x.items()}, y[i:i + BATCH]) for i in range(0, ROWS, BATCH)]
-    probe = batches_for(base, 1, 16, seed=99)[0][0]
+    batches, probe = _global_batches(base)
     reference = build()
     des.make_keyed(reference, seed=0)            # a TFRA table's new rows as des.transform's
     for xb, yb in batches:

@@ -185,9 +185,8 @@ def load_rows(model: tf.keras.Model, optimizer, entries, keep_key=None) -> list[
             every_key = np.concatenate([e["keys"] for e in saved])
             mask = keep(every_key) if keep is not None else slice(None)
             if not source.dynamic:          # a static table's slots are matrices in key order: rows by key
-                every_key = every_key[mask]
-                mask = np.flatnonzero(mask if keep is not None else np.ones(len(every_key), bool))[
-                    np.argsort(every_key, kind="stable")]
+                chosen = np.flatnonzero(mask) if keep is not None else np.arange(len(every_key))
+                mask = chosen[np.argsort(every_key[chosen], kind="stable")]
             cat = lambda name: np.concatenate([e[name] for e in saved])[mask]  # noqa: E731
             keys, values = cat("keys"), cat("value")
             dim = source.dim(var)

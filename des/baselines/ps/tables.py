@@ -200,13 +200,6 @@ class ShardedFieldEmbedding(FieldEmbedding):
         """The rows of the distinct ids from their owners (padding: zero rows, never a key)."""
         return owners_rows(self, uniq, training, counts=counts)
 
-    def held_rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """(keys [n], rows [n, dim]) this process holds (the keys k with k mod N == rank it has met)."""
-        if int(self.params.size()) == 0:
-            return np.zeros([0], np.int64), np.zeros([0, self.dim], np.float32)
-        keys, values = self.params.export()
-        return keys.numpy(), values.numpy()
-
 
 class ShardedKeyedEmbedding(ShardedFieldEmbedding):
     """A user's TFRA ``de.keras.layers.Embedding`` (keyed: its new rows from (table, key, seed),
@@ -303,10 +296,6 @@ class ShardedStaticEmbedding(tf.keras.layers.Layer):
                                     regularizer=embedding.embeddings_regularizer, trainable=embedding.trainable,
                                     dtype=embedding.embeddings.dtype)
 
-    def held_rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """(keys [n], rows [n, dim]) this process holds: keys rank, rank + N, ..."""
-        return np.arange(self.exchange.rank, self.vocabulary, self.exchange.world_size), self.rows.numpy()
-
     def call(self, inputs):
         ids = tf.cast(inputs, tf.int64)
         uniq, idx = tf.unique(tf.reshape(ids, [-1]), out_idx=tf.int64)
@@ -338,7 +327,9 @@ class _ShardedStatic(TableSource):
         return float(layer.rows.shape[0])
 
     def export(self, layer):
-        return layer.held_rows()
+        """(keys, rows) this process holds: keys rank, rank + N, ..."""
+        ex = layer.exchange
+        return np.arange(ex.rank, layer.vocabulary, ex.world_size), layer.rows.numpy()
 
     def load(self, layer, keys, values):
         held = layer.rows.numpy()

@@ -89,7 +89,7 @@ class WholeBatchPS(PSModel):
         b = tf.shape(tf.nest.flatten(y)[0], out_type=tf.int64)[0]
         lo, hi = shard_rows(b, comm.rank, comm.world_size)
         rows_of = lambda t: tf.nest.map_structure(lambda v: v[lo:hi], t)  # noqa: E731
-        trackers = self._loss_trackers(y)
+        trackers = self._loss_trackers()
         before = [tf.stack([tf.identity(t.total), tf.identity(t.count)]) for t in trackers]   # before this step
         with tf.control_dependencies(before):
             pred, share = self.update(rows_of(x), rows_of(y))
@@ -100,14 +100,14 @@ class WholeBatchPS(PSModel):
         # their state before the step: the total from the processes' shares (penalties included), each
         # output's from what the slices added to it, summed: the same bits on every process
         added = [t.total - was[0] for t, was in zip(trackers[1:], before[1:])]
-        summed = self.exchange.sum_across(tf.stack([share] + added), counter="metrics_bytes")
+        total, *per_output = tf.unstack(self.exchange.sum_across(tf.stack([share] + added), counter="metrics_bytes"))
         rows = tf.cast(b, tf.float32)
-        for k, (t, was) in enumerate(zip(trackers, before)):
-            t.total.assign(was[0] + (rows * summed[0] if k == 0 else summed[k]))
+        for t, was, summed in zip(trackers, before, [rows * total] + per_output):
+            t.total.assign(was[0] + summed)
             t.count.assign(was[1] + rows)
         return self.compute_metrics(x, y, whole, None)
 
-    def _loss_trackers(self, y) -> list:
+    def _loss_trackers(self) -> list:
         """Keras's Means of the total loss and of each output's loss (LossesContainer's, built here
         if this is the first step, so that their state can be read before the step updates them)."""
         losses = self.compiled_loss
@@ -130,7 +130,7 @@ class WholeBatchPS(PSModel):
         process enters it (one gather of the rows in pieces); afterwards the given model's tables
         hold again what they held before."""
         comm = self.exchange.comm
-        held = [new.held_rows() for new, _ in self.table_pairs]
+        held = [source_of(new).export(new) for new, _ in self.table_pairs]     # the rows this process holds
         blob = io.BytesIO()
         np.savez(blob, **{f"{kind}{i}": a for i, rows in enumerate(held) for kind, a in zip("kv", rows)})
         blobs = allgather_bytes(comm, blob.getvalue(), "des_ps_save_rows")
