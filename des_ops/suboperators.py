@@ -105,6 +105,25 @@ class FieldRowsSubOp(SubOperator):
         return vectors[0] if vectors else dm.zeros(batch, self.width)
 
 
+class KeyRangeRowsSubOp(FieldRowsSubOp):
+    """The [B, count, width] lookup of a table split by key range (des_ops.ranges), flattened to
+    [B, count * width]: this process's owned ``positions`` (its lookup gives them flattened, [B,
+    len * width], in that order) in their places, zeros elsewhere; the sum over processes is the
+    whole lookup."""
+
+    def __init__(self, fields, *, positions: list[int], count: int, width: int, **kwargs):
+        super().__init__(fields, width=count * width, **kwargs)
+        self.positions, self.count, self.row_width = list(positions), int(count), int(width)
+
+    def partial(self, vectors, batch):
+        if not self.positions:
+            return dm.zeros(batch, self.width)
+        mine, k = vectors[0], self.row_width
+        zero = dm.zeros(batch, k)
+        at = {f: i for i, f in enumerate(self.positions)}
+        return tf.concat([mine[:, at[f] * k:(at[f] + 1) * k] if f in at else zero for f in range(self.count)], axis=1)
+
+
 class DenseBlockSubOp(SubOperator):
     """sum_p E_p W_p: holds W_p, the rows of the Dense kernel that multiply this process's
     fields (bias, replicated rows and activation are applied after the combine).

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from des.graph.fields import FieldAnalysis, FieldVector, per_sample
 from des.graph.ir import Graph, Node
-from des_ops.suboperators import FieldRowsSubOp
+from des_ops.suboperators import FieldRowsSubOp, KeyRangeRowsSubOp
 from rewrite_rules.base import Match, Rejection, Reshaped, Rule, check_vectors, register
 
 NAME = "field_rows"
@@ -98,6 +98,10 @@ class FieldRowsRule(Rule):
         return out
 
     def sub_operator(self, match: Match, owned: list[FieldVector], name: str):
+        if "ranges" in match.data:
+            return KeyRangeRowsSubOp([v.field for v in owned], positions=[match.vectors.index(v) for v in owned],
+                                     count=len(match.vectors), width=match.vectors[0].width, name=name,
+                                     source=match.root.layer.name)
         return FieldRowsSubOp([v.field for v in owned], width=match.vectors[0].width, name=name,
                               source=match.root.layer.name)
 
@@ -110,6 +114,10 @@ def gather_left(graph: Graph, fields: FieldAnalysis, matches: list[Match]) -> tu
     for n in graph.nodes:
         if n.kind != "table" or n.index in inside:
             continue
+        ranges = fields.offset_ranges(n) if graph.layer_calls(n.layer) == 1 else "it is called more than once"
+        if not isinstance(ranges, str) and graph.dtype(n.output) == tf.float32:
+            found.append(_by_key_range(graph, fields, n, ranges))
+            continue
         v = widest_vector(graph, fields, n)
         root = graph.producer.get(v.tensor) if isinstance(v, FieldVector) else n
         why = v if isinstance(v, str) else check_vectors(graph, [v])
@@ -121,3 +129,16 @@ def gather_left(graph: Graph, fields: FieldAnalysis, matches: list[Match]) -> tu
         found.append(Match(NAME, root, [v], {root.index}, out_shape=tuple(graph.shape(root.output)[1:]),
                            data={"name": name, "mask_ids": masking_ids(graph, n, v.tensor) if masked else None}))
     return found, rejected
+
+
+def _by_key_range(graph: Graph, fields: FieldAnalysis, table: Node, ranges: tuple) -> Match:
+    """A table holding P fields as key ranges (ids + offsets, DLRM ports; FieldAnalysis.offset_ranges):
+    its [B, P, K] lookup as P field vectors, position f named ``<ids input>[f]`` and owned by the
+    owner of that field, who keeps the rows of its range only (des_ops.ranges.RangeEmbedding) and
+    sends its positions' rows; the sum over processes is the whole [B, P, K] lookup."""
+    t, dim = table.output, int(table.attrs["dim"])
+    chain = frozenset(i for i in fields.cone(t) if graph.nodes[i].kind != "input")
+    base = fields.field_of(table)
+    vectors = [FieldVector(t, table, f"{base}[{f}]", dim, chain, key_range=r) for f, r in enumerate(ranges)]
+    return Match(NAME, table, vectors, {table.index}, out_shape=(len(ranges), dim),
+                 data={"name": table.layer.name, "mask_ids": None, "ranges": ranges})

@@ -151,7 +151,8 @@ def by_samples(matches: list[Match], own, field_plan: FieldPlan, comm: Communica
     their rows go to their samples' processes (des_ops.rows.rows_to_samples; [] when they stay
     partials, as under the replicated tail, where every process needs every row), and the cost
     model's reason; marks their sub-operators."""
-    rows = [(m, op) for m, op in zip(matches, own.ops) if m.rule == "field_rows"]
+    # a table split by key range has several owners: its rows stay partials (reduce-scattered)
+    rows = [(m, op) for m, op in zip(matches, own.ops) if m.rule == "field_rows" and "ranges" not in m.data]
     if not rows or tail != "data_parallel" or field_rows == "partials":
         return [], ""
     choice, why = "samples", ""

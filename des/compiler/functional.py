@@ -21,6 +21,7 @@ from des.compiler.plan import FieldCost, FieldPlan, check_agreement, make_plan
 from des.graph.sources import source_of
 from des_ops.comm import Communicator, agree
 from des_ops.fused import fuse_nodes
+from des_ops.ranges import RangeEmbedding
 from des_ops.keras_internals import (autograph_as_keras_decides, compile_args, copy_optimizer, has_weight_penalties,
                                      take_weight_penalties)
 from des_ops.suboperators import DESFirstLayer
@@ -43,10 +44,14 @@ def _field_costs(graph: Graph, matches: list[Match], spec=None) -> list[FieldCos
     for m in matches:
         for v in m.vectors:
             f = v.field
-            if id(v.table.layer) in seen:          # a table shared by several fields counts once
+            if (id(v.table.layer), f) in seen:     # a table shared by several fields counts once
                 continue
-            seen.add(id(v.table.layer))
+            seen.add((id(v.table.layer), f))
             width[f] = width.get(f, 0) + v.width
+            if v.key_range is not None:            # one position of a table split by key range
+                size[f] = max(size.get(f, 0.0), float(v.key_range[1] - v.key_range[0]))
+                lookups[f] = 1.0
+                continue
             size[f] = max(size.get(f, 0.0), v.table.attrs["source"].rows(v.table.layer))
             ops = v.table.tensor_operands()
             shape = graph.shape(ops[0]) if ops else tf.TensorShape([None])
@@ -72,8 +77,10 @@ class FieldChains:
     The table nodes of a fused group (``fused``: [(FusedTable, its table nodes in call order)])
     are computed together, by one call of their fused table, when the first of them is reached."""
 
-    def __init__(self, graph: Graph, nodes: list[Node], wanted: list[int], fused: list[tuple] = ()):
+    def __init__(self, graph: Graph, nodes: list[Node], wanted: list[int], fused: list[tuple] = (),
+                 ranged: dict | None = None):
         self.nodes = sorted(nodes, key=lambda n: n.index)
+        self.ranged = dict(ranged or {})     # table node index -> (RangeEmbedding, owned positions)
         self.wanted = list(wanted)
         self.inputs = {t: graph.input_name(t) for t in graph.input_ids}
         self.fused = list(fused)
@@ -95,6 +102,10 @@ class FieldChains:
                 table, members = self.fused[self.group_of[node.index]]
                 outs = table([tf.nest.map_structure(look, m.call_args[0]) for m in members])
                 env.update({m.output: o for m, o in zip(members, outs)})
+                return
+            if node.index in self.ranged:            # a table split by key range: its owned positions
+                table, positions = self.ranged[node.index]
+                env[node.output] = table(tf.gather(look(node.call_args[0]), positions, axis=1))
                 return
             with autograph_as_keras_decides():       # the DES layer's call is not converted; users' layers are
                 out = call_node(node, look)
@@ -158,6 +169,7 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     field_plan = _field_plan(graph, matches, spec, options.plan, comm, forced)
     mine = set(field_plan.fields_of(comm.rank))
     own = _OwnedPart.of(graph, matches, mine)
+    ranged = _key_range_tables(matches, mine, comm.rank)
     released = options.release_unowned and _release_unowned(matches, mine)
 
     # the vectors in graph order, never in tensor-id (memory address) order: the order in which the
@@ -170,10 +182,10 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     fused, fused_lines = (fuse_nodes(graph, list(own.nodes.values()), f"rank{comm.rank}", tables == "joined")
                           if tables != "per-field" else ([], []))
     chains = FieldChains(graph, list(own.nodes.values()),
-                         sorted({t for ids in own.op_inputs for t in ids}, key=position.__getitem__), fused)
+                         sorted({t for ids in own.op_inputs for t in ids}, key=position.__getitem__), fused, ranged)
     skip = set().union(*(m.nodes for m in matches))
     dense = dense_shapes(matches) if options.first_dense == "auto" else []
-    rows_width = (sum(m.vectors[0].width for m in matches if m.rule == "field_rows")
+    rows_width = (sum(m.vectors[0].width for m in matches if m.rule == "field_rows" and "ranges" not in m.data)
                   if options.field_rows == "auto" else 0)
     tail, tail_reason = tail_choice(graph, model, skip, options.tail, costs, comm, dense, rows_width)
     if tail == "data_parallel" and (options.micro_batches > 1 or options.wire_dtype != "float32"):
@@ -278,10 +290,32 @@ def _mark_linear_tables(matches: list[Match]) -> None:
                 shadow.des_linear_part = True
 
 
+def _key_range_tables(matches: list[Match], mine: set[str], rank: int) -> dict:
+    """For each table split by key range (field_rows over ids + offsets) of which this process owns
+    positions: {table node index: (a RangeEmbedding holding those positions' rows, the positions)}.
+    Called after the rank-0 sync and before the whole table is released."""
+    out = {}
+    for m in matches:
+        if "ranges" not in m.data:
+            continue
+        positions = [f for f, v in enumerate(m.vectors) if v.field in mine]
+        if positions:
+            table = m.root.layer
+            out[m.root.index] = (RangeEmbedding([m.data["ranges"][f] for f in positions], table.embeddings.numpy(),
+                                                table=table.name, name=f"des_ranges_{table.name}_rank{rank}"),
+                                 positions)
+    return out
+
+
 def _release_unowned(matches: list[Match], mine: set[str]) -> bool:
-    """Drop the rows of the tables this process does not own; True if any was dropped."""
+    """Drop the rows of the tables this process does not own (a table split by key range: all of it,
+    an owner's ranges live in its RangeEmbedding); True if any was dropped."""
     released = False
     for m in matches:
+        if "ranges" in m.data:
+            m.root.attrs["source"].release(m.root.layer)
+            released = True
+            continue
         for v in m.vectors:
             if v.field not in mine:
                 v.table.attrs["source"].release(v.table.layer)
@@ -293,11 +327,15 @@ def _first_layer(chains, fused: list, own: _OwnedPart, comm: Communicator, tail:
                  forced: str | None, micro_batches: int = 1, wire_dtype: str = "float32") -> DESFirstLayer:
     """The DES layer of this process, its collective's schedule agreed with every process."""
     in_fused = {id(m.layer) for _, members in fused for m in members}
-    layers = [l for l in dict.fromkeys(n.layer for n in chains.nodes) if id(l) not in in_fused]
+    ranged = {n.index: chains.ranged[n.index][0] for n in chains.nodes if n.index in chains.ranged}
+    layers = [ranged.get(n.index, n.layer) for n in chains.nodes]
+    layers = [l for l in dict.fromkeys(layers) if id(l) not in in_fused]
     layers += [table for table, _ in fused]
     first = DESFirstLayer(layers, chains, own.ops, own.op_inputs, comm, own.penalties, own.penalty_column,
                           shard_rows=tail == "data_parallel", scope=scope, micro_batches=micro_batches,
                           wire_dtype=wire_dtype, name="des_first_layer")
+    # the untouched tables split by key range -> this process's RangeEmbedding (des.compiler.keys; untracked)
+    object.__setattr__(first, "key_ranges", {id(n.layer): ranged[n.index] for n in chains.nodes if n.index in ranged})
     if forced == "collective":
         first.collective += "_forced_by_DES_TEST_DISAGREE"        # and no check: Horovod's stall shutdown must end it
     elif comm.world_size > 1:

@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from des.compiler.handle import distributed
 from des.graph.ir import Graph, trace_used
+from des.graph.sources import source_of
 from des_ops.fused import FusedTable
 from des_ops.keras_internals import create_optimizer_weights, creates_weights_ahead, input_spec_of
 from models.optim import apply_without_autograph, is_linear
@@ -92,10 +93,16 @@ class StateKeys:
         keys = _layer_keys(graph)
         sk = StateKeys()
         chain_layers = {id(l) for l in list(des_layer.owned) + list(fused_layers)}
+        ranges = getattr(des_layer, "key_ranges", {})   # a table split by key range: this owner's ranges
         for n in graph.nodes:
-            if n.kind == "table" and id(n.layer) in chain_layers:
+            if n.kind == "table" and id(n.layer) in ranges:
+                sk.tables[keys[id(n.layer)]] = (ranges[id(n.layer)], source_of(ranges[id(n.layer)]))
+            elif n.kind == "table" and id(n.layer) in chain_layers:
                 sk.tables[keys[id(n.layer)]] = (n.layer, n.attrs["source"])
+        split_tables = {id(l) for l in ranges.values()}
         for l in des_layer.owned:                       # other weights of owned chains
+            if id(l) in split_tables:
+                continue
             if not isinstance(l, FusedTable) and not any(n.layer is l and n.kind == "table" for n in graph.nodes):
                 for i, w in enumerate(l.weights):
                     sk.owned[id(w)] = (w, [(f"{keys[id(l)]}/{i}", 0, None)])

@@ -42,6 +42,7 @@ class FieldVector:
     field: str                  # ownership unit: the ids input the table reads (or the layer's field)
     width: int                  # K: floats per sample
     chain: frozenset            # node indices computing it from the model inputs (table included)
+    key_range: tuple | None = None   # (start, stop): one position of a table split by key range, its keys
 
     @property
     def key(self) -> str:
@@ -204,6 +205,38 @@ class FieldAnalysis:
                 if c.ndim >= 1 and c.shape[-1] > 1 and len(np.unique(c.reshape(-1, c.shape[-1]), axis=1)[0]) > 1:
                     return int(c.shape[-1])
         return 0
+
+    def offset_ranges(self, table: Node) -> tuple[tuple[int, int], ...] | str:
+        """The key range [start, stop) of each position of a table read as ``table(ids + offsets)``
+        (DLRM / pytorch-fm ports: ids [B, P], one constant offset per position, P > 1), in position
+        order: the table holds P fields as P disjoint key ranges, so each range can live with its
+        own owner. A static Keras Embedding of ``input_dim`` V: position f holds the keys from its
+        offset to the next larger offset (the largest: to V). Or why the table cannot be split so."""
+        name = table.layer.name
+        ops = table.tensor_operands()
+        add = self.graph.producer.get(ops[0]) if len(ops) == 1 else None
+        if add is None or add.kind != "add":
+            return f"{name!r} does not read ids + offsets directly"
+        consts = [np.asarray(o) for o in add.operands if not isinstance(o, TensorId) and hasattr(o, "shape")]
+        if len(consts) != 1 or len(add.tensor_operands()) != 1:
+            return f"{add.layer.name!r} is not ids + one constant"
+        offsets = consts[0].reshape(-1) if consts[0].ndim <= 2 and consts[0].shape[:-1] in ((), (1,)) else None
+        dims = per_sample(self.graph, ops[0])
+        if offsets is None or dims != (len(offsets),) or per_sample(self.graph, table.output) != (len(offsets), table.attrs["dim"]):
+            return f"{name!r} reads ids of per-sample shape {dims} plus offsets of shape {consts[0].shape}, not [P] + [P]"
+        source = table.attrs["source"]
+        if source.dynamic or not isinstance(table.layer, tf.keras.layers.Embedding):
+            return f"{name!r} is a {source.name}: only a Keras Embedding is split by key range"
+        layer = table.layer
+        if (layer.embeddings_regularizer is not None or layer.embeddings_constraint is not None or layer.mask_zero
+                or layer.activity_regularizer is not None or not layer.trainable):
+            return f"{name!r} has a regularizer, a constraint, a mask or frozen rows"
+        rows = int(layer.input_dim)
+        starts = sorted(set(int(o) for o in offsets))
+        if len(starts) != len(offsets) or starts[0] < 0 or starts[-1] >= rows:
+            return f"{name!r}: offsets {offsets.tolist()} are not distinct keys of its {rows} rows"
+        stop = dict(zip(starts, starts[1:] + [rows]))
+        return tuple((int(o), stop[int(o)]) for o in offsets)
 
     def row_key(self, v: FieldVector) -> str | None:
         """The model input whose value alone decides vector ``v``'s value in a sample - one id per

@@ -38,6 +38,7 @@ SOURCES: list["TableSource"] = []
 class TableSource:
     name = "base"
     dynamic = True
+    partial = False          # holds only some keys of its table: ``held`` says which (a restore keeps those)
 
     def claims(self, layer) -> bool:  # pragma: no cover - interface
         raise NotImplementedError
@@ -116,6 +117,10 @@ class TableSource:
             fused[0].clear_field(params, fused[1])
         else:
             params.clear()
+
+    def held(self, layer, keys: np.ndarray) -> np.ndarray:
+        """Mask of ``keys`` this layer holds rows for (a ``partial`` source; else every key)."""
+        return np.ones(len(keys), bool)
 
     def keyed(self, layer, seed: int, name: str) -> None:
         """Make new rows depend on (``name``, key, seed) only (already so for FieldEmbedding);
@@ -208,6 +213,45 @@ class _KerasEmbedding(TableSource):
         if layer.embeddings is None:
             layer.embeddings = layer.add_weight(shape=(layer.input_dim, layer.output_dim), initializer="zeros",
                                                 name="embeddings", dtype=layer.dtype)
+
+    def trainable(self, layer):
+        return layer.embeddings
+
+
+@register
+class _RangeEmbedding(TableSource):
+    """des_ops.ranges.RangeEmbedding: an owner's key ranges of a static table that holds several
+    fields through offsets. Its rows are exported and loaded under the table's global keys (the
+    untouched Keras Embedding's row numbers), so saves and checkpoints mean what the untouched
+    model's do; ``held`` says which keys of a checkpoint are this owner's."""
+    name = "Keras Embedding by key range"
+    dynamic = False
+    partial = True
+
+    def claims(self, layer):
+        return bool(getattr(layer, "des_range_table", False))
+
+    def field(self, layer):
+        return None
+
+    def rows(self, layer):
+        return float(len(layer.keys()))
+
+    def export(self, layer):
+        return layer.keys(), layer.embeddings.numpy()
+
+    def load(self, layer, keys, values):
+        keys = np.asarray(keys, np.int64)
+        mine = layer.held(keys)
+        full = layer.embeddings.numpy()
+        full[layer.local(keys[mine])] = np.asarray(values)[mine]
+        layer.embeddings.assign(full)
+
+    def held(self, layer, keys: np.ndarray) -> np.ndarray:
+        return layer.held(keys)
+
+    def release(self, layer):
+        release_variables(layer, ["embeddings"])
 
     def trainable(self, layer):
         return layer.embeddings

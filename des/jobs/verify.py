@@ -121,20 +121,27 @@ def _maxdiff(a: np.ndarray, b: np.ndarray) -> float:
 def compare(ref: dict, ranks: list[dict]) -> dict[str, float]:
     """Max diffs (abs or relative, whichever is smaller) between the reference and all ranks.
 
-    Every table and every owned block (kernel rows of a field, a field chain's weights) must be
-    held by exactly one rank (a block every rank holds whole, ``snap["whole"]``, by every rank);
-    every rank's predictions and replicated weights must match."""
+    Every table row and every owned block (kernel rows of a field, a field chain's weights) must be
+    held by exactly one rank (a block every rank holds whole, ``snap["whole"]``, by every rank; a
+    table split by key range, each of its rows by one rank); every rank's predictions and
+    replicated weights must match."""
     out = {"predictions": 0.0, "tables": 0.0, "owned": 0.0, "weights": 0.0}
     holder: dict = {}
+    row_holder: dict = {}
     for r, snap in enumerate(ranks):
         out["predictions"] = max(out["predictions"], _maxdiff(snap["predictions"], ref["predictions"]))
         for k, rows in snap["tables"].items():
-            if ("table", k) in holder:
-                raise AssertionError(f"table {k} held by ranks {holder[('table', k)]} and {r}")
+            held = row_holder.setdefault(k, {})
+            twice = [key for key in rows if key in held]
+            if twice:
+                raise AssertionError(f"table {k}: {len(twice)} rows (key {twice[0]}) held by ranks {held[twice[0]]} "
+                                     f"and {r}")
+            held.update(dict.fromkeys(rows, r))
             holder[("table", k)] = r
             ref_rows = ref["tables"][k]
-            if set(rows) != set(ref_rows):
-                raise AssertionError(f"table {k} on rank {r}: {len(rows)} keys, reference has {len(ref_rows)}")
+            if set(rows) - set(ref_rows):
+                raise AssertionError(f"table {k} on rank {r}: {len(set(rows) - set(ref_rows))} keys the reference "
+                                     f"does not have")
             for key, v in rows.items():
                 out["tables"] = max(out["tables"], _maxdiff(v, ref_rows[key]))
         for k, v in snap["owned"].items():
@@ -146,6 +153,9 @@ def compare(ref: dict, ranks: list[dict]) -> dict[str, float]:
             raise AssertionError(f"rank {r} weights {sorted(snap['weights'])} != reference {sorted(ref['weights'])}")
         for k, v in snap["weights"].items():
             out["weights"] = max(out["weights"], _maxdiff(v, ref["weights"][k]))
+    for k, held in row_holder.items():
+        if set(held) != set(ref["tables"][k]):
+            raise AssertionError(f"table {k}: the ranks hold {len(held)} keys, the reference {len(ref['tables'][k])}")
     missing = {("table", k) for k in ref["tables"]} | {("owned", k) for k in ref["owned"]}
     if missing - set(holder):
         raise AssertionError(f"held by no rank: {sorted(missing - set(holder))}")

@@ -124,7 +124,8 @@ def untouched(model: tf.keras.Model, what: str = "save", own_class: bool = True)
             yield full
     finally:
         for key, (layer, src) in (keys.tables.items() if keys is not None else ()):
-            if key not in kept or layer in fused:   # a fused table's member: its rows live in the fused table
+            # a fused table's member: its rows live in the fused table; a table split by key range: in ranges
+            if key not in kept or layer in fused or handle.state.tables[key][0] is not layer:
                 src.release(layer)
         for layer, where in fused.items():
             layer.des_fused = where

@@ -182,6 +182,8 @@ def load_rows(model: tf.keras.Model, optimizer, entries, keep_key=None) -> list[
         if kind == "table":
             source = sk.tables[key][1]
             keep = keep_key(var) if keep_key else None
+            if keep is None and source.partial:         # an owner's key ranges of a table: its keys only
+                keep = lambda k, var=var, source=source: source.held(var, k)  # noqa: E731
             every_key = np.concatenate([e["keys"] for e in saved])
             mask = keep(every_key) if keep is not None else slice(None)
             if not source.dynamic:          # a static table's slots are matrices in key order: rows by key

@@ -1,0 +1,71 @@
+"""Key ranges of one static table, held by their owner: a Keras ``Embedding(P * V, K)`` read as
+``table(ids + offsets)`` (DLRM / pytorch-fm ports) holds P fields as P key ranges, and
+des.transform gives each range to the owner of its field. An owner keeps only the rows of its
+ranges, in one [rows, K] variable (ranges in key order), and looks up its positions' ids.
+
+    >>> import numpy as np, tensorflow as tf
+    >>> full = np.arange(12, dtype=np.float32).reshape(6, 2)          # 3 fields of 2 keys: [0,2) [2,4) [4,6)
+    >>> mine = RangeEmbedding([(4, 6), (0, 2)], full, name="ranges")   # positions 2 and 0 of the ids
+    >>> mine(tf.constant([[5, 1], [4, 0]], tf.int64)).numpy()[:, :, 0].tolist()   # ids + offsets, those positions
+    [[10.0, 2.0], [8.0, 0.0]]
+    >>> mine.keys().tolist(), mine.embeddings.shape.as_list()                    # held: 4 rows, not 6
+    ([0, 1, 4, 5], [4, 2])
+"""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+
+class RangeEmbedding(tf.keras.layers.Layer):
+    """The rows of ``ranges`` ([start, stop) of global keys, one per owned position, in the order
+    the positions are read) of the static table ``full`` ([rows, K]); call on ids [B, len(ranges)]
+    (ids + offsets) gives [B, len(ranges), K]. An id outside its position's range is an error
+    naming the table: the untouched model would have read another field's row there."""
+
+    des_range_table = True
+
+    def __init__(self, ranges: list[tuple[int, int]], full: np.ndarray, table: str = "", **kwargs):
+        super().__init__(**kwargs)
+        self.ranges = [(int(a), int(b)) for a, b in ranges]
+        self.table = table or self.name
+        self.dim = int(full.shape[1])
+        order = sorted(range(len(self.ranges)), key=lambda i: self.ranges[i][0])
+        base, at = [0] * len(self.ranges), 0
+        for i in order:                      # rows in key order: a static slot's rows match keys()
+            base[i] = at
+            at += self.ranges[i][1] - self.ranges[i][0]
+        self._starts = np.array([a for a, _ in self.ranges], np.int64)
+        self._stops = np.array([b for _, b in self.ranges], np.int64)
+        self._shift = np.array(base, np.int64) - self._starts
+        rows = np.concatenate([full[self.ranges[i][0]:self.ranges[i][1]] for i in order]) if order else \
+            np.zeros([0, self.dim], np.float32)
+        self.embeddings = self.add_weight("embeddings", shape=rows.shape, dtype=tf.float32,
+                                          initializer=tf.keras.initializers.Constant(rows))
+
+    def keys(self) -> np.ndarray:
+        """The global keys of the rows held, in the variable's row order."""
+        return np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in sorted(self.ranges)] or
+                              [np.zeros([0], np.int64)])
+
+    def held(self, keys: np.ndarray) -> np.ndarray:
+        """Mask of ``keys`` that fall in one of this owner's ranges."""
+        keys = np.asarray(keys, np.int64)
+        return np.any((keys[:, None] >= self._starts) & (keys[:, None] < self._stops), axis=1)
+
+    def local(self, keys: np.ndarray) -> np.ndarray:
+        """Row indices of held global ``keys``."""
+        order = np.argsort(self._starts)
+        pos = order[np.searchsorted(self._starts[order], keys, side="right") - 1]
+        return keys + self._shift[pos]
+
+    def call(self, ids):
+        ids = tf.cast(ids, tf.int64)
+        outside = tf.logical_or(ids < self._starts, ids >= self._stops)
+        check = tf.debugging.assert_equal(
+            tf.reduce_any(outside), False,
+            message=f"des: table {self.table!r} holds its fields as key ranges {self.ranges} (ids + offsets); an id "
+                    f"fell outside its field's range, where the untouched model would read another field's row: "
+                    f"check each field's ids are below its vocabulary size")
+        with tf.control_dependencies([check]):
+            return tf.gather(self.embeddings, ids + self._shift)
