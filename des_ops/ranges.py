@@ -27,7 +27,12 @@ class RangeEmbedding(tf.keras.layers.Layer):
 
     def __init__(self, ranges: list[tuple[int, int]], full: np.ndarray, table: str = "", **kwargs):
         super().__init__(**kwargs)
-        self.ranges = [(int(a), int(b)) for a, b in ranges]
+        ranges = [(int(a), int(b)) for a, b in ranges]
+        self._message = (f"des: table {table or self.name} holds one field per key range "
+                         f"({' '.join(f'[{a}, {b})' for a, b in ranges)}: ids + offsets) and an id fell outside the "
+                         f"range of its field, where the untouched model would read a row of another field: the ids "
+                         f"of each field must be below its vocabulary size")
+        self.ranges = ranges
         self.table = table or self.name
         self.dim = int(full.shape[1])
         order = sorted(range(len(self.ranges)), key=lambda i: self.ranges[i][0])
@@ -40,7 +45,7 @@ class RangeEmbedding(tf.keras.layers.Layer):
         self._shift = np.array(base, np.int64) - self._starts
         rows = np.concatenate([full[self.ranges[i][0]:self.ranges[i][1]] for i in order]) if order else \
             np.zeros([0, self.dim], np.float32)
-        self.embeddings = self.add_weight("embeddings", shape=rows.shape, dtype=tf.float32,
+        self.embeddings = self.add_weight(f"{self.name}_rows", shape=rows.shape,     # one name per table: slots by name dtype=tf.float32,
                                           initializer=tf.keras.initializers.Constant(rows))
 
     def keys(self) -> np.ndarray:
@@ -62,10 +67,6 @@ class RangeEmbedding(tf.keras.layers.Layer):
     def call(self, ids):
         ids = tf.cast(ids, tf.int64)
         outside = tf.logical_or(ids < self._starts, ids >= self._stops)
-        check = tf.debugging.assert_equal(
-            tf.reduce_any(outside), False,
-            message=f"des: table {self.table!r} holds its fields as key ranges {self.ranges} (ids + offsets); an id "
-                    f"fell outside its field's range, where the untouched model would read another field's row: "
-                    f"check each field's ids are below its vocabulary size")
+        check = tf.debugging.Assert(tf.logical_not(tf.reduce_any(outside)), [self._message])
         with tf.control_dependencies([check]):
             return tf.gather(self.embeddings, ids + self._shift)

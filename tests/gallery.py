@@ -219,8 +219,8 @@ def nested_towers():
 
 def dlrm_offsets():
     """DLRM / pytorch-fm port: one [B, F] ids input plus per-field offsets into ONE table
-    Embedding(F*V, K), FM, a linear part from Embedding(F*V, 1) and an MLP. DES refuses it
-    with the reason (the table holds F fields as key ranges)."""
+    Embedding(F*V, K), FM, a linear part from Embedding(F*V, 1) and an MLP. DES splits both
+    tables by key range (one field per range) and sends their rows; the FM is not split."""
     ids = tf.keras.Input(shape=(len(FIELDS),), dtype=tf.int64, name="ids")
     x = ids + tf.constant(np.arange(len(FIELDS)) * V, tf.int64)
     e = L.Embedding(len(FIELDS) * V, K)(x)
@@ -331,7 +331,7 @@ EXPECTED = {
     "deepctr_fibinet": ["field_rows"] * 4 + ["lr_sum"],
     "deepctr_ccpm": ["field_rows"] * 4 + ["lr_sum"],
     "deepctr_din": ["field_rows"] * 4,       # user, item, the history twice (its table: item's)
-    "dlrm_offsets": ["field_rows"] * 2,      # one owner for the one table of all fields (and the linear one)
+    "dlrm_offsets": ["field_rows"] * 2,      # both tables split by key range, one field per range
 }
 
 

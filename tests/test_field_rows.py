@@ -48,13 +48,13 @@ def _setup(name):
     return build, base, fit, fit(reference)
 
 
-# (predictions, rows and weights) bounds, 20 Adam steps: measured DCN 6.0e-8 and 8.9e-8, DLRM 6.0e-8 and
-# 1.0e-7; DIN 4.2e-7 and 4.5e-6 (its attention amplifies float32 order under Adam: the 1e-5 of
+# (predictions, rows and weights) bounds, 20 Adam steps: measured DCN 6.0e-8 and 8.9e-8 (a DLRM's table
+# split by key range has several owners and stays partials: tests/test_key_ranges.py); DIN 4.2e-7 and 4.5e-6 (its attention amplifies float32 order under Adam: the 1e-5 of
 # tests/test_gallery.py's Adam bound)
-BOUNDS = {"deepctr_dcn": (6e-7, 8e-7), "din_sigmoid": (4e-6, 1e-5), "dlrm_offsets": (6e-7, 1e-6)}
+BOUNDS = {"deepctr_dcn": (6e-7, 8e-7), "din_sigmoid": (4e-6, 1e-5)}
 
 
-@pytest.mark.parametrize("name, worlds", [("deepctr_dcn", (2, 5)), ("din_sigmoid", (3,)), ("dlrm_offsets", (2, 3))])
+@pytest.mark.parametrize("name, worlds", [("deepctr_dcn", (2, 5)), ("din_sigmoid", (3,))])
 def test_field_rows_by_samples_equal_one_process(name, worlds):
     build, base, fit, ref = _setup(name)
     for n in worlds:

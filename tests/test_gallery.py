@@ -283,15 +283,16 @@ def test_negative_a_shared_table_also_read_by_a_layer_that_is_not_substituted():
     assert "NOT substituted" not in text
 
 
-def test_one_table_with_per_field_offsets_lives_with_one_owner():
+def test_one_table_with_per_field_offsets_is_split_by_key_range():
     """DLRM / pytorch-fm ports (ids + offsets into one Embedding(F*V, K)): the FM cannot be split
-    by field (the report says why); the table, which holds the 4 fields as key ranges, lives with
-    one owner that sends its [B, 4, K] rows (field rows), not on every process. Equivalence: the
-    gallery's parametrized test."""
+    by field into partials (the report says why); the table, which holds the 4 fields as key ranges,
+    is split by range, each range's rows with its field's owner (tests/test_key_ranges.py).
+    Equivalence: the gallery's parametrized test."""
     text = _report(dlrm_offsets())
     assert "fm_interaction at" in text and "ids + per-field offsets, as in DLRM ports" in text, text
-    assert re.search(r"embedding(_\d+)? \(Keras Embedding, width 4, field 'ids'\): substituted in field_rows", text), text
-    assert "each owner's rows, 17 floats" in text and "NOT substituted" not in text, text     # 4 x 4 + 1
+    assert re.search(r"embedding(_\d+)? \(Keras Embedding, width 4, field 'ids'\): substituted: split by key range "
+                     r"into 4 fields", text), text
+    assert "each owner's rows, 20 floats" in text and "NOT substituted" not in text, text     # 4 x 4 + 4 x 1
 
 
 def test_the_same_des_job_gives_the_same_bits_run_after_run():

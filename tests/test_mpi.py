@@ -465,14 +465,21 @@ def test_users_models_under_mpirun_equal_single_process(battery):
 @pytest.mark.mpi
 def test_tables_no_rule_splits_go_by_field_rows_under_mpirun(battery):
     """DeepCTR's DCN (its Cross reads every field's embedding), DIN (attention over the masked
-    behaviour history) and a DLRM port (one table of all fields by offsets): no table stays whole
-    on every process; each owner sends its field's rows in the fused allreduce, and after 20 steps
+    behaviour history) and a DLRM port (one table of all fields by offsets, split by key range): no
+    table stays whole on every process; each owner sends its field's rows in the fused allreduce
+    (the DLRM's: 3 ranks hold the 4 ranges, none the whole table), and after 20 steps
     every rank equals the untouched model on one process (3 processes; DCN also on 5, more
     processes than fields: two own nothing)."""
     for name in FIELD_ROWS:
         ranks = _ranks(battery(3) / "gallery", name, 3)
         assert "field_rows" in ranks[0]["report"] and "NOT substituted" not in ranks[0]["report"], ranks[0]["report"]
         _check_against_reference(name, ranks)
+        if name == "dlrm_offsets":
+            from gallery import V
+            assert "split by key range into 4 fields" in ranks[0]["report"], ranks[0]["report"]
+            for table in {k for r in ranks for k in r["tables"]}:
+                held = [set(r["tables"].get(table, {})) for r in ranks]
+                assert all(held) and sum(map(len, held)) == len(set().union(*held)) == 4 * V, table
     ranks = _ranks(battery(5) / "gallery", "deepctr_dcn", 5)
     assert "no fields: contributes zeros" in ranks[0]["report"]
     _check_against_reference("deepctr_dcn", ranks)
@@ -513,7 +520,8 @@ def _tail_reference(name: str, initial) -> dict:
 def test_field_rows_by_samples_under_mpirun(battery):
     """The data-parallel tail with the field vectors no rule splits sent to their samples'
     processes (des_ops.rows.rows_to_samples): DCN (N = 2; N = 5, processes owning no field) and a
-    DLRM port (N = 2) equal one process, with uneven and empty shards; the bytes handed over per
+    DLRM port (N = 2; its tables split by key range have several owners, so their rows stay in the
+    reduce-scatter) equal one process, with uneven and empty shards; the bytes handed over per
     step are the reduce-scatter's partials and each owner's rows of the whole batch (by hand)."""
     from des_ops.rows import distinct_rows
     sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "scripts")]
@@ -522,8 +530,8 @@ def test_field_rows_by_samples_under_mpirun(battery):
 
     # by hand (tests/gallery.py, K = 4): DCN's 4 fields of K floats by samples, its linear sum (1 float)
     # reduce-scattered and DeepCTR's table penalties in their own 1-float allreduce per call; the DLRM
-    # port's one table of 4 fields (4 K floats) and its linear table summed over them (1 float), one owner
-    hand = {"deepctr_dcn": (1, 4 * K, True), "dlrm_offsets": (0, 4 * K + 1, False)}
+    # port's two tables split by key range, [B, 4, K] and [B, 4, 1], reduce-scattered: 4 K + 4 floats
+    hand = {"deepctr_dcn": (1, 4 * K, True), "dlrm_offsets": (4 * K + 4, 0, False)}
     calls = [31] * 12 + [2] + [16]            # 13 training batches and the probe's prediction
     for name, n in (("deepctr_dcn", 2), ("dlrm_offsets", 2), ("deepctr_dcn", 5)):
         ranks = _ranks(battery(n) / "samples", name, n)
@@ -534,21 +542,18 @@ def test_field_rows_by_samples_under_mpirun(battery):
         widths = ranks[0]["by_samples"]
         assert sum(widths) == width and all(r["by_samples"] == widths for r in ranks)
         if name == "dlrm_offsets":
-            assert sorted(widths) == [0, width]                  # one table: one owner, the other sends nothing
+            assert widths == [] and ranks[0]["sample_blocks"] == [[], []]    # nothing by samples
         if n == 5:
             assert widths.count(0) == 1                          # 4 fields on 5 processes: one sends no rows
         batches, probe = tail_batches(BUILDERS[name]())
         fed = [x for x, _ in batches] + [probe]
         blocks = ranks[0]["sample_blocks"]
-        assert all(b.key is not None for bl in blocks for b in bl) == (name == "deepctr_dcn")   # DLRM: [B, 4, K] rows
+        assert all(b.key is not None for bl in blocks for b in bl)
         for r, snap in enumerate(ranks):
-            # each field's rows once per distinct id of a destination's slice (counted in numpy); DLRM's
-            # block of 4 fields' rows once per sample
-            sent = [distinct_rows(x, blocks, b, r)[0] for x, b in zip(fed, calls)]
+            # each field's rows once per distinct id of a destination's slice (counted in numpy)
+            sent = [distinct_rows(x, blocks, b, r)[0] if any(blocks) else 0 for x, b in zip(fed, calls)]
             assert snap["counted"]["step"]["bytes"] == sum(4 * scattered * b + 4 * s + 4 * penalty
                                                            for b, s in zip(calls, sent))
-            if name == "dlrm_offsets":
-                assert sent == [widths[r] * b for b in calls]
 
 
 @pytest.mark.mpi

@@ -102,7 +102,7 @@ class Report:
             names = [m.vectors[0].table.layer.name for m in rows]
             shown = ", ".join(names if len(names) <= 4 else names[:3] + ["...", names[-1]])
             lines.append(f"  {'field_rows':<20} {len(rows)} table call(s) ({shown}) read by layers no rule "
-                         f"splits: each owner's rows, {sum(m.vectors[0].width for m in rows)} floats"
+                         f"splits: each owner's rows, {sum(_rows_width(m) for m in rows)} floats"
                          + (f", sent to their samples' processes by one all-to-all (widths {self.by_samples} by "
                             f"rank), not in the partials" if self.by_samples else ""))
         if self.penalty_column:
@@ -180,11 +180,23 @@ class Report:
         return "\n".join(lines)
 
 
+def _rows_width(m: Match) -> int:
+    """Floats per sample of a field_rows match: its vector, or every position of a key-range split."""
+    return sum(v.width for v in m.vectors) if "ranges" in m.data else m.vectors[0].width
+
+
 def explain_tables(graph: Graph, fields: FieldAnalysis, matches: list[Match],
                    rejections: list[Rejection]) -> tuple[list[str], list[str]]:
     """One line per table: where it was substituted, or why not. Returns (lines, unsubstituted names)."""
     used: dict[int, list[str]] = {}
     for m in matches:
+        if "ranges" in m.data:          # one table, P fields as key ranges (rewrite_rules.field_rows)
+            r = m.data["ranges"]
+            used.setdefault(m.root.index, []).append(
+                f"split by key range into {len(r)} fields ({m.vectors[0].field} .. {m.vectors[-1].field}: keys "
+                f"[{r[0][0]}, {r[0][1]}) .. [{r[-1][0]}, {r[-1][1]})), each range's rows with its field's owner, "
+                f"sent in {m.rule}")
+            continue
         for v in m.vectors:
             used.setdefault(v.table.index, []).append(f"{m.rule} at {m.root.layer.name!r}")
     lines, left, groups = [], [], {}
@@ -194,7 +206,9 @@ def explain_tables(graph: Graph, fields: FieldAnalysis, matches: list[Match],
         src = n.attrs["source"]
         head = f"{n.layer.name} ({src.name}, width {n.attrs['dim']}, field {fields.ids_input(n)!r})"
         if n.index in used:
-            groups.setdefault((src.name, n.attrs["dim"], "substituted in " + ", ".join(used[n.index])), []).append(head)
+            what = ", ".join(used[n.index])
+            what = ("substituted: " if what.startswith("split by key range") else "substituted in ") + what
+            groups.setdefault((src.name, n.attrs["dim"], what), []).append(head)
             continue
         if n.layer.name not in left:
             left.append(n.layer.name)

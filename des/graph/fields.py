@@ -339,6 +339,7 @@ class FieldAnalysis:
                     self.unpooled_positions(self.cone(t)) is not None or n is table or dims == looked):
                 return (f"table {table.layer.name!r} looks up {int(np.prod(looked[:-1]))} ids per sample and "
                         f"{n.layer.name!r} uses them unpooled: one table holding several fields (ids + per-field "
-                        f"offsets, as in DLRM ports) is not partitioned by DES; give each field its own table")
+                        f"offsets, as in DLRM ports) is split by key range and its rows sent (field_rows), not "
+                        f"split into partials; give each field its own table for that")
             return f"{n.layer.name!r} has per-sample shape {dims}, not one vector per sample"
         return f"{n.layer.name!r} ({n.kind}, per-sample shape {dims}) is not a stack or concatenation of field vectors"

@@ -1,0 +1,185 @@
+"""One table holding several fields through offsets (DLRM / pytorch-fm ports: ids [B, P] plus a
+constant offset per position into one Keras Embedding(P * V, K)) is split by key range
+(des.graph.fields.FieldAnalysis.offset_ranges, rewrite_rules.field_rows, des_ops.ranges): each
+position is a field, its owner holds only its range's rows and sends its positions' rows. In the
+simulated world: equal to the untouched model on one process, every row held by exactly one
+process (none holds the whole table; some own nothing), saves, checkpoints that resume on another
+N and on one process, an id outside its range is one clear error, and the cases that must not be
+split are not. The same under mpirun: tests/test_mpi.py (gallery:dlrm_offsets)."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import des
+from des.graph.fields import FieldAnalysis
+from des.graph.ir import Graph
+from des.jobs.verify import _on_every_rank, compare, copy_state, fit_and_snapshot, run_in_process_world
+from des.runtime import checkpoint
+from des_ops.comm import InProcessWorld
+from gallery import BUILDERS, FIELDS, V, batches_for, dlrm_offsets, optimizer_for
+from helpers import within
+
+L = tf.keras.layers
+P = len(FIELDS)
+
+
+def _ranges_held(model) -> list[tuple]:
+    """(untouched table name, global keys held) of each key-range table of a DES model."""
+    return [(l.table, l.keys().tolist()) for l in des.distributed(model).layer.owned
+            if getattr(l, "des_range_table", False)]
+
+
+def _setup(steps=5, batch=31):
+    tf.keras.utils.set_random_seed(0)
+    base = dlrm_offsets()
+    x, y = batches_for(base, 1, steps * batch + 2, seed=4)[0]
+    rows = steps * batch + 2
+    batches = [({k: v[i:i + batch] for k, v in x.items()}, y[i:i + batch]) for i in range(0, rows, batch)]
+    probe = batches_for(base, 1, 16, seed=99)[0][0]
+    reference = dlrm_offsets()
+    copy_state(base, reference)
+    return base, batches, probe, reference
+
+
+def test_the_ranges_are_read_off_the_offsets_and_refused_where_they_would_not_be_exact():
+    """offset_ranges: position f holds [offset_f, next larger offset), the largest up to input_dim,
+    in position order (offsets need not be sorted); refused, with the reason, for offsets that
+    repeat (two positions share rows), a regularized table, or ids + a non-constant."""
+    def table_node(offsets, **kw):
+        ids = tf.keras.Input(shape=(len(offsets),), dtype=tf.int64, name="ids")
+        e = L.Embedding(100, 2, **kw)(ids + tf.constant(offsets, tf.int64))
+        g = Graph(tf.keras.Model(ids, L.Dense(1)(L.Flatten()(e))))
+        return FieldAnalysis(g), next(n for n in g.nodes if n.kind == "table")
+    fa, n = table_node([30, 0, 70])
+    assert fa.offset_ranges(n) == ((30, 70), (0, 30), (70, 100))
+    fa, n = table_node([0, 30, 30])
+    assert "are not distinct keys" in fa.offset_ranges(n)
+    fa, n = table_node([0, 50], embeddings_regularizer="l2")
+    assert "regularizer" in fa.offset_ranges(n)
+    ids = tf.keras.Input(shape=(2,), dtype=tf.int64, name="ids")
+    shift = tf.keras.Input(shape=(2,), dtype=tf.int64, name="shift")
+    g = Graph(tf.keras.Model([ids, shift], L.Dense(1)(L.Flatten()(L.Embedding(100, 2)(ids + shift)))))
+    assert "is not ids + one constant" in FieldAnalysis(g).offset_ranges(next(n for n in g.nodes if n.kind == "table"))
+
+
+def test_a_dlrm_port_is_split_by_key_range_and_equals_one_process():
+    """The gallery's DLRM (one Embedding(4 * V, 4) and one Embedding(4 * V, 1) read through ids +
+    offsets, FM, MLP): 4 fields; at N = 2, 3 and 6 (two processes own nothing) the predictions,
+    every row and every weight after 6 Adam steps equal one process's (the rows are the same
+    floats, x + 0 = x, and the tail replicated: measured 0.0), every row is held by exactly one
+    process (verify.compare), the ranges are the field plan's and no process holds a whole table."""
+    base, batches, probe, reference = _setup()
+    fit = lambda m: fit_and_snapshot(m, batches, probe, optimizer="adam", learning_rate=0.02)  # noqa: E731
+    ref = fit(reference)
+    for n in (2, 3, 6):
+        ranks = run_in_process_world(n, dlrm_offsets, lambda m: {**fit(m), "held": _ranges_held(m),
+                                                                 "plan": des.distributed(m).plan}, init_from=base)
+        held = [r.pop("held") for r in ranks]
+        plan = ranks[0].pop("plan")
+        [r.pop("plan") for r in ranks[1:]]
+        diff = compare(ref, ranks)
+        within(f"DLRM key ranges N={n} predictions", diff["predictions"], 1e-6)
+        within(f"DLRM key ranges N={n} rows and weights", max(diff["tables"], diff["owned"], diff["weights"]), 1e-6)
+        for r in range(n):
+            want = sorted(k for f in plan.fields_of(r) for k in range(int(f[4]) * V, (int(f[4]) + 1) * V))
+            for _, keys in held[r]:
+                assert keys == want, (n, r)
+            assert len(held[r]) == (2 if want else 0)
+            assert all(len(keys) < P * V for _, keys in held[r])
+        assert sum(not h for h in held) == max(0, n - P)
+
+
+def test_under_the_data_parallel_tail_the_ranges_stay_partials_and_equal_one_process():
+    """The key-range rows have several owners: with the data-parallel tail they are reduce-scattered
+    (each process its samples' rows), not sent by the samples' all-to-all; N = 3, batches of 31
+    and a last one of 2 (a process with no sample)."""
+    base, batches, probe, reference = _setup()
+    fit = lambda m: fit_and_snapshot(m, batches, probe, optimizer="adam", learning_rate=0.02)  # noqa: E731
+    ref = fit(reference)
+    ranks = run_in_process_world(3, dlrm_offsets, lambda m: {**fit(m), "layer": des.distributed(m).layer},
+                                 init_from=base, tail="data_parallel", field_rows="samples")
+    layers = [r.pop("layer") for r in ranks]
+    assert not any(any(layer.to_samples) for layer in layers)
+    diff = compare(ref, ranks)
+    within("DLRM key ranges, data-parallel tail: predictions", diff["predictions"], 6e-7)
+    within("DLRM key ranges, data-parallel tail: rows and weights",
+           max(diff["tables"], diff["owned"], diff["weights"]), 1e-6)
+
+
+def test_the_report_says_how_the_table_is_split():
+    _, report = des.transform(dlrm_offsets(), comm=InProcessWorld(1).communicator(0))
+    text = str(report)
+    assert f"split by key range into {P} fields (ids[0] .. ids[{P - 1}]: keys [0, {V}) .. [{(P - 1) * V}, {P * V}))" \
+        in text, text
+    assert "NOT substituted" not in text and f"each owner's rows, {P * 4 + P} floats" in text, text
+
+
+def test_an_id_outside_its_fields_range_is_one_clear_error():
+    """ids + offsets where an id is not below its field's vocabulary reads another field's row in the
+    untouched model; split, it is an error naming the table, not a silent wrong row."""
+    model, _ = des.transform(dlrm_offsets(), comm=InProcessWorld(1).communicator(0))
+    ids = np.zeros([2, P], np.int64)
+    ids[1, 2] = V                                  # field 2's id V: key 3V, field 3's first row
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"des: table embedding(_\d+)? holds one field per key "
+                                                             r"range \(\[0, 40\) \[40, 80\) .* an id fell outside the range of its field"):
+        model.predict_on_batch({"ids": ids})
+
+
+def test_a_split_model_saves_the_untouched_model_and_resumes_on_another_n_and_one_process(tmp_path):
+    """3 processes train 3 of 6 Adam steps, checkpoint, model.save and des.export (every process;
+    rank 0 writes the untouched DLRM with every range's rows); the save and the export predict what
+    the DES model does, the
+    checkpoint resumed on 2 processes and in the untouched model on one process ends where the
+    uninterrupted one-process model does."""
+    base, batches, probe, _ = _setup(steps=6, batch=32)
+    batches = batches[:6]
+
+    def trained(m, part):
+        for x, y in part:
+            m.train_on_batch(x, y)
+        return np.asarray(m.predict_on_batch(probe))
+    ref = dlrm_offsets()
+    copy_state(base, ref)
+    ref.compile(optimizer_for(ref, "adam"), "binary_crossentropy")
+    want = trained(ref, batches)
+
+    def world(n):
+        w, ms = InProcessWorld(n), []
+        for r in range(n):
+            m = dlrm_offsets()
+            if r == 0:
+                copy_state(base, m)
+            ms.append(des.transform(m, comm=w.communicator(r))[0])
+            ms[-1].compile(optimizer_for(ms[-1], "adam"), "binary_crossentropy")
+        return w, ms
+    ckpt = str(tmp_path / "ckpt")
+    w, ms = world(3)
+
+    def first_half(r):
+        got = trained(ms[r], batches[:3])
+        checkpoint.save(ckpt, ms[r], ms[r].optimizer)
+        ms[r].save(str(tmp_path / "saved"))
+        des.export(ms[r], str(tmp_path / "served"))
+        return got
+    got = _on_every_rank(w, first_half)
+    again = tf.keras.models.load_model(str(tmp_path / "saved"), compile=False)
+    assert [type(l).__name__ for l in again.layers if isinstance(l, L.Embedding)] == ["Embedding"] * 2
+    within("DLRM key ranges: model.save, loaded", float(np.abs(again.predict_on_batch(probe) - got[0]).max()), 1e-6)
+    serve = tf.saved_model.load(str(tmp_path / "served")).signatures["serving_default"]
+    served = next(iter(serve(**{k: tf.constant(v) for k, v in probe.items()}).values()))
+    within("DLRM key ranges: des.export, served", float(np.abs(np.reshape(served, [-1]) - got[0].reshape(-1)).max()),
+           1e-6)
+    untouched = [l for l in des.distributed(ms[0]).source.layers if isinstance(l, L.Embedding)]
+    assert [l.embeddings for l in untouched] == [None, None]     # after the save rank 0 holds its ranges only
+
+    def second_half(m):
+        checkpoint.restore(ckpt, m, m.optimizer)
+        return trained(m, batches[3:])
+    w2, ms2 = world(2)
+    resumed = _on_every_rank(w2, lambda r: second_half(ms2[r]))
+    one = dlrm_offsets()
+    copy_state(base, one)
+    one.compile(optimizer_for(one, "adam"), "binary_crossentropy")
+    resumed.append(second_half(one))
+    within("DLRM key ranges: checkpoint of 3 resumed on 2 and on one process",
+           max(float(np.abs(p - want).max()) for p in resumed), 2e-6)
