@@ -138,7 +138,25 @@ def _by_key_range(graph: Graph, fields: FieldAnalysis, table: Node, ranges: tupl
     sends its positions' rows; the sum over processes is the whole [B, P, K] lookup."""
     t, dim = table.output, int(table.attrs["dim"])
     chain = frozenset(i for i in fields.cone(t) if graph.nodes[i].kind != "input")
-    base = fields.field_of(table)
-    vectors = [FieldVector(t, table, f"{base}[{f}]", dim, chain, key_range=r) for f, r in enumerate(ranges)]
+    names = _position_names(graph, fields, table, len(ranges))
+    vectors = [FieldVector(t, table, name, dim, chain, key_range=r) for name, r in zip(names, ranges)]
     return Match(NAME, table, vectors, {table.index}, out_shape=(len(ranges), dim),
                  data={"name": table.layer.name, "mask_ids": None, "ranges": ranges})
+
+
+def _position_names(graph: Graph, fields: FieldAnalysis, table: Node, count: int) -> list[str]:
+    """The field name of each position of ids + offsets: the model input it comes from where the
+    ids are a tf.stack of one input per position (so a field's other tables go with it), else
+    ``<ids input>[f]``."""
+    add = graph.producer[table.tensor_operands()[0]]
+    ids = graph.producer.get(add.tensor_operands()[0])
+    if ids is not None and ids.kind == "stack" and ids.attrs.get("axis") in (1, -1) and \
+            len(ids.tensor_operands()) == count:
+        names = []
+        for o in ids.tensor_operands():
+            inputs = [graph.nodes[i].layer.name for i in sorted(fields.cone(o)) if graph.nodes[i].kind == "input"]
+            names.append(inputs[0] if len(inputs) == 1 else None)
+        if all(names) and len(set(names)) == count:
+            return names
+    base = fields.field_of(table)
+    return [f"{base}[{f}]" for f in range(count)]

@@ -13,6 +13,10 @@ Systems (``--system``):
     fields, keys ``slot << 55 | id``: scripts/peer_tfra.py's ``field_keys``/``pool_fields``), data-parallel
     (each process parses its rows ``shard=(rank, N)``), ``DynamicEmbeddingOptimizer(legacy Adam(1e-3),
     synchronous=True)``.
+  * ``des-offsets``: the user's model spelled as DLRM / pytorch-fm ports write it: ONE Keras
+    ``Embedding(F * vocab, dim)`` read as ids mod ``--vocab`` + per-field offsets ([B, F] -> [B, F, dim]),
+    compiled with legacy Adam(1e-3), then ``des.transform(model)`` with NO options (the table split by key
+    range: each field's range with its owner); every process reads the GLOBAL batch.
   * ``replicated``: the same user model with Keras ``Embedding(vocab, dim)`` tables over ids mod
     ``--vocab`` (default 2**18: hashed, colliding ids share a row), every table whole on every process,
     classic Horovod data parallelism: each process its shard of the batch, gradients averaged by
@@ -79,14 +83,20 @@ def head(arch: str, embs: list, dim: int, hidden) -> tf.Tensor:
     return L.Dense(1, activation="sigmoid", name="prob")(top)
 
 
-def user_model(spec, arch: str, dim: int, hidden, vocab: int = 0) -> tf.keras.Model:
+def user_model(spec, arch: str, dim: int, hidden, vocab: int = 0, offsets: bool = False) -> tf.keras.Model:
     """The user's model: one TFRA table per sparse field (``vocab`` > 0: a Keras Embedding(vocab, dim)
-    over ids mod vocab instead), the architecture on top."""
+    over ids mod vocab instead; ``offsets``: ONE Keras Embedding(F * vocab, dim) over ids mod vocab +
+    per-field offsets), the architecture on top."""
     from tensorflow_recommenders_addons import dynamic_embedding as de
     init = lambda i: tf.keras.initializers.RandomUniform(*INIT, seed=i)  # noqa: E731 - one per table
     fields = spec.sparse()
     x = {f.name: tf.keras.Input(shape=(), dtype=tf.int64, name=f.name) for f in fields}
-    if vocab:
+    if offsets:
+        ids = tf.stack([tf.math.floormod(x[f.name], vocab) for f in fields], axis=1)                 # [B, F]
+        e = L.Embedding(len(fields) * vocab, dim, embeddings_initializer=init(0), name="emb_all")(
+            ids + tf.constant(np.arange(len(fields)) * vocab, tf.int64))                              # [B, F, dim]
+        embs = tf.unstack(e, axis=1)
+    elif vocab:
         embs = [L.Embedding(vocab, dim, embeddings_initializer=init(i), name=f"emb_{f.name}")(
             tf.math.floormod(x[f.name], vocab)) for i, f in enumerate(fields)]
     else:
@@ -136,9 +146,10 @@ def rows_held(model, system: str) -> int:
     table (tfra), every Keras table's vocabulary (replicated)."""
     if system == "replicated":
         return sum(int(layer.input_dim) for layer in model.layers if isinstance(layer, L.Embedding))
-    if system == "des":
+    if system.startswith("des"):
         import des
-        return sum(int(t.params.size()) for t in des.distributed(model).layer.owned)
+        from des.graph.sources import source_of
+        return sum(int(source_of(t).rows(t)) for t in des.distributed(model).layer.owned if source_of(t))
     return sum(int(layer.params.size()) for layer in model.layers if hasattr(layer, "params"))
 
 
@@ -168,6 +179,15 @@ def build_system(a, rank: int, n: int):
         if rank == 0:
             print(report, flush=True)
         return model, ds, {"report": str(report).splitlines(), "des": des_choices(report)}
+    if a.system == "des-offsets":
+        import des
+        spec, ds = sharded_batches(a.data, a.batch, a.dim, None)
+        model = user_model(spec, a.arch, a.dim, hidden, vocab=a.vocab, offsets=True)
+        model.compile(adam, "binary_crossentropy", metrics=[tf.keras.metrics.AUC(name="auc")])
+        model, report = des.transform(model)
+        if rank == 0:
+            print(report, flush=True)
+        return model, ds, {"report": str(report).splitlines(), "des": des_choices(report)}
     spec, ds = sharded_batches(a.data, a.batch, a.dim, (rank, n))
     if a.system == "tfra":
         model = tfra_model(spec, a.arch, a.dim, hidden, n)
@@ -183,13 +203,13 @@ def build_system(a, rank: int, n: int):
 def main() -> None:
     from user_deepfm import runner_parser, started, timed_fit, write_summary
     ap = runner_parser()
-    ap.add_argument("--system", required=True, choices=["des", "tfra", "replicated"])
+    ap.add_argument("--system", required=True, choices=["des", "des-offsets", "tfra", "replicated"])
     ap.add_argument("--arch", required=True, choices=["dcn", "autoint", "dlrm"])
     ap.add_argument("--vocab", type=int, default=1 << 18, help="replicated: rows of each hashed Keras table")
     a = started(ap)
     from des_ops.comm import init_horovod, launcher_rank
     rank, n = launcher_rank()
-    if n > 1 and a.system != "des":
+    if n > 1 and not a.system.startswith("des"):
         init_horovod()                          # des.transform starts Horovod itself under mpirun
     model, ds, extra = build_system(a, rank, n)
     hist, timed = timed_fit(model, ds, a.steps, a.batch, STARTED)

@@ -30,6 +30,7 @@ sys.path.insert(0, ROOT)
 from des.cluster.netbed import Netbed  # noqa: E402
 
 SYSTEMS = {"des": "DES: the user's model via des.transform, defaults",
+           "des-offsets": "DES: one Keras table of every field by offsets (DLRM ports), split by key range",
            "tfra": "TFRA HvdAllToAllEmbedding, data-parallel",
            "replicated": "replicated: Horovod data-parallel, whole hashed Keras tables"}
 ARCHS = {"dcn": "DCN-v2", "autoint": "AutoInt", "dlrm": "DLRM"}
@@ -70,12 +71,12 @@ def summarize(launches: list[list[dict]]) -> dict:
     return got
 
 
-def des_note(arch, n, ranks) -> str:
+def des_note(arch, n, ranks, system: str = "des") -> str:
     """One line: what des.transform chose on rank 0 and whether any table was left whole."""
     d = ranks[0]["des"]
     whole = sorted({t for r in ranks for t in r["des"]["unsubstituted"]})
     subs = ", ".join(f"{rule} x{k}" for rule, k in d["substitutions"].items())
-    return (f"{ARCHS[arch]}, N = {n}: des chose tail={d['tail']}, field rows={d['field_rows']}"
+    return (f"{ARCHS[arch]}, N = {n}: {system} chose tail={d['tail']}, field rows={d['field_rows']}"
             + (f" (floats/sample by rank {d['by_samples']})" if d["by_samples"] else "")
             + (f", first Dense by rows {d['by_rows']}" if d["by_rows"] else "")
             + f"; substitutions: {subs}; " + (d["link"] + "; " if d["link"] else "")
@@ -103,7 +104,10 @@ def header(a) -> list[str]:
             f"replicated: Keras Embedding({a.vocab}, {a.dim}) per field over ids mod {a.vocab} (hashed: colliding "
             f"ids share a row; every table whole on every process), each process its rows, "
             f"horovod.tensorflow.keras.DistributedOptimizer(legacy Adam(1e-3)); Keras's Adam decays a dense "
-            f"table's slots in full every step. Processes: scripts/arch_runner.py.", "",
+            f"table's slots in full every step. des-offsets: the user's model with ONE Keras Embedding(fields x "
+            f"{a.vocab}, {a.dim}) read as ids mod {a.vocab} + per-field offsets (DLRM / pytorch-fm ports), legacy "
+            f"Adam(1e-3), des.transform(model) with no options: the table split by key range, every process reads "
+            f"the global batch. Processes: scripts/arch_runner.py.", "",
             "| arch | N | hidden | system | samples/s | CPU s/step/process | first step (s) | wire B/step/host "
             "| table rows/process | samples/s vs TFRA |",
             "|---|---|---|---|---|---|---|---|---|---|"]
@@ -128,7 +132,7 @@ def sweep(arch, n, data, a, tmp, chosen) -> tuple[list[str], list[str]]:
                      f"{g['cpu_seconds_per_step']:.3f} | {g['seconds_to_first_step']:.1f} | {wire} | {g['rows']} | "
                      f"{g['samples_per_second'] / base:.2f}x |")
         print(lines[-1], flush=True)
-    return lines, ([des_note(arch, n, runs["des"][-1])] if "des" in runs else [])
+    return lines, [des_note(arch, n, runs[key][-1], key) for key in ("des", "des-offsets") if key in runs]
 
 
 def main():

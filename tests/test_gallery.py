@@ -290,8 +290,8 @@ def test_one_table_with_per_field_offsets_is_split_by_key_range():
     Equivalence: the gallery's parametrized test."""
     text = _report(dlrm_offsets())
     assert "fm_interaction at" in text and "ids + per-field offsets, as in DLRM ports" in text, text
-    assert re.search(r"embedding(_\d+)? \(Keras Embedding, width 4, field 'ids'\): substituted: split by key range "
-                     r"into 4 fields", text), text
+    assert re.search(r"embedding(_\d+)? \(Keras Embedding, width 4, 4 fields through offsets\): substituted: split by "
+                     r"key range into 4 fields \(ids\[0\] \.\. ids\[3\]", text), text
     assert "each owner's rows, 20 floats" in text and "NOT substituted" not in text, text     # 4 x 4 + 4 x 1
 
 

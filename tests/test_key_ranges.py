@@ -183,3 +183,39 @@ def test_a_split_model_saves_the_untouched_model_and_resumes_on_another_n_and_on
     resumed.append(second_half(one))
     within("DLRM key ranges: checkpoint of 3 resumed on 2 and on one process",
            max(float(np.abs(p - want).max()) for p in resumed), 2e-6)
+
+
+def stacked_inputs_model():
+    """A DLRM port over one input per field: ids = tf.stack of the 4 inputs, one Embedding(4 V, K)
+    by offsets, and beside it field f0's own 1-wide linear table read from its input directly."""
+    x = {f: tf.keras.Input(shape=(), dtype=tf.int64, name=f) for f in FIELDS}
+    ids = tf.stack([x[f] for f in FIELDS], axis=1)
+    e = L.Embedding(P * V, 4)(ids + tf.constant(np.arange(P) * V, tf.int64))
+    linear = L.Flatten()(L.Embedding(V, 1)(x["f0"]))
+    deep = L.Dense(8, activation="relu")(L.Flatten()(e))
+    return tf.keras.Model(x, tf.sigmoid(L.Dense(1)(L.Concatenate()([deep, linear]))))
+
+
+def test_ranges_over_a_stack_of_inputs_are_named_after_them_and_go_with_their_fields_other_tables():
+    """ids stacked from one input per field: each range is that input's field (f0 .. f3 in the plan),
+    so f0's own linear table has the same owner as f0's range; N = 3 equals one process."""
+    tf.keras.utils.set_random_seed(0)
+    base = stacked_inputs_model()
+    x, y = batches_for(base, 1, 5 * 31 + 2, seed=4)[0]
+    batches = [({k: v[i:i + 31] for k, v in x.items()}, y[i:i + 31]) for i in range(0, 5 * 31 + 2, 31)]
+    probe = batches_for(base, 1, 16, seed=99)[0][0]
+    reference = stacked_inputs_model()
+    copy_state(base, reference)
+    fit = lambda m: fit_and_snapshot(m, batches, probe, optimizer="adam", learning_rate=0.02)  # noqa: E731
+    ref = fit(reference)
+    ranks = run_in_process_world(3, stacked_inputs_model, lambda m: {**fit(m), "plan": des.distributed(m).plan,
+                                                                     "held": _ranges_held(m)}, init_from=base)
+    plan = ranks[0]["plan"]
+    assert sorted(plan.owner) == sorted(FIELDS), plan
+    held = [r.pop("held") for r in ranks]
+    [r.pop("plan") for r in ranks]
+    owner = plan.owner["f0"]
+    assert [keys for _, keys in held[owner]][0][:V] == list(range(V))        # f0's range lives with f0's owner
+    diff = compare(ref, ranks)
+    within("stacked inputs N=3 predictions", diff["predictions"], 1e-6)
+    within("stacked inputs N=3 rows and weights", max(diff["tables"], diff["owned"], diff["weights"]), 1e-6)

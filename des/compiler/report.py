@@ -204,7 +204,9 @@ def explain_tables(graph: Graph, fields: FieldAnalysis, matches: list[Match],
         if n.kind != "table":
             continue
         src = n.attrs["source"]
-        head = f"{n.layer.name} ({src.name}, width {n.attrs['dim']}, field {fields.ids_input(n)!r})"
+        split = next((m for m in matches if "ranges" in m.data and m.root.index == n.index), None)
+        head = f"{n.layer.name} ({src.name}, width {n.attrs['dim']}, " + (
+            f"{len(split.vectors)} fields through offsets)" if split else f"field {fields.ids_input(n)!r})")
         if n.index in used:
             what = ", ".join(used[n.index])
             what = ("substituted: " if what.startswith("split by key range") else "substituted in ") + what
