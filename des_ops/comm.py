@@ -100,6 +100,18 @@ class Communicator:
         """Rank ``root``'s array on every rank (eager, outside training steps); same shape everywhere."""
         raise NotImplementedError
 
+    def scatter(self, parts: list[np.ndarray] | None, row_shape: tuple, root: int = 0,
+                name: str = "des_scatter") -> np.ndarray:
+        """Rank ``root``'s ``parts[r]`` (float32 arrays of rows ``row_shape``; None elsewhere) on
+        rank r (eager, outside training steps). Here: one broadcast of every part, each rank keeping
+        its own; Horovod: one all-to-all in which only ``root`` sends, each rank receiving its part."""
+        sizes = self.broadcast(np.array([len(p) for p in parts] if self.rank == root else [0] * self.world_size,
+                                        np.int64), root)
+        flat = self.broadcast(np.concatenate(parts).astype(np.float32) if self.rank == root else
+                              np.zeros([int(sizes.sum()), *row_shape], np.float32), root)
+        at = np.cumsum([0, *sizes])
+        return flat[at[self.rank]:at[self.rank + 1]]
+
     def allgather(self, x: tf.Tensor, name: str) -> tf.Tensor:
         """Every rank's ``x`` (first dimensions may differ) concatenated in rank order (no gradient)."""
         raise NotImplementedError(f"{type(self).__name__} has no all-gather")
@@ -306,6 +318,14 @@ class HorovodCommunicator(Communicator):
 
     def alltoall(self, x, splits, name="des_alltoall"):
         return self.start().alltoall(x, splits=splits, name=op_name(name))
+
+    def scatter(self, parts, row_shape, root=0, name="des_scatter"):
+        mine = self.rank == root
+        send = np.concatenate(parts).astype(np.float32) if mine else np.zeros([0, *row_shape], np.float32)
+        splits = [len(p) for p in parts] if mine else [0] * self.world_size
+        self.count("broadcast", send.nbytes)
+        got, _ = self.alltoall(tf.constant(send), tf.constant(splits, tf.int32), name)
+        return got.numpy()
 
     def broadcast(self, a, root=0):
         self.count("broadcast", np.asarray(a).nbytes)

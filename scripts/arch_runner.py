@@ -149,7 +149,9 @@ def rows_held(model, system: str) -> int:
     if system.startswith("des"):
         import des
         from des.graph.sources import source_of
-        return sum(int(source_of(t).rows(t)) for t in des.distributed(model).layer.owned if source_of(t))
+        owned = des.distributed(model).layer.owned       # fused TFRA tables (params) or key-range tables
+        return sum(int(t.params.size()) if hasattr(t, "params") else int(source_of(t).rows(t)) for t in owned
+                   if hasattr(t, "params") or source_of(t) is not None)
     return sum(int(layer.params.size()) for layer in model.layers if hasattr(layer, "params"))
 
 

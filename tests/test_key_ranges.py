@@ -6,6 +6,8 @@ simulated world: equal to the untouched model on one process, every row held by 
 process (none holds the whole table; some own nothing), saves, checkpoints that resume on another
 N and on one process, an id outside its range is one clear error, and the cases that must not be
 split are not. The same under mpirun: tests/test_mpi.py (gallery:dlrm_offsets)."""
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -219,3 +221,32 @@ def test_ranges_over_a_stack_of_inputs_are_named_after_them_and_go_with_their_fi
     diff = compare(ref, ranks)
     within("stacked inputs N=3 predictions", diff["predictions"], 1e-6)
     within("stacked inputs N=3 rows and weights", max(diff["tables"], diff["owned"], diff["weights"]), 1e-6)
+
+
+def test_a_table_by_offsets_that_cannot_be_split_has_one_owner_and_the_report_says_why():
+    """A regularized Embedding(4 V, K) read through ids + offsets: its penalty is over the whole table,
+    so it is not split by key range; one owner holds it (field rows), and the table's line says why.
+    N = 2 equals one process."""
+    def build():
+        ids = tf.keras.Input(shape=(P,), dtype=tf.int64, name="ids")
+        e = L.Embedding(P * V, 4, embeddings_regularizer=tf.keras.regularizers.l2(1e-3))(
+            ids + tf.constant(np.arange(P) * V, tf.int64))
+        deep = L.Dense(8, activation="relu")(L.Flatten()(e))
+        return tf.keras.Model(ids, L.Dense(1, activation="sigmoid")(L.Concatenate()([deep, tf.reduce_sum(e, axis=1)])))
+    _, report = des.transform(build(), comm=InProcessWorld(1).communicator(0))
+    text = str(report)
+    assert re.search(r"one owner holds all 4 fields \(not split by key range: 'embedding(_\d+)?' has a regularizer",
+                     text), text
+    tf.keras.utils.set_random_seed(0)
+    base = build()
+    x, y = batches_for(base, 1, 3 * 31, seed=4)[0]
+    batches = [({k: v[i:i + 31] for k, v in x.items()}, y[i:i + 31]) for i in range(0, 3 * 31, 31)]
+    probe = batches_for(base, 1, 16, seed=99)[0][0]
+    reference = build()
+    copy_state(base, reference)
+    fit = lambda m: fit_and_snapshot(m, batches, probe, optimizer="adam", learning_rate=0.02)  # noqa: E731
+    ref = fit(reference)
+    ranks = run_in_process_world(2, build, lambda m: {**fit(m), "held": _ranges_held(m)}, init_from=base)
+    assert [r.pop("held") for r in ranks] == [[], []]
+    diff = compare(ref, ranks)
+    within("regularized table by offsets, one owner, N=2 predictions", diff["predictions"], 1e-6)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import numpy as np
 import tensorflow as tf
 
 from des.compiler.keys import StateKeys, sync_from_root, trace_once
@@ -21,7 +22,7 @@ from des.compiler.plan import FieldCost, FieldPlan, check_agreement, make_plan
 from des.graph.sources import source_of
 from des_ops.comm import Communicator, agree
 from des_ops.fused import fuse_nodes
-from des_ops.ranges import RangeEmbedding
+from des_ops.ranges import RangeEmbedding, rows_of
 from des_ops.keras_internals import (autograph_as_keras_decides, compile_args, copy_optimizer, has_weight_penalties,
                                      take_weight_penalties)
 from des_ops.suboperators import DESFirstLayer
@@ -164,12 +165,13 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
         if n.kind == "table":
             n.attrs["source"].keyed(n.layer, options.seed, graph.layer_key(n.layer))
     if options.sync_weights and comm.world_size > 1:
-        sync_from_root(graph, comm)
+        # a table split by key range is not broadcast whole: each owner gets its ranges (_key_range_tables)
+        sync_from_root(graph, comm, skip={id(m.root.layer) for m in matches if "ranges" in m.data})
     forced = _forced_disagreement(comm)
     field_plan = _field_plan(graph, matches, spec, options.plan, comm, forced)
     mine = set(field_plan.fields_of(comm.rank))
     own = _OwnedPart.of(graph, matches, mine)
-    ranged = _key_range_tables(matches, mine, comm.rank)
+    ranged = _key_range_tables(matches, field_plan, comm, options.sync_weights)
     released = options.release_unowned and _release_unowned(matches, mine)
 
     # the vectors in graph order, never in tensor-id (memory address) order: the order in which the
@@ -290,21 +292,36 @@ def _mark_linear_tables(matches: list[Match]) -> None:
                 shadow.des_linear_part = True
 
 
-def _key_range_tables(matches: list[Match], mine: set[str], rank: int) -> dict:
+def _key_range_tables(matches: list[Match], plan: FieldPlan, comm: Communicator, from_root: bool) -> dict:
     """For each table split by key range (field_rows over ids + offsets) of which this process owns
     positions: {table node index: (a RangeEmbedding holding those positions' rows, the positions)}.
-    Called after the rank-0 sync and before the whole table is released."""
+    With ``from_root`` (and several processes) the rows are rank 0's: it sends each owner the rows
+    of its ranges, one all-to-all per table (every process takes part), never the whole table to
+    every process; else this process's own. Called before the whole table is released."""
     out = {}
     for m in matches:
         if "ranges" not in m.data:
             continue
-        positions = [f for f, v in enumerate(m.vectors) if v.field in mine]
+        ranges, table = m.data["ranges"], m.root.layer
+        owned = [[f for f, v in enumerate(m.vectors) if plan.owner[v.field] == r] for r in range(comm.world_size)]
+        positions = owned[comm.rank]
+        if from_root and comm.world_size > 1:
+            rows = _rows_from_root(table, [[ranges[f] for f in fs] for fs in owned], comm,
+                                   f"des_key_ranges_{m.root.index}")       # the graph position: the same everywhere
+        else:
+            rows = rows_of(table.embeddings.numpy(), [ranges[f] for f in positions])
         if positions:
-            table = m.root.layer
-            out[m.root.index] = (RangeEmbedding([m.data["ranges"][f] for f in positions], table.embeddings.numpy(),
-                                                table=table.name, name=f"des_ranges_{table.name}_rank{rank}"),
-                                 positions)
+            out[m.root.index] = (RangeEmbedding([ranges[f] for f in positions], rows, table=table.name,
+                                                name=f"des_ranges_{table.name}_rank{comm.rank}"), positions)
     return out
+
+
+def _rows_from_root(table, ranges_by_rank: list[list], comm: Communicator, name: str) -> np.ndarray:
+    """Rank 0's rows of each rank's ranges of ``table``, on that rank (Communicator.scatter: under
+    Horovod one all-to-all in which only rank 0 sends; the whole table never goes to every process)."""
+    full = table.embeddings.numpy() if comm.rank == 0 else None
+    return comm.scatter([rows_of(full, rs) for rs in ranges_by_rank] if comm.rank == 0 else None,
+                        (int(table.output_dim),), 0, name)
 
 
 def _release_unowned(matches: list[Match], mine: set[str]) -> bool:

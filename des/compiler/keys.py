@@ -200,16 +200,17 @@ def state_keys(model: tf.keras.Model) -> StateKeys:
     return sk
 
 
-def sync_from_root(graph: Graph, comm, root: int = 0) -> None:
+def sync_from_root(graph: Graph, comm, root: int = 0, skip: set[int] = frozenset()) -> None:
     """Every process takes rank ``root``'s weights and table rows (before partitioning), so a
     model built with random initialisers starts the same everywhere. A few broadcasts in all,
     whatever the model's size (one per collective was ~245 for a 39-field DeepFM, ~0.6 s of
     its start): the tables' row counts, all their keys, all their values, and the other weights
-    flattened into one array per dtype."""
+    flattened into one array per dtype. Layers whose ids are in ``skip`` are left out (the caller
+    sends them otherwise)."""
     tables, weights, done = [], [], set()
     for n in graph.nodes:
         layer = n.layer
-        if n.kind == "input" or id(layer) in done:
+        if n.kind == "input" or id(layer) in done or id(layer) in skip:
             continue
         done.add(id(layer))
         if n.kind == "table" and n.attrs["source"].dynamic:
