@@ -404,7 +404,8 @@ def _compile_like(model: tf.keras.Model, new_model: tf.keras.Model) -> str:
 def _mark_consumed(model: tf.keras.Model) -> None:
     """The transformed model shares its layers with the returned one, and this process released
     the tables it does not own: calling it again says so instead of failing deep inside a layer.
-    (On one process nothing is released and the model still computes what it did.)"""
+    (On one process nothing is released and the model still computes what it did, unless a table
+    was split by key range: its rows moved into the process's RangeEmbedding.)"""
     def consumed(*args, **kwargs):
         raise RuntimeError(f"model {model.name!r} was consumed by des.transform (its layers now belong to the "
                            f"returned model, and this process dropped the tables it does not own): use the model "
