@@ -46,7 +46,8 @@ class RangeEmbedding(tf.keras.layers.Layer):
         self._shift = np.array(base, np.int64) - self._starts
         at = np.cumsum([0] + [b - a for a, b in self.ranges])
         rows = np.concatenate([rows[at[i]:at[i + 1]] for i in order]) if order else np.zeros([0, self.dim], np.float32)
-        self.embeddings = self.add_weight(f"{self.name}_rows", shape=rows.shape,     # one name per table: slots by name dtype=tf.float32,
+        # one variable name per table: optimizer slots are found by name (des.runtime.state)
+        self.embeddings = self.add_weight(f"{self.name}_rows", shape=rows.shape, dtype=tf.float32,
                                           initializer=tf.keras.initializers.Constant(rows))
 
     def keys(self) -> np.ndarray:

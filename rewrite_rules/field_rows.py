@@ -114,8 +114,8 @@ def gather_left(graph: Graph, fields: FieldAnalysis, matches: list[Match]) -> tu
     for n in graph.nodes:
         if n.kind != "table" or n.index in inside:
             continue
-        ranges = fields.offset_ranges(n) if graph.layer_calls(n.layer) == 1 else "it is called more than once"
-        if not isinstance(ranges, str) and graph.dtype(n.output) == tf.float32:
+        ranges = fields.offset_ranges(n)
+        if not isinstance(ranges, str):
             found.append(_by_key_range(graph, fields, n, ranges))
             continue
         v = widest_vector(graph, fields, n)

@@ -305,10 +305,10 @@ def _key_range_tables(matches: list[Match], plan: FieldPlan, comm: Communicator,
         ranges, table = m.data["ranges"], m.root.layer
         owned = [[f for f, v in enumerate(m.vectors) if plan.owner[v.field] == r] for r in range(comm.world_size)]
         positions = owned[comm.rank]
-        if from_root and comm.world_size > 1:
+        if from_root and comm.world_size > 1:        # every process takes part, owner or not
             rows = _rows_from_root(table, [[ranges[f] for f in fs] for fs in owned], comm,
                                    f"des_key_ranges_{m.root.index}")       # the graph position: the same everywhere
-        else:
+        elif positions:
             rows = rows_of(table.embeddings.numpy(), [ranges[f] for f in positions])
         if positions:
             out[m.root.index] = (RangeEmbedding([ranges[f] for f in positions], rows, table=table.name,

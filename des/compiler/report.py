@@ -211,9 +211,8 @@ def explain_tables(graph: Graph, fields: FieldAnalysis, matches: list[Match],
             what = ", ".join(used[n.index])
             what = ("substituted: " if what.startswith("split by key range") else "substituted in ") + what
             if split is None and fields.offset_fields(n):        # ids + offsets, but not split by range
-                why = fields.offset_ranges(n) if n.layer is not None and graph.layer_calls(n.layer) == 1 else \
-                    "it is called more than once"
-                what += f"; one owner holds all {fields.offset_fields(n)} fields (not split by key range: {why})"
+                what += (f"; one owner holds all {fields.offset_fields(n)} fields (not split by key range: "
+                         f"{fields.offset_ranges(n)})")
             groups.setdefault((src.name, n.attrs["dim"], what), []).append(head)
             continue
         if n.layer.name not in left:

@@ -213,6 +213,10 @@ class FieldAnalysis:
         own owner. A static Keras Embedding of ``input_dim`` V: position f holds the keys from its
         offset to the next larger offset (the largest: to V). Or why the table cannot be split so."""
         name = table.layer.name
+        if self.graph.layer_calls(table.layer) != 1:
+            return f"{name!r} is called more than once"
+        if self.graph.dtype(table.output) != tf.float32:
+            return f"{name!r} gives {self.graph.dtype(table.output).name} rows, not float32"
         ops = table.tensor_operands()
         add = self.graph.producer.get(ops[0]) if len(ops) == 1 else None
         if add is None or add.kind != "add":
