@@ -104,16 +104,57 @@ class FieldRowsSubOp(SubOperator):
     def partial(self, vectors, batch):
         return vectors[0] if vectors else dm.zeros(batch, self.width)
 
+    # by samples (des_ops.rows.rows_to_samples): what each process sends, and the receiver's assembly
+    def samples_blocks(self, world_size: int) -> list[list[Block]]:
+        """Per process, the blocks of this vector it sends: its owner one, the others none."""
+        return [[self.block or Block(self.width)] if p == self.owner else [] for p in range(world_size)]
+
+    def sent_rows(self, vectors, batch) -> tf.Tensor:
+        """This process's block (on the owner): [B, width], the vector."""
+        return self.partial(vectors, batch)
+
+    def from_pieces(self, pieces: list[tf.Tensor]) -> tf.Tensor:
+        """The vector's rows of this process's samples from what its senders' blocks (in rank order) hold."""
+        return pieces[0]
+
 
 class KeyRangeRowsSubOp(FieldRowsSubOp):
     """The [B, count, width] lookup of a table split by key range (des_ops.ranges), flattened to
     [B, count * width]: this process's owned ``positions`` (its lookup gives them flattened, [B,
     len * width], in that order) in their places, zeros elsewhere; the sum over processes is the
-    whole lookup."""
+    whole lookup.
+
+    By samples (``exchange`` "samples", set by des.transform with ``rank_positions``, the positions
+    each process owns): every owner sends each process its samples' rows of its own positions, one
+    block of len * width floats a sample, and the receiver puts the positions of all blocks in order.
+
+        >>> op = KeyRangeRowsSubOp(["a[0]", "a[2]"], positions=[0, 2], count=3, width=1)
+        >>> op.rank_positions = [[0, 2], [1]]           # process 0 owns positions 0 and 2, process 1 position 1
+        >>> [[b.width for b in bl] for bl in op.samples_blocks(2)]
+        [[2], [1]]
+        >>> op.from_pieces([tf.constant([[10.0, 12.0]]), tf.constant([[11.0]])]).numpy().tolist()
+        [[10.0, 11.0, 12.0]]
+    """
+    rank_positions: list[list[int]] = []
 
     def __init__(self, fields, *, positions: list[int], count: int, width: int, **kwargs):
         super().__init__(fields, width=count * width, **kwargs)
         self.positions, self.count, self.row_width = list(positions), int(count), int(width)
+
+    def samples_blocks(self, world_size: int) -> list[list[Block]]:
+        return [[Block(len(fs) * self.row_width)] if fs else [] for fs in self.rank_positions]
+
+    def sent_rows(self, vectors, batch) -> tf.Tensor:
+        return vectors[0]            # the lookup of this process's positions, [B, len * width]
+
+    def from_pieces(self, pieces: list[tf.Tensor]) -> tf.Tensor:
+        order = [f for fs in self.rank_positions for f in fs]          # the positions as the blocks hold them
+        x = pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=1)
+        if order == sorted(order):
+            return x
+        where = {f: k for k, f in enumerate(order)}
+        x = tf.gather(tf.reshape(x, [-1, self.count, self.row_width]), [where[f] for f in range(self.count)], axis=1)
+        return tf.reshape(x, [-1, self.count * self.row_width])
 
     def partial(self, vectors, batch):
         if not self.positions:
@@ -300,22 +341,25 @@ class DESFirstLayer(tf.keras.layers.Layer):
 
     def _samples_rows(self, flat: dict, batch: tf.Tensor, inputs: dict) -> dict[int, tf.Tensor]:
         """The field vectors by samples: this process's rows of each, from one all-to-all in which
-        every owner sends its vectors' rows side by side (des_ops.rows.rows_to_samples)."""
+        every owner sends its blocks' rows side by side (des_ops.rows.rows_to_samples): a vector's
+        owner one block, each owner of positions of a table split by key range one block of them."""
+        n = self.comm.world_size
         sampled = [i for i, s in enumerate(self.to_samples) if s]
-        by_rank = [[i for i in sampled if self.ops[i].owner == p] for p in range(self.comm.world_size)]
-        block = lambda i: self.ops[i].block or Block(self.widths[i])  # noqa: E731
-        # each process's vectors in wire order (the same on every process): a lane of des_ops.rows
+        sent = [[(i, b) for i in sampled for b in self.ops[i].samples_blocks(n)[p]] for p in range(n)]
+        # each process's blocks in wire order (the same on every process): a lane of des_ops.rows
         # (its fields' embedding and linear weight, row after row) is one slice of ``e``
-        by_rank = [[ops[k] for k in wire_order([block(i) for i in ops])] for ops in by_rank]
-        mine = by_rank[self.comm.rank]
-        e = tf.concat([tf.reshape(self.ops[i].partial([flat[t] for t in self._op_inputs[i]], batch),
-                                  [-1, self.widths[i]]) for i in mine], axis=1) if mine else dm.zeros(batch, 0)
-        blocks = [[block(i) for i in ops] for ops in by_rank]
-        x = rows_to_samples(self.comm, e, [sum(self.widths[i] for i in ops) for ops in by_rank], self.rows_anchor,
+        sent = [[bl[k] for k in wire_order([b for _, b in bl])] for bl in sent]
+        mine = sent[self.comm.rank]
+        e = tf.concat([tf.reshape(self.ops[i].sent_rows([flat[t] for t in self._op_inputs[i]], batch), [-1, b.width])
+                       for i, b in mine], axis=1) if mine else dm.zeros(batch, 0)
+        blocks = [[b for _, b in bl] for bl in sent]
+        x = rows_to_samples(self.comm, e, [sum(b.width for b in bl) for bl in blocks], self.rows_anchor,
                             f"{self.collective}_samples", blocks, _keys_of(blocks, inputs))
-        order = [i for ops in by_rank for i in ops]
-        return {i: self.ops[i].combine(part) for i, part in zip(order, tf.split(x, [self.widths[i] for i in order],
-                                                                                axis=1))}
+        everyone = [ib for bl in sent for ib in bl]                       # as x holds them: ranks in order
+        pieces: dict[int, list] = {}
+        for (i, _), part in zip(everyone, tf.split(x, [b.width for _, b in everyone], axis=1)):
+            pieces.setdefault(i, []).append(part)
+        return {i: self.ops[i].combine(self.ops[i].from_pieces(pieces[i])) for i in sampled}
 
     def _sum_in_slices(self, flat: dict, batch: tf.Tensor) -> tf.Tensor:
         """The replicated tail's sum: each slice's partials (and, in the last slice's first row, the

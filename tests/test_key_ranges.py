@@ -91,21 +91,31 @@ def test_a_dlrm_port_is_split_by_key_range_and_equals_one_process():
         assert sum(not h for h in held) == max(0, n - P)
 
 
-def test_under_the_data_parallel_tail_the_ranges_stay_partials_and_equal_one_process():
-    """The key-range rows have several owners: with the data-parallel tail they are reduce-scattered
-    (each process its samples' rows), not sent by the samples' all-to-all; N = 3, batches of 31
-    and a last one of 2 (a process with no sample)."""
+def test_under_the_data_parallel_tail_each_owner_sends_its_positions_rows_to_their_samples():
+    """The key-range rows have several owners: with the data-parallel tail and field rows by samples,
+    every owner sends each process its samples' rows of its own positions (one block each in the
+    samples' all-to-all) and the receiver puts the positions in order. N = 3 (positions interleaved
+    over the owners) and N = 6 (two processes own nothing), batches of 31 and a last one of 2 (a
+    process with no sample): equal to one process (the data-parallel tail sums the dense gradients
+    in another order)."""
     base, batches, probe, reference = _setup()
     fit = lambda m: fit_and_snapshot(m, batches, probe, optimizer="adam", learning_rate=0.02)  # noqa: E731
     ref = fit(reference)
-    ranks = run_in_process_world(3, dlrm_offsets, lambda m: {**fit(m), "layer": des.distributed(m).layer},
-                                 init_from=base, tail="data_parallel", field_rows="samples")
-    layers = [r.pop("layer") for r in ranks]
-    assert not any(any(layer.to_samples) for layer in layers)
-    diff = compare(ref, ranks)
-    within("DLRM key ranges, data-parallel tail: predictions", diff["predictions"], 6e-7)
-    within("DLRM key ranges, data-parallel tail: rows and weights",
-           max(diff["tables"], diff["owned"], diff["weights"]), 1e-6)
+    for n in (3, 6):
+        ranks = run_in_process_world(n, dlrm_offsets, lambda m: {**fit(m), "layer": des.distributed(m).layer},
+                                     init_from=base, tail="data_parallel", field_rows="samples")
+        layers = [r.pop("layer") for r in ranks]
+        ranged = [[op for op, s in zip(layer.ops, layer.to_samples) if s and hasattr(op, "rank_positions")]
+                  for layer in layers]
+        assert all(len(ops) == 2 for ops in ranged), ranged         # the width-4 and the width-1 table
+        owners = ranged[0][0].rank_positions
+        order = [f for fs in owners for f in fs]            # the positions as the blocks hold them
+        assert sorted(order) == list(range(P)) and (order != list(range(P))) == (n == 3), owners   # N=3: put back in order
+        assert sum(not fs for fs in owners) == max(0, n - P)
+        diff = compare(ref, ranks)
+        within(f"DLRM key ranges by samples N={n}: predictions", diff["predictions"], 6e-7)
+        within(f"DLRM key ranges by samples N={n}: rows and weights",
+               max(diff["tables"], diff["owned"], diff["weights"]), 1e-6)
 
 
 def test_the_report_says_how_the_table_is_split():

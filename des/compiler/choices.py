@@ -83,7 +83,7 @@ def exchanged_keys(ops: list) -> list[str]:
     """The id inputs whose fields' rows travel once per distinct id, over the sub-operators that move
     rows (the first Dense by rows: ``rank_blocks``; field rows by samples: ``block``)."""
     blocks = [b for op in ops if getattr(op, "exchange", "") == "rows" for bl in op.rank_blocks for b in bl]
-    blocks += [op.block for op in ops if getattr(op, "exchange", "") == "samples"]
+    blocks += [op.block for op in ops if getattr(op, "exchange", "") == "samples" and op.block is not None]
     return sorted({b.key for b in blocks if b.key is not None})
 
 
@@ -150,9 +150,9 @@ def by_samples(matches: list[Match], own, field_plan: FieldPlan, comm: Communica
     """Under the data-parallel tail, the widths by rank of the field vectors no rule splits when
     their rows go to their samples' processes (des_ops.rows.rows_to_samples; [] when they stay
     partials, as under the replicated tail, where every process needs every row), and the cost
-    model's reason; marks their sub-operators."""
-    # a table split by key range has several owners: its rows stay partials (reduce-scattered)
-    rows = [(m, op) for m, op in zip(matches, own.ops) if m.rule == "field_rows" and "ranges" not in m.data]
+    model's reason; marks their sub-operators. A table split by key range sends from every owner:
+    each its positions' rows."""
+    rows = [(m, op) for m, op in zip(matches, own.ops) if m.rule == "field_rows"]
     if not rows or tail != "data_parallel" or field_rows == "partials":
         return [], ""
     choice, why = "samples", ""
@@ -162,7 +162,13 @@ def by_samples(matches: list[Match], own, field_plan: FieldPlan, comm: Communica
         return [], why
     widths = [0] * comm.world_size
     for m, op in rows:
-        op.exchange, op.owner = "samples", field_plan.owner[m.vectors[0].field]
-        op.block = Block(op.width, key(m.vectors[0]))
-        widths[op.owner] += op.width
+        op.exchange = "samples"
+        if "ranges" in m.data:
+            op.rank_positions = [[f for f, v in enumerate(m.vectors) if field_plan.owner[v.field] == r]
+                                 for r in range(comm.world_size)]
+        else:
+            op.owner = field_plan.owner[m.vectors[0].field]
+            op.block = Block(op.width, key(m.vectors[0]))
+        for r, blocks in enumerate(op.samples_blocks(comm.world_size)):
+            widths[r] += sum(b.width for b in blocks)
     return widths, why

@@ -187,8 +187,8 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
                          sorted({t for ids in own.op_inputs for t in ids}, key=position.__getitem__), fused, ranged)
     skip = set().union(*(m.nodes for m in matches))
     dense = dense_shapes(matches) if options.first_dense == "auto" else []
-    rows_width = (sum(m.vectors[0].width for m in matches if m.rule == "field_rows" and "ranges" not in m.data)
-                  if options.field_rows == "auto" else 0)
+    rows_width = (sum(sum(v.width for v in m.vectors) if "ranges" in m.data else m.vectors[0].width
+                      for m in matches if m.rule == "field_rows") if options.field_rows == "auto" else 0)
     tail, tail_reason = tail_choice(graph, model, skip, options.tail, costs, comm, dense, rows_width)
     if tail == "data_parallel" and (options.micro_batches > 1 or options.wire_dtype != "float32"):
         raise ValueError("des.transform: micro_batches and a 16-bit wire_dtype are for the replicated tail; the "
