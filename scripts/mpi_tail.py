@@ -60,8 +60,8 @@ def main(out: str, names: list[str], first_dense: str = "partials", field_rows: 
         snap["by_rows"] = [(op.rank_widths, op.width) for op, rows in zip(layer.ops, layer.by_rows) if rows]
         snap["rank_blocks"] = [op.rank_blocks for op, rows in zip(layer.ops, layer.by_rows) if rows]
         snap["by_samples"] = report.by_samples
-        snap["sample_blocks"] = [[op.block for op, s in zip(layer.ops, layer.to_samples) if s and op.owner == p]
-                                 for p in range(comm.world_size)]
+        snap["sample_blocks"] = [[b for op, s in zip(layer.ops, layer.to_samples) if s
+                                  for b in op.samples_blocks(comm.world_size)[p]] for p in range(comm.world_size)]
         if comm.rank == 0:
             snap["initial"], snap["report"] = initial, str(report)
         with open(os.path.join(out, f"{name}.rank{comm.rank}.pkl"), "wb") as fh:

@@ -39,7 +39,7 @@ REPEATED = ["gallery:deepctr_deepfm_defaults", "gallery:two_tower", "gallery:sha
 BATTERY = {2: [f"gallery:{m}" for m in HELD_OUT] + ["samples:deepctr_dcn", "samples:dlrm_offsets"], 3: REPEATED + [f"gallery:{m}" for m in USERS + FIELD_ROWS if f"gallery:{m}" not in REPEATED]
            + [f"subclassed:{m}" for m in SUBCLASSED], 4: [],
            5: ["gallery:two_tower", "gallery:shared_table_deepfm", "tail:deepctr_deepfm", "rows:deepctr_deepfm",
-               "gallery:deepctr_dcn", "samples:deepctr_dcn", "psuser:tfra_deepfm", "layerrows:deepctr_deepfm"]}
+               "gallery:deepctr_dcn", "samples:deepctr_dcn", "samples:dlrm_offsets", "psuser:tfra_deepfm", "layerrows:deepctr_deepfm"]}
 for _m, _o, _n, _c, _t in EQUIVALENCE:
     if _c == "horovod":
         BATTERY[_n].append(f"equivalence:{_m}:{_o}:horovod:{_t}")
@@ -519,10 +519,10 @@ def _tail_reference(name: str, initial) -> dict:
 @pytest.mark.mpi
 def test_field_rows_by_samples_under_mpirun(battery):
     """The data-parallel tail with the field vectors no rule splits sent to their samples'
-    processes (des_ops.rows.rows_to_samples): DCN (N = 2; N = 5, processes owning no field) and a
-    DLRM port (N = 2; its tables split by key range have several owners, so their rows stay in the
-    reduce-scatter) equal one process, with uneven and empty shards; the bytes handed over per
-    step are the reduce-scatter's partials and each owner's rows of the whole batch (by hand)."""
+    processes (des_ops.rows.rows_to_samples): DCN and a DLRM port (its tables split by key range
+    have several owners: each sends its positions' rows), each at N = 2 and N = 5 (a process owning
+    no field), equal one process, with uneven and empty shards; the bytes handed over per step are the
+    reduce-scatter's partials and each owner's rows of the whole batch (by hand)."""
     from des_ops.rows import distinct_rows
     sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "scripts")]
     from gallery import BUILDERS, K
@@ -530,10 +530,11 @@ def test_field_rows_by_samples_under_mpirun(battery):
 
     # by hand (tests/gallery.py, K = 4): DCN's 4 fields of K floats by samples, its linear sum (1 float)
     # reduce-scattered and DeepCTR's table penalties in their own 1-float allreduce per call; the DLRM
-    # port's two tables split by key range, [B, 4, K] and [B, 4, 1], reduce-scattered: 4 K + 4 floats
-    hand = {"deepctr_dcn": (1, 4 * K, True), "dlrm_offsets": (4 * K + 4, 0, False)}
+    # port's two tables split by key range, [B, 4, K] and [B, 4, 1], by samples from their positions'
+    # owners (2 positions each at N = 2): 4 K + 4 floats, nothing reduce-scattered
+    hand = {"deepctr_dcn": (1, 4 * K, True), "dlrm_offsets": (0, 4 * K + 4, False)}
     calls = [31] * 12 + [2] + [16]            # 13 training batches and the probe's prediction
-    for name, n in (("deepctr_dcn", 2), ("dlrm_offsets", 2), ("deepctr_dcn", 5)):
+    for name, n in (("deepctr_dcn", 2), ("dlrm_offsets", 2), ("deepctr_dcn", 5), ("dlrm_offsets", 5)):
         ranks = _ranks(battery(n) / "samples", name, n)
         diff = compare(_tail_reference(name, ranks[0]["initial"]), ranks)
         print(f"mpirun -np {n} {name} field rows by samples: {diff}, widths by rank {ranks[0]['by_samples']}")
@@ -541,14 +542,16 @@ def test_field_rows_by_samples_under_mpirun(battery):
         scattered, width, penalty = hand[name]
         widths = ranks[0]["by_samples"]
         assert sum(widths) == width and all(r["by_samples"] == widths for r in ranks)
-        if name == "dlrm_offsets":
-            assert widths == [] and ranks[0]["sample_blocks"] == [[], []]    # nothing by samples
+        if name == "dlrm_offsets":        # every owner one block per table: its positions' rows
+            assert all(w % (K + 1) == 0 for w in widths) and widths.count(0) == max(0, n - 4), widths
+            assert [[b.width for b in bl] for bl in ranks[0]["sample_blocks"]] == \
+                [[w // (K + 1) * K, w // (K + 1)] if w else [] for w in widths]
         if n == 5:
             assert widths.count(0) == 1                          # 4 fields on 5 processes: one sends no rows
         batches, probe = tail_batches(BUILDERS[name]())
         fed = [x for x, _ in batches] + [probe]
         blocks = ranks[0]["sample_blocks"]
-        assert all(b.key is not None for bl in blocks for b in bl)
+        assert all((b.key is not None) == (name == "deepctr_dcn") for bl in blocks for b in bl)   # key ranges: keyless
         for r, snap in enumerate(ranks):
             # each field's rows once per distinct id of a destination's slice (counted in numpy)
             sent = [distinct_rows(x, blocks, b, r)[0] if any(blocks) else 0 for x, b in zip(fed, calls)]
