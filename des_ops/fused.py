@@ -142,21 +142,38 @@ class FusedTable(FieldEmbedding):
             out.append([first[r] for r in single if r in first])
         return out
 
+    def row_layout(self, inputs) -> list[int] | None:
+        """The inputs whose outputs the columns of ``call(..., with_rows=True)``'s rows hold, in
+        order: per one-hot input read (``reads``), per column block, the first input that reads that
+        block through it; None if a block of one of them has no reader (or there is no one-hot input)."""
+        single, _ = self.reads(inputs)
+        layout = []
+        for r in single:
+            for b in range(len(self.blocks)):
+                k = next((k for k in range(len(inputs)) if self.same_as[k] == r and self._block[self.calls[k]] == b),
+                         None)
+                if k is None:
+                    return None
+                layout.append(k)
+        return layout or None
+
     @tf.autograph.experimental.do_not_convert   # plain TF ops: autograph would only slow tracing
-    def call(self, inputs, training=None, with_block: bool = False):
+    def call(self, inputs, training=None, with_block: bool = False, with_rows: bool = False):
         """One tensor per input; ``with_block``: and, per column block (``block_inputs``), the rows
         of its one-hot inputs as one [B, S, width] tensor (or None), which a stack or concatenation
-        of them can read instead."""
+        of them can read instead; ``with_rows``: and the rows of its one-hot inputs side by side,
+        [B, S * dim] (or None): the outputs ``row_layout`` names, in that order, as one tensor."""
         # one-hot inputs travel as one [B, S] block: a few ops whatever S is, since tracing cost
         # grows with the number of ops; the others one by one
         if only_shapes_wanted(self):
-            return self._zeros(inputs, with_block)
+            return self._zeros(inputs, with_block) if not with_rows else (self._zeros(inputs, False), None)
         single, other = self.reads(inputs)
         packed, padded = self.packed_keys(inputs, single, other)
         uniq, idx, counts = self.unique_keys(tf.concat(packed, axis=0), training)
         rows = tf.gather(self.distinct_rows(uniq, training, multi_valued=padded, counts=counts), idx)
         parts = tf.split(rows, [tf.size(p) for p in packed]) if len(packed) > 1 else [rows]
         out = [None] * len(inputs)
+        rows_side_by_side = tf.reshape(parts[0], [-1, len(single) * self.dim]) if single else None
         if single:
             block = tf.reshape(parts[0], [-1, len(single), self.dim])
             place = {r: s for s, r in enumerate(single)}
@@ -182,6 +199,8 @@ class FusedTable(FieldEmbedding):
                 out[k] = pool(part, ids, weights, w)
             else:
                 out[k] = tf.reshape(part, tf.concat([tf.shape(ids), [w]], 0))
+        if with_rows:
+            return out, rows_side_by_side
         return (out, blocks) if with_block else out
 
     def packed_keys(self, inputs, single: list[int] | None = None, other: list[int] | None = None):

@@ -271,6 +271,7 @@ class DESFirstLayer(tf.keras.layers.Layer):
         self._penalties = list(owned_penalties)
         self.penalty_column = penalty_column
         self.widths = [op.width for op in self.ops]
+        self.sends_fused_rows = False     # by samples: sends one fused table's rows as its lookup made them
         # operators whose output is not reduce-scattered: the first Dense by moving rows (des_ops.rows)
         self.by_rows = [getattr(op, "exchange", "partials") == "rows" for op in self.ops]
         # field vectors whose rows go to their samples' processes (one all-to-all for all of them)
@@ -311,11 +312,11 @@ class DESFirstLayer(tf.keras.layers.Layer):
         vectors = self._field_vectors(inputs)
         flat = {t: tf.reshape(v, tf.stack([batch, -1])) for t, v in vectors.items()}
         if self.shard_rows:
-            return self._own_rows(flat, batch, inputs)
+            return self._own_rows(flat, batch, inputs, vectors)
         total = self._sum_in_slices(flat, batch)
         return [op.combine(part) for op, part in zip(self.ops, tf.split(total, self.widths, axis=1))]
 
-    def _own_rows(self, flat: dict, batch: tf.Tensor, inputs: dict) -> list[tf.Tensor]:
+    def _own_rows(self, flat: dict, batch: tf.Tensor, inputs: dict, vectors: dict) -> list[tf.Tensor]:
         """The data-parallel tail's outputs: this process's rows of every operator's output, by a
         reduce-scatter of the partials and, for a first Dense by rows, by des_ops.rows."""
         summed = [i for i, (rows, sampled) in enumerate(zip(self.by_rows, self.to_samples)) if not (rows or sampled)]
@@ -336,10 +337,10 @@ class DESFirstLayer(tf.keras.layers.Layer):
                 out[i] = self.ops[i].rows_output([flat[t] for t in self._op_inputs[i]], batch, self.comm,
                                                  self.rows_anchor, f"{self.collective}_{i}", inputs)
         if any(self.to_samples):
-            out.update(self._samples_rows(flat, batch, inputs))
+            out.update(self._samples_rows(flat, batch, inputs, vectors))
         return [out[i] for i in range(len(self.ops))]
 
-    def _samples_rows(self, flat: dict, batch: tf.Tensor, inputs: dict) -> dict[int, tf.Tensor]:
+    def _samples_rows(self, flat: dict, batch: tf.Tensor, inputs: dict, vectors: dict) -> dict[int, tf.Tensor]:
         """The field vectors by samples: this process's rows of each, from one all-to-all in which
         every owner sends its blocks' rows side by side (des_ops.rows.rows_to_samples): a vector's
         owner one block, each owner of positions of a table split by key range one block of them."""
@@ -350,8 +351,10 @@ class DESFirstLayer(tf.keras.layers.Layer):
         # (its fields' embedding and linear weight, row after row) is one slice of ``e``
         sent = [[bl[k] for k in wire_order([b for _, b in bl])] for bl in sent]
         mine = sent[self.comm.rank]
-        e = tf.concat([tf.reshape(self.ops[i].sent_rows([flat[t] for t in self._op_inputs[i]], batch), [-1, b.width])
-                       for i, b in mine], axis=1) if mine else dm.zeros(batch, 0)
+        e = self._fused_rows_sent(mine, vectors)
+        if e is None:
+            e = tf.concat([tf.reshape(self.ops[i].sent_rows([flat[t] for t in self._op_inputs[i]], batch),
+                                      [-1, b.width]) for i, b in mine], axis=1) if mine else dm.zeros(batch, 0)
         blocks = [[b for _, b in bl] for bl in sent]
         x = rows_to_samples(self.comm, e, [sum(b.width for b in bl) for bl in blocks], self.rows_anchor,
                             f"{self.collective}_samples", blocks, _keys_of(blocks, inputs))
@@ -360,6 +363,20 @@ class DESFirstLayer(tf.keras.layers.Layer):
         for (i, _), part in zip(everyone, tf.split(x, [b.width for _, b in everyone], axis=1)):
             pieces.setdefault(i, []).append(part)
         return {i: self.ops[i].combine(self.ops[i].from_pieces(pieces[i])) for i in sampled}
+
+    def _fused_rows_sent(self, mine: list[tuple], vectors: dict) -> tf.Tensor | None:
+        """What this process sends by samples when it is one fused table's one-hot rows side by side
+        in the table's order (FieldChains.fused_rows: a process's joined tables whose vectors all go
+        by samples): that [B, S * dim] tensor as the table's lookup made it, not split into its
+        fields' vectors and joined again (forward and backward). Else None."""
+        if not mine or any(type(self.ops[i]) is not FieldRowsSubOp or len(self._op_inputs[i]) != 1 for i, _ in mine):
+            return None
+        sent = [vectors[self._op_inputs[i][0]] for i, _ in mine]
+        for rows, outputs in getattr(self._field_vectors, "fused_rows", []):
+            if len(outputs) == len(sent) and all(a is b for a, b in zip(outputs, sent)):
+                self.sends_fused_rows = True
+                return rows
+        return None
 
     def _sum_in_slices(self, flat: dict, batch: tf.Tensor) -> tf.Tensor:
         """The replicated tail's sum: each slice's partials (and, in the last slice's first row, the

@@ -15,6 +15,7 @@ import des
 from des.compiler.cost import AutoTail, choose_field_rows
 from des.jobs.verify import compare, copy_state, fit_and_snapshot, run_in_process_world
 from des_ops.fused import FusedTable
+from des_ops.suboperators import DESFirstLayer
 from gallery import BUILDERS, batches_for
 from helpers import within
 
@@ -162,12 +163,36 @@ def test_the_first_layer_by_rows_equals_one_process(name, worlds, tables):
             for layer in layers:
                 fused = [t.name for t in layer.owned if isinstance(t, FusedTable)]
                 assert len(fused) == 1 and "_joined" in fused[0], fused
+                assert layer.sends_fused_rows      # its lookup's rows as they are, not split and joined again
         for r in ranks:
             within(f"{name} N={n} first layer by rows: predictions",
                    float(np.abs(np.asarray(r["predictions"]) - np.asarray(ref["predictions"])).max()), 1e-6)
             within(f"{name} N={n} first layer by rows: loss", abs(r["loss"] - ref["loss"]), 1e-6)
             for k, w in r["weights"].items():                  # the tail: equal on every process
                 np.testing.assert_array_equal(np.asarray(w), np.asarray(ranks[0]["weights"][k]))
+
+
+def test_a_joined_tables_rows_are_sent_as_its_lookup_made_them_with_the_same_bits(monkeypatch):
+    """By samples, a process whose field vectors are one joined table's rows sends that table's
+    [B, S * dim] lookup as it is (DESFirstLayer._fused_rows_sent) instead of splitting it into the
+    fields' vectors and joining them again: the same predictions, rows and weights, bit for bit,
+    as with the split and join (N = 3, 20 Adam steps)."""
+    build, base, fit, _ = _setup("tfra_deepfm")
+    runs = {}
+    for direct in (True, False):
+        if not direct:
+            monkeypatch.setattr(DESFirstLayer, "_fused_rows_sent", lambda self, mine, vectors: None)
+        ranks = run_in_process_world(3, build, lambda m: {**fit(m), "direct": des.distributed(m).layer.sends_fused_rows},
+                                     init_from=base, first_layer="rows", tables="joined")
+        assert [r.pop("direct") for r in ranks] == [direct] * 3
+        runs[direct] = ranks
+    for r, (a, b) in enumerate(zip(runs[True], runs[False])):
+        assert set(a) == set(b) and {"predictions", "tables", "weights"} <= set(a), sorted(a)
+        for part in a:
+            flat_a, flat_b = tf.nest.flatten(a[part]), tf.nest.flatten(b[part])
+            assert len(flat_a) == len(flat_b) > 0, (r, part)
+            for x, y in zip(flat_a, flat_b):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"rank {r} {part}")
 
 
 def test_auto_takes_the_first_layer_by_rows_where_it_moves_less_and_says_why():

@@ -90,6 +90,9 @@ class FieldChains:
 
     def __call__(self, inputs: dict) -> dict:
         env = {t: inputs[name] for t, name in self.inputs.items() if name in inputs}
+        # per fused table of this call: (its one-hot inputs' rows side by side [B, S * dim], the
+        # outputs those columns are, in order), for a reader of all of them in that order
+        self.fused_rows: list[tuple] = []
 
         def look(x):
             if not is_keras_tensor(x):
@@ -101,8 +104,12 @@ class FieldChains:
         def run(node: Node) -> None:
             if node.index in self.group_of:
                 table, members = self.fused[self.group_of[node.index]]
-                outs = table([tf.nest.map_structure(look, m.call_args[0]) for m in members])
+                args = [tf.nest.map_structure(look, m.call_args[0]) for m in members]
+                outs, rows = table(args, with_rows=True)
                 env.update({m.output: o for m, o in zip(members, outs)})
+                layout = table.row_layout(args)
+                if rows is not None and layout is not None:
+                    self.fused_rows.append((rows, [outs[k] for k in layout]))
                 return
             if node.index in self.ranged:            # a table split by key range: its owned positions
                 table, positions = self.ranged[node.index]
