@@ -133,10 +133,13 @@ class _Selection:
     """Which rows of each lane travel to each batch slice [lo, hi): all of them (keyless), or
     per distinct (group, id) pair the first of them in the slice's rows [b * G + group]
     (``first``), and how to put them back (``idx``: the distinct pair of every row). Memoised per
-    (lane keys, slice): one tf.unique per lane and slice, the same on sender and receiver."""
+    (lane keys, slice): one tf.unique per lane and slice, the same on sender and receiver (the
+    distinct pairs in order of first appearance, however the keys were packed). The keys of the
+    lanes in ``whole`` (a sender's, needed for every slice) are packed once for the whole batch;
+    the others (a receiver's of another process, needed for its own slice only) slice by slice."""
 
-    def __init__(self, keys: dict, bounds: list):
-        self.keys, self.bounds, self.packed, self.memo = keys, bounds, {}, {}
+    def __init__(self, keys: dict, bounds: list, whole: set = frozenset()):
+        self.keys, self.bounds, self.whole, self.packed, self.memo = keys, bounds, set(whole), {}, {}
 
     def of(self, lane: _Lane, q: int):
         """(first, idx, count) of ``lane`` on slice ``q``; (None, None, rows) for a keyless lane."""
@@ -144,9 +147,12 @@ class _Selection:
         if lane.keys == (None,):
             return None, None, hi - lo
         if (lane.keys, q) not in self.memo:
-            if lane.keys not in self.packed:
-                self.packed[lane.keys] = _packed([self.keys[k] for k in lane.keys])
-            rows = tf.reshape(self.packed[lane.keys][lo:hi], [-1])
+            if lane.keys not in self.whole:
+                rows = tf.reshape(_packed([self.keys[k][lo:hi] for k in lane.keys]), [-1])
+            else:
+                if lane.keys not in self.packed:
+                    self.packed[lane.keys] = _packed([self.keys[k] for k in lane.keys])
+                rows = tf.reshape(self.packed[lane.keys][lo:hi], [-1])
             ids, idx = tf.unique(rows, out_idx=tf.int64)
             count = tf.size(ids, out_type=tf.int64)
             first = tf.math.unsorted_segment_min(tf.range(tf.size(rows, out_type=tf.int64)), idx, count)
@@ -202,7 +208,7 @@ class _Exchange:
         n, r = comm.world_size, comm.rank
         self.lanes = [_lanes(bl) for bl in blocks]
         self.bounds = [shard_rows(batch, q, n) for q in range(n)]
-        select = _Selection(keys, self.bounds)
+        select = _Selection(keys, self.bounds, {lane.keys for lane in self.lanes[r]})
         self.sent = [[select.of(lane, q) for lane in self.lanes[r]] for q in range(n)]     # [dest][my lane]
         self.got = [[select.of(lane, r) for lane in self.lanes[p]] for p in range(n)]      # [source][its lane]
 

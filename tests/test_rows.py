@@ -44,7 +44,7 @@ def test_rows_dense_equals_the_product_of_the_whole_rows_and_kernel():
         assert (counted["step"]["calls"], counted["tail"]["calls"]) == (1, 1)
 
 
-@pytest.mark.parametrize("offset", [0, 2 ** 61, -2 ** 62])
+@pytest.mark.parametrize("offset", [0, 2 ** 61, -2 ** 62, "last slice"])
 def test_rows_to_samples_moves_blocks_of_one_key_together_and_puts_every_column_back(offset):
     """Blocks of one key interleaved with others' and keyless ones (rank 0: A, B, A, none, B, C, so
     A and C are one lane of rows of 3; rank 1 owns nothing; rank 2: B, A), 3 processes, a batch of
@@ -53,9 +53,13 @@ def test_rows_to_samples_moves_blocks_of_one_key_together_and_puts_every_column_
     id summed over the slice's samples holding it at its first sample (a keyless block's at every
     sample); bytes are the distinct rows' (des_ops.rows.distinct_rows). ``offset`` is added to every
     id: large ids are packed with the lane's group in the top bits, negative ones through
-    tf.unique's index (des_ops.rows._packed), with the same result."""
+    tf.unique's index (des_ops.rows._packed), with the same result. "last slice": only the last
+    slice's ids are negative, so a sender (which packs the whole batch) goes by tf.unique's index
+    while the other receivers (which pack their own slice) pack the bits: the same rows still."""
     rng = np.random.default_rng(3)
     n, batch = 3, 11
+    if offset == "last slice":
+        offset = np.where(np.arange(batch) >= shard_rows(batch, n - 1, n)[0], -2 ** 62, 0)
     ids = {"A": np.array([5, 5, 7, 5, 9, 7, 7, 5, 9, 9, 1]), "B": np.array([2, 4, 2, 2, 4, 4, 8, 8, 2, 4, 4]),
            "C": np.array([5, 1, 7, 7, 9, 7, 5, 5, 9, 1, 1])}
     blocks = [[Block(2, "A"), Block(3, "B"), Block(1, "A"), Block(2), Block(1, "B"), Block(3, "C")], [],
