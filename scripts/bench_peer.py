@@ -43,9 +43,12 @@ SYSTEMS = {"tfra": "TFRA HvdAllToAllEmbedding", "des-replicated": "DES, replicat
            "des-data-parallel": "DES, data-parallel tail", "des-rows": "DES, data-parallel tail, first Dense by rows",
            "ps": "PS (this project)", "des-user": "DES, a user's DeepFM via des.transform, defaults",
            "des-user-rows": "DES, a user's DeepFM via des.transform, data-parallel tail, first Dense by rows",
-           "des-user-operators": "DES, a user's DeepFM via des.transform, operators split (first_layer=operators)"}
+           "des-user-operators": "DES, a user's DeepFM via des.transform, operators split (first_layer=operators)",
+           "des-user-ps": "a user's DeepFM via des.transform(mode=ps): this project's PS",
+           "des-user-auto": "a user's DeepFM via des.transform(mode=auto, sample=first batch)"}
 USER_OPTIONS = {"des-user": "", "des-user-rows": "first_layer=operators,tail=data_parallel,first_dense=rows",
-                "des-user-operators": "first_layer=operators"}   # des.Options of each
+                "des-user-operators": "first_layer=operators", "des-user-ps": "mode=ps",
+                "des-user-auto": "mode=auto"}   # des.Options of each
 
 
 def peer(n, model, data, a, out, launcher=None, script="peer_tfra.py", extra=()):
