@@ -60,8 +60,8 @@ def member_rows(layer) -> tuple[int, float, bool] | None:
     """(salt, init scale, pools) of a table layer whose rows can live in a fused table, or None.
     ``pools``: it sums multi-valued ids and skips PAD_ID (FieldEmbedding), or returns ids.shape +
     [dim] (a keyed TFRA Embedding)."""
-    if type(layer) in FUSED_CLASS:
-        return layer.salt, layer.init_scale, True
+    if type(layer) in FUSED_CLASS:     # a FieldEmbedding pools; a keyed TFRA table's stand-in returns ids' shape
+        return layer.salt, layer.init_scale, not getattr(layer, "des_rows_in_ids_shape", False)
     if getattr(layer, "des_keyed_tfra", False) and not getattr(layer, "des_squashed", False):
         return layer.des_salt, layer.des_scale, False
     return None

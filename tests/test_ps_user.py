@@ -118,6 +118,9 @@ def test_des_transform_mode_ps_trains_the_global_batch_like_one_process(name, op
                                                                comm=world.communicator(r), sample=batches[0][0]))
         models = [m for m, _ in made]
         assert "a parameter server" in str(made[0][1]) and "compiled as the model was" in str(made[0][1])
+        if name == "tfra_deepfm":     # its TFRA tables fused by width: one set of all-to-alls per width, not per table
+            fused = [type(l).__name__ for l in models[0].layers if "Fused" in type(l).__name__]
+            assert fused == ["ShardedFusedTable"] * 2 and "fused table des_fused4" in str(made[0][1]), fused
         out = _on_every_rank(world, lambda r: _fit_whole(models[r], batches, probe))
         for r, (logs, predictions) in enumerate(out):
             case = f"{optimizer} N={n} rank {r}"

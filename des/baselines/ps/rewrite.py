@@ -140,6 +140,7 @@ def shard(model: tf.keras.Model, exchange: KeyExchange, make_table=None, cls=PSM
         entries = [(n.layer, *names, n.attrs["dim"]) for n, names in _table_nodes(graph)]
         fused, lines = fuse_model(ps, join_linear=join_linear)
         ps = fused.use(exchange, joined_inputs(entries), lines)
+        object.__setattr__(ps, "table_pairs", tuple(pairs))    # the sharded tables read their rows in the fused ones
     return trace_once(ps)
 
 

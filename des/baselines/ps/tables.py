@@ -207,6 +207,8 @@ class ShardedKeyedEmbedding(ShardedFieldEmbedding):
     ids.shape + [dim] as TFRA returns them (no pooling). ``key``: the table's name alike on every
     process (des.graph.ir.Graph.layer_key)."""
 
+    des_rows_in_ids_shape = True       # fused (ShardedFusedTable): its rows in the ids' shape, not pooled
+
     def __init__(self, keyed, exchange: KeyExchange, key: str, **kwargs):
         super().__init__(key, int(keyed.embedding_size), exchange, init_scale=keyed.des_scale,
                          name="ps_" + re.sub(r"[^A-Za-z0-9_.]", "_", key), **kwargs)
@@ -261,6 +263,7 @@ class ShardedFusedTable(FusedTable):
 
 
 FUSED_CLASS[ShardedFieldEmbedding] = ShardedFusedTable
+FUSED_CLASS[ShardedKeyedEmbedding] = ShardedFusedTable
 
 
 class ShardedStaticEmbedding(tf.keras.layers.Layer):

@@ -51,8 +51,9 @@ def transform(model: tf.keras.Model, options: Options, *, comm: Communicator | N
     mode, why = choose_mode(model, options, comm, sample)
     if mode == "des":
         return substitute(model, options, comm=comm, spec=spec, sample=sample, chosen=why)
-    ps = shard_users_model(model, comm, options.seed, options.sync_weights)
-    report = Report([], [], None, comm.rank, comm.world_size, tables=ps_lines(model, comm.world_size),
+    ps = shard_users_model(model, comm, options.seed, options.sync_weights, options.tables_for(model))
+    report = Report([], [], None, comm.rank, comm.world_size,
+                    tables=ps_lines(model, comm.world_size) + list(ps.fused_lines),
                     options=options, compiled=ps.des_compiled, mode="ps", mode_reason=why)
     return ps, report
 
@@ -161,13 +162,18 @@ class WholeBatchPS(PSModel):
                         lambda full: type(full).save_weights(full, filepath, *args, **kwargs))
 
 
-def shard_users_model(model: tf.keras.Model, comm: Communicator, seed: int, sync_weights: bool) -> WholeBatchPS:
+def shard_users_model(model: tf.keras.Model, comm: Communicator, seed: int, sync_weights: bool,
+                      tables: str = "per-field") -> WholeBatchPS:
     """``model``'s tables sharded by key over ``comm``'s processes, as a WholeBatchPS compiled as
     ``model`` was (``des_compiled``: the report's line). ``sync_weights``: every process first takes
-    rank 0's weights (a model built with random initialisers starts the same everywhere)."""
+    rank 0's weights (a model built with random initialisers starts the same everywhere). ``tables``
+    (des.Options.tables_for): "fused", the sharded TFRA tables of one width in one table per process
+    (one set of all-to-alls per width and step, not per table: des.baselines.ps.tables.ShardedFusedTable);
+    "joined", and each field's linear weight in its embedding's row; "per-field", as declared."""
     if sync_weights and comm.world_size > 1:
         sync_from_root(Graph(model), comm)
-    ps = shard(model, KeyExchange(comm), cls=WholeBatchPS, seed=seed)
+    ps = shard(model, KeyExchange(comm), cls=WholeBatchPS, seed=seed, fuse=tables != "per-field",
+               join_linear=tables == "joined")
     object.__setattr__(ps, "des_source", model)      # not tracked: what a save writes
     ps.des_compiled = _compile_like(model, ps)
     return ps
