@@ -174,7 +174,8 @@ def _runs(positions: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
 def _join_columns(tensors: list[tf.Tensor], positions: list[tuple[int, int]]) -> tf.Tensor:
     """The columns ``positions`` [(tensor, column)] of ``tensors``, side by side: slices of their
     runs, concatenated (a column gather copies one float at a time)."""
-    parts = [tensors[t] if (a, b) == (0, int(tensors[t].shape[1])) else tensors[t][:, a:b]
+    # a whole tensor as it is; a gradient may come without its static width (then always a slice)
+    parts = [tensors[t] if (a, b) == (0, tensors[t].shape[1]) else tensors[t][:, a:b]
              for t, a, b in _runs(positions)]
     return parts[0] if len(parts) == 1 else tf.concat(parts, axis=1)
 

@@ -221,3 +221,16 @@ def test_auto_picks_rows_where_they_take_less_time_and_says_why():
     world = InProcessWorld(1)
     _, report = des.transform(build(), des.Options(tail="data_parallel", first_dense="auto"), comm=world.communicator(0))
     assert "first_dense='auto'" in str(report) and "MB of partials" in str(report)
+
+
+def test_columns_of_a_tensor_without_its_static_width():
+    """A gradient can reach the exchange without its static width (DCN-v2 over TFRA tables did):
+    the columns are still taken, the whole tensor included (it failed with a TypeError)."""
+    from des_ops.rows import _columns
+
+    @tf.function(input_signature=[tf.TensorSpec([None, None], tf.float32)])
+    def take(x):
+        return _columns(x, (0, 1, 2)), _columns(x, (1, 2))
+    whole, part = take(tf.constant([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]))
+    assert whole.numpy().tolist() == [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
+    assert part.numpy().tolist() == [[2.0, 3.0], [5.0, 6.0]]
