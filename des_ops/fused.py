@@ -144,18 +144,13 @@ class FusedTable(FieldEmbedding):
 
     def row_layout(self, inputs) -> list[int] | None:
         """The inputs whose outputs the columns of ``call(..., with_rows=True)``'s rows hold, in
-        order: per one-hot input read (``reads``), per column block, the first input that reads that
-        block through it; None if a block of one of them has no reader (or there is no one-hot input)."""
+        order: per one-hot input read (``reads``), per column block, its reader (``block_inputs``);
+        None if a block of one of them has no reader (or there is no one-hot input)."""
         single, _ = self.reads(inputs)
-        layout = []
-        for r in single:
-            for b in range(len(self.blocks)):
-                k = next((k for k in range(len(inputs)) if self.same_as[k] == r and self._block[self.calls[k]] == b),
-                         None)
-                if k is None:
-                    return None
-                layout.append(k)
-        return layout or None
+        per_block = self.block_inputs(inputs)
+        if not single or any(len(ks) != len(single) for ks in per_block):
+            return None
+        return [ks[s] for s in range(len(single)) for ks in per_block]
 
     @tf.autograph.experimental.do_not_convert   # plain TF ops: autograph would only slow tracing
     def call(self, inputs, training=None, with_block: bool = False, with_rows: bool = False):
