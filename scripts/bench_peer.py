@@ -128,6 +128,7 @@ def main():
              "| samples/s vs TFRA |",
              "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
+    notes = []                         # what mode auto chose, per configuration
     for model in models:
         for config in a.configs.split(";"):
             n, a.hidden = config.split(":")
@@ -145,6 +146,9 @@ def main():
                           for key in ("samples_per_second", "cpu_seconds_per_step", "seconds_to_first_step",
                                       "wire_bytes_per_step")]
                    for name, rs in runs.items()}
+            for name, rs in runs.items():
+                chose = sorted({line for r in rs for line in r.get("report", []) if "mode auto:" in line})
+                notes += [f"- {model}, N = {n}, {a.hidden}, {name}: {line.strip()}" for line in chose]
             base = got["TFRA HvdAllToAllEmbedding"][0]
             for name, (sps, cpu, first, wire) in got.items():
                 wire = f"{wire:,.0f}" if wire == wire else ""
@@ -152,6 +156,9 @@ def main():
                         f"{sps / base:.2f}x |")
                 lines.append(line)
                 print(line, flush=True)
+    if notes:
+        lines += ["", "What mode auto chose (its report's line, from rank 0 of each launch):", "", *notes]
+        print("\n".join(lines[-len(notes) - 2:]), flush=True)
     write_report(a.report, lines)
 
 

@@ -18,7 +18,7 @@ from des.data.readers import _slice_batch
 from des.graph.sources import source_of
 from des.jobs.verify import _on_every_rank, copy_state
 from des_ops.comm import InProcessWorld
-from gallery import BUILDERS, batches_for
+from gallery import BUILDERS, K, batches_for
 from helpers import within
 
 ROWS, BATCH = 4 * 31 + 2, 31
@@ -194,6 +194,36 @@ def test_mode_auto_chooses_as_des_train_does_and_the_processes_must_agree():
     with pytest.raises(Exception, match="rank 1 of 2 disagrees with rank 0 on the mode"):
         _on_every_rank(world, lambda r: des.transform(BUILDERS["tfra_deepfm"](), des.Options(mode="auto"),
                                                         comm=world.communicator(r), sample=(few, many)[r]))
+
+
+def test_mode_auto_weighs_the_exchange_des_would_use():
+    """Few distinct ids: a PS moves fewer bytes than DES's partials, but not than DES's rows
+    exchange, which carries no ids. With des.transform's first layer by rows, mode auto weighs
+    that exchange (each field's distinct rows of a slice, in and their gradients out, from the
+    field's one owner: half of them at N = 2, plus the dense gradients' ring), takes DES and builds
+    it by rows; with the first layer by operators it weighs the partials and takes the PS."""
+    model = BUILDERS["tfra_deepfm"]()
+    x = {k: np.asarray(v) for k, v in batches_for(model, 1, 256, seed=0)[0][0].items()}
+    few = {k: v % 3 for k, v in x.items()}
+    dim = K + 1                                    # a field's embedding and its linear weight, one row
+    rows = np.mean([sum(0.5 * 2 * 4 * dim * len(np.unique(v[lo:hi])) for v in few.values())
+                    for lo, hi in ((0, 128), (128, 256))])
+    dense = sum(int(np.prod(w.shape)) for layer in model.layers if isinstance(layer, tf.keras.layers.Dense)
+                for w in layer.weights)
+    expected = rows + 1.0 * 4 * dense              # ring share 2(N-1)/N = 1 at N = 2
+    world = InProcessWorld(2)
+    for first_layer, kind in (("rows", "DES (its field rows to their samples' processes)"), ("operators", "PS")):
+        out = _on_every_rank(world, lambda r: des.transform(
+            BUILDERS["tfra_deepfm"](), des.Options(mode="auto", first_layer=first_layer),
+            comm=world.communicator(r), sample=few))
+        for m, report in out:
+            assert f"mode auto: {kind.split()[0]} - " in report.mode_reason, report.mode_reason
+            if kind == "PS":
+                assert type(m).__name__ == "WholeBatchPS"
+                continue
+            assert f"DES (its field rows to their samples' processes) would send {expected:,.0f} B/step" \
+                in report.mode_reason, (expected, report.mode_reason)
+            assert report.first_layer == "rows" and report.tail == "data_parallel"
 
 
 def test_mode_auto_keeps_des_where_a_ps_cannot_shard_the_model():

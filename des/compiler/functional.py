@@ -144,10 +144,8 @@ def transform_functional(model: tf.keras.Model, options: Options, comm: Communic
         raise TransformError(report)
     if not matches:
         return model, report
-    costs, link = costs_for(options, comm, fields, matches, sample)
-    rows, why = options.first_layer == "rows", ""
+    costs, link, rows, why = _first_layer_plan(graph, fields, matches, model, options, comm, sample)
     if options.first_layer == "auto" and comm.world_size > 1:
-        rows, why = first_layer_choice(graph, model, matches, options, costs, comm)
         if rows:
             matches, rejections = find_substitutions(graph, fields, operators=False)
             report = _report(graph, fields, matches, rejections, comm, options)
@@ -155,6 +153,28 @@ def transform_functional(model: tf.keras.Model, options: Options, comm: Communic
     if rows:      # every vector by samples under the data-parallel tail
         options = dataclasses.replace(options, tail="data_parallel", field_rows="samples")
     return _substitute(model, graph, fields, matches, report, comm, options, spec, costs)
+
+
+def first_layer_plan(model: tf.keras.Model, options: Options, comm: Communicator,
+                     sample=None) -> tuple[AutoTail, str, bool, str] | None:
+    """What des.transform(model, options) would assume and choose for its first layer, before
+    anything is built: (costs, the link's report line, by rows or not, why), or None when it
+    would substitute nothing. Every process calls it (the link may be measured: a collective)."""
+    graph = Graph(model)
+    fields = FieldAnalysis(graph)
+    matches, _ = find_substitutions(graph, fields, operators=options.first_layer != "rows")
+    if not matches:
+        return None
+    return _first_layer_plan(graph, fields, matches, model, options, comm, sample)
+
+
+def _first_layer_plan(graph: Graph, fields: FieldAnalysis, matches: list[Match], model: tf.keras.Model,
+                      options: Options, comm: Communicator, sample) -> tuple[AutoTail, str, bool, str]:
+    costs, link = costs_for(options, comm, fields, matches, sample)
+    rows, why = options.first_layer == "rows", ""
+    if options.first_layer == "auto" and comm.world_size > 1:
+        rows, why = first_layer_choice(graph, model, matches, options, costs, comm)
+    return costs, link, rows, why
 
 
 def _report(graph: Graph, fields: FieldAnalysis, matches: list[Match], rejections: list, comm: Communicator,

@@ -1,7 +1,10 @@
 """plan="auto": choose DES or the parameter server for a model, from the first batch's ids.
 
 DES moves the partials of every substituted operator in one ring allreduce, 2(N-1)/N * 4*B*w
-bytes per process and step, whatever the ids. A PS moves, per table, the distinct ids of a
+bytes per process and step, whatever the ids; or, when des.transform's defaults send the field
+rows to their samples' processes (first layer by rows, ``des_exchange="rows"``), each table's
+distinct rows of a process's slice that another process owns (a table has one owner: (N-1)/N of
+them on average) and their gradients back, without the ids a PS sends, plus the same dense ring. A PS moves, per table, the distinct ids of a
 process's slice that live elsewhere (8-byte keys, rows back, gradient rows out) plus the ring
 allreduce of the dense gradients. Both are computed here on the real first global batch (the
 PS figure with des.baselines.ps.rewrite.analytic_bytes, the formula its measured bytes equal), and the mode that
@@ -46,14 +49,16 @@ class Choice:
     world_size: int
     batch_size: int
     operators: list[OperatorCost]
+    des_exchange: str = "partials"    # what DES was weighed by: "partials" or "rows" (its first layer by rows)
 
     def __str__(self) -> str:
         if self.world_size == 1:
             return "plan auto: one process, nothing to move; DES (a world of one equals the model)"
         win, lose = (self.des_bytes, self.ps_bytes) if self.mode == "des" else (self.ps_bytes, self.des_bytes)
         ratio = lose / win if win > 0 else float("inf")
+        by = " (its field rows to their samples' processes)" if self.des_exchange == "rows" else ""
         lines = [f"plan auto: {self.mode.upper()} - on the first global batch of {self.batch_size} at "
-                 f"N={self.world_size}, DES would send {self.des_bytes:,.0f} B/step per process and a PS "
+                 f"N={self.world_size}, DES{by} would send {self.des_bytes:,.0f} B/step per process and a PS "
                  f"{self.ps_bytes:,.0f} ({'the PS' if self.mode == 'des' else 'DES'} sends {ratio:.2f}x more)"]
         lines += [str(c) for c in self.operators]      # OperatorCost indents itself
         return "\n".join(lines)
@@ -73,7 +78,8 @@ def traffic(model: tf.keras.Model, first_batch: dict, world_size: int, allocator
     ``des_payload`` (4*B*floats handed to the allreduce), ``des_bytes`` (its ring share),
     ``ps_alltoall`` (ids, rows, gradient rows of remote distinct ids; mean over the N slices),
     ``ps_dense_payload`` (dense gradients), ``ps_bytes`` (all-to-all + dense ring + the loss
-    weight), ``tables`` (the model's), ``ps_lookups`` (the TFRA tables the PS looks up, its tables
+    weight), ``des_rows_bytes`` (DES's rows exchange, first layer by rows: other owners' distinct
+    rows in and gradient rows out, mean over the slices, + the dense ring), ``tables`` (the model's), ``ps_lookups`` (the TFRA tables the PS looks up, its tables
     fused as ``--mode ps`` fuses them by default: des_ops.fused.tables_after_fusing); and
     ``matches`` and ``widths``, the substitutions DES would make.
     ``allocator`` (des.baselines.allocate): which process's slice holds which rows (default: contiguous).
@@ -93,9 +99,23 @@ def traffic(model: tf.keras.Model, first_batch: dict, world_size: int, allocator
         total.append(an["alltoall_bytes"] + an["dense_ring_bytes"] + (ring * 4 if n > 1 else 0))
     return {"des_payload": 4.0 * b * floats, "des_bytes": ring * 4.0 * b * floats,
             "ps_alltoall": float(np.mean(a2a)), "ps_dense_payload": 4.0 * dense, "ps_bytes": float(np.mean(total)),
+            "des_rows_bytes": float(np.mean([_rows_bytes({k: v[parts[r]] for k, v in feats.items()}, tables, n)
+                                             for r in range(n)])) + ring * 4.0 * dense,   # the tail's gradients too
             "tables": len(ps.table_inputs(model)), "ps_lookups": tables_after_fusing(Graph(model).nodes, join_linear),
             "matches": matches,
             "widths": widths, "batch": b}
+
+
+def _rows_bytes(feats: dict, tables: list[tuple[str, str | None, int]], world_size: int) -> float:
+    """Bytes one process's slice (``feats``) moves by DES's rows exchange: per table, its distinct
+    non-padding ids whose owner is another process ((N-1)/N of them: one owner per table), a
+    4*dim-byte row in and its gradient row out."""
+    share = (world_size - 1) / world_size
+    out = 0.0
+    for name, _, dim in tables:
+        ids = np.unique(np.asarray(feats[name]).reshape(-1))
+        out += share * 2 * 4 * dim * int(np.sum(ids != -1))
+    return out
 
 
 def _parts(feats: dict, batch: int, world_size: int, allocator) -> list:
@@ -103,14 +123,20 @@ def _parts(feats: dict, batch: int, world_size: int, allocator) -> list:
     return allocator({k: feats[k] for k in allocator.inputs}, batch)
 
 
-def choose(model: tf.keras.Model, first_batch: dict, world_size: int, allocate_kind: str = "contiguous") -> Choice:
+def choose(model: tf.keras.Model, first_batch: dict, world_size: int, allocate_kind: str = "contiguous",
+           des_exchange: str = "partials") -> Choice:
     """DES or PS for ``model`` (unchanged, single-process) on N = ``world_size`` processes, the
-    PS's slices given by ``allocate_kind`` (des.baselines.allocate)."""
+    PS's slices given by ``allocate_kind`` (des.baselines.allocate); DES weighed by its partials,
+    or (``des_exchange="rows"``) by its rows exchange, the first layer by rows."""
     keys = [ids for ids, _, _ in ps.table_inputs(model)]
     new = lambda: allocate.make(allocate_kind, world_size, keys)  # noqa: E731 - a fresh one per use
     t = traffic(model, first_batch, world_size, new())
     if not t["matches"]:
         raise ValueError("plan auto: des.transform finds nothing to substitute in this model")
+    if des_exchange == "rows":
+        des_bytes = t["des_rows_bytes"]
+        mode = "des" if des_bytes <= t["ps_bytes"] else "ps"
+        return Choice(mode, des_bytes, t["ps_bytes"], world_size, t["batch"], [], "rows")
     operators = []
     if world_size > 1:     # the cost model's verdict per substituted operator (des.compiler.cost), for the report
         feats = {k: np.asarray(v) for k, v in first_batch.items()}

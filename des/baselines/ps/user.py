@@ -1,6 +1,7 @@
 """A user's model on the parameter server through des.transform: ``des.Options(mode="ps")``, or
-``mode="auto"`` (DES or the PS, whichever moves fewer bytes on a batch of the inputs: the rule of
-``des.train --mode auto``, des.jobs.auto.choose).
+``mode="auto"`` (DES or the PS, whichever moves fewer bytes on a batch of the inputs,
+des.jobs.auto.choose; DES weighed by the exchange des.transform would build: its rows exchange
+when its first layer goes by rows, else its partials, as ``des.train --mode auto`` weighs them).
 
 The model keeps DES's contract: every process is handed the whole global batch and sees the
 whole batch's loss, metrics and predictions. Its tables are sharded by key (des.baselines.ps.rewrite.shard,
@@ -23,6 +24,7 @@ the user gave des.transform, its tables holding every process's rows (gathered o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 from typing import Iterator
 
@@ -33,7 +35,8 @@ from des.baselines.ps.rewrite import PSModel, refusal, shard, table_inputs
 from des.baselines.ps.tables import KeyExchange
 from des.compiler.api import transform as substitute
 from des.compiler.options import Options
-from des.compiler.functional import _compile_like
+from des.compiler.cost import AutoTail
+from des.compiler.functional import _compile_like, first_layer_plan
 from des.compiler.keys import sync_from_root
 from des.compiler.report import Report
 from des.graph.ir import Graph
@@ -48,9 +51,16 @@ def transform(model: tf.keras.Model, options: Options, *, comm: Communicator | N
     """des.transform for des.Options(mode="ps" | "auto"): (the model for this process, report),
     a WholeBatchPS or, when DES is chosen, des.compiler.transform's model with the reason."""
     comm = comm or default_communicator()
-    mode, why = choose_mode(model, options, comm, sample)
+    mode, why, planned = choose_mode(model, options, comm, sample)
     if mode == "des":
-        return substitute(model, options, comm=comm, spec=spec, sample=sample, chosen=why)
+        if planned is None:
+            return substitute(model, options, comm=comm, spec=spec, sample=sample, chosen=why)
+        # the link measured once: DES is built on the costs it was weighed with
+        costs, link = planned
+        new, report = substitute(model, dataclasses.replace(options, costs=costs), comm=comm, spec=spec,
+                                 sample=sample, chosen=why)
+        report.link = link
+        return new, report
     ps = shard_users_model(model, comm, options.seed, options.sync_weights, options.tables_for(model))
     report = Report([], [], None, comm.rank, comm.world_size,
                     tables=ps_lines(model, comm.world_size) + list(ps.fused_lines),
@@ -58,27 +68,35 @@ def transform(model: tf.keras.Model, options: Options, *, comm: Communicator | N
     return ps, report
 
 
-def choose_mode(model: tf.keras.Model, options: Options, comm: Communicator, sample) -> tuple[str, str]:
-    """("des" | "ps", why) for des.Options(mode="ps" | "auto"); the same on every process (checked:
-    processes that chose otherwise end the job, named)."""
+def choose_mode(model: tf.keras.Model, options: Options, comm: Communicator,
+                sample) -> tuple[str, str, tuple[AutoTail, str] | None]:
+    """("des" | "ps", why, planned) for des.Options(mode="ps" | "auto"); the same on every process
+    (checked: processes that chose otherwise end the job, named). DES is weighed by the exchange
+    des.transform would pick with ``options``: its rows exchange when its first layer goes by
+    rows (des.compiler.functional.first_layer_plan), else its partials. ``planned``: the costs
+    and link line that plan assumed (the link is measured once), or None."""
     if not getattr(model, "_is_graph_network", False):
         if options.mode == "ps":
             raise ValueError(f"des.Options(mode='ps'): the parameter server shards the tables of a functional "
                              f"model; {type(model).__name__} is subclassed (use mode='des')")
-        return "des", "mode auto: DES (a subclassed model: the parameter server shards functional models only)"
+        return "des", "mode auto: DES (a subclassed model: the parameter server shards functional models only)", None
     if options.mode == "ps":
-        return "ps", "mode ps: asked for"
+        return "ps", "mode ps: asked for", None
     if sample is None:
         raise ValueError("des.Options(mode='auto') weighs DES against a parameter server on a batch of the inputs: "
                          "pass sample= (a global batch, the same on every process)")
     cannot = refusal(Graph(model), "ps")        # nothing to weigh: the PS cannot take this model
+    planned = None
     if cannot:
         mode, why = "des", f"mode auto: DES, as a PS cannot shard this model ({cannot})"
     else:
-        choice = choose(model, sample, comm.world_size)
+        plan = first_layer_plan(model, dataclasses.replace(options, mode="des"), comm, sample)
+        rows = plan is not None and plan[2]
+        choice = choose(model, sample, comm.world_size, des_exchange="rows" if rows else "partials")
         mode, why = choice.mode, str(choice).replace("plan auto:", "mode auto:", 1)
+        planned = plan[:2] if plan is not None else None
     agree(comm, "mode des.Options(mode='auto') chose (is sample= the same batch on every process?)", mode)
-    return mode, why
+    return mode, why, planned
 
 
 class WholeBatchPS(PSModel):
