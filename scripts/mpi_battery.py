@@ -8,7 +8,7 @@ Each job is KIND:ARGS and runs, in the order given, the ``main`` of scripts/mpi_
 its output in OUT_DIR/KIND (ps: OUT_DIR/ps/<ARGS with '-' for ':'>), exactly as that script
 run alone would write it: gallery:NAME, tail:NAME, rows:NAME (the tail's run with the first Dense
 by rows, mpi_tail.py --first-dense rows), samples:NAME (the tail's run with the field vectors no rule
-splits sent to their samples' processes, mpi_tail.py --field-rows samples), layerrows:NAME (the first layer
+splits sent to their samples' processes, mpi_tail.py --field-rows samples), layerrows:NAME[:TABLES] (the first layer
 by rows, des.Options(first_layer="rows"), mpi_tail.py --first-layer rows), subclassed:NAME (one model each),
 equivalence:MODEL:OPTIMIZER:horovod:TABLES, ps:MODEL:OPTIMIZER:TABLES, psuser:tfra_deepfm (the PS on
 a user's TFRA model, mpi_ps_user.py). Horovod only (mpi4py's
@@ -45,8 +45,9 @@ def run(out: str, job: str) -> None:
         mpi_tail.main(where, [args], first_dense="rows")
     elif kind == "samples":
         mpi_tail.main(where, [args], field_rows="samples")
-    elif kind == "layerrows":
-        mpi_tail.main(where, [args], first_layer="rows")
+    elif kind == "layerrows":                 # NAME or NAME:TABLES (des.Options.tables)
+        name, _, tables = args.partition(":")
+        mpi_tail.main(where, [name], first_layer="rows", tables=tables or "auto")
     elif kind == "psuser":
         mpi_ps_user.main(where)
     elif kind == "subclassed":

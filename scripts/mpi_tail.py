@@ -37,7 +37,7 @@ def tail_batches(model):
 
 
 def main(out: str, names: list[str], first_dense: str = "partials", field_rows: str = "partials",
-         first_layer: str = "operators") -> None:
+         first_layer: str = "operators", tables: str = "auto") -> None:
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     comm = HorovodCommunicator()
@@ -46,8 +46,8 @@ def main(out: str, names: list[str], first_dense: str = "partials", field_rows: 
         model = BUILDERS[name]()
         initial = model.get_weights()
         batches, probe = tail_batches(model)
-        options = (des.Options(first_layer="rows") if first_layer == "rows" else
-                   des.Options(tail="data_parallel", first_dense=first_dense, field_rows=field_rows))
+        options = (des.Options(first_layer="rows", tables=tables) if first_layer == "rows" else
+                   des.Options(tail="data_parallel", first_dense=first_dense, field_rows=field_rows, tables=tables))
         model, report = des.transform(model, options, comm=comm)
         before = comm.counted()
         snap = fit_and_snapshot(model, batches, probe, optimizer="sgd", learning_rate=0.5)
@@ -60,6 +60,7 @@ def main(out: str, names: list[str], first_dense: str = "partials", field_rows: 
         snap["by_rows"] = [(op.rank_widths, op.width) for op, rows in zip(layer.ops, layer.by_rows) if rows]
         snap["rank_blocks"] = [op.rank_blocks for op, rows in zip(layer.ops, layer.by_rows) if rows]
         snap["by_samples"] = report.by_samples
+        snap["sends_fused_rows"] = layer.sends_fused_rows
         snap["sample_blocks"] = [[b for op, s in zip(layer.ops, layer.to_samples) if s
                                   for b in op.samples_blocks(comm.world_size)[p]] for p in range(comm.world_size)]
         if comm.rank == 0:

@@ -39,7 +39,8 @@ REPEATED = ["gallery:deepctr_deepfm_defaults", "gallery:two_tower", "gallery:sha
 BATTERY = {2: [f"gallery:{m}" for m in HELD_OUT] + ["samples:deepctr_dcn", "samples:dlrm_offsets"], 3: REPEATED + [f"gallery:{m}" for m in USERS + FIELD_ROWS if f"gallery:{m}" not in REPEATED]
            + [f"subclassed:{m}" for m in SUBCLASSED], 4: [],
            5: ["gallery:two_tower", "gallery:shared_table_deepfm", "tail:deepctr_deepfm", "rows:deepctr_deepfm",
-               "gallery:deepctr_dcn", "samples:deepctr_dcn", "samples:dlrm_offsets", "psuser:tfra_deepfm", "layerrows:deepctr_deepfm"]}
+               "gallery:deepctr_dcn", "samples:deepctr_dcn", "samples:dlrm_offsets", "psuser:tfra_deepfm", "layerrows:deepctr_deepfm",
+               "layerrows:tfra_deepfm:joined"]}
 for _m, _o, _n, _c, _t in EQUIVALENCE:
     if _c == "horovod":
         BATTERY[_n].append(f"equivalence:{_m}:{_o}:horovod:{_t}")
@@ -276,16 +277,22 @@ def test_the_first_layer_by_rows_under_mpirun(battery):
     """des.Options(first_layer="rows") under Horovod: DeepCTR's DeepFM (table and tail penalties) on 5
     processes (4 fields: one owns none; the last batch of 2 rows leaves 3 with no sample), every
     table by samples, no operator split: the same predictions as one process, and the tail's
-    weights (the first Dense's kernel among them) the same bits on every process."""
-    ranks = _ranks(battery(5) / "layerrows", "deepctr_deepfm", 5)
-    assert not all(r["owns_fields"] for r in ranks)
-    assert "first layer by rows: no operator is split" in ranks[0]["report"]
-    ref = _tail_reference("deepctr_deepfm", ranks[0]["initial"])
-    for r in ranks:
-        within("first layer by rows N=5: predictions", float(np.abs(np.asarray(r["predictions"])
-                                                                    - np.asarray(ref["predictions"])).max()), 1e-6)
-        for k, w in r["weights"].items():
-            np.testing.assert_array_equal(np.asarray(w), np.asarray(ranks[0]["weights"][k]))
+    weights (the first Dense's kernel among them) the same bits on every process. A TFRA DeepFM with
+    joined tables (each owned field's embedding and linear weight in one row of one table per
+    process): every owner sends its table's lookup as it is (DESFirstLayer._fused_rows_sent), and
+    it equals one process too."""
+    for name in ("deepctr_deepfm", "tfra_deepfm"):
+        ranks = _ranks(battery(5) / "layerrows", name, 5)
+        assert not all(r["owns_fields"] for r in ranks)
+        assert "first layer by rows: no operator is split" in ranks[0]["report"]
+        if name == "tfra_deepfm":
+            assert [r["sends_fused_rows"] for r in ranks] == [r["owns_fields"] for r in ranks]
+        ref = _tail_reference(name, ranks[0]["initial"])
+        for r in ranks:
+            within(f"{name} first layer by rows N=5: predictions",
+                   float(np.abs(np.asarray(r["predictions"]) - np.asarray(ref["predictions"])).max()), 1e-6)
+            for k, w in r["weights"].items():
+                np.testing.assert_array_equal(np.asarray(w), np.asarray(ranks[0]["weights"][k]))
 
 
 @pytest.mark.mpi
