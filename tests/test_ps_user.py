@@ -118,9 +118,12 @@ def test_des_transform_mode_ps_trains_the_global_batch_like_one_process(name, op
                                                                comm=world.communicator(r), sample=batches[0][0]))
         models = [m for m, _ in made]
         assert "a parameter server" in str(made[0][1]) and "compiled as the model was" in str(made[0][1])
-        if name == "tfra_deepfm":     # its TFRA tables fused by width: one set of all-to-alls per width, not per table
+        joined = name == "tfra_deepfm"
+        if joined:     # its TFRA tables in one joined table: a field's embedding and linear weight in one row,
+            # one set of all-to-alls a step, not one per table or per width
             fused = [type(l).__name__ for l in models[0].layers if "Fused" in type(l).__name__]
-            assert fused == ["ShardedFusedTable"] * 2 and "fused table des_fused4" in str(made[0][1]), fused
+            assert fused == ["ShardedFusedTable"] and f"fused table des_fused{K + 1}_joined" in str(made[0][1]), \
+                (fused, str(made[0][1]))
         out = _on_every_rank(world, lambda r: _fit_whole(models[r], batches, probe))
         for r, (logs, predictions) in enumerate(out):
             case = f"{optimizer} N={n} rank {r}"
@@ -131,7 +134,7 @@ def test_des_transform_mode_ps_trains_the_global_batch_like_one_process(name, op
                    1e-6, case=case)
             assert logs == out[0][0] and np.array_equal(predictions, out[0][1]), f"rank {r} differs from rank 0"
         held = [_rows_held(m) for m in models]
-        whole = _rows_held(reference)
+        whole = _rows_held(reference) // (2 if joined else 1)    # joined: one row per key for both tables
         assert sum(held) == whole and max(held) < whole, (held, whole)
         _saves_the_trained_model(world, models, probe, out[0][1], name, tmp_path)
 
@@ -158,7 +161,8 @@ def _saves_the_trained_model(world, models, probe, predictions, name, tmp_path):
     within("mode ps: des.export, served", float(np.abs(np.reshape(served, [-1]) - np.reshape(predictions, [-1])).max()),
            1e-6)
     held = [sum(len(source_of(new).export(new)[0]) for new, _ in m.table_pairs) for m in models]
-    assert held == [_rows_held(m) for m in models]          # the save left each process's tables as they were
+    tables_a_row = 2 if name == "tfra_deepfm" else 1        # joined: a field's embedding and linear weight
+    assert held == [tables_a_row * _rows_held(m) for m in models]   # the save left each process's tables as they were
 
 
 def _rows_held(model) -> int:

@@ -37,7 +37,12 @@ from des.compiler.report import Report, TransformError, explain_tables
 
 
 
-def _field_costs(graph: Graph, matches: list[Match], spec=None) -> list[FieldCost]:
+def _field_costs(graph: Graph, matches: list[Match], spec=None, distinct: dict | None = None) -> list[FieldCost]:
+    """Each field's cost for the balanced plan: its rows (the spec's cardinality, else its tables'
+    rows; a TFRA table starts empty, so its distinct ids in the ``distinct`` sample batch when
+    given: the rows it trains each step and sends by rows, a proxy for the rows it will hold),
+    width and ids per sample."""
+    distinct = distinct or {}
     width: dict[str, int] = {}
     size: dict[str, float] = {}
     lookups: dict[str, float] = {}
@@ -68,7 +73,20 @@ def _field_costs(graph: Graph, matches: list[Match], spec=None) -> list[FieldCos
                 rows = spec[f].cardinality
             except KeyError:
                 rows = None
-        out.append(FieldCost(f, float(rows or size[f] or 1.0), width[f], lookups[f]))
+        out.append(FieldCost(f, float(rows or size[f] or distinct.get(f, 0.0) or 1.0), width[f], lookups[f]))
+    return out
+
+
+def _distinct_ids(fields: FieldAnalysis, matches: list[Match], sample) -> dict[str, float]:
+    """Field -> distinct ids of its key input (des.graph.fields.row_key) in the ``sample`` batch."""
+    out: dict[str, float] = {}
+    if not isinstance(sample, dict):
+        return out
+    for m in matches:
+        for v in m.vectors:
+            key = fields.row_key(v)
+            if key is not None and key in sample and v.key_range is None:
+                out[v.field] = float(len(np.unique(np.asarray(sample[key]).reshape(-1))))
     return out
 
 
@@ -152,7 +170,8 @@ def transform_functional(model: tf.keras.Model, options: Options, comm: Communic
     report.link, report.first_layer, report.first_layer_reason = link, "rows" if rows else "operators", why
     if rows:      # every vector by samples under the data-parallel tail
         options = dataclasses.replace(options, tail="data_parallel", field_rows="samples")
-    return _substitute(model, graph, fields, matches, report, comm, options, spec, costs)
+    return _substitute(model, graph, fields, matches, report, comm, options, spec, costs,
+                       _distinct_ids(fields, matches, sample))
 
 
 def first_layer_plan(model: tf.keras.Model, options: Options, comm: Communicator,
@@ -185,9 +204,11 @@ def _report(graph: Graph, fields: FieldAnalysis, matches: list[Match], rejection
 
 
 def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matches: list[Match], report: Report,
-                comm: Communicator, options: Options, spec, costs: AutoTail) -> tuple[tf.keras.Model, Report]:
+                comm: Communicator, options: Options, spec, costs: AutoTail,
+                distinct: dict[str, float] | None = None) -> tuple[tf.keras.Model, Report]:
     """transform's second half: the same rows everywhere, the field plan, this process's DES
-    layer in place of the matches, the model replayed around it (see transform)."""
+    layer in place of the matches, the model replayed around it (see transform). ``distinct``:
+    each field's distinct ids in the sample batch (the plan's cost of a TFRA table)."""
     for n in graph.nodes:
         if n.kind == "table":
             n.attrs["source"].keyed(n.layer, options.seed, graph.layer_key(n.layer))
@@ -195,7 +216,7 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
         # a table split by key range is not broadcast whole: each owner gets its ranges (_key_range_tables)
         sync_from_root(graph, comm, skip={id(m.root.layer) for m in matches if "ranges" in m.data})
     forced = _forced_disagreement(comm)
-    field_plan = _field_plan(graph, matches, spec, options.plan, comm, forced)
+    field_plan = _field_plan(graph, matches, spec, options.plan, comm, forced, distinct)
     mine = set(field_plan.fields_of(comm.rank))
     own = _OwnedPart.of(graph, matches, mine)
     ranged = _key_range_tables(matches, field_plan, comm, options.sync_weights)
@@ -249,9 +270,9 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
 
 
 def _field_plan(graph: Graph, matches: list[Match], spec, plan: str | FieldPlan, comm: Communicator,
-                forced: str | None) -> FieldPlan:
+                forced: str | None, distinct: dict[str, float] | None = None) -> FieldPlan:
     """The field plan (given, or made from the fields' costs), checked to be the same on every process."""
-    costs = _field_costs(graph, matches, spec)
+    costs = _field_costs(graph, matches, spec, distinct)
     if isinstance(plan, FieldPlan):
         missing = {c.name for c in costs} - set(plan.owner)
         if plan.world_size != comm.world_size or missing:
@@ -299,6 +320,13 @@ class _OwnedPart:
         for i in sorted(nodes):
             penalties += take_weight_penalties(nodes[i].layer)
         return cls(ops, op_inputs, widths, nodes, penalty_column, penalties)
+
+
+def mark_linear_tables(model: tf.keras.Model) -> None:
+    """Mark the 1-wide tables of ``model``'s sparse linear sum as its linear part, as des.transform
+    does before joining tables (the parameter server's joined tables: des.baselines.ps.user)."""
+    graph = Graph(model)
+    _mark_linear_tables(find_substitutions(graph, FieldAnalysis(graph))[0])
 
 
 def _mark_linear_tables(matches: list[Match]) -> None:

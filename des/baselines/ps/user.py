@@ -36,7 +36,7 @@ from des.baselines.ps.tables import KeyExchange
 from des.compiler.api import transform as substitute
 from des.compiler.options import Options
 from des.compiler.cost import AutoTail
-from des.compiler.functional import _compile_like, first_layer_plan
+from des.compiler.functional import _compile_like, first_layer_plan, mark_linear_tables
 from des.compiler.keys import sync_from_root
 from des.compiler.report import Report
 from des.graph.ir import Graph
@@ -190,6 +190,8 @@ def shard_users_model(model: tf.keras.Model, comm: Communicator, seed: int, sync
     "joined", and each field's linear weight in its embedding's row; "per-field", as declared."""
     if sync_weights and comm.world_size > 1:
         sync_from_root(Graph(model), comm)
+    if tables == "joined":
+        mark_linear_tables(model)                # which 1-wide tables are the linear part, as DES finds them
     ps = shard(model, KeyExchange(comm), cls=WholeBatchPS, seed=seed, fuse=tables != "per-field",
                join_linear=tables == "joined")
     object.__setattr__(ps, "des_source", model)      # not tracked: what a save writes
