@@ -7,8 +7,8 @@ three systems, trained for a few steps under mpirun (or alone), summary written 
 Systems (``--system``):
   * ``des``: the user's Keras model (one TFRA ``de.keras.layers.Embedding(dim, RandomUniform(-0.05, 0.05))``
     per sparse field, the architecture's layers on top), compiled with TFRA's
-    ``DynamicEmbeddingOptimizer(legacy Adam(1e-3))``, then ``des.transform(model)`` with NO options; every
-    process reads the GLOBAL batch. The report is printed on rank 0 and kept in the summary.
+    ``DynamicEmbeddingOptimizer(legacy Adam(1e-3))``, then ``des.transform(model, sample=first global
+    batch)`` with NO options; every process reads the GLOBAL batch. The report is printed on rank 0 and kept in the summary.
   * ``tfra``: the same architecture over TFRA's ``HvdAllToAllEmbedding`` (one table of width dim for all
     fields, keys ``slot << 55 | id``: scripts/peer_tfra.py's ``field_keys``/``pool_fields``), data-parallel
     (each process parses its rows ``shard=(rank, N)``), ``DynamicEmbeddingOptimizer(legacy Adam(1e-3),
@@ -177,7 +177,8 @@ def build_system(a, rank: int, n: int):
         spec, ds = sharded_batches(a.data, a.batch, a.dim, None)
         model = user_model(spec, a.arch, a.dim, hidden)
         compile_user(model)                     # TFRA's DynamicEmbeddingOptimizer(legacy Adam(1e-3)), AUC
-        model, report = des.transform(model)
+        # the first global batch as sample=: the plan balances the fields by their distinct ids in it
+        model, report = des.transform(model, sample=next(iter(ds))[0])
         if rank == 0:
             print(report, flush=True)
         return model, ds, {"report": str(report).splitlines(), "des": des_choices(report)}

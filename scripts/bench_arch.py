@@ -1,5 +1,5 @@
 """Benchmark modern architectures DES splits - DCN-v2, AutoInt, DLRM - on criteo-like data: a user's
-Keras model through ``des.transform`` with no options, the same architecture over TFRA's
+Keras model through ``des.transform`` with no options (``sample=`` its first global batch), the same architecture over TFRA's
 ``HvdAllToAllEmbedding`` (data-parallel), and the user's model with every table whole on every
 process (classic Horovod data parallelism over hashed Keras tables); per architecture and
 (N, hidden): samples/s, CPU s/step/process, seconds to the first step, bytes sent per host and step
@@ -98,8 +98,9 @@ def header(a) -> list[str]:
             + f"`, {time.strftime('%Y-%m-%d %H:%M')}, {where}. Global batch {a.batch}, dim {a.dim}, the 39 sparse "
             f"fields; median over launches of each launch's median step (the first excluded); launches go "
             f"round-robin over the systems. CPU: mean over a launch's processes. Rows: table rows a process "
-            f"holds at the end (min-max over processes). des: one TFRA table per field, des.transform(model) with "
-            f"no options, every process reads the global batch. tfra: one HvdAllToAllEmbedding (keys slot << 55 | "
+            f"holds at the end (min-max over processes). des: one TFRA table per field, des.transform(model, sample=the "
+            f"first global batch) with no options (the plan balances the fields by their distinct ids in it), "
+            f"every process reads the global batch. tfra: one HvdAllToAllEmbedding (keys slot << 55 | "
             f"id), each process parses its rows, DynamicEmbeddingOptimizer(legacy Adam(1e-3), synchronous=True). "
             f"replicated: Keras Embedding({a.vocab}, {a.dim}) per field over ids mod {a.vocab} (hashed: colliding "
             f"ids share a row; every table whole on every process), each process its rows, "

@@ -122,8 +122,8 @@ def main():
              f"HvdAllToAllEmbedding, all fields in one table per width, Adam, dense gradients averaged by "
              f"Horovod (scripts/peer_tfra.py). PS: this project's `--mode ps`, joined tables, its byte check "
              f"on 2 steps (scripts/bench_des.py). DES via des.transform: a user's own model of one TFRA table per "
-             f"field, transformed with des.Options' defaults (or those named), every process reading the global "
-             f"batch (scripts/user_deepfm.py).", "",
+             f"field, transformed with des.Options' defaults (or those named) and sample= its first global batch, "
+             f"every process reading the global batch (scripts/user_deepfm.py).", "",
              "| model | N | hidden | system | samples/s | CPU s/step/process | first step (s) | wire B/step/host "
              "| samples/s vs TFRA |",
              "|---|---|---|---|---|---|---|---|---|"]

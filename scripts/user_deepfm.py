@@ -107,8 +107,10 @@ def main() -> None:
     model = build(spec, a.dim, [int(u) for u in a.hidden.split(",") if u], a.model)
     compile_user(model)
     options = parse_options(a.options)
-    # mode="auto" weighs DES against a PS on a global batch (the first one: the same on every process)
-    sample = next(iter(ds))[0] if options.get("mode") == "auto" else None
+    # a global batch (the first one: the same on every process): the plan balances the fields by their
+    # distinct ids in it, the cost model measures the share of distinct rows, mode="auto" weighs DES
+    # against a PS on it
+    sample = next(iter(ds))[0]
     model, report = des.transform(model, des.Options(**options) if options else None, sample=sample)
     rank, n = launcher_rank()          # des.transform's default world: Horovod's under mpirun
     if rank == 0:

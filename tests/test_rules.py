@@ -150,6 +150,26 @@ def test_plans():
         make_plan(fields, 2, "random")
 
 
+def test_tfra_tables_are_balanced_by_their_distinct_ids_in_the_sample():
+    """A TFRA table starts empty, so without a batch every field costs the same and the balanced
+    plan deals the fields out in order: here f0 and f2, the fields with many distinct ids, both
+    land on rank 0. With ``sample=`` a global batch, each field's distinct ids in it are its rows:
+    the two big fields go to different processes, and every process agrees on the plan."""
+    from gallery import BUILDERS, batches_for
+    from des.jobs.verify import _on_every_rank
+    x = {k: np.asarray(v) for k, v in batches_for(BUILDERS["tfra_deepfm"](), 1, 256, seed=0)[0][0].items()}
+    many = np.arange(256, dtype=np.int64).reshape(x["f0"].shape)
+    sample = {**x, "f0": many, "f2": many + 1000, "f1": x["f1"] % 2, "f3": x["f3"] % 2}
+    world = InProcessWorld(2)
+    for given, big_apart in ((None, False), (sample, True)):
+        reports = [rep for _, rep in _on_every_rank(world, lambda r: des.transform(
+            BUILDERS["tfra_deepfm"](), des.Options(tail="replicated"), comm=world.communicator(r), sample=given))]
+        owner = reports[0].plan.owner
+        assert all(rep.plan.owner == owner for rep in reports)
+        assert (owner["f0"] != owner["f2"]) == big_apart, owner
+        assert sorted(owner.values()) == [0, 0, 1, 1], owner
+
+
 class HalfEmbedding(FieldEmbedding):
     """A table whose output is float16: DES supports float32 partials only."""
 

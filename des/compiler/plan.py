@@ -6,7 +6,8 @@
 
 ``mod``: field i -> process i mod N (the DES paper). ``balanced`` (default): longest
 processing time first over cost = rows*width (memory, optimizer work) normalised, plus
-lookups*width (compute per batch) normalised. N may exceed the number of fields; idle
+lookups*width (compute per batch) normalised. Rows: the spec's cardinality, else the table's;
+an empty TFRA table's, its distinct ids in des.transform's ``sample=`` batch. N may exceed the number of fields; idle
 processes own nothing and contribute zeros.
 """
 from __future__ import annotations
