@@ -73,9 +73,9 @@ def test_ps_formula_by_hand():
     got = [analytic_bytes({k: v[2 * r: 2 * r + 2] for k, v in HAND_IDS.items()}, tables, r, 2, 27) for r in (0, 1)]
     dense = {"dense_bytes": 108, "dense_ring_bytes": 108.0}
     assert got[0] == {"unique_ids": 3, "remote_ids": 2, "ids_bytes": 16, "rows_bytes": 32, "grad_bytes": 32,
-                      "alltoall_bytes": 80, **dense}
+                      "alltoall_bytes": 80, "unique_floats": 12, **dense}      # 3 distinct ids x 4 floats
     assert got[1] == {"unique_ids": 2, "remote_ids": 0, "ids_bytes": 0, "rows_bytes": 0, "grad_bytes": 0,
-                      "alltoall_bytes": 0, **dense}
+                      "alltoall_bytes": 0, "unique_floats": 8, **dense}
 
 
 @pytest.mark.parametrize("name, des_bytes, ps_bytes, verdict", [

@@ -91,31 +91,21 @@ def traffic(model: tf.keras.Model, first_batch: dict, world_size: int, allocator
     widths, matches = des_widths(model)
     floats = sum(widths.values())
     tables, dense = ps.table_inputs(model, join_linear), ps.dense_parameters(model)
-    a2a, total = [], []
+    a2a, total, rows = [], [], []
     parts = _parts(feats, b, n, allocator)
     for r in range(n):
         an = ps.analytic_bytes({k: v[parts[r]] for k, v in feats.items()}, tables, r, n, dense)
         a2a.append(an["alltoall_bytes"])
         total.append(an["alltoall_bytes"] + an["dense_ring_bytes"] + (ring * 4 if n > 1 else 0))
+        # DES's rows exchange: the slice's distinct rows that another process owns ((N-1)/N of them:
+        # one owner per table), a row in and its gradient row out, 4 bytes a float
+        rows.append((n - 1) / n * 2 * 4 * an["unique_floats"])
     return {"des_payload": 4.0 * b * floats, "des_bytes": ring * 4.0 * b * floats,
             "ps_alltoall": float(np.mean(a2a)), "ps_dense_payload": 4.0 * dense, "ps_bytes": float(np.mean(total)),
-            "des_rows_bytes": float(np.mean([_rows_bytes({k: v[parts[r]] for k, v in feats.items()}, tables, n)
-                                             for r in range(n)])) + ring * 4.0 * dense,   # the tail's gradients too
+            "des_rows_bytes": float(np.mean(rows)) + ring * 4.0 * dense,   # the tail's gradients too
             "tables": len(ps.table_inputs(model)), "ps_lookups": tables_after_fusing(Graph(model).nodes, join_linear),
             "matches": matches,
             "widths": widths, "batch": b}
-
-
-def _rows_bytes(feats: dict, tables: list[tuple[str, str | None, int]], world_size: int) -> float:
-    """Bytes one process's slice (``feats``) moves by DES's rows exchange: per table, its distinct
-    non-padding ids whose owner is another process ((N-1)/N of them: one owner per table), a
-    4*dim-byte row in and its gradient row out."""
-    share = (world_size - 1) / world_size
-    out = 0.0
-    for name, _, dim in tables:
-        ids = np.unique(np.asarray(feats[name]).reshape(-1))
-        out += share * 2 * 4 * dim * int(np.sum(ids != -1))
-    return out
 
 
 def _parts(feats: dict, batch: int, world_size: int, allocator) -> list:

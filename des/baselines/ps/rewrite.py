@@ -181,14 +181,17 @@ def analytic_bytes(feats: dict, tables: list[tuple[str, str | None, int]], rank:
     process: 8u (ids out) + b*dim*u (rows back) + b*dim*u (gradient rows out), b =
     ``bytes_per_float`` (4; 2 with float16 rows on the wire);
     dense: a ring allreduce of the 4*dense_params bytes of dense gradients sends 2(N-1)/N of it.
-    ``tables``: (ids input name, weights input name or None, dim) per table.
+    ``tables``: (ids input name, weights input name or None, dim) per table. ``unique_floats``: the
+    floats of the slice's distinct rows, summed over tables (what DES's rows exchange weighs,
+    des.jobs.auto).
     """
-    out = {"ids_bytes": 0, "rows_bytes": 0, "grad_bytes": 0, "unique_ids": 0, "remote_ids": 0}
+    out = {"ids_bytes": 0, "rows_bytes": 0, "grad_bytes": 0, "unique_ids": 0, "remote_ids": 0, "unique_floats": 0}
     for name, _, dim in tables:
         ids = np.unique(np.asarray(feats[name]).reshape(-1))
         ids = ids[ids != -1]
         remote = int(np.sum(np.mod(ids, world_size) != rank)) if world_size > 1 else 0
         out["unique_ids"] += len(ids)
+        out["unique_floats"] += dim * len(ids)
         out["remote_ids"] += remote
         out["ids_bytes"] += 8 * remote
         out["rows_bytes"] += bytes_per_float * dim * remote
