@@ -286,11 +286,15 @@ class DESFirstLayer(tf.keras.layers.Layer):
             + [f"op{i}_by_rows" for i, rows in enumerate(self.by_rows) if rows]
             + ([f"samples{sum(w for w, s in zip(self.widths, self.to_samples) if s)}"] if any(self.to_samples) else [])
             + ([f"wire{wire_dtype}"] if wire_dtype != "float32" else []))
-        # of the last training batch: the replica check compares it across processes. Over the inputs
-        # named in ``fingerprint_inputs`` (None: all), e.g. the ones every process reads
+        # of the last training batch taken while ``fingerprint_armed``: the replica check arms it for the
+        # steps it checks (des.runtime.callbacks.ReplicaCheck) and compares it across processes; other
+        # steps skip it (over a user's 39 inputs, a [B, 39] stack and its casts a step for nothing).
+        # Over the inputs named in ``fingerprint_inputs`` (None: all), e.g. the ones every process reads
         self.fingerprint_inputs = None
         self.batch_fingerprint = self.add_weight("batch_fingerprint", shape=(), dtype=tf.float64,
                                                  trainable=False, initializer="zeros")
+        # a switch, not state: untracked (no checkpoint, saved model or weight list holds it)
+        object.__setattr__(self, "fingerprint_armed", tf.Variable(False, trainable=False, name="fingerprint_armed"))
         if shard_rows:
             # a trainable zero that the partials depend on (with factor 0): its gradient needs the
             # backward all-gather, so a process that owns no field still joins it (des_ops.tail)
@@ -303,12 +307,12 @@ class DESFirstLayer(tf.keras.layers.Layer):
             return [op.combine(part) for op, part in
                     zip(self.ops, tf.split(tf.zeros(tf.stack([batch, sum(self.widths)])), self.widths, axis=1))]
         keys = sorted(inputs) if self.fingerprint_inputs is None else sorted(self.fingerprint_inputs)
-        fingerprint = lambda: self.batch_fingerprint.assign(dm.fingerprint([inputs[k] for k in keys]))  # noqa: E731
-        if isinstance(training, tf.Tensor):   # a training flag as a tensor: what autograph made of an ``if``
-            tf.cond(tf.cast(training, tf.bool), lambda: fingerprint().read_value(),
+        if isinstance(training, tf.Tensor) or training:   # a tensor flag: what autograph made of an ``if``
+            armed = tf.convert_to_tensor(self.fingerprint_armed)
+            if isinstance(training, tf.Tensor):
+                armed = tf.logical_and(armed, tf.cast(training, tf.bool))
+            tf.cond(armed, lambda: self.batch_fingerprint.assign(dm.fingerprint([inputs[k] for k in keys])).read_value(),
                     lambda: self.batch_fingerprint.read_value())
-        elif training:
-            fingerprint()
         vectors = self._field_vectors(inputs)
         flat = {t: tf.reshape(v, tf.stack([batch, -1])) for t, v in vectors.items()}
         if self.shard_rows:

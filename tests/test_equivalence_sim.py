@@ -148,9 +148,10 @@ def test_processes_reading_different_batches_are_named_by_the_replica_check():
     def work(m, same):
         comm = des.distributed(m).layer.comm
         m.compile(models.make_optimizer("sgd", 0.1), "binary_crossentropy")
-        m.train_on_batch(*BATCHES[0 if same else comm.rank])
         check = ReplicaCheck(comm, every=1)
         check.set_model(m)
+        check.on_train_batch_begin(0)                # arms the DES layer's fingerprint for this step
+        m.train_on_batch(*BATCHES[0 if same else comm.rank])
         try:
             check.on_train_batch_end(0)
         except RuntimeError as e:
@@ -160,6 +161,38 @@ def test_processes_reading_different_batches_are_named_by_the_replica_check():
     assert run_in_process_world(2, build("deepfm"), lambda m: work(m, True)) == ["agree", "agree"]
     for msg in run_in_process_world(2, build("deepfm"), lambda m: work(m, False)):
         assert "processes read different batches at step 1" in msg, msg
+
+
+def test_the_batch_fingerprint_is_taken_on_the_checked_steps_only():
+    """The DES layer fingerprints a training batch only when a ReplicaCheck armed it for that step:
+    fit without one leaves it untouched; with one every 2 steps it holds the digest of step 4's batch
+    (des_ops.partials.fingerprint over every input), and the switch is off again after fit."""
+    from des.runtime.callbacks import ReplicaCheck
+    from des_ops.partials import fingerprint
+
+    def work(m):
+        layer = des.distributed(m).layer
+        m.compile(models.make_optimizer("sgd", 0.1), "binary_crossentropy")
+        for x, y in BATCHES[:2]:
+            m.train_on_batch(x, y)
+        untouched = float(layer.batch_fingerprint.numpy())
+        seen = []
+
+        class Spy(tf.keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                seen.append(float(layer.batch_fingerprint.numpy()))
+        x0, y0 = BATCHES[0]
+        signature = ({k: tf.TensorSpec.from_tensor(tf.convert_to_tensor(v)) for k, v in x0.items()},
+                     tf.TensorSpec.from_tensor(tf.convert_to_tensor(y0)))
+        m.fit(tf.data.Dataset.from_generator(lambda: iter(BATCHES[:5]), output_signature=signature),
+              epochs=1, verbose=0, callbacks=[ReplicaCheck(layer.comm, every=2), Spy()])
+        digests = [float(fingerprint([x[k] for k in sorted(x)]).numpy()) for x, _ in BATCHES[:5]]
+        return untouched, seen, digests, bool(layer.fingerprint_armed.numpy())
+
+    for untouched, seen, digests, armed in run_in_process_world(2, build("deepfm"), work):
+        assert untouched == 0.0
+        assert seen == [0.0, digests[1], digests[1], digests[3], digests[3]]
+        assert len(set(digests)) == 5 and not armed
 
 
 def test_processes_with_different_field_plans_fail_at_transform():

@@ -130,12 +130,14 @@ class CPUTime(_StepClock):
 
 class ReplicaCheck(tf.keras.callbacks.Callback):
     """Every ``every`` steps, allreduce per-layer checksums of the replicated weights and, in
-    the same allreduce, the fingerprint of the step's batch (des_ops DESFirstLayer); raise if
-    processes disagree (names the step, and the layers or the batch)."""
+    the same allreduce, the fingerprint of the step's batch (des_ops DESFirstLayer, which computes
+    it on the steps this callback arms, before each checked step); raise if processes disagree
+    (names the step, and the layers or the batch)."""
 
     def __init__(self, comm, every: int):
         super().__init__()
         self.comm, self.every, self.step, self.checks = comm, every, 0, 0
+        self._armed = None           # what this callback last set the DES layer's switch to
 
     def _des_layer(self):
         handle = distributed(self.model)
@@ -165,10 +167,24 @@ class ReplicaCheck(tf.keras.callbacks.Callback):
             raise RuntimeError(f"replicas diverged at step {self.step}: layers {bad} differ across "
                                f"processes (checksums per rank: {table[:, [l.name for l in layers].index(bad[0])]})")
 
+    def on_train_batch_begin(self, batch, logs=None):
+        # the DES layer fingerprints only the batches of the steps checked (its other steps skip it)
+        des_layer = self._des_layer()
+        armed = bool(self.every) and (self.step + 1) % self.every == 0
+        if des_layer is not None and armed != self._armed:
+            des_layer.fingerprint_armed.assign(armed)
+            self._armed = armed
+
     def on_train_batch_end(self, batch, logs=None):
         self.step += 1
         if self.every and self.step % self.every == 0:
             self.check()
+
+    def on_train_end(self, logs=None):
+        des_layer = self._des_layer()
+        if des_layer is not None and self._armed:        # a later fit without this check skips it again
+            des_layer.fingerprint_armed.assign(False)
+            self._armed = False
 
 
 def _checksum(layer) -> float:
