@@ -244,3 +244,38 @@ def test_compare_refuses_an_option_neither_it_nor_des_train_has(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].endswith("error: not an option of des.compare or des.train: --tables per-field --no-such-option 1")
     assert not any("des.train" in line and "usage" in line for line in err)
+
+
+@pytest.mark.parametrize("distinct", [True, False])
+def test_a_des_process_reads_the_ids_its_received_rows_are_placed_by(distinct):
+    """des.train's DES process reads only some inputs (own_inputs: on columnar data the others are
+    padding). When rows travel once per distinct id (the first Dense by rows), a receiver places
+    the rows of its samples by every keyed field's ids, whoever owns the field: it reads those
+    too; once per sample it reads its own fields and the first one only."""
+    from des.jobs.modes.des import own_inputs
+    from des.jobs.verify import run_in_process_world
+    spec = small_spec(4, dim=3)
+    L = tf.keras.layers
+
+    def build():
+        x = {f.name: tf.keras.Input(shape=(), dtype=tf.int64, name=f.name) for f in spec}
+        e = [L.Embedding(f.cardinality, 3, name=f"emb_{f.name}")(x[f.name]) for f in spec]
+        h = L.Dense(8, activation="relu", name="dnn_0")(L.Concatenate()(e))
+        return tf.keras.Model(x, L.Dense(1, activation="sigmoid", name="out")(h))
+
+    got = run_in_process_world(2, build, lambda m: (own_inputs(m, spec, des_rank(m)), des_owned(m)),
+                               tail="data_parallel", first_dense="rows", distinct_rows=distinct)
+    for inputs, owned in got:
+        assert owned and len(owned) < 4
+        assert sorted(inputs) == (["f0", "f1", "f2", "f3"] if distinct else sorted(set(owned) | {"f0"}))
+
+
+def des_rank(model) -> int:
+    import des
+    return des.distributed(model).layer.comm.rank
+
+
+def des_owned(model) -> list[str]:
+    import des
+    handle = des.distributed(model)
+    return [f for f, r in handle.plan.owner.items() if r == handle.layer.comm.rank]

@@ -15,6 +15,7 @@ import tensorflow as tf
 import des
 from des.runtime import checkpoint
 from des.runtime.callbacks import BytesPerStep, ReplicaCheck
+from des.compiler.choices import exchanged_keys
 from des.compiler.cost import distinct_share, unique_ids_per_slice
 from des.compiler.handle import distributed
 from des.jobs.modes.base import Mode
@@ -84,12 +85,16 @@ class DES(Mode):
 
 
 def own_inputs(model, spec, rank: int) -> list[str]:
-    """The inputs a DES process needs: its own fields' ids (and weights), plus the first field's,
-    which every process reads so the replica check's batch fingerprint stays comparable."""
+    """The inputs a DES process needs: its own fields' ids (and weights), the first field's, which
+    every process reads so the replica check's batch fingerprint stays comparable, and the id
+    inputs by which rows travel once per distinct id (des_ops.rows.Block: a receiver places the
+    rows of its samples by their ids, whoever owns the field)."""
     handle = distributed(model)
     plan = handle.plan
     first = spec.sparse()[0].name
-    fields = [f for f in spec if f.kind == "numeric" or plan.owner.get(f.name) == rank or f.name == first]
+    keyed = set(exchanged_keys(handle.layer.ops))
+    fields = [f for f in spec if f.kind == "numeric" or plan.owner.get(f.name) == rank or f.name == first
+              or f.name in keyed]
     unknown = [f.name for f in spec.sparse() if f.name not in plan.owner]
     if unknown:            # the plan's fields are not the spec's: read everything
         return spec.input_names()
