@@ -154,7 +154,8 @@ def test_tfra_tables_are_balanced_by_their_distinct_ids_in_the_sample():
     """A TFRA table starts empty, so without a batch every field costs the same and the balanced
     plan deals the fields out in order: here f0 and f2, the fields with many distinct ids, both
     land on rank 0. With ``sample=`` a global batch, each field's distinct ids in it are its rows:
-    the two big fields go to different processes, and every process agrees on the plan."""
+    the two big fields go to different processes, and every process agrees on the plan. The report
+    says when fields went unsized, and how to size them."""
     from gallery import BUILDERS, batches_for
     from des.jobs.verify import _on_every_rank
     x = {k: np.asarray(v) for k, v in batches_for(BUILDERS["tfra_deepfm"](), 1, 256, seed=0)[0][0].items()}
@@ -168,6 +169,8 @@ def test_tfra_tables_are_balanced_by_their_distinct_ids_in_the_sample():
         assert all(rep.plan.owner == owner for rep in reports)
         assert (owner["f0"] != owner["f2"]) == big_apart, owner
         assert sorted(owner.values()) == [0, 0, 1, 1], owner
+        note = "the plan could not size 4 field(s) (f0, f1, f2, f3): their tables are empty and no sample= batch"
+        assert all((note in str(rep)) == (given is None) for rep in reports), str(reports[0])
 
 
 class HalfEmbedding(FieldEmbedding):

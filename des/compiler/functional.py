@@ -37,11 +37,12 @@ from des.compiler.report import Report, TransformError, explain_tables
 
 
 
-def _field_costs(graph: Graph, matches: list[Match], spec=None, distinct: dict | None = None) -> list[FieldCost]:
+def _field_costs(graph: Graph, matches: list[Match], spec=None, distinct: dict | None = None,
+                 strict: bool = False) -> list[FieldCost]:
     """Each field's cost for the balanced plan: its rows (the spec's cardinality, else its tables'
     rows; a TFRA table starts empty, so its distinct ids in the ``distinct`` sample batch when
     given: the rows it trains each step and sends by rows, a proxy for the rows it will hold),
-    width and ids per sample."""
+    width and ids per sample. ``strict``: leave out the fields none of these sized (else 1 row)."""
     distinct = distinct or {}
     width: dict[str, int] = {}
     size: dict[str, float] = {}
@@ -73,7 +74,9 @@ def _field_costs(graph: Graph, matches: list[Match], spec=None, distinct: dict |
                 rows = spec[f].cardinality
             except KeyError:
                 rows = None
-        out.append(FieldCost(f, float(rows or size[f] or distinct.get(f, 0.0) or 1.0), width[f], lookups[f]))
+        rows = rows or size[f] or distinct.get(f, 0.0)
+        if rows or not strict:
+            out.append(FieldCost(f, float(rows or 1.0), width[f], lookups[f]))
     return out
 
 
@@ -217,6 +220,7 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
         sync_from_root(graph, comm, skip={id(m.root.layer) for m in matches if "ranges" in m.data})
     forced = _forced_disagreement(comm)
     field_plan = _field_plan(graph, matches, spec, options.plan, comm, forced, distinct)
+    report.plan_note = _unsized_note(graph, matches, spec, distinct, options.plan) if comm.world_size > 1 else ""
     mine = set(field_plan.fields_of(comm.rank))
     own = _OwnedPart.of(graph, matches, mine)
     ranged = _key_range_tables(matches, field_plan, comm, options.sync_weights)
@@ -267,6 +271,21 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     if released:
         _mark_consumed(model)
     return new_model, report
+
+
+def _unsized_note(graph: Graph, matches: list[Match], spec, distinct: dict | None, plan) -> str:
+    """A report line when the balanced plan could not size some fields: no spec cardinality, an empty
+    table (TFRA's start so) and no ``sample=`` batch with their ids; else ""."""
+    if plan != "balanced":
+        return ""
+    sized = {c.name for c in _field_costs(graph, matches, spec, distinct, strict=True)}
+    unsized = [c.name for c in _field_costs(graph, matches, spec, distinct) if c.name not in sized]
+    if not unsized:
+        return ""
+    shown = ", ".join(unsized[:6]) + (", ..." if len(unsized) > 6 else "")
+    return (f"  the plan could not size {len(unsized)} field(s) ({shown}): their tables are empty and no sample= "
+            f"batch gave their ids, so each counts as 1 row; des.transform(model, sample=<a global batch>) "
+            f"balances them by their distinct ids")
 
 
 def _field_plan(graph: Graph, matches: list[Match], spec, plan: str | FieldPlan, comm: Communicator,
