@@ -227,3 +227,39 @@ def test_the_tail_goes_data_parallel_where_field_rows_by_samples_save_the_link()
     assert "field rows by samples add" in report.tail_reason
     _, report = des.transform(BUILDERS["deepctr_dcn"](), des.Options(), comm=InProcessWorld(4).communicator(0))
     assert report.tail == "replicated" and report.by_samples == []
+
+
+@pytest.mark.parametrize("distinct", [True, False])
+def test_the_report_gives_each_fields_owner_exchange_and_bytes_on_the_sample(distinct):
+    """des.transform's report, per field: its owner, its tables, rows by samples, once per distinct id
+    (or per sample), and the bytes its owner sends a step on the ``sample=`` batch, hand-counted here:
+    6 rows at N = 2 (slices [0, 3) and [3, 6)), Embedding width 3, 4 B a float."""
+    import re
+    from des_ops.comm import InProcessWorld
+    from des.jobs.verify import _on_every_rank
+    L = tf.keras.layers
+
+    def build():
+        x = {f: tf.keras.Input(shape=(), dtype=tf.int64, name=f) for f in ("a", "b")}
+        e = [L.Embedding(10 * (k + 1), 3, name=f"emb_{f}")(x[f]) for k, f in enumerate(("a", "b"))]
+        return tf.keras.Model(x, L.Dense(1)(L.Dense(4, activation="relu")(L.Concatenate()(e))))
+
+    sample = {"a": np.array([1, 1, 2, 3, 3, 3]), "b": np.array([5, 6, 7, 8, 9, 8])}
+    distinct_in = {("a", 0): 1, ("a", 1): 2, ("b", 0): 2, ("b", 1): 3}    # (field, owner): ids of the other slice
+    world = InProcessWorld(2)
+    reports = [rep for _, rep in _on_every_rank(world, lambda r: des.transform(
+        build(), des.Options(first_layer="rows", distinct_rows=distinct), comm=world.communicator(r), sample=sample))]
+    text = str(reports[0])
+    assert "exchange per field (bytes a step its owner sends, on the sample batch of 6 rows at N = 2):" in text
+    for f in ("a", "b"):
+        owner = reports[0].plan.owner[f]
+        rows = distinct_in[f, owner] if distinct else 3
+        once = "once per distinct id" if distinct else "once per sample"
+        line = (f"{f} (rank {owner}; emb_{f}): rows to its samples' processes, 3 floats a row, {once}: "
+                f"{4 * 3 * rows:,} B a step out, as many back")
+        assert line in text, text
+    assert all(r.exchanges == reports[0].exchanges for r in reports)
+    no_sample = [rep for _, rep in _on_every_rank(world, lambda r: des.transform(
+        build(), des.Options(first_layer="rows"), comm=world.communicator(r)))][0]
+    assert "pass sample=<a global batch> to des.transform for bytes a step" in str(no_sample)
+    assert not re.search(r"B a step out", "\n".join(no_sample.exchanges))

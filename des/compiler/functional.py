@@ -18,6 +18,7 @@ from des.compiler.cost import AutoTail
 from des.graph.fields import FieldAnalysis
 from des.compiler.handle import Distributed, attach
 from des.graph.ir import Graph, Node, call_node, is_keras_tensor, replay
+from des.compiler.exchange import FieldTraffic, exchange_lines
 from des.compiler.plan import FieldCost, FieldPlan, check_agreement, make_plan
 from des.graph.sources import source_of
 from des_ops.comm import Communicator, agree
@@ -174,7 +175,7 @@ def transform_functional(model: tf.keras.Model, options: Options, comm: Communic
     if rows:      # every vector by samples under the data-parallel tail
         options = dataclasses.replace(options, tail="data_parallel", field_rows="samples")
     return _substitute(model, graph, fields, matches, report, comm, options, spec, costs,
-                       _distinct_ids(fields, matches, sample))
+                       _distinct_ids(fields, matches, sample), sample)
 
 
 def first_layer_plan(model: tf.keras.Model, options: Options, comm: Communicator,
@@ -208,7 +209,7 @@ def _report(graph: Graph, fields: FieldAnalysis, matches: list[Match], rejection
 
 def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matches: list[Match], report: Report,
                 comm: Communicator, options: Options, spec, costs: AutoTail,
-                distinct: dict[str, float] | None = None) -> tuple[tf.keras.Model, Report]:
+                distinct: dict[str, float] | None = None, sample=None) -> tuple[tf.keras.Model, Report]:
     """transform's second half: the same rows everywhere, the field plan, this process's DES
     layer in place of the matches, the model replayed around it (see transform). ``distinct``:
     each field's distinct ids in the sample batch (the plan's cost of a TFRA table)."""
@@ -251,6 +252,9 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     report.by_samples, report.field_rows_reason = by_samples(matches, own, field_plan, comm, tail, options.field_rows,
                                                               costs, key)
     report.distinct_keys = exchanged_keys(own.ops)
+    report.exchanges = exchange_lines(
+        _field_traffic(matches, own.ops, field_plan, set(report.by_rows), key), sample if isinstance(sample, dict) else None,
+        comm.world_size, [report.first_layer_reason, report.field_rows_reason, report.first_dense_reason])
     first = _first_layer(chains, fused, own, comm, tail, options.scope, forced, options.micro_batches,
                          options.wire_dtype)
     names_in = sorted({graph.nodes[i].layer.name for m in matches for v in m.vectors for i in v.chain | fields.cone(v.tensor)
@@ -271,6 +275,28 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     if released:
         _mark_consumed(model)
     return new_model, report
+
+
+def _field_traffic(matches: list[Match], ops: list, plan: FieldPlan, by_rows: set[str], key) -> list[FieldTraffic]:
+    """Per field, how the chosen exchanges carry its tables (des.compiler.exchange): rows for a
+    first Dense by rows and for field rows by samples (``ops``, aligned with ``matches``, carry the
+    choice), partials for every other operator."""
+    out: dict[str, FieldTraffic] = {}
+    keys: dict[str, set] = {}
+    for m, op in zip(matches, ops):
+        rows = getattr(op, "exchange", "partials") in ("rows", "samples") or m.root.layer.name in by_rows
+        for v in m.vectors:
+            t = out.setdefault(v.field, FieldTraffic(v.field, plan.owner[v.field], []))
+            if v.table.layer.name not in t.tables:
+                t.tables.append(v.table.layer.name)
+            if rows:
+                t.rows_width += v.width
+                keys.setdefault(v.field, set()).add(None if "ranges" in m.data else key(v))
+            elif f"{m.rule} at {m.root.layer.name!r}" not in t.partials:
+                t.partials.append(f"{m.rule} at {m.root.layer.name!r}")
+    for f, ks in keys.items():
+        out[f].key = next(iter(ks)) if len(ks) == 1 else None     # mixed: counted once per sample (at most)
+    return list(out.values())
 
 
 def _unsized_note(graph: Graph, matches: list[Match], spec, distinct: dict | None, plan) -> str:

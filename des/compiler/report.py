@@ -56,6 +56,7 @@ class Report:
     save_refusal: str = ""            # why model.save refuses (towers transformed one by one), else ""
     table_layout: str = ""            # the tables' layout this process used (des.Options.tables_for)
     row_policy: list = dataclasses.field(default_factory=list)   # which tables a des.RowPolicy bounds (lines)
+    exchanges: list = dataclasses.field(default_factory=list)    # per field: owner, exchange, bytes (des.compiler.exchange)
     plan_note: str = ""               # the balanced plan: fields it could not size (empty tables, no sample=)
     mode: str = "des"                 # "ps": des.Options(mode=...) gave the model to a parameter server
     mode_reason: str = ""             # mode="auto" / "ps": what was weighed (des.jobs.auto.choose)
@@ -176,6 +177,7 @@ class Report:
         if self.plan is not None:
             lines.append(str(self.plan))
             lines += [self.plan_note] if self.plan_note else []
+        lines += self.exchanges if self.world_size > 1 else []
         if self.options is not None:
             lines.append(f"options: {self.options}" + (f" (tables: {self.table_layout})" if self.table_layout and
                                                       self.table_layout != self.options.tables else ""))
