@@ -129,6 +129,7 @@ def main():
              "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     notes = []                         # what mode auto chose, per configuration
+    launches = []                      # samples/s of each launch, per system
     for model in models:
         for config in a.configs.split(";"):
             n, a.hidden = config.split(":")
@@ -150,12 +151,21 @@ def main():
                 chose = sorted({line for r in rs for line in r.get("report", []) if "mode auto:" in line})
                 notes += [f"- {model}, N = {n}, {a.hidden}, {name}: {line.strip()}" for line in chose]
             base = got["TFRA HvdAllToAllEmbedding"][0]
+            peer = [r.get("samples_per_second", float("nan")) for r in runs["TFRA HvdAllToAllEmbedding"]]
+            for name, rs in runs.items():     # the spread: each launch, and its ratio to TFRA's launch of that round
+                each = [r.get("samples_per_second", float("nan")) for r in rs]
+                launches.append(f"- {model}, N = {n}, {a.hidden}, {name}: " + ", ".join(f"{v:,.0f}" for v in each)
+                                + ("" if name == "TFRA HvdAllToAllEmbedding" else
+                                   " (vs TFRA's launch of the round: " + ", ".join(f"{v / p:.2f}x" for v, p in zip(each, peer))
+                                   + ")"))
             for name, (sps, cpu, first, wire) in got.items():
                 wire = f"{wire:,.0f}" if wire == wire else ""
                 line = (f"| {model} | {n} | {a.hidden} | {name} | {sps:,.0f} | {cpu:.3f} | {first:.1f} | {wire} | "
                         f"{sps / base:.2f}x |")
                 lines.append(line)
                 print(line, flush=True)
+    lines += ["", "Samples/s of each launch, in launch order (round r launches every system once):", "", *launches]
+    print("\n".join(lines[-len(launches) - 2:]), flush=True)
     if notes:
         lines += ["", "What mode auto chose (its report's line, from rank 0 of each launch):", "", *notes]
         print("\n".join(lines[-len(notes) - 2:]), flush=True)
