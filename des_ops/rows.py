@@ -44,6 +44,27 @@ class Block:
     key: str | None = None
 
 
+def key_ids(source: dict, key: str):
+    """The ids ``key`` names in ``source`` (model inputs or a sample batch): the input itself, or for
+    ``name[f]`` column f of input ``name`` (a position of ids + offsets, des.graph.fields.row_key).
+
+        >>> key_ids({"ids": np.array([[1, 2], [3, 4]])}, "ids[1]").tolist()
+        [2, 4]
+    """
+    if key in source:
+        return source[key]
+    name, _, col = key.rpartition("[")
+    if name in source and col.endswith("]") and col[:-1].isdigit():
+        return source[name][:, int(col[:-1])]
+    raise KeyError(key)
+
+
+def key_input(key: str) -> str:
+    """The model input a key reads: ``name`` for ``name[f]``, else the key itself."""
+    name, _, col = key.rpartition("[")
+    return name if name and col.endswith("]") and col[:-1].isdigit() else key
+
+
 def blocks_of(rank_widths: list[int]) -> list[list[Block]]:
     """Keyless blocks, one per process of ``rank_widths[p]`` columns (none for 0)."""
     return [[Block(int(w))] if w else [] for w in rank_widths]
@@ -396,7 +417,7 @@ def distinct_rows(ids: dict, blocks: list[list[Block]], batch: int, rank: int) -
 
     def rows(block: Block, q: int) -> int:
         lo, hi = shard_rows(batch, q, n)
-        return len(np.unique(np.asarray(ids[block.key]).reshape(-1)[lo:hi])) if block.key else hi - lo
+        return len(np.unique(np.asarray(key_ids(ids, block.key)).reshape(-1)[lo:hi])) if block.key else hi - lo
     sent = sum(rows(b, q) * b.width for q in range(n) for b in blocks[rank])
     got = sum(rows(b, rank) * b.width for p in range(n) for b in blocks[p])
     return sent, got

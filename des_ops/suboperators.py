@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from des_ops import partials as dm
 from des_ops.comm import Communicator, allreduce_sum, variable_zero
-from des_ops.rows import Block, rows_dense, rows_to_samples, wire_order
+from des_ops.rows import Block, key_ids, rows_dense, rows_to_samples, wire_order
 from des_ops.tail import reduce_scatter_sum
 from models.layers import only_shapes_wanted
 
@@ -136,12 +136,17 @@ class KeyRangeRowsSubOp(FieldRowsSubOp):
         [[10.0, 11.0, 12.0]]
     """
     rank_positions: list[list[int]] = []
+    position_keys: list = []      # by samples: each position's key (des_ops.rows.Block), when all have one
 
     def __init__(self, fields, *, positions: list[int], count: int, width: int, **kwargs):
         super().__init__(fields, width=count * width, **kwargs)
         self.positions, self.count, self.row_width = list(positions), int(count), int(width)
 
     def samples_blocks(self, world_size: int) -> list[list[Block]]:
+        """Per owner, its positions' rows: one keyed block per position when every position has a
+        key (its rows then travel once per distinct id), else one block of them all."""
+        if self.position_keys and all(k is not None for k in self.position_keys):
+            return [[Block(self.row_width, self.position_keys[f]) for f in fs] for fs in self.rank_positions]
         return [[Block(len(fs) * self.row_width)] if fs else [] for fs in self.rank_positions]
 
     def sent_rows(self, vectors, batch) -> tf.Tensor:
@@ -216,7 +221,7 @@ class DenseBlockSubOp(SubOperator):
 def _keys_of(blocks: list, inputs: dict | None) -> dict:
     """{input name: tensor} of the keys ``blocks`` (a list per process) travel by."""
     names = {b.key for bl in blocks for b in bl if b.key is not None}
-    return {name: inputs[name] for name in sorted(names)} if names else {}
+    return {name: key_ids(inputs, name) for name in sorted(names)} if names else {}
 
 
 def _runs(names: list[str]) -> list[str]:
@@ -350,32 +355,44 @@ class DESFirstLayer(tf.keras.layers.Layer):
         owner one block, each owner of positions of a table split by key range one block of them."""
         n = self.comm.world_size
         sampled = [i for i, s in enumerate(self.to_samples) if s]
-        sent = [[(i, b) for i in sampled for b in self.ops[i].samples_blocks(n)[p]] for p in range(n)]
+        # (operator, its block's index on that process, block)
+        sent = [[(i, k, b) for i in sampled for k, b in enumerate(self.ops[i].samples_blocks(n)[p])] for p in range(n)]
         # each process's blocks in wire order (the same on every process): a lane of des_ops.rows
         # (its fields' embedding and linear weight, row after row) is one slice of ``e``
-        sent = [[bl[k] for k in wire_order([b for _, b in bl])] for bl in sent]
+        sent = [[bl[j] for j in wire_order([b for _, _, b in bl])] for bl in sent]
         mine = sent[self.comm.rank]
         e = self._fused_rows_sent(mine, vectors)
         if e is None:
-            e = tf.concat([tf.reshape(self.ops[i].sent_rows([flat[t] for t in self._op_inputs[i]], batch),
-                                      [-1, b.width]) for i, b in mine], axis=1) if mine else dm.zeros(batch, 0)
-        blocks = [[b for _, b in bl] for bl in sent]
+            e = tf.concat([self._block_rows(i, k, flat, batch) for i, k, _ in mine], axis=1) if mine else \
+                dm.zeros(batch, 0)
+        blocks = [[b for _, _, b in bl] for bl in sent]
         x = rows_to_samples(self.comm, e, [sum(b.width for b in bl) for bl in blocks], self.rows_anchor,
                             f"{self.collective}_samples", blocks, _keys_of(blocks, inputs))
         everyone = [ib for bl in sent for ib in bl]                       # as x holds them: ranks in order
         pieces: dict[int, list] = {}
-        for (i, _), part in zip(everyone, tf.split(x, [b.width for _, b in everyone], axis=1)):
+        for (i, _, _), part in zip(everyone, tf.split(x, [b.width for _, _, b in everyone], axis=1)):
             pieces.setdefault(i, []).append(part)
         return {i: self.ops[i].combine(self.ops[i].from_pieces(pieces[i])) for i in sampled}
+
+    def _block_rows(self, i: int, k: int, flat: dict, batch: tf.Tensor) -> tf.Tensor:
+        """[B, width] of block ``k`` of operator ``i`` on this process: its columns of what the
+        operator sends (a key-range table's one block per position)."""
+        blocks = self.ops[i].samples_blocks(self.comm.world_size)[self.comm.rank]
+        rows = tf.reshape(self.ops[i].sent_rows([flat[t] for t in self._op_inputs[i]], batch),
+                          [-1, sum(b.width for b in blocks)])
+        if len(blocks) == 1:
+            return rows
+        start = sum(b.width for b in blocks[:k])
+        return rows[:, start:start + blocks[k].width]
 
     def _fused_rows_sent(self, mine: list[tuple], vectors: dict) -> tf.Tensor | None:
         """What this process sends by samples when it is one fused table's one-hot rows side by side
         in the table's order (FieldChains.fused_rows: a process's joined tables whose vectors all go
         by samples): that [B, S * dim] tensor as the table's lookup made it, not split into its
         fields' vectors and joined again (forward and backward). Else None."""
-        if not mine or any(type(self.ops[i]) is not FieldRowsSubOp or len(self._op_inputs[i]) != 1 for i, _ in mine):
+        if not mine or any(type(self.ops[i]) is not FieldRowsSubOp or len(self._op_inputs[i]) != 1 for i, _, _ in mine):
             return None
-        sent = [vectors[self._op_inputs[i][0]] for i, _ in mine]
+        sent = [vectors[self._op_inputs[i][0]] for i, _, _ in mine]
         for rows, outputs in getattr(self._field_vectors, "fused_rows", []):
             if len(outputs) == len(sent) and all(a is b for a, b in zip(outputs, sent)):
                 self.sends_fused_rows = True

@@ -260,3 +260,42 @@ def test_a_table_by_offsets_that_cannot_be_split_has_one_owner_and_the_report_sa
     assert [r.pop("held") for r in ranks] == [[], []]
     diff = compare(ref, ranks)
     within("regularized table by offsets, one owner, N=2 predictions", diff["predictions"], 1e-6)
+
+
+def test_key_range_rows_travel_once_per_distinct_id_of_each_slice():
+    """The ids at position f alone decide its rows (key ``ids[f]``), so by samples each owner sends a
+    slice each position's distinct ids' rows once: at N = 3 equal to one process, and the bytes handed to the collectives smaller by exactly the rows not sent,
+    counted in numpy per slice and position from the batches' ids (des_ops.rows.distinct_rows) -
+    forward under "step", the gradients back under "tail"; the report names the keys."""
+    import dataclasses
+    from des_ops.rows import distinct_rows
+    base, batches, probe, reference = _setup()
+
+    def work(m):
+        layer = des.distributed(m).layer
+        before = layer.comm.counted()
+        snap = fit_and_snapshot(m, batches, probe, optimizer="adam", learning_rate=0.02)
+        after = layer.comm.counted()
+        ranged = [op for op, s in zip(layer.ops, layer.to_samples) if s]
+        blocks = [[b for op in ranged for b in op.samples_blocks(3)[p]] for p in range(3)]
+        return snap, {k: after[k]["bytes"] - before[k]["bytes"] for k in ("step", "tail")}, blocks
+    n = 3
+    runs = {d: run_in_process_world(n, dlrm_offsets, work, init_from=base, tail="data_parallel", field_rows="samples",
+                                    distinct_rows=d) for d in (True, False)}
+    for r in range(n):
+        keyed, plain = runs[True][r][2], runs[False][r][2]
+        assert {b.key for bl in keyed for b in bl} == {f"ids[{f}]" for f in range(P)}
+        assert all(b.key is None for bl in plain for b in bl)
+        unkeyed = [[dataclasses.replace(b, key=None) for b in bl] for bl in keyed]
+        fed = [{k: np.asarray(v) for k, v in x.items()} for x in [x for x, _ in batches] + [probe]]
+        saved = [tuple(e - d for d, e in zip(distinct_rows(x, keyed, len(x["ids"]), r),
+                                             distinct_rows(x, unkeyed, len(x["ids"]), r))) for x in fed]
+        step = runs[False][r][1]["step"] - runs[True][r][1]["step"]
+        tail = runs[False][r][1]["tail"] - runs[True][r][1]["tail"]
+        assert step == 4 * sum(s for s, _ in saved) > 0, (r, step, saved)
+        assert tail == 4 * sum(g for _, g in saved[:-1]) > 0, (r, tail, saved)    # the probe: no backward
+    ref = fit_and_snapshot(reference, batches, probe, optimizer="adam", learning_rate=0.02)
+    diff = compare(ref, [s for s, _, _ in runs[True]])
+    within("key ranges by samples, distinct rows, N=3: predictions", diff["predictions"], 6e-7)
+    within("key ranges by samples, distinct rows, N=3: rows and weights",
+           max(diff["tables"], diff["owned"], diff["weights"]), 1e-6)

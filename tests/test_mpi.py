@@ -529,7 +529,8 @@ def test_field_rows_by_samples_under_mpirun(battery):
     processes (des_ops.rows.rows_to_samples): DCN and a DLRM port (its tables split by key range
     have several owners: each sends its positions' rows), each at N = 2 and N = 5 (a process owning
     no field), equal one process, with uneven and empty shards; the bytes handed over per step are the
-    reduce-scatter's partials and each owner's rows of the whole batch (by hand)."""
+    reduce-scatter's partials and each owner's rows, once per distinct id of a slice (DCN's fields; the
+    DLRM port's positions, keyed ``ids[f]``), counted by hand."""
     from des_ops.rows import distinct_rows
     sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "scripts")]
     from gallery import BUILDERS, K
@@ -549,16 +550,16 @@ def test_field_rows_by_samples_under_mpirun(battery):
         scattered, width, penalty = hand[name]
         widths = ranks[0]["by_samples"]
         assert sum(widths) == width and all(r["by_samples"] == widths for r in ranks)
-        if name == "dlrm_offsets":        # every owner one block per table: its positions' rows
+        if name == "dlrm_offsets":        # every owner one block per table and position, keyed by its ids
             assert all(w % (K + 1) == 0 for w in widths) and widths.count(0) == max(0, n - 4), widths
             assert [[b.width for b in bl] for bl in ranks[0]["sample_blocks"]] == \
-                [[w // (K + 1) * K, w // (K + 1)] if w else [] for w in widths]
+                [[K] * (w // (K + 1)) + [1] * (w // (K + 1)) for w in widths]
         if n == 5:
             assert widths.count(0) == 1                          # 4 fields on 5 processes: one sends no rows
         batches, probe = tail_batches(BUILDERS[name]())
         fed = [x for x, _ in batches] + [probe]
         blocks = ranks[0]["sample_blocks"]
-        assert all((b.key is not None) == (name == "deepctr_dcn") for bl in blocks for b in bl)   # key ranges: keyless
+        assert all(b.key is not None for bl in blocks for b in bl)    # key ranges: a position's key is ids[f]
         for r, snap in enumerate(ranks):
             # each field's rows once per distinct id of a destination's slice (counted in numpy)
             sent = [distinct_rows(x, blocks, b, r)[0] if any(blocks) else 0 for x, b in zip(fed, calls)]

@@ -20,7 +20,7 @@ from des.compiler.plan import FieldPlan
 from des.graph.fields import FieldAnalysis
 from des.graph.ir import Graph
 from des_ops.comm import Communicator, agree, shard_rows
-from des_ops.rows import Block
+from des_ops.rows import Block, key_ids
 from des_ops.tail import tail_obstacles
 from rewrite_rules import Match, rule_named
 
@@ -84,7 +84,9 @@ def exchanged_keys(ops: list) -> list[str]:
     rows (the first Dense by rows: ``rank_blocks``; field rows by samples: ``block``)."""
     blocks = [b for op in ops if getattr(op, "exchange", "") == "rows" for bl in op.rank_blocks for b in bl]
     blocks += [op.block for op in ops if getattr(op, "exchange", "") == "samples" and op.block is not None]
-    return sorted({b.key for b in blocks if b.key is not None})
+    keys = [b.key for b in blocks] + [k for op in ops if getattr(op, "exchange", "") == "samples"
+                                      for k in getattr(op, "position_keys", [])]
+    return sorted({k for k in keys if k is not None})
 
 
 def distinct_share_of(sample: dict, keys: list, world_size: int) -> float:
@@ -92,7 +94,7 @@ def distinct_share_of(sample: dict, keys: list, world_size: int) -> float:
     a process's slice over the slice's rows (1 for a vector without a key), averaged."""
     shares = {}
     for key in {k for k in keys if k is not None}:
-        ids = np.asarray(sample[key]).reshape(-1)
+        ids = np.asarray(key_ids(sample, key)).reshape(-1)
         b = len(ids)
         bounds = [shard_rows(b, r, world_size) for r in range(world_size)]
         shares[key] = float(np.mean([len(np.unique(ids[lo:hi])) / max(1, hi - lo) for lo, hi in bounds]))
@@ -166,6 +168,7 @@ def by_samples(matches: list[Match], own, field_plan: FieldPlan, comm: Communica
         if "ranges" in m.data:
             op.rank_positions = [[f for f, v in enumerate(m.vectors) if field_plan.owner[v.field] == r]
                                  for r in range(comm.world_size)]
+            op.position_keys = [key(v) for v in m.vectors]       # each position's ids: once per distinct id
         else:
             op.owner = field_plan.owner[m.vectors[0].field]
             op.block = Block(op.width, key(m.vectors[0]))

@@ -17,6 +17,7 @@ import dataclasses
 import numpy as np
 
 from des_ops.comm import shard_rows
+from des_ops.rows import key_ids
 
 
 @dataclasses.dataclass
@@ -38,9 +39,10 @@ class FieldTraffic:
             return 0
         ids = None
         if self.key is not None:
-            if sample is None or self.key not in sample:
+            try:
+                ids = np.asarray(key_ids(sample or {}, self.key)).reshape(-1)
+            except KeyError:
                 return None
-            ids = np.asarray(sample[self.key]).reshape(-1)
         rows = 0
         for q in range(world_size):
             if q == self.owner:

@@ -291,7 +291,7 @@ def _field_traffic(matches: list[Match], ops: list, plan: FieldPlan, by_rows: se
                 t.tables.append(v.table.layer.name)
             if rows:
                 t.rows_width += v.width
-                keys.setdefault(v.field, set()).add(None if "ranges" in m.data else key(v))
+                keys.setdefault(v.field, set()).add(key(v))
             elif f"{m.rule} at {m.root.layer.name!r}" not in t.partials:
                 t.partials.append(f"{m.rule} at {m.root.layer.name!r}")
     for f, ks in keys.items():

@@ -246,7 +246,10 @@ class FieldAnalysis:
         """The model input whose value alone decides vector ``v``'s value in a sample - one id per
         sample (integer or string), the only input its chain reads, through layers that neither
         draw random numbers nor look at other samples - or None. Samples with the same id have
-        the same vector, so a rows exchange sends it once (des_ops.rows.Block)."""
+        the same vector, so a rows exchange sends it once (des_ops.rows.Block). A position of a
+        table split by key range: _position_key."""
+        if v.key_range is not None:
+            return self._position_key(v)
         g = self.graph
         inputs = [i for i in self.cone(v.tensor) if g.nodes[i].kind == "input"]
         if len(inputs) != 1:
@@ -258,6 +261,26 @@ class FieldAnalysis:
         if any(_stochastic_or_batchwise(g.nodes[i].layer) for i in v.chain):
             return None
         return g.input_name(t)
+
+    def _position_key(self, v: FieldVector) -> str | None:
+        """A position f of ``table(ids + offsets)``: its row is decided by the ids at f alone, so when
+        those come straight from a model input, ``<input>[f]`` (one [B, P] integer input) or the
+        input (a tf.stack of P one-id integer inputs, des_ops.rows.key_ids reads either); else None."""
+        g, table = self.graph, v.table
+        ranges = self.offset_ranges(table)
+        if isinstance(ranges, str) or v.key_range not in ranges:
+            return None
+        f = ranges.index(v.key_range)
+        ids = g.producer[table.tensor_operands()[0]].tensor_operands()[0]
+        node = g.producer.get(ids)
+        if node is not None and node.kind == "stack" and len(node.tensor_operands()) == len(ranges):
+            ids = node.tensor_operands()[f]
+            node, want, name = g.producer.get(ids), (), None
+        else:
+            want, name = (len(ranges),), f"[{f}]"
+        if node is None or node.kind != "input" or not g.tensors[ids].dtype.is_integer or per_sample(g, ids) != want:
+            return None
+        return g.input_name(ids) + (name or "")
 
     def ids_input(self, table: Node) -> str:
         """The model input a table's ids come from (the first, if several)."""

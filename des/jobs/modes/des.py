@@ -20,6 +20,7 @@ from des.compiler.cost import distinct_share, unique_ids_per_slice
 from des.compiler.handle import distributed
 from des.jobs.modes.base import Mode
 from des_ops.comm import default_communicator
+from des_ops.rows import key_input
 
 
 class DES(Mode):
@@ -92,7 +93,7 @@ def own_inputs(model, spec, rank: int) -> list[str]:
     handle = distributed(model)
     plan = handle.plan
     first = spec.sparse()[0].name
-    keyed = set(exchanged_keys(handle.layer.ops))
+    keyed = {key_input(k) for k in exchanged_keys(handle.layer.ops)}
     fields = [f for f in spec if f.kind == "numeric" or plan.owner.get(f.name) == rank or f.name == first
               or f.name in keyed]
     unknown = [f.name for f in spec.sparse() if f.name not in plan.owner]
