@@ -363,8 +363,8 @@ class DESFirstLayer(tf.keras.layers.Layer):
         mine = sent[self.comm.rank]
         e = self._fused_rows_sent(mine, vectors)
         if e is None:
-            e = tf.concat([self._block_rows(i, k, flat, batch) for i, k, _ in mine], axis=1) if mine else \
-                dm.zeros(batch, 0)
+            sent_by_op = {i: self._sent_by_block(i, flat, batch) for i, _, _ in mine}
+            e = tf.concat([sent_by_op[i][k] for i, k, _ in mine], axis=1) if mine else dm.zeros(batch, 0)
         blocks = [[b for _, _, b in bl] for bl in sent]
         x = rows_to_samples(self.comm, e, [sum(b.width for b in bl) for bl in blocks], self.rows_anchor,
                             f"{self.collective}_samples", blocks, _keys_of(blocks, inputs))
@@ -374,16 +374,16 @@ class DESFirstLayer(tf.keras.layers.Layer):
             pieces.setdefault(i, []).append(part)
         return {i: self.ops[i].combine(self.ops[i].from_pieces(pieces[i])) for i in sampled}
 
-    def _block_rows(self, i: int, k: int, flat: dict, batch: tf.Tensor) -> tf.Tensor:
-        """[B, width] of block ``k`` of operator ``i`` on this process: its columns of what the
-        operator sends (a key-range table's one block per position)."""
+    def _sent_by_block(self, i: int, flat: dict, batch: tf.Tensor) -> list[tf.Tensor]:
+        """What operator ``i`` sends from this process, [B, width] per block (a key-range table's
+        one block per position: its columns of the positions' rows)."""
         blocks = self.ops[i].samples_blocks(self.comm.world_size)[self.comm.rank]
         rows = tf.reshape(self.ops[i].sent_rows([flat[t] for t in self._op_inputs[i]], batch),
                           [-1, sum(b.width for b in blocks)])
         if len(blocks) == 1:
-            return rows
-        start = sum(b.width for b in blocks[:k])
-        return rows[:, start:start + blocks[k].width]
+            return [rows]
+        starts = np.cumsum([0] + [b.width for b in blocks])
+        return [rows[:, a:b] for a, b in zip(starts[:-1], starts[1:])]
 
     def _fused_rows_sent(self, mine: list[tuple], vectors: dict) -> tf.Tensor | None:
         """What this process sends by samples when it is one fused table's one-hot rows side by side
