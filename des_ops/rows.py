@@ -134,18 +134,22 @@ def wire_order(blocks: list[Block]) -> list[int]:
 
 
 def _packed(keys: list[tf.Tensor]) -> tf.Tensor:
-    """[B, G] int64 from G keys [B]: equal exactly where (key, id) pairs are equal. Ids in [0, 2**(63 - bits))
-    are packed as ``group << (63 - bits) | id`` (bits: enough for G groups); other ids through
-    each key's tf.unique index, ``group * B + index``."""
-    k = tf.stack(keys, axis=1) if len(keys) > 1 else keys[0][:, None]
+    """[B, G] from G keys [B]: equal exactly where (key, id) pairs are equal. One key as it is (any
+    dtype tf.unique takes: int32, int64, string); integer ids in [0, 2**(63 - bits)) packed into one
+    int64 as ``group << (63 - bits) | id`` (bits: enough for G groups); other ids (negative, too large,
+    strings) through each key's tf.unique index, ``group * B + index``."""
     if len(keys) == 1:
-        return k
-    shift = 63 - (len(keys) - 1).bit_length()
-    fits = tf.logical_and(tf.reduce_min(k) >= 0, tf.reduce_max(k) < 2 ** shift)
+        return keys[0][:, None]
+    keys = [tf.cast(k, tf.int64) if k.dtype.is_integer else k for k in keys]
 
     def by_index():
         index = tf.stack([tf.unique(key, out_idx=tf.int64)[1] for key in keys], axis=1)
-        return index + tf.range(len(keys), dtype=tf.int64)[None, :] * tf.shape(k, out_type=tf.int64)[0]
+        return index + tf.range(len(keys), dtype=tf.int64)[None, :] * tf.shape(keys[0], out_type=tf.int64)[0]
+    if not all(k.dtype.is_integer for k in keys):
+        return by_index()
+    k = tf.stack(keys, axis=1)
+    shift = 63 - (len(keys) - 1).bit_length()
+    fits = tf.logical_and(tf.reduce_min(k) >= 0, tf.reduce_max(k) < 2 ** shift)
     groups = tf.constant([[g << shift for g in range(len(keys))]], tf.int64)
     return tf.cond(fits, lambda: tf.bitwise.bitwise_or(k, groups), by_index)
 

@@ -263,3 +263,43 @@ def test_the_report_gives_each_fields_owner_exchange_and_bytes_on_the_sample(dis
         build(), des.Options(first_layer="rows"), comm=world.communicator(r)))][0]
     assert "pass sample=<a global batch> to des.transform for bytes a step" in str(no_sample)
     assert not re.search(r"B a step out", "\n".join(no_sample.exchanges))
+
+
+@pytest.mark.parametrize("dtype", ["string", "int32"])
+def test_rows_keyed_by_string_or_int32_ids_equal_one_process(dtype):
+    """Rows by samples travel by their ids whatever the ids' dtype: string inputs through a StringLookup
+    (as TFRS models read them) and int32 inputs, two fields of one width on each process (one lane of
+    two keys), the first layer by rows at N = 2: 8 SGD steps of 31 rows equal one process."""
+    from des.jobs.verify import copy_state
+    L = tf.keras.layers
+    names, vocab = ["a", "b", "c", "d"], [str(i) for i in range(20)]
+    kind = tf.string if dtype == "string" else tf.int32
+
+    def build():
+        x = {f: tf.keras.Input(shape=(), dtype=kind, name=f) for f in names}
+        ids = {f: L.StringLookup(vocabulary=vocab, name=f"lookup_{f}")(x[f]) for f in names} if dtype == "string" else x
+        e = [L.Embedding(30, 3, name=f"emb_{f}")(ids[f]) for f in names]
+        return tf.keras.Model(x, L.Dense(1, activation="sigmoid", name="out")(
+            L.Dense(4, activation="relu", name="hidden")(L.Concatenate()(e))))
+
+    rng = np.random.default_rng(3)
+    raw = {f: rng.zipf(1.5, 8 * 31) % 20 for f in names}
+    x = {f: np.array([str(v) for v in raw[f]]) if dtype == "string" else raw[f].astype(np.int32) for f in names}
+    y = rng.integers(0, 2, 8 * 31).astype(np.float32)
+    batches = [({f: v[i:i + 31] for f, v in x.items()}, y[i:i + 31]) for i in range(0, 8 * 31, 31)]
+    tf.keras.utils.set_random_seed(0)
+    base, reference = build(), build()
+    copy_state(base, reference)
+
+    def train(m):
+        m.compile(tf.keras.optimizers.legacy.SGD(0.5), "binary_crossentropy")
+        for bx, by in batches:
+            m.train_on_batch(bx, by)
+        return m.predict_on_batch(batches[0][0])
+
+    expected = train(reference)
+    got = run_in_process_world(2, build, lambda m: (train(m), des.distributed(m).layer.ops), init_from=base,
+                               first_layer="rows")
+    for predictions, ops in got:
+        assert sorted(op.block.key for op in ops) == names            # every field keyed by its own input
+        within(f"{dtype} ids by rows N=2: predictions", float(np.max(np.abs(predictions - expected))), 1e-6)
