@@ -74,11 +74,15 @@ def test_a_batch_normalization_inside_a_tail_layer_keeps_the_tail_replicated():
     """DeepCTR's DIN with its default Dice attention activation: a BatchNormalization inside the
     attention layer computes statistics over the batch, so the tail cannot run on each process's
     rows (it did, silently, before: 1.1e-3 off one process at N = 2); auto picks the replicated
-    tail and says why, and the field rows then stay partials."""
+    tail and says why, and the field rows then stay partials; first_layer="rows", which needs that
+    tail, is refused naming itself."""
     from des_ops.comm import InProcessWorld
     with pytest.raises(ValueError, match=r"'attention_sequence_pooling_layer\w*' holds 'batch_normalization\w*', which "
                                          r"\(BatchNormalization\) computes statistics over the whole batch"):
         des.transform(BUILDERS["deepctr_din"](), des.Options(tail="data_parallel"), comm=InProcessWorld(1).communicator(0))
+    with pytest.raises(ValueError, match=r"des.transform\(first_layer='rows', whose first layers run in the data-parallel "
+                                         r"tail\): the tail cannot run data-parallel: .*\(BatchNormalization\)"):
+        des.transform(BUILDERS["deepctr_din"](), des.Options(first_layer="rows"), comm=InProcessWorld(1).communicator(0))
     world = InProcessWorld(2)
     _, report = des.transform(BUILDERS["deepctr_din"](), des.Options(tail="auto", costs=AutoTail(batch_size=1 << 16)),
                               comm=world.communicator(0))

@@ -102,9 +102,11 @@ def distinct_share_of(sample: dict, keys: list, world_size: int) -> float:
 
 
 def tail_choice(graph: Graph, model: tf.keras.Model, skip: set[int], tail: str, costs: AutoTail,
-                comm: Communicator, dense_shapes: list[tuple[int, int]] = (), field_rows: int = 0) -> tuple[str, str]:
+                comm: Communicator, dense_shapes: list[tuple[int, int]] = (), field_rows: int = 0,
+                asked: str = "tail='data_parallel'") -> tuple[str, str]:
     """("replicated" or "data_parallel", why): the asked tail, or for "auto" the cost model's choice
-    under ``costs`` (``dense_shapes``: first Dense layers that may go by rows, des.compiler.cost.choose_tail)."""
+    under ``costs`` (``dense_shapes``: first Dense layers that may go by rows, des.compiler.cost.choose_tail).
+    ``asked``: the option that asked for the data-parallel tail, named when it cannot run."""
     if tail == "replicated":
         return tail, ""
     tail_nodes = [n for n in graph.nodes if n.index not in skip and n.kind != "input"]
@@ -117,8 +119,7 @@ def tail_choice(graph: Graph, model: tf.keras.Model, skip: set[int], tail: str, 
             sum(int(t.shape[-1] or 1) for t in model.outputs), comm.world_size,
             costs, obstacles, dense_shapes, field_rows)
     if obstacles:
-        raise ValueError("des.transform(tail='data_parallel'): the tail cannot run data-parallel: "
-                         + "; ".join(obstacles))
+        raise ValueError(f"des.transform({asked}): the tail cannot run data-parallel: " + "; ".join(obstacles))
     return tail, ""
 
 

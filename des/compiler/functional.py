@@ -242,7 +242,9 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     dense = dense_shapes(matches) if options.first_dense == "auto" else []
     rows_width = (sum(sum(v.width for v in m.vectors) if "ranges" in m.data else m.vectors[0].width
                       for m in matches if m.rule == "field_rows") if options.field_rows == "auto" else 0)
-    tail, tail_reason = tail_choice(graph, model, skip, options.tail, costs, comm, dense, rows_width)
+    asked = ("first_layer='rows', whose first layers run in the data-parallel tail" if report.first_layer == "rows"
+             else "tail='data_parallel'")
+    tail, tail_reason = tail_choice(graph, model, skip, options.tail, costs, comm, dense, rows_width, asked)
     if tail == "data_parallel" and (options.micro_batches > 1 or options.wire_dtype != "float32"):
         raise ValueError("des.transform: micro_batches and a 16-bit wire_dtype are for the replicated tail; the "
                          "data-parallel tail reduce-scatters the whole batch in float32")
