@@ -80,6 +80,30 @@ def launchers_for(n, model, data, reader, a, launcher):
             **{key: (lambda out, o=o: user(n, model, data, a, out, launcher, o)) for key, o in USER_OPTIONS.items()}}
 
 
+def checked_models(a, chosen: list[str]) -> list[str]:
+    """--models as a list, refusing what the chosen systems cannot run."""
+    if a.preset == "wide" and set(chosen) & set(USER_OPTIONS):
+        raise SystemExit("--systems des-user*: the user's DeepFM (scripts/user_deepfm.py) has one-hot fields only; "
+                         "use --preset criteo-like")
+    models = a.models.split(",")
+    if set(models) - {"deepfm", "wdl"}:
+        raise SystemExit(f"--models {a.models}: deepfm and/or wdl")
+    return models
+
+
+def launch_lines(config: str, runs: dict) -> list[str]:
+    """The spread, one line per system: each launch's samples/s and its ratio to TFRA's launch of
+    that round."""
+    peer = [r.get("samples_per_second", float("nan")) for r in runs["TFRA HvdAllToAllEmbedding"]]
+    lines = []
+    for name, rs in runs.items():
+        each = [r.get("samples_per_second", float("nan")) for r in rs]
+        lines.append(f"- {config}, {name}: " + ", ".join(f"{v:,.0f}" for v in each)
+                     + ("" if name == "TFRA HvdAllToAllEmbedding" else
+                        " (vs TFRA's launch of the round: " + ", ".join(f"{v / p:.2f}x" for v, p in zip(each, peer)) + ")"))
+    return lines
+
+
 def main():
     ap = config_parser("2:128,64;4:128,64;4:400,400,400", "peer.md")
     ap.add_argument("--systems", default=",".join(SYSTEMS),
@@ -94,12 +118,7 @@ def main():
     chosen = a.systems.split(",")
     if "tfra" not in chosen or set(chosen) - set(SYSTEMS):
         raise SystemExit(f"--systems {a.systems}: a comma-separated subset of {','.join(SYSTEMS)} with tfra")
-    if a.preset == "wide" and set(chosen) & set(USER_OPTIONS):
-        raise SystemExit("--systems des-user*: the user's DeepFM (scripts/user_deepfm.py) has one-hot fields only; "
-                         "use --preset criteo-like")
-    models = a.models.split(",")
-    if set(models) - {"deepfm", "wdl"}:
-        raise SystemExit(f"--models {a.models}: deepfm and/or wdl")
+    models = checked_models(a, chosen)
     data, reader, tmp = preset_data(a.preset, a.rows, "peer_runs")
     if a.columnar and a.preset != "wide":
         from des.jobs.compare import ensure_columnar
@@ -151,13 +170,7 @@ def main():
                 chose = sorted({line for r in rs for line in r.get("report", []) if "mode auto:" in line})
                 notes += [f"- {model}, N = {n}, {a.hidden}, {name}: {line.strip()}" for line in chose]
             base = got["TFRA HvdAllToAllEmbedding"][0]
-            peer = [r.get("samples_per_second", float("nan")) for r in runs["TFRA HvdAllToAllEmbedding"]]
-            for name, rs in runs.items():     # the spread: each launch, and its ratio to TFRA's launch of that round
-                each = [r.get("samples_per_second", float("nan")) for r in rs]
-                launches.append(f"- {model}, N = {n}, {a.hidden}, {name}: " + ", ".join(f"{v:,.0f}" for v in each)
-                                + ("" if name == "TFRA HvdAllToAllEmbedding" else
-                                   " (vs TFRA's launch of the round: " + ", ".join(f"{v / p:.2f}x" for v, p in zip(each, peer))
-                                   + ")"))
+            launches += launch_lines(f"{model}, N = {n}, {a.hidden}", runs)
             for name, (sps, cpu, first, wire) in got.items():
                 wire = f"{wire:,.0f}" if wire == wire else ""
                 line = (f"| {model} | {n} | {a.hidden} | {name} | {sps:,.0f} | {cpu:.3f} | {first:.1f} | {wire} | "
