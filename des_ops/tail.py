@@ -138,12 +138,10 @@ def count_tail_penalties_once(layers: list, rank: int) -> None:
             stop_penalty_gradients(layer)
 
 
-def tail_obstacles(layers: list, tables: list[str], comm: Communicator) -> list[str]:
-    """Why the tail made of ``layers`` cannot run data-parallel here (empty: it can)."""
+def batchwise(layers: list) -> list[str]:
+    """Why ``layers`` give other results on a slice of the batch than on the whole (empty: they do
+    not): a BatchNormalization's statistics, an activity regularizer's penalty on its rows."""
     why = []
-    if tables:
-        why.append(f"the tail reads tables that are not substituted ({', '.join(tables)}): their sparse "
-                   f"gradients would have to be gathered")
     for layer in layers:
         for inner in [layer, *(m for m in layer.submodules if isinstance(m, tf.keras.layers.Layer))]:
             name = f"'{layer.name}'" + (f" holds '{inner.name}', which" if inner is not layer else "")
@@ -151,6 +149,17 @@ def tail_obstacles(layers: list, tables: list[str], comm: Communicator) -> list[
                 why.append(f"{name} (BatchNormalization) computes statistics over the whole batch")
             if getattr(inner, "activity_regularizer", None):
                 why.append(f"{name} has an activity regularizer (a penalty on its rows of the batch)")
+    return why
+
+
+def tail_obstacles(layers: list, tables: list[str], comm: Communicator) -> list[str]:
+    """Why the tail made of ``layers`` cannot run data-parallel here (empty: it can)."""
+    why = []
+    if tables:
+        why.append(f"the tail reads tables that are not substituted ({', '.join(tables)}): their sparse "
+                   f"gradients would have to be gathered")
+    why += batchwise(layers)
+    for layer in layers:
         if any(w.dtype != tf.float32 for w in layer.trainable_weights):
             why.append(f"'{layer.name}' has weights that are not float32")
     if comm.world_size > 1 and type(comm).allgather is Communicator.allgather:

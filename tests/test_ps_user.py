@@ -77,6 +77,21 @@ def test_a_table_that_does_not_read_model_inputs_is_refused_with_a_reason():
         shard(BUILDERS["dlrm_offsets"](), KeyExchange(InProcessWorld(1).communicator(0)))
 
 
+def test_a_layer_that_computes_over_the_batch_keeps_a_model_off_the_ps():
+    """DIN with its Dice activation holds a BatchNormalization: on a PS each process would normalise its
+    slice by the slice's statistics (measured 1.9e-5 off one process at N = 3), so mode="ps" is refused
+    naming the layer, and mode="auto" keeps DES and says why."""
+    x = {k: np.asarray(v) for k, v in batches_for(BUILDERS["deepctr_din"](), 1, 31, seed=4)[0][0].items()}
+    with pytest.raises(ValueError, match=r"each process of a PS trains on its slice of the batch, and "
+                                         r"'attention_sequence_pooling_layer\w*' holds 'batch_normalization\w*'"):
+        des.transform(BUILDERS["deepctr_din"](), des.Options(mode="ps"), comm=InProcessWorld(1).communicator(0))
+    world = InProcessWorld(2)
+    reports = [rep for _, rep in _on_every_rank(world, lambda r: des.transform(
+        BUILDERS["deepctr_din"](), des.Options(mode="auto"), comm=world.communicator(r), sample=x))]
+    assert all(rep.mode == "des" and "as a PS cannot shard this model (each process of a PS" in rep.mode_reason
+               for rep in reports), reports[0].mode_reason
+
+
 def _fit_whole(model, batches, probe):
     """train_on_batch on every global batch (des.transform's contract: each process is handed all of
     it): the logged loss and AUC of each step, then predictions of the probe."""
@@ -88,7 +103,8 @@ def _fit_whole(model, batches, probe):
 # SGD, both within 1e-6. Measured at N = 3: 6e-8 and 6e-8; DeepCTR's DeepFM with Adam moves 1.5e-6
 # (Adam's first steps, m / (sqrt(v) + eps), go by each gradient's sign, and the penalty leaves
 # gradients near zero: float32 summation order amplified), DeepCTR's DCN with Adam 6e-8.
-@pytest.mark.parametrize("name,optimizer", [("tfra_deepfm", "adam"), ("deepctr_deepfm_defaults", "sgd")])
+@pytest.mark.parametrize("name,optimizer", [("tfra_deepfm", "adam"), ("deepctr_deepfm_defaults", "sgd"),
+                                            ("shared_table_deepfm", "sgd")])
 def test_des_transform_mode_ps_trains_the_global_batch_like_one_process(name, optimizer, tmp_path):
     """des.Options(mode="ps") through des.transform on a compiled user model (TFRA tables; DeepCTR's
     Keras Embedding tables with their L2 penalty): every simulated

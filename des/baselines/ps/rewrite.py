@@ -32,6 +32,7 @@ from des.compiler.fusion import fuse_model
 from des.graph.ir import Graph, replay
 from des.compiler.keys import trace_once
 from des_ops.fused import fusion_groups, linear_partners
+from des_ops.tail import batchwise
 from des_ops.wire import ring_share
 
 
@@ -119,9 +120,12 @@ def shard(model: tf.keras.Model, exchange: KeyExchange, make_table=None, cls=PSM
     why = refusal(graph, mode, keyed_too=not make_table)
     if why:
         raise ValueError(why)
+    made: dict[int, tf.keras.layers.Layer] = {}        # a table called several times (shared): one sharded table
     for n in embeds:
         old = n.layer
-        if n.attrs["source"].name == "Keras Embedding":
+        if id(old) in made:
+            new = made[id(old)]
+        elif n.attrs["source"].name == "Keras Embedding":
             new = ShardedStaticEmbedding(old, exchange, graph.layer_key(old))
         elif not getattr(old, "des_embedding", False) and not getattr(old, "des_squashed", False):
             n.attrs["source"].keyed(old, seed, graph.layer_key(old))    # rows from (table, key, seed), as DES's
@@ -132,7 +136,9 @@ def shard(model: tf.keras.Model, exchange: KeyExchange, make_table=None, cls=PSM
         args = tf.nest.map_structure(lambda t: env.get(id(t), t), n.call_args)
         out = new(*args, **n.call_kwargs)
         given[n.output] = lambda look, out=out: out
-        pairs.append((new, old))
+        if id(old) not in made:
+            made[id(old)] = new
+            pairs.append((new, old))
     ps = replay(graph, {n.index for n in embeds}, given, cls=cls, suffix=mode).use(exchange)
     object.__setattr__(ps, "table_pairs", tuple(pairs))     # not tracked: the model's own tables are not its weights
     if fuse:
@@ -146,7 +152,11 @@ def shard(model: tf.keras.Model, exchange: KeyExchange, make_table=None, cls=PSM
 
 def refusal(graph: Graph, mode: str = "ps", keyed_too: bool = True) -> str:
     """Why ``shard`` cannot shard the model of ``graph`` ("" if it can): every table must read model
-    inputs directly and be a FieldEmbedding or (``keyed_too``) a TFRA Embedding."""
+    inputs directly and be a FieldEmbedding or (``keyed_too``) a TFRA Embedding, and no layer may
+    compute over the batch (each process trains on its slice: des_ops.tail.batchwise)."""
+    slices = batchwise(list(dict.fromkeys(n.layer for n in graph.nodes if n.kind not in ("input", "table"))))
+    if slices:
+        return f"each process of a PS trains on its slice of the batch, and {slices[0]}"
     for n in graph.nodes:
         if n.kind != "table":
             continue
