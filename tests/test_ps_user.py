@@ -77,6 +77,14 @@ def test_a_table_that_does_not_read_model_inputs_is_refused_with_a_reason():
         shard(BUILDERS["dlrm_offsets"](), KeyExchange(InProcessWorld(1).communicator(0)))
 
 
+def test_a_tfra_bag_table_is_refused_for_the_ps_with_its_combiner_named():
+    """A TFRA SquashedEmbedding sums a sample's rows in its lookup; the PS shards rows, not that sum:
+    mode="ps" is refused naming the table (it failed inside the rewrite before)."""
+    with pytest.raises(ValueError, match=r"shards a TFRA table's rows, not its combiner: 'bag_f2\w*' is a "
+                                         r"SquashedEmbedding \(combiner 'sum'\)"):
+        des.transform(BUILDERS["multi_hot_combiner"](), des.Options(mode="ps"), comm=InProcessWorld(1).communicator(0))
+
+
 def test_a_layer_that_computes_over_the_batch_keeps_a_model_off_the_ps():
     """DIN with its Dice activation holds a BatchNormalization: on a PS each process would normalise its
     slice by the slice's statistics (measured 1.9e-5 off one process at N = 3), so mode="ps" is refused

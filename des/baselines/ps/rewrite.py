@@ -163,6 +163,9 @@ def refusal(graph: Graph, mode: str = "ps", keyed_too: bool = True) -> str:
         old = n.layer
         if any(graph.input_name(t) is None for t in n.tensor_operands()):
             return f"embedding {old.name!r} does not read model inputs directly"
+        if type(old).__name__ == "SquashedEmbedding":     # TFRA's bag table: its lookup sums a sample's rows
+            return (f"--mode {mode} shards a TFRA table's rows, not its combiner: {old.name!r} is a "
+                    f"{type(old).__name__} (combiner {old.combiner!r})")
         keyed = keyed_too and n.attrs["source"].name == "TFRA Embedding" and not getattr(old, "des_squashed", False)
         static = keyed_too and n.attrs["source"].name == "Keras Embedding"
         if not getattr(old, "des_embedding", False) and not keyed and not static:
