@@ -44,6 +44,12 @@ class Block:
     key: str | None = None
 
 
+def _column_of(key: str) -> tuple[str, int | None]:
+    """``name[f]`` -> (name, f); any other key -> (key, None)."""
+    name, _, col = key.rpartition("[")
+    return (name, int(col[:-1])) if name and col.endswith("]") and col[:-1].isdigit() else (key, None)
+
+
 def key_ids(source: dict, key: str):
     """The ids ``key`` names in ``source`` (model inputs or a sample batch): the input itself, or for
     ``name[f]`` column f of input ``name`` (a position of ids + offsets, des.graph.fields.row_key).
@@ -53,16 +59,15 @@ def key_ids(source: dict, key: str):
     """
     if key in source:
         return source[key]
-    name, _, col = key.rpartition("[")
-    if name in source and col.endswith("]") and col[:-1].isdigit():
-        return source[name][:, int(col[:-1])]
+    name, col = _column_of(key)
+    if col is not None and name in source:
+        return source[name][:, col]
     raise KeyError(key)
 
 
 def key_input(key: str) -> str:
     """The model input a key reads: ``name`` for ``name[f]``, else the key itself."""
-    name, _, col = key.rpartition("[")
-    return name if name and col.endswith("]") and col[:-1].isdigit() else key
+    return _column_of(key)[0]
 
 
 def blocks_of(rank_widths: list[int]) -> list[list[Block]]:

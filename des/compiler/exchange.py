@@ -7,7 +7,7 @@ bytes a step on the ``sample=`` batch, and the choice behind it.
     >>> ids = {"user": np.array([7, 7, 9, 7, 8, 8])}                         # slices [0, 3) and [3, 6)
     >>> f.rows_sent(ids, 6, 2)                     # rank 1 sends rank 0's slice: 2 distinct ids x 4 floats x 4 B
     32
-    >>> f.line(ids, 6, 2)
+    >>> f.line(32)
     "user (rank 1; emb_user): rows to its samples' processes, 4 floats a row, once per distinct id: 32 B a step out, as many back"
 """
 from __future__ import annotations
@@ -51,10 +51,10 @@ class FieldTraffic:
             rows += len(np.unique(ids[lo:hi])) if ids is not None else hi - lo
         return 4 * rows * self.rows_width
 
-    def line(self, sample: dict | None, batch: int | None, world_size: int) -> str:
+    def line(self, sent: int | None) -> str:
+        """The report's line; ``sent``: rows_sent's bytes (None: not known)."""
         parts = []
         if self.rows_width:
-            sent = self.rows_sent(sample, batch, world_size) if batch else None
             once = "once per distinct id" if self.key else "once per sample"
             parts.append(f"rows to its samples' processes, {self.rows_width} floats a row, {once}"
                          + (f": {sent:,} B a step out, as many back" if sent is not None else ""))
@@ -70,12 +70,13 @@ def exchange_lines(traffic: list[FieldTraffic], sample: dict | None, world_size:
     batch = None
     if sample:
         batch = int(np.asarray(next(iter(sample.values()))).shape[0])
-    sizes = {t.field: (t.rows_sent(sample, batch, world_size) or 0) if batch else 0 for t in traffic}
+    sent = {t.field: t.rows_sent(sample, batch, world_size) if batch else None for t in traffic}
+    sizes = {f: b or 0 for f, b in sent.items()}
     order = sorted(traffic, key=lambda t: -sizes[t.field])
     head = ("exchange per field (bytes a step its owner sends, on the sample batch of "
             f"{batch} rows at N = {world_size}):" if batch else
             "exchange per field (pass sample=<a global batch> to des.transform for bytes a step):")
-    lines = [head] + [f"  {t.line(sample, batch, world_size)}" for t in order[:shown]]
+    lines = [head] + [f"  {t.line(sent[t.field])}" for t in order[:shown]]
     rest = order[shown:]
     if rest:
         lines.append(f"  ... {len(rest)} more field(s)" + (f": {sum(sizes[t.field] for t in rest):,} B a step of rows"

@@ -38,12 +38,12 @@ from des.compiler.report import Report, TransformError, explain_tables
 
 
 
-def _field_costs(graph: Graph, matches: list[Match], spec=None, distinct: dict | None = None,
-                 strict: bool = False) -> list[FieldCost]:
+def _field_costs(graph: Graph, matches: list[Match], spec=None,
+                 distinct: dict | None = None) -> tuple[list[FieldCost], list[str]]:
     """Each field's cost for the balanced plan: its rows (the spec's cardinality, else its tables'
     rows; a TFRA table starts empty, so its distinct ids in the ``distinct`` sample batch when
     given: the rows it trains each step and sends by rows, a proxy for the rows it will hold),
-    width and ids per sample. ``strict``: leave out the fields none of these sized (else 1 row)."""
+    width and ids per sample. Also the fields none of these sized (each then counts as 1 row)."""
     distinct = distinct or {}
     width: dict[str, int] = {}
     size: dict[str, float] = {}
@@ -67,7 +67,7 @@ def _field_costs(graph: Graph, matches: list[Match], spec=None, distinct: dict |
             for d in shape[1:]:
                 n *= float(d or 1)
             lookups[f] = n
-    out = []
+    out, unsized = [], []
     for f in width:
         rows = None
         if spec is not None:
@@ -76,9 +76,9 @@ def _field_costs(graph: Graph, matches: list[Match], spec=None, distinct: dict |
             except KeyError:
                 rows = None
         rows = rows or size[f] or distinct.get(f, 0.0)
-        if rows or not strict:
-            out.append(FieldCost(f, float(rows or 1.0), width[f], lookups[f]))
-    return out
+        unsized += [] if rows else [f]
+        out.append(FieldCost(f, float(rows or 1.0), width[f], lookups[f]))
+    return out, unsized
 
 
 def _distinct_ids(fields: FieldAnalysis, matches: list[Match], sample) -> dict[str, float]:
@@ -220,8 +220,8 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
         # a table split by key range is not broadcast whole: each owner gets its ranges (_key_range_tables)
         sync_from_root(graph, comm, skip={id(m.root.layer) for m in matches if "ranges" in m.data})
     forced = _forced_disagreement(comm)
-    field_plan = _field_plan(graph, matches, spec, options.plan, comm, forced, distinct)
-    report.plan_note = _unsized_note(graph, matches, spec, distinct, options.plan) if comm.world_size > 1 else ""
+    field_plan, unsized = _field_plan(graph, matches, spec, options.plan, comm, forced, distinct)
+    report.plan_note = _unsized_note(unsized) if options.plan == "balanced" and comm.world_size > 1 else ""
     mine = set(field_plan.fields_of(comm.rank))
     own = _OwnedPart.of(graph, matches, mine)
     ranged = _key_range_tables(matches, field_plan, comm, options.sync_weights)
@@ -301,13 +301,9 @@ def _field_traffic(matches: list[Match], ops: list, plan: FieldPlan, by_rows: se
     return list(out.values())
 
 
-def _unsized_note(graph: Graph, matches: list[Match], spec, distinct: dict | None, plan) -> str:
-    """A report line when the balanced plan could not size some fields: no spec cardinality, an empty
-    table (TFRA's start so) and no ``sample=`` batch with their ids; else ""."""
-    if plan != "balanced":
-        return ""
-    sized = {c.name for c in _field_costs(graph, matches, spec, distinct, strict=True)}
-    unsized = [c.name for c in _field_costs(graph, matches, spec, distinct) if c.name not in sized]
+def _unsized_note(unsized: list[str]) -> str:
+    """A report line when the balanced plan could not size the fields ``unsized``: no spec
+    cardinality, an empty table (TFRA's start so) and no ``sample=`` batch with their ids; else ""."""
     if not unsized:
         return ""
     shown = ", ".join(unsized[:6]) + (", ..." if len(unsized) > 6 else "")
@@ -317,9 +313,10 @@ def _unsized_note(graph: Graph, matches: list[Match], spec, distinct: dict | Non
 
 
 def _field_plan(graph: Graph, matches: list[Match], spec, plan: str | FieldPlan, comm: Communicator,
-                forced: str | None, distinct: dict[str, float] | None = None) -> FieldPlan:
-    """The field plan (given, or made from the fields' costs), checked to be the same on every process."""
-    costs = _field_costs(graph, matches, spec, distinct)
+                forced: str | None, distinct: dict[str, float] | None = None) -> tuple[FieldPlan, list[str]]:
+    """The field plan (given, or made from the fields' costs), checked to be the same on every
+    process, and the fields the costs could not size (_field_costs)."""
+    costs, unsized = _field_costs(graph, matches, spec, distinct)
     if isinstance(plan, FieldPlan):
         missing = {c.name for c in costs} - set(plan.owner)
         if plan.world_size != comm.world_size or missing:
@@ -334,7 +331,7 @@ def _field_plan(graph: Graph, matches: list[Match], spec, plan: str | FieldPlan,
                                                            moved: (field_plan.owner[moved] + 1) % comm.world_size})
     if comm.world_size > 1:
         check_agreement(field_plan, comm)
-    return field_plan
+    return field_plan, unsized
 
 
 @dataclasses.dataclass
