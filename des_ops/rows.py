@@ -50,13 +50,44 @@ def _column_of(key: str) -> tuple[str, int | None]:
     return (name, int(col[:-1])) if name and col.endswith("]") and col[:-1].isdigit() else (key, None)
 
 
+def _stripe_of(key: str) -> tuple[str, int, int | None, int | None]:
+    """``base[+offset][@r/N]`` -> (base, offset, r, N): a position of a table split by key stripe
+    (des.graph.fields.FieldAnalysis.stripe_keys; des_ops.stripes) reads ids + offset, and its
+    stripe r of N keeps its own keys; others -> (key, 0, None, None)."""
+    base, stripe, count = key, None, None
+    head, at, tail = key.rpartition("@")
+    if at and "/" in tail and all(p.isdigit() for p in tail.split("/", 1)):
+        base, (stripe, count) = head, map(int, tail.split("/", 1))
+    head, plus, off = base.rpartition("+")
+    if plus and off.lstrip("-").isdigit():
+        return head, int(off), stripe, count
+    return base, 0, stripe, count
+
+
 def key_ids(source: dict, key: str):
     """The ids ``key`` names in ``source`` (model inputs or a sample batch): the input itself, or for
-    ``name[f]`` column f of input ``name`` (a position of ids + offsets, des.graph.fields.row_key).
+    ``name[f]`` column f of input ``name`` (a position of ids + offsets, des.graph.fields.row_key);
+    ``...+o@r/N``: those ids plus o where they are keys of stripe r of N, elsewhere one other key
+    (the rows of other stripes, zeros, then travel once a slice).
 
         >>> key_ids({"ids": np.array([[1, 2], [3, 4]])}, "ids[1]").tolist()
         [2, 4]
+        >>> key_ids({"ids": np.array([[1, 2], [3, 4]])}, "ids[1]+1@1/2").tolist()     # keys 3 and 5: odd
+        [3, 5]
+        >>> key_ids({"ids": np.array([[1, 2], [3, 4]])}, "ids[0]@0/2").tolist()       # 1 and 3 are not even
+        [1, 1]
     """
+    base, offset, stripe, count = _stripe_of(key)
+    if base != key:
+        ids = key_ids(source, base)
+        ids = ids + offset if offset else ids
+        if stripe is None:
+            return ids
+        if isinstance(ids, tf.Tensor):
+            ids = tf.cast(ids, tf.int64)
+            return tf.where(tf.equal(tf.math.floormod(ids, count), stripe), ids, tf.constant((stripe + 1) % count, tf.int64))
+        ids = np.asarray(ids, np.int64)
+        return np.where(np.mod(ids, count) == stripe, ids, (stripe + 1) % count)
     if key in source:
         return source[key]
     name, col = _column_of(key)
@@ -66,8 +97,8 @@ def key_ids(source: dict, key: str):
 
 
 def key_input(key: str) -> str:
-    """The model input a key reads: ``name`` for ``name[f]``, else the key itself."""
-    return _column_of(key)[0]
+    """The model input a key reads: ``name`` for ``name[f]`` (and its stripe keys), else the key itself."""
+    return _column_of(_stripe_of(key)[0])[0]
 
 
 def blocks_of(rank_widths: list[int]) -> list[list[Block]]:

@@ -170,6 +170,47 @@ class KeyRangeRowsSubOp(FieldRowsSubOp):
         return tf.concat([mine[:, at[f] * k:(at[f] + 1) * k] if f in at else zero for f in range(self.count)], axis=1)
 
 
+class StripeRowsSubOp(FieldRowsSubOp):
+    """The [B, count, width] lookup of a table split by key stripe (des_ops.stripes), flattened to
+    [B, count * width]: every process looks up its own keys for the whole batch, zeros for the
+    others, so the sum over processes is the lookup (x + 0 + ... = x, exactly).
+
+    By samples (``exchange`` "samples"): every process sends each process its samples' rows,
+    one block per position keyed by ``stripe_keys`` (``<key>@r/N``: its own keys' rows once per
+    distinct id, the others' zeros once) when every position has a key, else one block; the
+    receiver adds the senders' blocks in rank order.
+
+        >>> op = StripeRowsSubOp(["t%0"], stripe=0, stripes=2, count=2, width=1)
+        >>> op.stripe_keys = ["ids[0]", "ids[1]"]
+        >>> [[b.key for b in bl] for bl in op.samples_blocks(2)]
+        [['ids[0]@0/2', 'ids[1]@0/2'], ['ids[0]@1/2', 'ids[1]@1/2']]
+        >>> pieces = [tf.constant([[1.0]]), tf.constant([[0.0]]), tf.constant([[0.0]]), tf.constant([[4.0]])]
+        >>> op.from_pieces(pieces).numpy().tolist()
+        [[1.0, 4.0]]
+    """
+    stripe_keys: list | None = None     # by samples: each position's key, when all have one
+
+    def __init__(self, fields, *, stripe: int, stripes: int, count: int, width: int, **kwargs):
+        super().__init__(fields, width=count * width, **kwargs)
+        self.stripe, self.stripes, self.count, self.row_width = int(stripe), int(stripes), int(count), int(width)
+
+    def samples_blocks(self, world_size: int) -> list[list[Block]]:
+        if self.stripe_keys and all(k is not None for k in self.stripe_keys):
+            return [[Block(self.row_width, f"{k}@{p}/{world_size}") for k in self.stripe_keys] for p in range(world_size)]
+        return [[Block(self.width)] for _ in range(world_size)]
+
+    def sent_rows(self, vectors, batch) -> tf.Tensor:
+        return self.partial(vectors, batch)
+
+    def from_pieces(self, pieces: list[tf.Tensor]) -> tf.Tensor:
+        per = len(pieces) // self.stripes          # each sender's blocks, senders in rank order
+        sums = None
+        for p in range(self.stripes):
+            part = pieces[p * per] if per == 1 else tf.concat(pieces[p * per:(p + 1) * per], axis=1)
+            sums = part if sums is None else sums + part
+        return sums
+
+
 class DenseBlockSubOp(SubOperator):
     """sum_p E_p W_p: holds W_p, the rows of the Dense kernel that multiply this process's
     fields (bias, replicated rows and activation are applied after the combine).

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from des.graph.fields import FieldAnalysis, FieldVector, per_sample
 from des.graph.ir import Graph, Node
-from des_ops.suboperators import FieldRowsSubOp, KeyRangeRowsSubOp
+from des_ops.suboperators import FieldRowsSubOp, KeyRangeRowsSubOp, StripeRowsSubOp
 from rewrite_rules.base import Match, Rejection, Reshaped, Rule, check_vectors, register
 
 NAME = "field_rows"
@@ -98,6 +98,11 @@ class FieldRowsRule(Rule):
         return out
 
     def sub_operator(self, match: Match, owned: list[FieldVector], name: str):
+        if "stripes" in match.data:
+            stripe = owned[0].key_stripe[0] if owned else -1
+            return StripeRowsSubOp([v.field for v in owned], stripe=stripe, stripes=match.data["stripes"],
+                                   count=match.out_shape[0], width=match.out_shape[1], name=name,
+                                   source=match.root.layer.name)
         if "ranges" in match.data:
             return KeyRangeRowsSubOp([v.field for v in owned], positions=[match.vectors.index(v) for v in owned],
                                      count=len(match.vectors), width=match.vectors[0].width, name=name,
@@ -106,9 +111,11 @@ class FieldRowsRule(Rule):
                               source=match.root.layer.name)
 
 
-def gather_left(graph: Graph, fields: FieldAnalysis, matches: list[Match]) -> tuple[list[Match], list[Rejection]]:
+def gather_left(graph: Graph, fields: FieldAnalysis, matches: list[Match],
+                stripes: int = 1) -> tuple[list[Match], list[Rejection]]:
     """A field_rows match for every call of a table that ``matches`` leave whole, or a rejection
-    saying why it cannot be one (then the table stays whole on every process)."""
+    saying why it cannot be one (then the table stays whole on every process). With ``stripes``
+    N > 1 processes, a table that holds several fields in one key space is split by key stripe."""
     inside = set().union(*(m.nodes for m in matches))
     found, rejected = [], []
     for n in graph.nodes:
@@ -117,6 +124,10 @@ def gather_left(graph: Graph, fields: FieldAnalysis, matches: list[Match]) -> tu
         ranges = fields.offset_ranges(n)
         if not isinstance(ranges, str):
             found.append(_by_key_range(graph, fields, n, ranges))
+            continue
+        positions = fields.stripe_positions(n) if stripes > 1 else "one process"
+        if not isinstance(positions, str):
+            found.append(_by_stripes(graph, fields, n, positions, stripes))
             continue
         v = widest_vector(graph, fields, n)
         root = graph.producer.get(v.tensor) if isinstance(v, FieldVector) else n
@@ -142,6 +153,20 @@ def _by_key_range(graph: Graph, fields: FieldAnalysis, table: Node, ranges: tupl
     vectors = [FieldVector(t, table, name, dim, chain, key_range=r) for name, r in zip(names, ranges)]
     return Match(NAME, table, vectors, {table.index}, out_shape=(len(ranges), dim),
                  data={"name": table.layer.name, "mask_ids": None, "ranges": ranges})
+
+
+def _by_stripes(graph: Graph, fields: FieldAnalysis, table: Node, count: int, stripes: int) -> Match:
+    """A table that holds several fields in one key space (des.graph.fields.stripe_positions): its
+    [B, P, K] lookup as one vector per process, field ``<ids input>%r`` (rank r's keys: k mod N == r), each
+    the lookup of that process's keys, zeros elsewhere (des_ops.stripes); their sum is the lookup."""
+    t, dim = table.output, int(table.attrs["dim"])
+    chain = frozenset(i for i in fields.cone(t) if graph.nodes[i].kind != "input")
+    base = fields.field_of(table)
+    vectors = [FieldVector(t, table, f"{base}%{r}", count * dim, chain, key_stripe=(r, stripes))
+               for r in range(stripes)]
+    return Match(NAME, table, vectors, {table.index}, out_shape=(count, dim),
+                 data={"name": table.layer.name, "mask_ids": None, "stripes": stripes,
+                       "stripe_keys": fields.stripe_keys(table)})
 
 
 def _position_names(graph: Graph, fields: FieldAnalysis, table: Node, count: int) -> list[str]:

@@ -16,10 +16,11 @@ from rewrite_rules.base import RULES, Match, Rejection, Rule
 from rewrite_rules.field_rows import gather_left
 
 
-def find_substitutions(graph: Graph, fields: FieldAnalysis | None = None,
-                       operators: bool = True) -> tuple[list[Match], list[Rejection]]:
+def find_substitutions(graph: Graph, fields: FieldAnalysis | None = None, operators: bool = True,
+                       stripes: int = 1) -> tuple[list[Match], list[Rejection]]:
     """Run every rule at every node (outputs first), then drop unsafe matches. ``operators=False``:
-    no operator is split; every table goes by field rows (des.Options(first_layer="rows"))."""
+    no operator is split; every table goes by field rows (des.Options(first_layer="rows")).
+    ``stripes``: the processes a table of several fields in one key space is split over by key."""
     fields = fields or FieldAnalysis(graph)
     matches, rejections, claimed = [], [], set()
     for node in reversed(graph.nodes) if operators else []:
@@ -38,7 +39,7 @@ def find_substitutions(graph: Graph, fields: FieldAnalysis | None = None,
                 rejections.append(found)
                 break
     matches, rejections = drop_unsafe(graph, matches, rejections, fields)
-    rows, why_not = gather_left(graph, fields, matches)         # every table left whole: by field rows
+    rows, why_not = gather_left(graph, fields, matches, stripes)       # every table left whole: by field rows
     return drop_unsafe(graph, matches + rows, rejections + why_not, fields)
 
 

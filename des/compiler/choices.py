@@ -85,7 +85,7 @@ def exchanged_keys(ops: list) -> list[str]:
     blocks = [b for op in ops if getattr(op, "exchange", "") == "rows" for bl in op.rank_blocks for b in bl]
     blocks += [op.block for op in ops if getattr(op, "exchange", "") == "samples" and op.block is not None]
     keys = [b.key for b in blocks] + [k for op in ops if getattr(op, "exchange", "") == "samples"
-                                      for k in getattr(op, "position_keys", [])]
+                                      for k in getattr(op, "position_keys", []) or getattr(op, "stripe_keys", None) or []]
     return sorted({k for k in keys if k is not None})
 
 
@@ -149,12 +149,13 @@ def by_rows(matches: list[Match], own, field_plan: FieldPlan, comm: Communicator
 
 
 def by_samples(matches: list[Match], own, field_plan: FieldPlan, comm: Communicator, tail: str,
-               field_rows: str, costs: AutoTail, key) -> tuple[list[int], str]:
+               field_rows: str, costs: AutoTail, key, distinct: bool = True) -> tuple[list[int], str]:
     """Under the data-parallel tail, the widths by rank of the field vectors no rule splits when
     their rows go to their samples' processes (des_ops.rows.rows_to_samples; [] when they stay
     partials, as under the replicated tail, where every process needs every row), and the cost
     model's reason; marks their sub-operators. A table split by key range sends from every owner:
-    each its positions' rows."""
+    each its positions' rows; one split by key stripe from every process (its keys' rows, keyed
+    per position when ``distinct``)."""
     rows = [(m, op) for m, op in zip(matches, own.ops) if m.rule == "field_rows"]
     if not rows or tail != "data_parallel" or field_rows == "partials":
         return [], ""
@@ -166,7 +167,9 @@ def by_samples(matches: list[Match], own, field_plan: FieldPlan, comm: Communica
     widths = [0] * comm.world_size
     for m, op in rows:
         op.exchange = "samples"
-        if "ranges" in m.data:
+        if "stripes" in m.data:
+            op.stripe_keys = m.data["stripe_keys"] if distinct else None
+        elif "ranges" in m.data:
             op.rank_positions = [[f for f, v in enumerate(m.vectors) if field_plan.owner[v.field] == r]
                                  for r in range(comm.world_size)]
             op.position_keys = [key(v) for v in m.vectors]       # each position's ids: once per distinct id

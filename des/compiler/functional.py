@@ -24,6 +24,7 @@ from des.graph.sources import source_of
 from des_ops.comm import Communicator, agree
 from des_ops.fused import fuse_nodes
 from des_ops.ranges import RangeEmbedding, rows_of
+from des_ops.stripes import StripeEmbedding, stripe_lookup
 from des_ops.keras_internals import (autograph_as_keras_decides, compile_args, copy_optimizer, has_weight_penalties,
                                      take_weight_penalties)
 from des_ops.suboperators import DESFirstLayer
@@ -59,6 +60,10 @@ def _field_costs(graph: Graph, matches: list[Match], spec=None,
             if v.key_range is not None:            # one position of a table split by key range
                 size[f] = max(size.get(f, 0.0), float(v.key_range[1] - v.key_range[0]))
                 lookups[f] = 1.0
+                continue
+            if v.key_stripe is not None:           # a stripe: its share of the table's rows
+                size[f] = v.table.attrs["source"].rows(v.table.layer) / v.key_stripe[1]
+                lookups[f] = float(v.width // int(v.table.attrs["dim"]))
                 continue
             size[f] = max(size.get(f, 0.0), v.table.attrs["source"].rows(v.table.layer))
             ops = v.table.tensor_operands()
@@ -103,7 +108,7 @@ class FieldChains:
     def __init__(self, graph: Graph, nodes: list[Node], wanted: list[int], fused: list[tuple] = (),
                  ranged: dict | None = None):
         self.nodes = sorted(nodes, key=lambda n: n.index)
-        self.ranged = dict(ranged or {})     # table node index -> (RangeEmbedding, owned positions)
+        self.ranged = dict(ranged or {})     # table node index -> (the layer holding its keys here, ids -> lookup)
         self.wanted = list(wanted)
         self.inputs = {t: graph.input_name(t) for t in graph.input_ids}
         self.fused = list(fused)
@@ -133,9 +138,8 @@ class FieldChains:
                 if rows is not None and layout is not None:
                     self.fused_rows.append((rows, [outs[k] for k in layout]))
                 return
-            if node.index in self.ranged:            # a table split by key range: its owned positions
-                table, positions = self.ranged[node.index]
-                env[node.output] = table(tf.gather(look(node.call_args[0]), positions, axis=1))
+            if node.index in self.ranged:            # a table split by key range or stripe: its own keys
+                env[node.output] = self.ranged[node.index][1](look(node.call_args[0]))
                 return
             with autograph_as_keras_decides():       # the DES layer's call is not converted; users' layers are
                 out = call_node(node, look)
@@ -157,7 +161,8 @@ def transform_functional(model: tf.keras.Model, options: Options, comm: Communic
                          f"{', '.join(comm.wire_dtypes)} only (use Horovod)")
     graph = Graph(model)
     fields = FieldAnalysis(graph)
-    matches, rejections = find_substitutions(graph, fields, operators=options.first_layer != "rows")
+    matches, rejections = find_substitutions(graph, fields, operators=options.first_layer != "rows",
+                                          stripes=comm.world_size)
     report = _report(graph, fields, matches, rejections, comm, options)
     if options.strict and (rejections or report.unsubstituted or not matches):
         report.widths = {m.root.layer.name: rule_named(m.rule).sub_operator(m, m.vectors, name=f"probe_{m.rule}").width
@@ -169,7 +174,7 @@ def transform_functional(model: tf.keras.Model, options: Options, comm: Communic
     costs, link, rows, why = _first_layer_plan(graph, fields, matches, model, options, comm, sample)
     if options.first_layer == "auto" and comm.world_size > 1:
         if rows:
-            matches, rejections = find_substitutions(graph, fields, operators=False)
+            matches, rejections = find_substitutions(graph, fields, operators=False, stripes=comm.world_size)
             report = _report(graph, fields, matches, rejections, comm, options)
     report.link, report.first_layer, report.first_layer_reason = link, "rows" if rows else "operators", why
     if rows:      # every vector by samples under the data-parallel tail
@@ -185,7 +190,8 @@ def first_layer_plan(model: tf.keras.Model, options: Options, comm: Communicator
     would substitute nothing. Every process calls it (the link may be measured: a collective)."""
     graph = Graph(model)
     fields = FieldAnalysis(graph)
-    matches, _ = find_substitutions(graph, fields, operators=options.first_layer != "rows")
+    matches, _ = find_substitutions(graph, fields, operators=options.first_layer != "rows",
+                                          stripes=comm.world_size)
     if not matches:
         return None
     return _first_layer_plan(graph, fields, matches, model, options, comm, sample)
@@ -218,13 +224,15 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
             n.attrs["source"].keyed(n.layer, options.seed, graph.layer_key(n.layer))
     if options.sync_weights and comm.world_size > 1:
         # a table split by key range is not broadcast whole: each owner gets its ranges (_key_range_tables)
-        sync_from_root(graph, comm, skip={id(m.root.layer) for m in matches if "ranges" in m.data})
+        sync_from_root(graph, comm, skip={id(m.root.layer) for m in matches if "ranges" in m.data or
+                                          ("stripes" in m.data and not m.root.attrs["source"].dynamic)})
     forced = _forced_disagreement(comm)
     field_plan, unsized = _field_plan(graph, matches, spec, options.plan, comm, forced, distinct)
     report.plan_note = _unsized_note(unsized) if options.plan == "balanced" and comm.world_size > 1 else ""
     mine = set(field_plan.fields_of(comm.rank))
     own = _OwnedPart.of(graph, matches, mine)
-    ranged = _key_range_tables(matches, field_plan, comm, options.sync_weights)
+    ranged = {**_key_range_tables(matches, field_plan, comm, options.sync_weights),
+              **_stripe_tables(matches, comm, options.sync_weights)}
     released = options.release_unowned and _release_unowned(matches, mine)
 
     # the vectors in graph order, never in tensor-id (memory address) order: the order in which the
@@ -234,7 +242,8 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     tables = report.table_layout = options.tables_for(model)
     if tables == "joined":
         _mark_linear_tables(matches)
-    fused, fused_lines = (fuse_nodes(graph, list(own.nodes.values()), f"rank{comm.rank}", tables == "joined")
+    fused, fused_lines = (fuse_nodes(graph, [n for n in own.nodes.values() if n.index not in ranged],
+                                     f"rank{comm.rank}", tables == "joined")
                           if tables != "per-field" else ([], []))
     chains = FieldChains(graph, list(own.nodes.values()),
                          sorted({t for ids in own.op_inputs for t in ids}, key=position.__getitem__), fused, ranged)
@@ -252,7 +261,7 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     report.by_rows, report.first_dense_reason = by_rows(matches, own, field_plan, comm, tail, options.first_dense, costs,
                                                          key)
     report.by_samples, report.field_rows_reason = by_samples(matches, own, field_plan, comm, tail, options.field_rows,
-                                                              costs, key)
+                                                              costs, key, options.distinct_rows)
     report.distinct_keys = exchanged_keys(own.ops)
     report.exchanges = exchange_lines(
         _field_traffic(matches, own.ops, field_plan, set(report.by_rows), key), sample if isinstance(sample, dict) else None,
@@ -317,6 +326,11 @@ def _field_plan(graph: Graph, matches: list[Match], spec, plan: str | FieldPlan,
     """The field plan (given, or made from the fields' costs), checked to be the same on every
     process, and the fields the costs could not size (_field_costs)."""
     costs, unsized = _field_costs(graph, matches, spec, distinct)
+    # a table split by key stripe: stripe r is rank r's, whatever the plan
+    stripes = {v.field: v.key_stripe[0] for m in matches for v in m.vectors if v.key_stripe is not None}
+    unsized = [f for f in unsized if f not in stripes]
+    stripe_costs = [c for c in costs if c.name in stripes]
+    costs = [c for c in costs if c.name not in stripes]
     if isinstance(plan, FieldPlan):
         missing = {c.name for c in costs} - set(plan.owner)
         if plan.world_size != comm.world_size or missing:
@@ -325,6 +339,9 @@ def _field_plan(graph: Graph, matches: list[Match], spec, plan: str | FieldPlan,
         field_plan = plan
     else:
         field_plan = make_plan(costs, comm.world_size, plan)
+    if stripes:
+        striped = make_plan(costs + stripe_costs, comm.world_size, "mod")      # the costs of all, for the loads
+        field_plan = dataclasses.replace(field_plan, owner={**field_plan.owner, **stripes}, costs=striped.costs)
     if forced == "plan":
         moved = next(iter(field_plan.owner))
         field_plan = dataclasses.replace(field_plan, owner={**field_plan.owner,
@@ -410,9 +427,48 @@ def _key_range_tables(matches: list[Match], plan: FieldPlan, comm: Communicator,
         elif positions:
             rows = rows_of(table.embeddings.numpy(), [ranges[f] for f in positions])
         if positions:
-            out[m.root.index] = (RangeEmbedding([ranges[f] for f in positions], rows, table=table.name,
-                                                name=f"des_ranges_{table.name}_rank{comm.rank}"), positions)
+            held = RangeEmbedding([ranges[f] for f in positions], rows, table=table.name,
+                                  name=f"des_ranges_{table.name}_rank{comm.rank}")
+            out[m.root.index] = (held, lambda ids, held=held, positions=positions: held(tf.gather(ids, positions,
+                                                                                                  axis=1)))
     return out
+
+
+def _stripe_tables(matches: list[Match], comm: Communicator, from_root: bool) -> dict:
+    """For each table split by key stripe: {table node index: (the layer holding this process's
+    stripe, ids -> lookup)}. A Keras table's stripe moves into a StripeEmbedding (rank 0's rows
+    with ``from_root``: one scatter, never the whole table to every process); a TFRA table stays
+    the holder, keeps only its stripe's keys and looks up only those (des_ops.stripes)."""
+    out = {}
+    r, n = comm.rank, comm.world_size
+    for m in matches:
+        if "stripes" not in m.data:
+            continue
+        table, dim = m.root.layer, int(m.root.attrs["dim"])
+        if m.root.attrs["source"].dynamic:
+            table.des_key_stripe = (r, n)
+            _keep_stripe(m.root.attrs["source"], table)
+            out[m.root.index] = (table, lambda ids, table=table: stripe_lookup(table, ids, r, n, dim))
+            continue
+        if from_root and n > 1:
+            full = table.embeddings.numpy() if r == 0 else None
+            rows = comm.scatter([full[q::n] for q in range(n)] if r == 0 else None, (dim,), 0,
+                                f"des_key_stripes_{m.root.index}")
+        else:
+            rows = table.embeddings.numpy()[r::n]
+        held = StripeEmbedding(r, n, rows, int(table.input_dim), table=table.name,
+                               name=f"des_stripe_{table.name}_rank{r}")
+        out[m.root.index] = (held, held)
+    return out
+
+
+def _keep_stripe(source, table) -> None:
+    """Drop the rows of a TFRA table that are not this process's stripe (rank 0's, after the sync)."""
+    keys, values = source.export(table)
+    keep = source.held(table, np.asarray(keys, np.int64))
+    if not keep.all():
+        source.clear_rows(table, table.params)
+        source.load(table, np.asarray(keys)[keep], np.asarray(values)[keep])
 
 
 def _rows_from_root(table, ranges_by_rank: list[list], comm: Communicator, name: str) -> np.ndarray:
@@ -428,7 +484,9 @@ def _release_unowned(matches: list[Match], mine: set[str]) -> bool:
     an owner's ranges live in its RangeEmbedding); True if any was dropped."""
     released = False
     for m in matches:
-        if "ranges" in m.data:
+        if "stripes" in m.data and m.root.attrs["source"].dynamic:
+            continue                            # a TFRA table is its own stripe's holder
+        if "ranges" in m.data or "stripes" in m.data:
             m.root.attrs["source"].release(m.root.layer)
             released = True
             continue

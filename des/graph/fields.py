@@ -43,6 +43,7 @@ class FieldVector:
     width: int                  # K: floats per sample
     chain: frozenset            # node indices computing it from the model inputs (table included)
     key_range: tuple | None = None   # (start, stop): one position of a table split by key range, its keys
+    key_stripe: tuple | None = None  # (r, N): the keys k mod N == r of a table split by key stripe, every position
 
     @property
     def key(self) -> str:
@@ -242,6 +243,51 @@ class FieldAnalysis:
         stop = dict(zip(starts, starts[1:] + [rows]))
         return tuple((int(o), stop[int(o)]) for o in offsets)
 
+    def stripe_positions(self, table: Node) -> int | str:
+        """P > 1 when one call of ``table`` looks up P ids a sample in one key space that no field
+        owns - ids [B, P] read straight into it, or ``ids + offsets`` into a TFRA table (a Keras one
+        goes by key range) - so it can be split by key stripe (des_ops.stripes): every process
+        holds the keys k mod N == its rank. Or why it cannot."""
+        name, g = table.layer.name, self.graph
+        if g.layer_calls(table.layer) != 1:
+            return f"{name!r} is called more than once"
+        if g.dtype(table.output) != tf.float32:
+            return f"{name!r} gives {g.dtype(table.output).name} rows, not float32"
+        ops = table.tensor_operands()
+        dims = per_sample(g, ops[0]) if len(ops) == 1 else None
+        if dims is None or len(dims) != 1 or dims[0] < 2 or not g.tensors[ops[0]].dtype.is_integer:
+            return f"{name!r} does not look up a fixed number (> 1) of integer ids a sample"
+        if per_sample(g, table.output) != (dims[0], table.attrs["dim"]):
+            return f"{name!r} gives rows of per-sample shape {per_sample(g, table.output)}"
+        source, layer = table.attrs["source"], table.layer
+        if source.name == "TFRA Embedding" and type(layer).__name__ != "SquashedEmbedding" and \
+                not any(c.__name__ == "SquashedEmbedding" for c in type(layer).__mro__):
+            return int(dims[0])
+        if not isinstance(layer, tf.keras.layers.Embedding) or source.dynamic:
+            return f"{name!r} is a {source.name}: only a Keras or TFRA Embedding is split by key stripe"
+        if (layer.embeddings_regularizer is not None or layer.embeddings_constraint is not None or layer.mask_zero
+                or layer.activity_regularizer is not None or not layer.trainable):
+            return f"{name!r} has a regularizer, a constraint, a mask or frozen rows"
+        return int(dims[0])
+
+    def stripe_keys(self, table: Node) -> list[str] | None:
+        """Each position's key of a table split by key stripe, when its ids come straight from a
+        model input (des_ops.rows.key_ids reads them): ``<input>[f]``, with ``+<offset>`` for ids +
+        offsets; else None."""
+        g = self.graph
+        ids = table.tensor_operands()[0]
+        node, offsets = g.producer.get(ids), None
+        if node is not None and node.kind == "add" and len(node.tensor_operands()) == 1:
+            consts = [np.asarray(o) for o in node.operands if not isinstance(o, TensorId) and hasattr(o, "shape")]
+            if len(consts) != 1 or not np.issubdtype(consts[0].dtype, np.integer):
+                return None
+            ids = node.tensor_operands()[0]
+            node, offsets = g.producer.get(ids), np.broadcast_to(consts[0].reshape(-1), per_sample(g, ids) or ())
+        if node is None or node.kind != "input" or not g.tensors[ids].dtype.is_integer:
+            return None
+        p = per_sample(g, ids)[0]
+        return [f"{g.input_name(ids)}[{f}]" + (f"+{int(offsets[f])}" if offsets is not None else "") for f in range(p)]
+
     def row_key(self, v: FieldVector) -> str | None:
         """The model input whose value alone decides vector ``v``'s value in a sample - one id per
         sample (integer or string), the only input its chain reads, through layers that neither
@@ -250,6 +296,8 @@ class FieldAnalysis:
         table split by key range: _position_key."""
         if v.key_range is not None:
             return self._position_key(v)
+        if v.key_stripe is not None:          # several positions: keyed per position (stripe_keys)
+            return None
         g = self.graph
         inputs = [i for i in self.cone(v.tensor) if g.nodes[i].kind == "input"]
         if len(inputs) != 1:

@@ -119,8 +119,16 @@ class TableSource:
             params.clear()
 
     def held(self, layer, keys: np.ndarray) -> np.ndarray:
-        """Mask of ``keys`` this layer holds rows for (a ``partial`` source; else every key)."""
+        """Mask of ``keys`` this layer holds rows for (a ``partial`` source, or a TFRA table split
+        by key stripe, ``des_key_stripe`` (r, N): keys k mod N == r; else every key)."""
+        stripe = getattr(layer, "des_key_stripe", None)
+        if stripe is not None:
+            return np.mod(np.asarray(keys, np.int64), stripe[1]) == stripe[0]
         return np.ones(len(keys), bool)
+
+    def holds_part(self, layer) -> bool:
+        """True when ``layer`` holds only some keys of its table (``held`` says which)."""
+        return self.partial or getattr(layer, "des_key_stripe", None) is not None
 
     def keyed(self, layer, seed: int, name: str) -> None:
         """Make new rows depend on (``name``, key, seed) only (already so for FieldEmbedding);

@@ -182,7 +182,7 @@ def load_rows(model: tf.keras.Model, optimizer, entries, keep_key=None) -> list[
         if kind == "table":
             source = sk.tables[key][1]
             keep = keep_key(var) if keep_key else None
-            if keep is None and source.partial:         # an owner's key ranges of a table: its keys only
+            if keep is None and source.holds_part(var):   # an owner's key ranges or stripe of a table: its keys only
                 keep = lambda k, var=var, source=source: source.held(var, k)  # noqa: E731
             every_key = np.concatenate([e["keys"] for e in saved])
             mask = keep(every_key) if keep is not None else slice(None)

@@ -1,0 +1,77 @@
+"""Key stripes of one table: process r of N holds the keys k with k mod N == r. For a table that
+holds several fields in one key space (ids [B, P] into one table, TFRA's one-table style, or a
+TFRA table read through offsets), where no field owns it: every process looks its own keys up
+for the whole batch, zeros for the others, and the sum over processes is the whole lookup.
+
+    >>> import numpy as np, tensorflow as tf
+    >>> full = np.arange(12, dtype=np.float32).reshape(6, 2)                # 6 keys of width 2
+    >>> mine = StripeEmbedding(1, 2, full[1::2], vocabulary=6, name="odd")   # keys 1, 3, 5
+    >>> mine(tf.constant([[1, 2], [5, 4]], tf.int64)).numpy()[:, :, 0].tolist()
+    [[2.0, 0.0], [10.0, 0.0]]
+    >>> mine.keys().tolist(), mine.embeddings.shape.as_list()
+    ([1, 3, 5], [3, 2])
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import tensorflow as tf
+
+
+def stripe_lookup(lookup: Callable[[tf.Tensor], tf.Tensor], ids: tf.Tensor, stripe: int, count: int,
+                  dim: int) -> tf.Tensor:
+    """ids.shape + [dim]: ``lookup`` (1-D keys -> [n, dim]) of the keys of stripe ``stripe`` of
+    ``count`` (k mod count == stripe), zeros for every other key. Only those keys are looked up, so
+    only their rows get gradients (a TFRA table creates no row for the others)."""
+    flat = tf.reshape(ids, [-1])
+    own = tf.equal(tf.math.floormod(flat, tf.cast(count, flat.dtype)), tf.cast(stripe, flat.dtype))
+    rows = lookup(tf.boolean_mask(flat, own))
+    out = tf.scatter_nd(tf.where(own), tf.reshape(rows, [-1, dim]), tf.stack([tf.size(flat, out_type=tf.int64), dim]))
+    return tf.reshape(out, tf.concat([tf.shape(ids), [dim]], axis=0))
+
+
+def held_keys(keys: np.ndarray, stripe: int, count: int) -> np.ndarray:
+    """Mask of ``keys`` in stripe ``stripe`` of ``count``."""
+    return np.mod(np.asarray(keys, np.int64), count) == stripe
+
+
+class StripeEmbedding(tf.keras.layers.Layer):
+    """Stripe ``stripe`` of ``count`` of a static Keras ``Embedding(vocabulary, K)``: its keys
+    stripe, stripe + count, ... below ``vocabulary``, as rows 0, 1, ... of one variable (``rows``:
+    ``full[stripe::count]``). Called on ids of any shape: their rows, zeros for the keys of
+    other stripes. Exported and loaded under the table's global keys (des.graph.sources), as a
+    RangeEmbedding is. An id outside the vocabulary is an error, as in the untouched table."""
+
+    des_range_table = True
+
+    def __init__(self, stripe: int, count: int, rows: np.ndarray, vocabulary: int, table: str = "", **kwargs):
+        super().__init__(**kwargs)
+        self.stripe, self.count, self.vocabulary = int(stripe), int(count), int(vocabulary)
+        self.table = table or self.name
+        self.dim = int(rows.shape[1])
+        # one variable name per table: optimizer slots are found by name (des.runtime.state)
+        self.embeddings = self.add_weight(f"{self.name}_rows", shape=rows.shape, dtype=tf.float32,
+                                          initializer=tf.keras.initializers.Constant(rows))
+        self._message = (f"des: table {self.table} of {self.vocabulary} rows was given an id outside [0, "
+                         f"{self.vocabulary})")
+
+    def keys(self) -> np.ndarray:
+        """The global keys of the rows held, in the variable's row order."""
+        return np.arange(self.stripe, self.vocabulary, self.count, dtype=np.int64)
+
+    def held(self, keys: np.ndarray) -> np.ndarray:
+        keys = np.asarray(keys, np.int64)
+        return held_keys(keys, self.stripe, self.count) & (keys >= 0) & (keys < self.vocabulary)
+
+    def local(self, keys: np.ndarray) -> np.ndarray:
+        """Row indices of held global ``keys``."""
+        return np.asarray(keys, np.int64) // self.count
+
+    def call(self, ids):
+        ids = tf.cast(ids, tf.int64)
+        outside = tf.logical_or(ids < 0, ids >= self.vocabulary)
+        check = tf.debugging.Assert(tf.logical_not(tf.reduce_any(outside)), [self._message])
+        with tf.control_dependencies([check]):
+            return stripe_lookup(lambda k: tf.gather(self.embeddings, k // self.count), ids, self.stripe,
+                                 self.count, self.dim)
