@@ -36,6 +36,16 @@ def held_keys(keys: np.ndarray, stripe: int, count: int) -> np.ndarray:
     return np.mod(np.asarray(keys, np.int64), count) == stripe
 
 
+def keep_own_rows(source, table) -> None:
+    """Drop the rows of a dynamic table split by key stripe (``table.des_key_stripe``) that are not
+    its process's stripe: after rank 0's rows came to every process, or a save gathered them all."""
+    keys, values = source.export(table)
+    keep = source.held(table, np.asarray(keys, np.int64))
+    if not keep.all():
+        source.clear_rows(table, table.params)
+        source.load(table, np.asarray(keys)[keep], np.asarray(values)[keep])
+
+
 class StripeEmbedding(tf.keras.layers.Layer):
     """Stripe ``stripe`` of ``count`` of a static Keras ``Embedding(vocabulary, K)``: its keys
     stripe, stripe + count, ... below ``vocabulary``, as rows 0, 1, ... of one variable (``rows``:

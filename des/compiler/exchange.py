@@ -31,31 +31,40 @@ class FieldTraffic:
     rows_width: int = 0
     key: str | None = None
     partials: list[str] = dataclasses.field(default_factory=list)
+    position_keys: list[str] = dataclasses.field(default_factory=list)   # a key stripe's: one per equal block
+
+    def _rows_of(self, sample: dict | None, key: str | None, lo: int, hi: int) -> int | None:
+        if key is None:
+            return hi - lo
+        try:
+            return len(np.unique(np.asarray(key_ids(sample or {}, key)).reshape(-1)[lo:hi]))
+        except KeyError:
+            return None
 
     def rows_sent(self, sample: dict | None, batch: int, world_size: int) -> int | None:
         """Bytes its owner sends forward a step: its rows of the other processes' slices (the
         gradients come back in as many); None without the ids a keyed field needs."""
         if not self.rows_width:
             return 0
-        ids = None
-        if self.key is not None:
-            try:
-                ids = np.asarray(key_ids(sample or {}, self.key)).reshape(-1)
-            except KeyError:
-                return None
-        rows = 0
+        keys = self.position_keys or [self.key]
+        floats = 0
         for q in range(world_size):
             if q == self.owner:
                 continue
             lo, hi = shard_rows(batch, q, world_size)
-            rows += len(np.unique(ids[lo:hi])) if ids is not None else hi - lo
-        return 4 * rows * self.rows_width
+            for key in keys:
+                rows = self._rows_of(sample, key, lo, hi)
+                if rows is None:
+                    return None
+                floats += rows * (self.rows_width // len(keys))
+        return 4 * floats
 
     def line(self, sent: int | None) -> str:
         """The report's line; ``sent``: rows_sent's bytes (None: not known)."""
         parts = []
         if self.rows_width:
-            once = "once per distinct id" if self.key else "once per sample"
+            once = ("its keys' rows once per distinct id of each position" if self.position_keys else
+                    "once per distinct id" if self.key else "once per sample")
             parts.append(f"rows to its samples' processes, {self.rows_width} floats a row, {once}"
                          + (f": {sent:,} B a step out, as many back" if sent is not None else ""))
         if self.partials:

@@ -24,7 +24,7 @@ from des.graph.sources import source_of
 from des_ops.comm import Communicator, agree
 from des_ops.fused import fuse_nodes
 from des_ops.ranges import RangeEmbedding, rows_of
-from des_ops.stripes import StripeEmbedding, stripe_lookup
+from des_ops.stripes import StripeEmbedding, keep_own_rows, stripe_lookup
 from des_ops.keras_internals import (autograph_as_keras_decides, compile_args, copy_optimizer, has_weight_penalties,
                                      take_weight_penalties)
 from des_ops.suboperators import DESFirstLayer
@@ -300,7 +300,10 @@ def _field_traffic(matches: list[Match], ops: list, plan: FieldPlan, by_rows: se
             t = out.setdefault(v.field, FieldTraffic(v.field, plan.owner[v.field], []))
             if v.table.layer.name not in t.tables:
                 t.tables.append(v.table.layer.name)
-            if rows:
+            if rows and getattr(op, "stripe_keys", None) and v.key_stripe is not None:
+                t.rows_width += v.width            # a key stripe's: each position's own keys, once per distinct id
+                t.position_keys = [f"{k}@{v.key_stripe[0]}/{v.key_stripe[1]}" for k in op.stripe_keys]
+            elif rows:
                 t.rows_width += v.width
                 keys.setdefault(v.field, set()).add(key(v))
             elif f"{m.rule} at {m.root.layer.name!r}" not in t.partials:
@@ -447,7 +450,7 @@ def _stripe_tables(matches: list[Match], comm: Communicator, from_root: bool) ->
         table, dim = m.root.layer, int(m.root.attrs["dim"])
         if m.root.attrs["source"].dynamic:
             table.des_key_stripe = (r, n)
-            _keep_stripe(m.root.attrs["source"], table)
+            keep_own_rows(m.root.attrs["source"], table)
             out[m.root.index] = (table, lambda ids, table=table: stripe_lookup(table, ids, r, n, dim))
             continue
         if from_root and n > 1:
@@ -460,15 +463,6 @@ def _stripe_tables(matches: list[Match], comm: Communicator, from_root: bool) ->
                                name=f"des_stripe_{table.name}_rank{r}")
         out[m.root.index] = (held, held)
     return out
-
-
-def _keep_stripe(source, table) -> None:
-    """Drop the rows of a TFRA table that are not this process's stripe (rank 0's, after the sync)."""
-    keys, values = source.export(table)
-    keep = source.held(table, np.asarray(keys, np.int64))
-    if not keep.all():
-        source.clear_rows(table, table.params)
-        source.load(table, np.asarray(keys)[keep], np.asarray(values)[keep])
 
 
 def _rows_from_root(table, ranges_by_rank: list[list], comm: Communicator, name: str) -> np.ndarray:

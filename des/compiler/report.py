@@ -201,6 +201,12 @@ def explain_tables(graph: Graph, fields: FieldAnalysis, matches: list[Match],
                 f"[{r[0][0]}, {r[0][1]}) .. [{r[-1][0]}, {r[-1][1]})), each range's rows with its field's owner, "
                 f"sent in {m.rule}")
             continue
+        if "stripes" in m.data:         # one table, several fields in one key space, split by key stripe
+            used.setdefault(m.root.index, []).append(
+                f"split by key stripe over {m.data['stripes']} processes (process r holds the keys k mod "
+                f"{m.data['stripes']} == r: {m.vectors[0].field} .. {m.vectors[-1].field}), each looks up its own keys, "
+                f"sent in {m.rule}")
+            continue
         for v in m.vectors:
             used.setdefault(v.table.index, []).append(f"{m.rule} at {m.root.layer.name!r}")
     lines, left, groups = [], [], {}
@@ -213,8 +219,9 @@ def explain_tables(graph: Graph, fields: FieldAnalysis, matches: list[Match],
             f"{len(split.vectors)} fields through offsets)" if split else f"field {fields.ids_input(n)!r})")
         if n.index in used:
             what = ", ".join(used[n.index])
-            what = ("substituted: " if what.startswith("split by key range") else "substituted in ") + what
-            if split is None and fields.offset_fields(n):        # ids + offsets, but not split by range
+            striped = what.startswith("split by key stripe")
+            what = ("substituted: " if what.startswith("split by key") else "substituted in ") + what
+            if split is None and not striped and fields.offset_fields(n):     # ids + offsets, not split by key
                 what += (f"; one owner holds all {fields.offset_fields(n)} fields (not split by key range: "
                          f"{fields.offset_ranges(n)})")
             groups.setdefault((src.name, n.attrs["dim"], what), []).append(head)

@@ -37,6 +37,7 @@ import tensorflow as tf
 from des.runtime.checkpoint import Shards, shard_bytes, shard_kinds
 from des.compiler.handle import comm_of, distributed
 from des.graph.sources import source_of
+from des_ops.stripes import keep_own_rows
 from des.runtime.state import export_rows, load_rows
 from des.compiler.keys import model_keys
 from des_ops.comm import Communicator
@@ -104,7 +105,12 @@ def untouched(model: tf.keras.Model, what: str = "save", own_class: bool = True)
     fused = {layer: tuple(layer.des_fused) for layer in source.submodules
              if getattr(layer, "des_fused", None) is not None}
     keys = None
+    # TFRA tables split by key stripe hold one stripe here: the save gathers all of them, then drops the others
+    striped = {layer: layer.des_key_stripe for layer in source.submodules
+               if getattr(layer, "des_key_stripe", None) is not None}
     try:
+        for layer in striped:
+            layer.des_key_stripe = None
         for layer in fused:
             untrack(layer, "des_fused")             # nor tracked: Keras must not write the fused table with it
         for layer in source.submodules:             # released tables (a nested model's too) get storage back
@@ -129,6 +135,9 @@ def untouched(model: tf.keras.Model, what: str = "save", own_class: bool = True)
                 src.release(layer)
         for layer, where in fused.items():
             layer.des_fused = where
+        for layer, stripe in striped.items():
+            layer.des_key_stripe = stripe
+            keep_own_rows(source_of(layer), layer)
         if consumed is not None:
             source.call = consumed
 

@@ -1,0 +1,246 @@
+"""A table that holds several fields in one key space - ids [B, P] read straight into one Keras or
+TFRA table (TFRA's one-table style), or a TFRA table read through ids + offsets - is split by key
+stripe (des.graph.fields.FieldAnalysis.stripe_positions, rewrite_rules.field_rows, des_ops.stripes):
+process r of N holds the keys k mod N == r, looks them up for the whole batch (zeros elsewhere) and
+the sum over processes is the lookup. In the simulated world: equal to the untouched model on one
+process under both tails, every key held by its stripe's process only, rows by samples once per
+distinct id (bytes counted in numpy), checkpoints that resume on another N and on one process,
+saves and exports that serve, processes whose stripe no id reaches, and the tables that must not
+be split so. Under mpirun: tests/test_mpi.py (test_one_table_split_by_key_stripe_under_mpirun)."""
+import dataclasses
+import itertools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow_recommenders_addons import dynamic_embedding as de
+
+import des
+from des.graph.fields import FieldAnalysis
+from des.graph.ir import Graph
+from des.jobs.verify import _on_every_rank, compare, copy_state, fit_and_snapshot, run_in_process_world
+from des.runtime import checkpoint
+from des_ops.comm import InProcessWorld
+from gallery import V, batches_for, optimizer_for
+from helpers import within
+
+L = tf.keras.layers
+P, K = 4, 4
+_names = itertools.count()
+
+
+def one_table(kind: str = "keras", offsets: bool = False):
+    """A user's one-table DeepFM: ids [B, P] (plus offsets: P key ranges of V) into ONE table of width K
+    (a Keras Embedding or a TFRA dynamic one), FM by TF ops and an MLP over the flattened rows; beside
+    it a per-field 1-wide table of a second input ("user"), which a field owner keeps."""
+    ids = tf.keras.Input(shape=(P,), dtype=tf.int64, name="ids")
+    user = tf.keras.Input(shape=(), dtype=tf.int64, name="user")
+    keys = ids + tf.constant(np.arange(P) * V, tf.int64) if offsets else ids
+    if kind == "keras":
+        e = L.Embedding(P * V if offsets else V, K, name=f"big{next(_names)}")(keys)
+    else:            # TFRA shares tables by name: a fresh name per build
+        e = de.keras.layers.Embedding(K, initializer=tf.keras.initializers.RandomNormal(0, 0.1),
+                                      name=f"big{next(_names)}")(keys)
+    s = tf.reduce_sum(e, axis=1)
+    fm = 0.5 * tf.reduce_sum(s * s - tf.reduce_sum(e * e, axis=1), axis=1, keepdims=True)
+    linear = L.Flatten()(L.Embedding(V, 1)(user))
+    deep = L.Dense(8, activation="relu")(L.Flatten()(e))
+    return tf.keras.Model([ids, user], tf.sigmoid(L.Dense(1)(L.Concatenate()([deep, fm, linear]))))
+
+
+def _setup(kind: str, offsets: bool = False, steps: int = 5, batch: int = 31):
+    build = lambda: one_table(kind, offsets)  # noqa: E731
+    tf.keras.utils.set_random_seed(0)
+    base = build()
+    if kind == "tfra":
+        des.make_keyed(base, seed=0)         # new rows from (table, key, seed), as DES makes them
+    rows = steps * batch + 2
+    x, y = batches_for(base, 1, rows, seed=4)[0]
+    batches = [({k: v[i:i + batch] for k, v in x.items()}, y[i:i + batch]) for i in range(0, rows, batch)]
+    probe = batches_for(base, 1, 16, seed=99)[0][0]
+    reference = build()
+    copy_state(base, reference)
+    if kind == "tfra":
+        des.make_keyed(reference, seed=0)
+    return build, base, batches, probe, reference
+
+
+def _big_key(snap: dict) -> str:
+    return next(k for k, rows in snap["tables"].items() if len(rows) > 1 and len(next(iter(rows.values()))) == K)
+
+
+def _fit(batches, probe):
+    return lambda m: fit_and_snapshot(m, batches, probe, optimizer="adam", learning_rate=0.02)
+
+
+def test_which_tables_are_split_by_key_stripe():
+    """stripe_positions: ids [B, P] straight into a Keras or TFRA table, or ids + offsets into a TFRA
+    one, give P; a table called twice, a regularized one, one id a sample, do not."""
+    def table_of(model):
+        g = Graph(model)
+        return FieldAnalysis(g), next(n for n in g.nodes if n.kind == "table" and n.attrs["dim"] == K)
+    for kind, offsets in (("keras", False), ("tfra", False), ("tfra", True)):
+        fa, n = table_of(one_table(kind, offsets))
+        assert fa.stripe_positions(n) == P, (kind, offsets)
+        assert fa.stripe_keys(n) == [f"ids[{f}]" + (f"+{f * V}" if offsets else "") for f in range(P)]
+    ids = tf.keras.Input(shape=(P,), dtype=tf.int64, name="ids")
+    table = L.Embedding(V, K)
+    twice = tf.keras.Model(ids, L.Dense(1)(L.Flatten()(L.Add()([table(ids), table(ids + 1)]))))
+    assert "is called more than once" in table_of(twice)[0].stripe_positions(table_of(twice)[1])
+    reg = tf.keras.Model(ids, L.Dense(1)(L.Flatten()(L.Embedding(V, K, embeddings_regularizer="l2")(ids))))
+    assert "regularizer" in table_of(reg)[0].stripe_positions(table_of(reg)[1])
+    one = tf.keras.Input(shape=(1,), dtype=tf.int64, name="one")
+    single = tf.keras.Model(one, L.Dense(1)(L.Flatten()(L.Embedding(V, K)(one))))
+    assert "fixed number (> 1)" in table_of(single)[0].stripe_positions(table_of(single)[1])
+
+
+@pytest.mark.parametrize("kind,offsets", [("keras", False), ("tfra", False), ("tfra", True)])
+def test_one_table_of_several_fields_is_split_by_key_stripe_and_equals_one_process(kind, offsets):
+    """At N = 3 under the replicated tail (the rows are the same floats, x + 0 = x; the last Dense,
+    split by field rows for the "user" table, adds its bias gradient in another order: measured
+    <= 6e-8) and the data-parallel tail with rows by samples (its dense gradients summed in another order),
+    6 Adam steps of 31 and a last of 2 (processes with no sample): the predictions, every row and
+    weight equal one process's; each process holds only its stripe's keys (k mod 3 == rank), none
+    the whole table, and every key is held once (verify.compare)."""
+    build, base, batches, probe, reference = _setup(kind, offsets)
+    ref = _fit(batches, probe)(reference)
+    big = _big_key(ref)
+    for tail in ("replicated", "data_parallel"):
+        kw = {"tail": tail} if tail == "replicated" else {"tail": tail, "field_rows": "samples"}
+        ranks = run_in_process_world(3, build, _fit(batches, probe), init_from=base, **kw)
+        diff = compare(ref, ranks)
+        within(f"{kind} one table {tail} N=3 predictions", diff["predictions"], 1e-6)
+        within(f"{kind} one table {tail} N=3 rows and weights", max(diff["tables"], diff["owned"], diff["weights"]),
+               1e-6)
+        held = [sorted(r["tables"][big]) for r in ranks]
+        assert sorted(k for h in held for k in h) == sorted(ref["tables"][big]), tail
+        for r, keys in enumerate(held):
+            assert keys and all(k % 3 == r for k in keys), (tail, r, keys)
+
+
+def test_stripe_rows_travel_once_per_distinct_id_of_each_slice():
+    """By samples each process sends a slice, for each position, its own keys' distinct rows once and
+    one row of zeros for the other keys (key ``ids[f]@r/N``): at N = 3 the bytes handed to the
+    collectives are smaller than with ``distinct_rows=False`` by exactly what numpy counts per slice
+    and position (des_ops.rows.distinct_rows), forward under "step" and back under "tail"; both equal
+    one process; the report names the keys and gives each stripe's bytes."""
+    from des_ops.rows import distinct_rows
+    build, base, batches, probe, reference = _setup("keras")
+    n = 3
+
+    def work(m):
+        layer = des.distributed(m).layer
+        before = layer.comm.counted()
+        snap = fit_and_snapshot(m, batches, probe, optimizer="adam", learning_rate=0.02)
+        after = layer.comm.counted()
+        sent = [op for op, s in zip(layer.ops, layer.to_samples) if s]
+        blocks = [[b for op in sent for b in op.samples_blocks(n)[p]] for p in range(n)]
+        return snap, {k: after[k]["bytes"] - before[k]["bytes"] for k in ("step", "tail")}, blocks
+    runs = {d: run_in_process_world(n, build, work, init_from=base, tail="data_parallel", field_rows="samples",
+                                    distinct_rows=d) for d in (True, False)}
+    for r in range(n):
+        keyed = runs[True][r][2]
+        assert {b.key for b in keyed[1]} >= {f"ids[{f}]@1/{n}" for f in range(P)}, keyed
+        unkeyed = [[dataclasses.replace(b, key=None) for b in bl] for bl in keyed]
+        fed = [{k: np.asarray(v) for k, v in x.items()} for x in [x for x, _ in batches] + [probe]]
+        saved = [tuple(e - d for d, e in zip(distinct_rows(x, keyed, len(x["ids"]), r),
+                                             distinct_rows(x, unkeyed, len(x["ids"]), r))) for x in fed]
+        step = runs[False][r][1]["step"] - runs[True][r][1]["step"]
+        tail = runs[False][r][1]["tail"] - runs[True][r][1]["tail"]
+        assert step == 4 * sum(s for s, _ in saved) > 0, (r, step, saved)
+        assert tail == 4 * sum(g for _, g in saved[:-1]) > 0, (r, tail, saved)    # the probe: no backward
+    ref = fit_and_snapshot(reference, batches, probe, optimizer="adam", learning_rate=0.02)
+    for d in (True, False):
+        diff = compare(ref, [s for s, _, _ in runs[d]])
+        within(f"stripes by samples distinct={d} N=3 predictions", diff["predictions"], 1e-6)
+    x = {k: np.asarray(v) for k, v in batches[0][0].items()}
+    _, report = des.transform(build(), des.Options(tail="data_parallel", field_rows="samples"),
+                              comm=InProcessWorld(n).communicator(0), sample=x)
+    text = str(report)
+    assert f"split by key stripe over {n} processes" in text, text
+    assert "ids%1 (rank 1; " in text and "its keys' rows once per distinct id of each position: " in text, text
+
+
+def test_processes_whose_stripe_no_id_reaches_take_part_and_nothing_hangs():
+    """N = 4 with every id a multiple of 4 (ids * 4 into a table of 4 V rows): processes 1-3 look up
+    nothing, send empty blocks and still join every collective; equal to one process under both
+    tails, each process holding its own stripe's rows."""
+    def build():
+        ids = tf.keras.Input(shape=(P,), dtype=tf.int64, name="ids")
+        e = L.Embedding(4 * V, K)(ids * 4)
+        return tf.keras.Model(ids, L.Dense(1, activation="sigmoid")(L.Dense(8, activation="relu")(L.Flatten()(e))))
+    tf.keras.utils.set_random_seed(0)
+    base = build()
+    x, y = batches_for(base, 1, 3 * 16 + 1, seed=2)[0]
+    batches = [({k: v[i:i + 16] for k, v in x.items()}, y[i:i + 16]) for i in range(0, 3 * 16 + 1, 16)]
+    probe = batches_for(base, 1, 8, seed=9)[0][0]
+    reference = build()
+    copy_state(base, reference)
+    ref = _fit(batches, probe)(reference)
+    for kw in ({"tail": "replicated"}, {"tail": "data_parallel", "field_rows": "samples"}):
+        ranks = run_in_process_world(4, build, _fit(batches, probe), init_from=base, **kw)
+        within(f"empty stripes {kw['tail']} N=4 predictions", compare(ref, ranks)["predictions"], 1e-6)
+        for r, snap in enumerate(ranks):          # each holds its stripe (rows 1-3 never read: as initialised)
+            (keys,) = [sorted(rows) for rows in snap["tables"].values()]
+            assert keys == list(range(r, 4 * V, 4)), (kw, r)
+            assert r == 0 or all(np.array_equal(snap["tables"][k][key], ref["tables"][k][key])
+                                 for k in snap["tables"] for key in keys), (kw, r)
+
+
+def test_a_striped_model_checkpoints_resumes_on_another_n_and_one_process_and_exports(tmp_path):
+    """3 processes train 3 of 6 Adam steps of the TFRA one-table model, checkpoint, model.save and
+    des.export (every process; rank 0 gathers every stripe's rows for them and keeps its own after);
+    the save and the export predict what the DES model does, and the
+    checkpoint resumed on 2 processes and in the untouched model on one process ends where the
+    uninterrupted one-process model does."""
+    build, base, batches, probe, _ = _setup("tfra", steps=6, batch=32)
+    batches = batches[:6]
+
+    def trained(m, part):
+        for x, y in part:
+            m.train_on_batch(x, y)
+        return np.asarray(m.predict_on_batch(probe))
+
+    def plain():
+        m = build()
+        copy_state(base, m)
+        des.make_keyed(m, seed=0)
+        m.compile(optimizer_for(m, "adam"), "binary_crossentropy")
+        return m
+    want = trained(plain(), batches)
+
+    def world(n):
+        w, ms = InProcessWorld(n), []
+        for r in range(n):
+            m = build()
+            if r == 0:
+                copy_state(base, m)
+            ms.append(des.transform(m, comm=w.communicator(r))[0])
+            ms[-1].compile(optimizer_for(ms[-1], "adam"), "binary_crossentropy")
+        return w, ms
+    ckpt = str(tmp_path / "ckpt")
+    w, ms = world(3)
+
+    def first_half(r):
+        got = trained(ms[r], batches[:3])
+        checkpoint.save(ckpt, ms[r], ms[r].optimizer)
+        ms[r].save(str(tmp_path / "saved"))
+        des.export(ms[r], str(tmp_path / "served"))
+        table = next(l for l in des.distributed(ms[r]).layer.owned if getattr(l, "des_key_stripe", None))
+        return got, sorted(table.params.export()[0].numpy().tolist())
+    got, held = zip(*_on_every_rank(w, first_half))
+    assert all(keys and all(k % 3 == r for k in keys) for r, keys in enumerate(held)), held   # a stripe each again
+    again = tf.keras.models.load_model(str(tmp_path / "saved"), compile=False)
+    within("stripes: model.save, loaded", float(np.abs(again.predict_on_batch(probe) - got[0]).max()), 1e-6)
+    serve = tf.saved_model.load(str(tmp_path / "served")).signatures["serving_default"]
+    served = next(iter(serve(**{k: tf.constant(v) for k, v in probe.items()}).values()))
+    within("stripes: des.export, served", float(np.abs(np.reshape(served, [-1]) - got[0].reshape(-1)).max()), 1e-6)
+
+    def second_half(m):
+        checkpoint.restore(ckpt, m, m.optimizer)
+        return trained(m, batches[3:])
+    w2, ms2 = world(2)
+    resumed = _on_every_rank(w2, lambda r: second_half(ms2[r]))
+    resumed.append(second_half(plain()))
+    within("stripes: checkpoint of 3 resumed on 2 and on one process", max(float(np.abs(p - want).max())
+                                                                           for p in resumed), 2e-6)
