@@ -229,6 +229,19 @@ def dlrm_offsets():
     return tf.keras.Model(ids, tf.sigmoid(L.Dense(1)(L.Concatenate()([deep, _fm_tf_ops(e), linear]))))
 
 
+def tfra_one_table():
+    """TFRA's one-table style: ONE [B, F] ids input into ONE dynamic table of width K (and one of
+    width 1 for the linear part), FM by TF ops and an MLP. No field owns a table: DES splits both by
+    key stripe over the processes (des_ops.stripes)."""
+    from tensorflow_recommenders_addons import dynamic_embedding as de
+    ids = tf.keras.Input(shape=(len(FIELDS),), dtype=tf.int64, name="ids")
+    init = tf.keras.initializers.RandomUniform(-0.1, 0.1)
+    e = de.keras.layers.Embedding(K, initializer=init, name=_uid("emb_all"))(ids)
+    linear = tf.reduce_sum(de.keras.layers.Embedding(1, initializer=init, name=_uid("w_all"))(ids), axis=1)
+    deep = L.Dense(1)(L.Dense(8, activation="relu")(L.Flatten()(e)))
+    return tf.keras.Model(ids, tf.sigmoid(linear + _fm_tf_ops(e) + deep))
+
+
 def deepctr_deepfm_defaults():
     """DeepCTR's DeepFM as its README writes it: 8 fields, vocabulary 500, its default DNN
     (256, 128, 64) and l2_reg_embedding 1e-5 (a weight penalty on every table)."""
@@ -301,6 +314,7 @@ BUILDERS = {
     "deepctr_ccpm": lambda: _deepctr("CCPM"),
     "deepctr_din": deepctr_din,
     "dlrm_offsets": dlrm_offsets,
+    "tfra_one_table": tfra_one_table,
 }
 
 EXPECTED = {
@@ -332,6 +346,7 @@ EXPECTED = {
     "deepctr_ccpm": ["field_rows"] * 4 + ["lr_sum"],
     "deepctr_din": ["field_rows"] * 4,       # user, item, the history twice (its table: item's)
     "dlrm_offsets": ["field_rows"] * 2,      # both tables split by key range, one field per range
+    "tfra_one_table": ["field_rows"] * 2,    # both tables split by key stripe (N > 1)
 }
 
 

@@ -451,7 +451,7 @@ def _stripe_tables(matches: list[Match], comm: Communicator, from_root: bool) ->
         if m.root.attrs["source"].dynamic:
             table.des_key_stripe = (r, n)
             keep_own_rows(m.root.attrs["source"], table)
-            out[m.root.index] = (table, lambda ids, table=table: stripe_lookup(table, ids, r, n, dim))
+            out[m.root.index] = (table, lambda ids, table=table, dim=dim: stripe_lookup(table, ids, r, n, dim))
             continue
         if from_root and n > 1:
             full = table.embeddings.numpy() if r == 0 else None
