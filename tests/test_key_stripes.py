@@ -29,11 +29,16 @@ P, K = 4, 4
 _names = itertools.count()
 
 
-def one_table(kind: str = "keras", offsets: bool = False):
-    """A user's one-table DeepFM: ids [B, P] (plus offsets: P key ranges of V) into ONE table of width K
-    (a Keras Embedding or a TFRA dynamic one), FM by TF ops and an MLP over the flattened rows; beside
-    it a per-field 1-wide table of a second input ("user"), which a field owner keeps."""
-    ids = tf.keras.Input(shape=(P,), dtype=tf.int64, name="ids")
+def one_table(kind: str = "keras", offsets: bool = False, stacked: bool = False):
+    """A user's one-table DeepFM: ids [B, P] (``stacked``: a tf.stack of P one-id inputs f0 .. f3;
+    plus ``offsets``: P key ranges of V) into ONE table of width K (a Keras Embedding or a TFRA
+    dynamic one), FM by TF ops and an MLP over the flattened rows; beside it a per-field 1-wide table
+    of another input ("user"), which a field owner keeps."""
+    if stacked:
+        inputs = [tf.keras.Input(shape=(), dtype=tf.int64, name=f"f{f}") for f in range(P)]
+        ids = tf.stack(inputs, axis=1)
+    else:
+        ids = inputs = tf.keras.Input(shape=(P,), dtype=tf.int64, name="ids")
     user = tf.keras.Input(shape=(), dtype=tf.int64, name="user")
     keys = ids + tf.constant(np.arange(P) * V, tf.int64) if offsets else ids
     if kind == "keras":
@@ -45,11 +50,12 @@ def one_table(kind: str = "keras", offsets: bool = False):
     fm = 0.5 * tf.reduce_sum(s * s - tf.reduce_sum(e * e, axis=1), axis=1, keepdims=True)
     linear = L.Flatten()(L.Embedding(V, 1)(user))
     deep = L.Dense(8, activation="relu")(L.Flatten()(e))
-    return tf.keras.Model([ids, user], tf.sigmoid(L.Dense(1)(L.Concatenate()([deep, fm, linear]))))
+    return tf.keras.Model([*inputs, user] if stacked else [ids, user],
+                          tf.sigmoid(L.Dense(1)(L.Concatenate()([deep, fm, linear]))))
 
 
-def _setup(kind: str, offsets: bool = False, steps: int = 5, batch: int = 31):
-    build = lambda: one_table(kind, offsets)  # noqa: E731
+def _setup(kind: str, offsets: bool = False, steps: int = 5, batch: int = 31, stacked: bool = False):
+    build = lambda: one_table(kind, offsets, stacked)  # noqa: E731
     tf.keras.utils.set_random_seed(0)
     base = build()
     if kind == "tfra":
@@ -83,6 +89,8 @@ def test_which_tables_are_split_by_key_stripe():
         fa, n = table_of(one_table(kind, offsets))
         assert fa.stripe_positions(n) == P, (kind, offsets)
         assert fa.stripe_keys(n) == [f"ids[{f}]" + (f"+{f * V}" if offsets else "") for f in range(P)]
+    fa, n = table_of(one_table("tfra", offsets=True, stacked=True))
+    assert fa.stripe_positions(n) == P and fa.stripe_keys(n) == [f"f{f}+{f * V}" for f in range(P)]
     ids = tf.keras.Input(shape=(P,), dtype=tf.int64, name="ids")
     table = L.Embedding(V, K)
     twice = tf.keras.Model(ids, L.Dense(1)(L.Flatten()(L.Add()([table(ids), table(ids + 1)]))))
@@ -94,15 +102,16 @@ def test_which_tables_are_split_by_key_stripe():
     assert "fixed number (> 1)" in table_of(single)[0].stripe_positions(table_of(single)[1])
 
 
-@pytest.mark.parametrize("kind,offsets", [("keras", False), ("tfra", False), ("tfra", True)])
-def test_one_table_of_several_fields_is_split_by_key_stripe_and_equals_one_process(kind, offsets):
+@pytest.mark.parametrize("kind,offsets,stacked", [("keras", False, False), ("tfra", False, False),
+                                                  ("tfra", True, False), ("tfra", False, True)])
+def test_one_table_of_several_fields_is_split_by_key_stripe_and_equals_one_process(kind, offsets, stacked):
     """At N = 3 under the replicated tail (the rows are the same floats, x + 0 = x; the last Dense,
     split by field rows for the "user" table, adds its bias gradient in another order: measured
     <= 6e-8) and the data-parallel tail with rows by samples (its dense gradients summed in another order),
     6 Adam steps of 31 and a last of 2 (processes with no sample): the predictions, every row and
     weight equal one process's; each process holds only its stripe's keys (k mod 3 == rank), none
     the whole table, and every key is held once (verify.compare)."""
-    build, base, batches, probe, reference = _setup(kind, offsets)
+    build, base, batches, probe, reference = _setup(kind, offsets, stacked=stacked)
     ref = _fit(batches, probe)(reference)
     big = _big_key(ref)
     for tail in ("replicated", "data_parallel"):

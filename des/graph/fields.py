@@ -272,8 +272,8 @@ class FieldAnalysis:
 
     def stripe_keys(self, table: Node) -> list[str] | None:
         """Each position's key of a table split by key stripe, when its ids come straight from a
-        model input (des_ops.rows.key_ids reads them): ``<input>[f]``, with ``+<offset>`` for ids +
-        offsets; else None."""
+        model input (des_ops.rows.key_ids reads them): ``<input>[f]`` (ids [B, P]) or ``<input f>``
+        (a tf.stack of P one-id inputs), with ``+<offset>`` for ids + offsets; else None."""
         g = self.graph
         ids = table.tensor_operands()[0]
         node, offsets = g.producer.get(ids), None
@@ -283,10 +283,16 @@ class FieldAnalysis:
                 return None
             ids = node.tensor_operands()[0]
             node, offsets = g.producer.get(ids), np.broadcast_to(consts[0].reshape(-1), per_sample(g, ids) or ())
+        plus = (lambda f: f"+{int(offsets[f])}") if offsets is not None else (lambda f: "")
+        if node is not None and node.kind == "stack" and node.attrs.get("axis") in (1, -1):
+            parts = [g.producer.get(o) for o in node.tensor_operands()]        # a tf.stack of one-id inputs
+            if all(p is not None and p.kind == "input" and g.tensors[o].dtype.is_integer and per_sample(g, o) == ()
+                   for p, o in zip(parts, node.tensor_operands())):
+                return [g.input_name(o) + plus(f) for f, o in enumerate(node.tensor_operands())]
+            return None
         if node is None or node.kind != "input" or not g.tensors[ids].dtype.is_integer:
             return None
-        p = per_sample(g, ids)[0]
-        return [f"{g.input_name(ids)}[{f}]" + (f"+{int(offsets[f])}" if offsets is not None else "") for f in range(p)]
+        return [f"{g.input_name(ids)}[{f}]" + plus(f) for f in range(per_sample(g, ids)[0])]
 
     def row_key(self, v: FieldVector) -> str | None:
         """The model input whose value alone decides vector ``v``'s value in a sample - one id per
