@@ -423,8 +423,9 @@ class DESFirstLayer(tf.keras.layers.Layer):
                           [-1, sum(b.width for b in blocks)])
         if len(blocks) == 1:
             return [rows]
-        starts = np.cumsum([0] + [b.width for b in blocks])
-        return [rows[:, a:b] for a, b in zip(starts[:-1], starts[1:])]
+        # one split, not a slice per block: a slice's gradient is a whole [B, width] of zeros around
+        # its block, and summing those is quadratic in the blocks (a one-table model: 2 x 39 of them)
+        return tf.split(rows, [b.width for b in blocks], axis=1)
 
     def _fused_rows_sent(self, mine: list[tuple], vectors: dict) -> tf.Tensor | None:
         """What this process sends by samples when it is one fused table's one-hot rows side by side

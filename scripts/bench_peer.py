@@ -45,7 +45,8 @@ SYSTEMS = {"tfra": "TFRA HvdAllToAllEmbedding", "des-replicated": "DES, replicat
            "des-user-rows": "DES, a user's DeepFM via des.transform, data-parallel tail, first Dense by rows",
            "des-user-operators": "DES, a user's DeepFM via des.transform, operators split (first_layer=operators)",
            "des-user-ps": "a user's DeepFM via des.transform(mode=ps): this project's PS",
-           "des-user-auto": "a user's DeepFM via des.transform(mode=auto, sample=first batch)"}
+           "des-user-auto": "a user's DeepFM via des.transform(mode=auto, sample=first batch)",
+           "des-user-onetable": "DES, a user's one-table DeepFM (TFRA's style) via des.transform, defaults"}
 USER_OPTIONS = {"des-user": "", "des-user-rows": "first_layer=operators,tail=data_parallel,first_dense=rows",
                 "des-user-operators": "first_layer=operators", "des-user-ps": "mode=ps",
                 "des-user-auto": "mode=auto"}   # des.Options of each
@@ -62,10 +63,12 @@ def peer(n, model, data, a, out, launcher=None, script="peer_tfra.py", extra=())
     return json.load(open(out + ".rank0" if n > 1 else out))
 
 
-def user(n, model, data, a, out, launcher=None, options=""):
+def user(n, model, data, a, out, launcher=None, options="", tables="per-field"):
     """A user's DeepFM (or W&D) of TFRA tables through des.transform (scripts/user_deepfm.py), every
-    process reading the global batch; ``options``: des.Options as KEY=VALUE,... (empty: the defaults)."""
-    return peer(n, model, data, a, out, launcher, "user_deepfm.py", ("--options", options) if options else ())
+    process reading the global batch; ``options``: des.Options as KEY=VALUE,... (empty: the defaults);
+    ``tables``: per-field or one (TFRA's one-table style)."""
+    return peer(n, model, data, a, out, launcher, "user_deepfm.py",
+                (("--options", options) if options else ()) + ("--tables", tables))
 
 
 def launchers_for(n, model, data, reader, a, launcher):
@@ -77,12 +80,13 @@ def launchers_for(n, model, data, reader, a, launcher):
             "des-data-parallel": lambda out: des_run(out, ("--tail", "data_parallel", "--first-dense", "partials")),
             "des-rows": lambda out: des_run(out, ("--tail", "data_parallel", "--first-dense", "rows")),
             "ps": lambda out: run(n, "ps", model, data, a, out, reader, launcher),
-            **{key: (lambda out, o=o: user(n, model, data, a, out, launcher, o)) for key, o in USER_OPTIONS.items()}}
+            **{key: (lambda out, o=o: user(n, model, data, a, out, launcher, o)) for key, o in USER_OPTIONS.items()},
+            "des-user-onetable": lambda out: user(n, model, data, a, out, launcher, tables="one")}
 
 
 def checked_models(a, chosen: list[str]) -> list[str]:
     """--models as a list, refusing what the chosen systems cannot run."""
-    if a.preset == "wide" and set(chosen) & set(USER_OPTIONS):
+    if a.preset == "wide" and set(chosen) & (set(USER_OPTIONS) | {"des-user-onetable"}):
         raise SystemExit("--systems des-user*: the user's DeepFM (scripts/user_deepfm.py) has one-hot fields only; "
                          "use --preset criteo-like")
     models = a.models.split(",")

@@ -34,8 +34,10 @@ import tensorflow as tf  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def build(spec, dim: int, hidden, model: str = "deepfm") -> tf.keras.Model:
-    """The user's Keras model over ``spec``'s categorical fields: linear + FM + MLP (``wdl``: no FM)."""
+def build(spec, dim: int, hidden, model: str = "deepfm", tables: str = "per-field") -> tf.keras.Model:
+    """The user's Keras model over ``spec``'s categorical fields: linear + FM + MLP (``wdl``: no FM).
+    ``tables="one"``: TFRA's one-table style, the fields' ids (already distinct across fields) stacked
+    into [B, F] and looked up in ONE table of width ``dim`` and one of width 1."""
     from tensorflow_recommenders_addons import dynamic_embedding as de
     L = tf.keras.layers
     multi = [f.name for f in spec.sparse() if f.kind == "multi"]
@@ -44,16 +46,24 @@ def build(spec, dim: int, hidden, model: str = "deepfm") -> tf.keras.Model:
                          f"use the criteo-like preset (one id per field)")
     fields = spec.sparse()
     x = {f.name: tf.keras.Input(shape=(), dtype=tf.int64, name=f.name) for f in fields}
-    embs = [de.keras.layers.Embedding(dim, initializer=tf.keras.initializers.RandomUniform(-0.05, 0.05),
-                                      name=f"emb_{f.name}")(x[f.name]) for f in fields]
-    weights = [de.keras.layers.Embedding(1, initializer=tf.keras.initializers.Zeros(), name=f"w_{f.name}")(x[f.name])
-               for f in fields]
-    terms = [L.Add(name="linear")(weights)]                                             # [B, 1]
-    if model == "deepfm":
+    if tables == "one":
+        ids = tf.stack([x[f.name] for f in fields], axis=1)                              # [B, F]
+        e = de.keras.layers.Embedding(dim, initializer=tf.keras.initializers.RandomUniform(-0.05, 0.05),
+                                      name="emb_all")(ids)                               # [B, F, dim]
+        embs = [L.Flatten(name="embed_flat")(e)]
+        terms = [tf.reduce_sum(de.keras.layers.Embedding(1, initializer=tf.keras.initializers.Zeros(),
+                                                         name="w_all")(ids), axis=1)]    # [B, 1]
+    else:
+        embs = [de.keras.layers.Embedding(dim, initializer=tf.keras.initializers.RandomUniform(-0.05, 0.05),
+                                          name=f"emb_{f.name}")(x[f.name]) for f in fields]
+        weights = [de.keras.layers.Embedding(1, initializer=tf.keras.initializers.Zeros(),
+                                             name=f"w_{f.name}")(x[f.name]) for f in fields]
+        terms = [L.Add(name="linear")(weights)]                                         # [B, 1]
         e = tf.stack(embs, axis=1)                                                       # [B, F, dim]
+    if model == "deepfm":
         terms.append(0.5 * tf.reduce_sum(tf.square(tf.reduce_sum(e, axis=1)) - tf.reduce_sum(tf.square(e), axis=1),
                                           axis=1, keepdims=True))                        # [B, 1]
-    h = L.Concatenate(name="embed_concat")(embs)                                         # [B, F * dim]
+    h = L.Concatenate(name="embed_concat")(embs) if len(embs) > 1 else embs[0]           # [B, F * dim]
     for i, units in enumerate(hidden):
         h = L.Dense(units, activation="relu", name=f"dnn_{i}")(h)
     terms.append(L.Dense(1, name="dnn_out")(h))
@@ -100,11 +110,13 @@ def main() -> None:
     ap = runner_parser()
     ap.add_argument("--model", default="deepfm", choices=["deepfm", "wdl"])
     ap.add_argument("--options", default="", help="des.Options keywords KEY=VALUE,... (default: none)")
+    ap.add_argument("--tables", default="per-field", choices=["per-field", "one"],
+                    help="one TFRA table per field (default) or TFRA's one-table style (one table for all fields)")
     a = started(ap)
     import des
     from des_ops.comm import launcher_rank
     spec, ds = global_batches(a.data, a.batch, a.dim)
-    model = build(spec, a.dim, [int(u) for u in a.hidden.split(",") if u], a.model)
+    model = build(spec, a.dim, [int(u) for u in a.hidden.split(",") if u], a.model, a.tables)
     compile_user(model)
     options = parse_options(a.options)
     # a global batch (the first one: the same on every process): the plan balances the fields by their
@@ -117,7 +129,7 @@ def main() -> None:
         print(report, flush=True)
     hist, timed = timed_fit(model, ds, a.steps, a.batch, STARTED)
     write_summary(a.summary_json, rank, n, {
-        "mode": "des-transform-user", "world_size": n, "options": a.options, **timed,
+        "mode": "des-transform-user", "world_size": n, "options": a.options, "tables": a.tables, **timed,
         "train_auc_by_step": [[timed["steps"], hist["auc"][-1]]], "train_loss": hist["loss"][-1],
         "report": str(report).splitlines()})
 
