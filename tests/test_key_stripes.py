@@ -21,6 +21,7 @@ from des.graph.ir import Graph
 from des.jobs.verify import _on_every_rank, compare, copy_state, fit_and_snapshot, run_in_process_world
 from des.runtime import checkpoint
 from des_ops.comm import InProcessWorld
+from des_ops.stripes import StripeEmbedding
 from gallery import V, batches_for, optimizer_for
 from helpers import within
 
@@ -196,13 +197,14 @@ def test_processes_whose_stripe_no_id_reaches_take_part_and_nothing_hangs():
                                  for k in snap["tables"] for key in keys), (kw, r)
 
 
-def test_a_striped_model_checkpoints_resumes_on_another_n_and_one_process_and_exports(tmp_path):
-    """3 processes train 3 of 6 Adam steps of the TFRA one-table model, checkpoint, model.save and
+@pytest.mark.parametrize("kind", ["tfra", "keras"])
+def test_a_striped_model_checkpoints_resumes_on_another_n_and_one_process_and_exports(tmp_path, kind):
+    """3 processes train 3 of 6 Adam steps of the one-table model (TFRA or Keras), checkpoint, model.save and
     des.export (every process; rank 0 gathers every stripe's rows for them and keeps its own after);
     the save and the export predict what the DES model does, and the
     checkpoint resumed on 2 processes and in the untouched model on one process ends where the
     uninterrupted one-process model does."""
-    build, base, batches, probe, _ = _setup("tfra", steps=6, batch=32)
+    build, base, batches, probe, _ = _setup(kind, steps=6, batch=32)
     batches = batches[:6]
 
     def trained(m, part):
@@ -235,8 +237,9 @@ def test_a_striped_model_checkpoints_resumes_on_another_n_and_one_process_and_ex
         checkpoint.save(ckpt, ms[r], ms[r].optimizer)
         ms[r].save(str(tmp_path / "saved"))
         des.export(ms[r], str(tmp_path / "served"))
-        table = next(l for l in des.distributed(ms[r]).layer.owned if getattr(l, "des_key_stripe", None))
-        return got, sorted(table.params.export()[0].numpy().tolist())
+        table = next(l for l in des.distributed(ms[r]).layer.owned
+                     if getattr(l, "des_key_stripe", None) or isinstance(l, StripeEmbedding))
+        return got, sorted((table.keys() if kind == "keras" else table.params.export()[0].numpy()).tolist())
     got, held = zip(*_on_every_rank(w, first_half))
     assert all(keys and all(k % 3 == r for k in keys) for r, keys in enumerate(held)), held   # a stripe each again
     again = tf.keras.models.load_model(str(tmp_path / "saved"), compile=False)
