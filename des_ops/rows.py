@@ -39,9 +39,13 @@ class Block:
     model input (one id per sample) whose value decides the vector's value, or None. With a key,
     an owner sends each process each distinct id's row once (the first sample of that process's
     slice holding it): the receiver, which reads the same whole batch, knows the ids of its
-    samples and puts every row back in place, so de-duplicated rows need no index on the wire."""
+    samples and puts every row back in place, so de-duplicated rows need no index on the wire.
+    ``apart``: blocks of one key travel in one row unless their ``apart`` differ (a table split by
+    key stripe keeps its own rows together: no per-position interleave to build and undo); the
+    rows then travel in lanes of their own, which still share the key's de-duplication."""
     width: int
     key: str | None = None
+    apart: str = ""
 
 
 def _column_of(key: str) -> tuple[str, int | None]:
@@ -124,9 +128,9 @@ def _groups(blocks: list[Block]) -> list[_Group]:
     cols: dict = {}
     start = 0
     for b in blocks:
-        cols.setdefault(b.key, []).extend(range(start, start + b.width))
+        cols.setdefault((b.key, b.apart if b.key is not None else ""), []).extend(range(start, start + b.width))
         start += b.width
-    return [_Group(key, tuple(c)) for key, c in cols.items()]
+    return [_Group(key, tuple(c)) for (key, _), c in cols.items()]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,11 +152,16 @@ def _lanes(blocks: list[Block]) -> list[_Lane]:
         [(('a', 'b'), 3, (0, 1, 2, 3, 4, 5)), ((None,), 2, (6, 7))]
     """
     lanes: dict = {}
-    for g in _groups(blocks):
-        keys, cols = lanes.setdefault(None if g.key is None else g.width, ([], []))
+    for g, apart in zip(_groups(blocks), _aparts(blocks)):
+        keys, cols = lanes.setdefault(None if g.key is None else (g.width, apart), ([], []))
         keys.append(g.key)
         cols.extend(g.cols)
-    return [_Lane(tuple(keys), len(cols) if w is None else w, tuple(cols)) for w, (keys, cols) in lanes.items()]
+    return [_Lane(tuple(keys), len(cols) if w is None else w[0], tuple(cols)) for w, (keys, cols) in lanes.items()]
+
+
+def _aparts(blocks: list[Block]) -> list[str]:
+    """Each group's ``apart``, in _groups' order."""
+    return [apart for _, apart in dict.fromkeys((b.key, b.apart if b.key is not None else "") for b in blocks)]
 
 
 def wire_order(blocks: list[Block]) -> list[int]:

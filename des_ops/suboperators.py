@@ -180,7 +180,7 @@ class StripeRowsSubOp(FieldRowsSubOp):
     distinct id, the others' zeros once) when every position has a key, else one block; the
     receiver adds the senders' blocks in rank order.
 
-        >>> op = StripeRowsSubOp(["t%0"], stripe=0, stripes=2, count=2, width=1)
+        >>> op = StripeRowsSubOp(["t%0"], stripe=0, stripes=2, count=2, width=1, table="t3")
         >>> op.stripe_keys = ["ids[0]", "ids[1]"]
         >>> [[b.key for b in bl] for bl in op.samples_blocks(2)]
         [['ids[0]@0/2', 'ids[1]@0/2'], ['ids[0]@1/2', 'ids[1]@1/2']]
@@ -190,13 +190,15 @@ class StripeRowsSubOp(FieldRowsSubOp):
     """
     stripe_keys: list | None = None     # by samples: each position's key, when all have one
 
-    def __init__(self, fields, *, stripe: int, stripes: int, count: int, width: int, **kwargs):
+    def __init__(self, fields, *, stripe: int, stripes: int, count: int, width: int, table: str = "", **kwargs):
         super().__init__(fields, width=count * width, **kwargs)
         self.stripe, self.stripes, self.count, self.row_width = int(stripe), int(stripes), int(count), int(width)
+        self.table = table        # the same on every process (its graph position): its blocks travel apart
 
     def samples_blocks(self, world_size: int) -> list[list[Block]]:
         if self.stripe_keys and all(k is not None for k in self.stripe_keys):
-            return [[Block(self.row_width, f"{k}@{p}/{world_size}") for k in self.stripe_keys] for p in range(world_size)]
+            return [[Block(self.row_width, f"{k}@{p}/{world_size}", apart=self.table) for k in self.stripe_keys]
+                    for p in range(world_size)]
         return [[Block(self.width)] for _ in range(world_size)]
 
     def sent_rows(self, vectors, batch) -> tf.Tensor:
@@ -404,16 +406,49 @@ class DESFirstLayer(tf.keras.layers.Layer):
         mine = sent[self.comm.rank]
         e = self._fused_rows_sent(mine, vectors)
         if e is None:
-            sent_by_op = {i: self._sent_by_block(i, flat, batch) for i, _, _ in mine}
-            e = tf.concat([sent_by_op[i][k] for i, k, _ in mine], axis=1) if mine else dm.zeros(batch, 0)
+            e = self._sent_in_order(mine, flat, batch)
         blocks = [[b for _, _, b in bl] for bl in sent]
         x = rows_to_samples(self.comm, e, [sum(b.width for b in bl) for bl in blocks], self.rows_anchor,
                             f"{self.collective}_samples", blocks, _keys_of(blocks, inputs))
-        everyone = [ib for bl in sent for ib in bl]                       # as x holds them: ranks in order
+        # as x holds them, ranks in order; consecutive blocks of one operator and sender as one piece
+        runs: list[list] = []
+        for p, bl in enumerate(sent):
+            for i, _, b in bl:
+                if runs and runs[-1][:2] == [p, i]:
+                    runs[-1][2] += b.width
+                else:
+                    runs.append([p, i, b.width])
         pieces: dict[int, list] = {}
-        for (i, _, _), part in zip(everyone, tf.split(x, [b.width for _, _, b in everyone], axis=1)):
+        parts = tf.split(x, [w for _, _, w in runs], axis=1) if len(runs) > 1 else [x]
+        for (_, i, _), part in zip(runs, parts):
             pieces.setdefault(i, []).append(part)
         return {i: self.ops[i].combine(self.ops[i].from_pieces(pieces[i])) for i in sampled}
+
+    def _sent_in_order(self, mine: list[tuple], flat: dict, batch: tf.Tensor) -> tf.Tensor:
+        """This process's rows of its blocks ``mine`` ((operator, block index, block)) side by side in
+        that order: an operator whose blocks all come in a row, in its order, as it made them (no
+        split and join, forward or backward); the others block by block."""
+        if not mine:
+            return dm.zeros(batch, 0)
+        runs: list[list] = []
+        for i, k, _ in mine:
+            if runs and runs[-1][0] == i and runs[-1][-1] == k - 1:
+                runs[-1].append(k)
+            else:
+                runs.append([i, k])
+        count = {i: len(self.ops[i].samples_blocks(self.comm.world_size)[self.comm.rank]) for i, _, _ in mine}
+        split: dict = {}
+        parts = []
+        for i, *ks in runs:
+            if ks == list(range(count[i])):
+                width = sum(b.width for b in self.ops[i].samples_blocks(self.comm.world_size)[self.comm.rank])
+                parts.append(tf.reshape(self.ops[i].sent_rows([flat[t] for t in self._op_inputs[i]], batch),
+                                        [-1, width]))
+                continue
+            if i not in split:
+                split[i] = self._sent_by_block(i, flat, batch)
+            parts += [split[i][k] for k in ks]
+        return parts[0] if len(parts) == 1 else tf.concat(parts, axis=1)
 
     def _sent_by_block(self, i: int, flat: dict, batch: tf.Tensor) -> list[tf.Tensor]:
         """What operator ``i`` sends from this process, [B, width] per block (a key-range table's

@@ -102,7 +102,7 @@ class FieldRowsRule(Rule):
             stripe = owned[0].key_stripe[0] if owned else -1
             return StripeRowsSubOp([v.field for v in owned], stripe=stripe, stripes=match.data["stripes"],
                                    count=match.out_shape[0], width=match.out_shape[1], name=name,
-                                   source=match.root.layer.name)
+                                   source=match.root.layer.name, table=f"table{match.root.index}")
         if "ranges" in match.data:
             return KeyRangeRowsSubOp([v.field for v in owned], positions=[match.vectors.index(v) for v in owned],
                                      count=len(match.vectors), width=match.vectors[0].width, name=name,
