@@ -375,6 +375,15 @@ def batches_for(model: tf.keras.Model, steps: int, batch: int, seed: int = 0) ->
     return out
 
 
+def sliced_batches(model: tf.keras.Model, rows: int, batch: int, seed: int = 4, probe_rows: int = 16,
+                   probe_seed: int = 99) -> tuple[list, dict]:
+    """(``rows`` rows of batches_for cut into batches of ``batch``, the last one shorter; a probe
+    batch of ``probe_rows``)."""
+    x, y = batches_for(model, 1, rows, seed=seed)[0]
+    batches = [({k: v[i:i + batch] for k, v in x.items()}, y[i:i + batch]) for i in range(0, rows, batch)]
+    return batches, batches_for(model, 1, probe_rows, seed=probe_seed)[0][0]
+
+
 def rows_reordered(batches: list, seed: int) -> list:
     """``batches`` with each batch's rows in another order (a seeded permutation): the same loss,
     other float32 summation orders (the spread one process shows by itself, tests/test_gallery.py)."""

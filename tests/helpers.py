@@ -122,3 +122,78 @@ def within(name: str, value: float, bound: float, floor: float | None = None, ca
     if floor is not None:
         assert value > floor, (name, value, floor)
     return value
+
+
+def trained(model, batches, probe) -> np.ndarray:
+    """``model.train_on_batch`` over ``batches`` in order, then its predictions on ``probe``."""
+    for x, y in batches:
+        model.train_on_batch(x, y)
+    return np.asarray(model.predict_on_batch(probe))
+
+
+def adam_world(n: int, build, base) -> tuple:
+    """(an InProcessWorld of ``n``, its models): ``build()`` transformed on every simulated rank, rank 0
+    from ``base``'s state (the transform's broadcast gives it to the others), each compiled with
+    Adam as tests/gallery.py's optimizer_for makes it."""
+    import des
+    from des.jobs.verify import copy_state
+    from des_ops.comm import InProcessWorld
+    from gallery import optimizer_for
+    world, models = InProcessWorld(n), []
+    for r in range(n):
+        model = build()
+        if r == 0:
+            copy_state(base, model)
+        models.append(des.transform(model, comm=world.communicator(r))[0])
+        models[-1].compile(optimizer_for(models[-1], "adam"), "binary_crossentropy")
+    return world, models
+
+
+def served(path: str, probe: dict) -> np.ndarray:
+    """The predictions, flat, of the SavedModel des.export wrote at ``path`` on the batch ``probe``."""
+    import tensorflow as tf
+    serve = tf.saved_model.load(path).signatures["serving_default"]
+    return np.reshape(next(iter(serve(**{k: tf.constant(v) for k, v in probe.items()}).values())), [-1])
+
+
+def fit_counting_rows(model, batches, probe, n: int) -> tuple:
+    """(fit_and_snapshot's snapshot with Adam 0.02, the bytes its rows exchange handed to the
+    collectives under "step" and "tail", every process's blocks by samples) of one DES model."""
+    import des
+    from des.jobs.verify import fit_and_snapshot
+    layer = des.distributed(model).layer
+    before = layer.comm.counted()
+    snap = fit_and_snapshot(model, batches, probe, optimizer="adam", learning_rate=0.02)
+    after = layer.comm.counted()
+    sent = [op for op, s in zip(layer.ops, layer.to_samples) if s]
+    blocks = [[b for op in sent for b in op.samples_blocks(n)[p]] for p in range(n)]
+    return snap, {k: after[k]["bytes"] - before[k]["bytes"] for k in ("step", "tail")}, blocks
+
+
+def check_rows_saved_by_distinct_ids(runs: dict, batches, probe, rank: int) -> None:
+    """``runs[True]`` / ``runs[False]``: fit_counting_rows of every rank with distinct_rows on / off.
+    Rank ``rank`` handed over exactly the bytes numpy counts fewer (des_ops.rows.distinct_rows, per
+    slice and block of its keyed blocks), forward under "step" and back under "tail" (the probe's
+    prediction: no backward), and some."""
+    import dataclasses
+    from des_ops.rows import distinct_rows
+    keyed = runs[True][rank][2]
+    unkeyed = [[dataclasses.replace(b, key=None) for b in bl] for bl in keyed]
+    fed = [{k: np.asarray(v) for k, v in x.items()} for x in [x for x, _ in batches] + [probe]]
+    size = lambda x: len(next(iter(x.values())))  # noqa: E731
+    saved = [tuple(e - d for d, e in zip(distinct_rows(x, keyed, size(x), rank),
+                                         distinct_rows(x, unkeyed, size(x), rank))) for x in fed]
+    step = runs[False][rank][1]["step"] - runs[True][rank][1]["step"]
+    tail = runs[False][rank][1]["tail"] - runs[True][rank][1]["tail"]
+    assert step == 4 * sum(s for s, _ in saved) > 0, (rank, step, saved)
+    assert tail == 4 * sum(g for _, g in saved[:-1]) > 0, (rank, tail, saved)
+
+
+def save_three_ways(model, where) -> None:
+    """des.checkpoint.save to ``where``/ckpt, model.save to ``where``/saved and des.export to
+    ``where``/served (on every process of a DES model)."""
+    import des
+    from des.runtime import checkpoint
+    checkpoint.save(os.path.join(where, "ckpt"), model, model.optimizer)
+    model.save(os.path.join(where, "saved"))
+    des.export(model, os.path.join(where, "served"))

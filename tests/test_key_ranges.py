@@ -18,8 +18,9 @@ from des.graph.ir import Graph
 from des.jobs.verify import _on_every_rank, compare, copy_state, fit_and_snapshot, run_in_process_world
 from des.runtime import checkpoint
 from des_ops.comm import InProcessWorld
-from gallery import BUILDERS, FIELDS, V, batches_for, dlrm_offsets, optimizer_for
-from helpers import within
+from gallery import BUILDERS, FIELDS, V, dlrm_offsets, optimizer_for, sliced_batches
+from helpers import (adam_world, check_rows_saved_by_distinct_ids, fit_counting_rows, save_three_ways, served,
+                     trained, within)
 
 L = tf.keras.layers
 P = len(FIELDS)
@@ -34,10 +35,7 @@ def _ranges_held(model) -> list[tuple]:
 def _setup(steps=5, batch=31):
     tf.keras.utils.set_random_seed(0)
     base = dlrm_offsets()
-    x, y = batches_for(base, 1, steps * batch + 2, seed=4)[0]
-    rows = steps * batch + 2
-    batches = [({k: v[i:i + batch] for k, v in x.items()}, y[i:i + batch]) for i in range(0, rows, batch)]
-    probe = batches_for(base, 1, 16, seed=99)[0][0]
+    batches, probe = sliced_batches(base, steps * batch + 2, batch)
     reference = dlrm_offsets()
     copy_state(base, reference)
     return base, batches, probe, reference
@@ -146,48 +144,30 @@ def test_a_split_model_saves_the_untouched_model_and_resumes_on_another_n_and_on
     base, batches, probe, _ = _setup(steps=6, batch=32)
     batches = batches[:6]
 
-    def trained(m, part):
-        for x, y in part:
-            m.train_on_batch(x, y)
-        return np.asarray(m.predict_on_batch(probe))
     ref = dlrm_offsets()
     copy_state(base, ref)
     ref.compile(optimizer_for(ref, "adam"), "binary_crossentropy")
-    want = trained(ref, batches)
-
-    def world(n):
-        w, ms = InProcessWorld(n), []
-        for r in range(n):
-            m = dlrm_offsets()
-            if r == 0:
-                copy_state(base, m)
-            ms.append(des.transform(m, comm=w.communicator(r))[0])
-            ms[-1].compile(optimizer_for(ms[-1], "adam"), "binary_crossentropy")
-        return w, ms
-    ckpt = str(tmp_path / "ckpt")
-    w, ms = world(3)
+    want = trained(ref, batches, probe)
+    ckpt = str(tmp_path / "ckpt")         # written by save_three_ways
+    w, ms = adam_world(3, dlrm_offsets, base)
 
     def first_half(r):
-        got = trained(ms[r], batches[:3])
-        checkpoint.save(ckpt, ms[r], ms[r].optimizer)
-        ms[r].save(str(tmp_path / "saved"))
-        des.export(ms[r], str(tmp_path / "served"))
+        got = trained(ms[r], batches[:3], probe)
+        save_three_ways(ms[r], str(tmp_path))
         return got
     got = _on_every_rank(w, first_half)
     again = tf.keras.models.load_model(str(tmp_path / "saved"), compile=False)
     assert [type(l).__name__ for l in again.layers if isinstance(l, L.Embedding)] == ["Embedding"] * 2
     within("DLRM key ranges: model.save, loaded", float(np.abs(again.predict_on_batch(probe) - got[0]).max()), 1e-6)
-    serve = tf.saved_model.load(str(tmp_path / "served")).signatures["serving_default"]
-    served = next(iter(serve(**{k: tf.constant(v) for k, v in probe.items()}).values()))
-    within("DLRM key ranges: des.export, served", float(np.abs(np.reshape(served, [-1]) - got[0].reshape(-1)).max()),
-           1e-6)
+    within("DLRM key ranges: des.export, served",
+           float(np.abs(served(str(tmp_path / "served"), probe) - got[0].reshape(-1)).max()), 1e-6)
     untouched = [l for l in des.distributed(ms[0]).source.layers if isinstance(l, L.Embedding)]
     assert [l.embeddings for l in untouched] == [None, None]     # after the save rank 0 holds its ranges only
 
     def second_half(m):
         checkpoint.restore(ckpt, m, m.optimizer)
-        return trained(m, batches[3:])
-    w2, ms2 = world(2)
+        return trained(m, batches[3:], probe)
+    w2, ms2 = adam_world(2, dlrm_offsets, base)
     resumed = _on_every_rank(w2, lambda r: second_half(ms2[r]))
     one = dlrm_offsets()
     copy_state(base, one)
@@ -213,9 +193,7 @@ def test_ranges_over_a_stack_of_inputs_are_named_after_them_and_go_with_their_fi
     so f0's own linear table has the same owner as f0's range; N = 3 equals one process."""
     tf.keras.utils.set_random_seed(0)
     base = stacked_inputs_model()
-    x, y = batches_for(base, 1, 5 * 31 + 2, seed=4)[0]
-    batches = [({k: v[i:i + 31] for k, v in x.items()}, y[i:i + 31]) for i in range(0, 5 * 31 + 2, 31)]
-    probe = batches_for(base, 1, 16, seed=99)[0][0]
+    batches, probe = sliced_batches(base, 5 * 31 + 2, 31)
     reference = stacked_inputs_model()
     copy_state(base, reference)
     fit = lambda m: fit_and_snapshot(m, batches, probe, optimizer="adam", learning_rate=0.02)  # noqa: E731
@@ -249,9 +227,7 @@ def test_a_table_by_offsets_that_cannot_be_split_has_one_owner_and_the_report_sa
                      text), text
     tf.keras.utils.set_random_seed(0)
     base = build()
-    x, y = batches_for(base, 1, 3 * 31, seed=4)[0]
-    batches = [({k: v[i:i + 31] for k, v in x.items()}, y[i:i + 31]) for i in range(0, 3 * 31, 31)]
-    probe = batches_for(base, 1, 16, seed=99)[0][0]
+    batches, probe = sliced_batches(base, 3 * 31, 31)
     reference = build()
     copy_state(base, reference)
     fit = lambda m: fit_and_snapshot(m, batches, probe, optimizer="adam", learning_rate=0.02)  # noqa: E731
@@ -267,33 +243,15 @@ def test_key_range_rows_travel_once_per_distinct_id_of_each_slice():
     slice each position's distinct ids' rows once: at N = 3 equal to one process, and the bytes handed to the collectives smaller by exactly the rows not sent,
     counted in numpy per slice and position from the batches' ids (des_ops.rows.distinct_rows) -
     forward under "step", the gradients back under "tail"; the report names the keys."""
-    import dataclasses
-    from des_ops.rows import distinct_rows
     base, batches, probe, reference = _setup()
-
-    def work(m):
-        layer = des.distributed(m).layer
-        before = layer.comm.counted()
-        snap = fit_and_snapshot(m, batches, probe, optimizer="adam", learning_rate=0.02)
-        after = layer.comm.counted()
-        ranged = [op for op, s in zip(layer.ops, layer.to_samples) if s]
-        blocks = [[b for op in ranged for b in op.samples_blocks(3)[p]] for p in range(3)]
-        return snap, {k: after[k]["bytes"] - before[k]["bytes"] for k in ("step", "tail")}, blocks
     n = 3
-    runs = {d: run_in_process_world(n, dlrm_offsets, work, init_from=base, tail="data_parallel", field_rows="samples",
-                                    distinct_rows=d) for d in (True, False)}
+    runs = {d: run_in_process_world(n, dlrm_offsets, lambda m: fit_counting_rows(m, batches, probe, n), init_from=base,
+                                    tail="data_parallel", field_rows="samples", distinct_rows=d) for d in (True, False)}
     for r in range(n):
         keyed, plain = runs[True][r][2], runs[False][r][2]
         assert {b.key for bl in keyed for b in bl} == {f"ids[{f}]" for f in range(P)}
         assert all(b.key is None for bl in plain for b in bl)
-        unkeyed = [[dataclasses.replace(b, key=None) for b in bl] for bl in keyed]
-        fed = [{k: np.asarray(v) for k, v in x.items()} for x in [x for x, _ in batches] + [probe]]
-        saved = [tuple(e - d for d, e in zip(distinct_rows(x, keyed, len(x["ids"]), r),
-                                             distinct_rows(x, unkeyed, len(x["ids"]), r))) for x in fed]
-        step = runs[False][r][1]["step"] - runs[True][r][1]["step"]
-        tail = runs[False][r][1]["tail"] - runs[True][r][1]["tail"]
-        assert step == 4 * sum(s for s, _ in saved) > 0, (r, step, saved)
-        assert tail == 4 * sum(g for _, g in saved[:-1]) > 0, (r, tail, saved)    # the probe: no backward
+        check_rows_saved_by_distinct_ids(runs, batches, probe, r)
     ref = fit_and_snapshot(reference, batches, probe, optimizer="adam", learning_rate=0.02)
     diff = compare(ref, [s for s, _, _ in runs[True]])
     within("key ranges by samples, distinct rows, N=3: predictions", diff["predictions"], 6e-7)

@@ -7,7 +7,6 @@ process under both tails, every key held by its stripe's process only, rows by s
 distinct id (bytes counted in numpy), checkpoints that resume on another N and on one process,
 saves and exports that serve, processes whose stripe no id reaches, and the tables that must not
 be split so. Under mpirun: tests/test_mpi.py (test_one_table_split_by_key_stripe_under_mpirun)."""
-import dataclasses
 import itertools
 
 import numpy as np
@@ -22,8 +21,9 @@ from des.jobs.verify import _on_every_rank, compare, copy_state, fit_and_snapsho
 from des.runtime import checkpoint
 from des_ops.comm import InProcessWorld
 from des_ops.stripes import StripeEmbedding
-from gallery import V, batches_for, optimizer_for
-from helpers import within
+from gallery import V, optimizer_for, sliced_batches
+from helpers import (adam_world, check_rows_saved_by_distinct_ids, fit_counting_rows, save_three_ways, served,
+                     trained, within)
 
 L = tf.keras.layers
 P, K = 4, 4
@@ -61,10 +61,7 @@ def _setup(kind: str, offsets: bool = False, steps: int = 5, batch: int = 31, st
     base = build()
     if kind == "tfra":
         des.make_keyed(base, seed=0)         # new rows from (table, key, seed), as DES makes them
-    rows = steps * batch + 2
-    x, y = batches_for(base, 1, rows, seed=4)[0]
-    batches = [({k: v[i:i + batch] for k, v in x.items()}, y[i:i + batch]) for i in range(0, rows, batch)]
-    probe = batches_for(base, 1, 16, seed=99)[0][0]
+    batches, probe = sliced_batches(base, steps * batch + 2, batch)
     reference = build()
     copy_state(base, reference)
     if kind == "tfra":
@@ -134,31 +131,13 @@ def test_stripe_rows_travel_once_per_distinct_id_of_each_slice():
     collectives are smaller than with ``distinct_rows=False`` by exactly what numpy counts per slice
     and position (des_ops.rows.distinct_rows), forward under "step" and back under "tail"; both equal
     one process; the report names the keys and gives each stripe's bytes."""
-    from des_ops.rows import distinct_rows
     build, base, batches, probe, reference = _setup("keras")
     n = 3
-
-    def work(m):
-        layer = des.distributed(m).layer
-        before = layer.comm.counted()
-        snap = fit_and_snapshot(m, batches, probe, optimizer="adam", learning_rate=0.02)
-        after = layer.comm.counted()
-        sent = [op for op, s in zip(layer.ops, layer.to_samples) if s]
-        blocks = [[b for op in sent for b in op.samples_blocks(n)[p]] for p in range(n)]
-        return snap, {k: after[k]["bytes"] - before[k]["bytes"] for k in ("step", "tail")}, blocks
-    runs = {d: run_in_process_world(n, build, work, init_from=base, tail="data_parallel", field_rows="samples",
-                                    distinct_rows=d) for d in (True, False)}
+    runs = {d: run_in_process_world(n, build, lambda m: fit_counting_rows(m, batches, probe, n), init_from=base,
+                                    tail="data_parallel", field_rows="samples", distinct_rows=d) for d in (True, False)}
     for r in range(n):
-        keyed = runs[True][r][2]
-        assert {b.key for b in keyed[1]} >= {f"ids[{f}]@1/{n}" for f in range(P)}, keyed
-        unkeyed = [[dataclasses.replace(b, key=None) for b in bl] for bl in keyed]
-        fed = [{k: np.asarray(v) for k, v in x.items()} for x in [x for x, _ in batches] + [probe]]
-        saved = [tuple(e - d for d, e in zip(distinct_rows(x, keyed, len(x["ids"]), r),
-                                             distinct_rows(x, unkeyed, len(x["ids"]), r))) for x in fed]
-        step = runs[False][r][1]["step"] - runs[True][r][1]["step"]
-        tail = runs[False][r][1]["tail"] - runs[True][r][1]["tail"]
-        assert step == 4 * sum(s for s, _ in saved) > 0, (r, step, saved)
-        assert tail == 4 * sum(g for _, g in saved[:-1]) > 0, (r, tail, saved)    # the probe: no backward
+        assert {b.key for b in runs[True][r][2][1]} >= {f"ids[{f}]@1/{n}" for f in range(P)}, runs[True][r][2]
+        check_rows_saved_by_distinct_ids(runs, batches, probe, r)
     ref = fit_and_snapshot(reference, batches, probe, optimizer="adam", learning_rate=0.02)
     for d in (True, False):
         diff = compare(ref, [s for s, _, _ in runs[d]])
@@ -181,9 +160,7 @@ def test_processes_whose_stripe_no_id_reaches_take_part_and_nothing_hangs():
         return tf.keras.Model(ids, L.Dense(1, activation="sigmoid")(L.Dense(8, activation="relu")(L.Flatten()(e))))
     tf.keras.utils.set_random_seed(0)
     base = build()
-    x, y = batches_for(base, 1, 3 * 16 + 1, seed=2)[0]
-    batches = [({k: v[i:i + 16] for k, v in x.items()}, y[i:i + 16]) for i in range(0, 3 * 16 + 1, 16)]
-    probe = batches_for(base, 1, 8, seed=9)[0][0]
+    batches, probe = sliced_batches(base, 3 * 16 + 1, 16, seed=2, probe_rows=8, probe_seed=9)
     reference = build()
     copy_state(base, reference)
     ref = _fit(batches, probe)(reference)
@@ -207,36 +184,19 @@ def test_a_striped_model_checkpoints_resumes_on_another_n_and_one_process_and_ex
     build, base, batches, probe, _ = _setup(kind, steps=6, batch=32)
     batches = batches[:6]
 
-    def trained(m, part):
-        for x, y in part:
-            m.train_on_batch(x, y)
-        return np.asarray(m.predict_on_batch(probe))
-
     def plain():
         m = build()
         copy_state(base, m)
         des.make_keyed(m, seed=0)
         m.compile(optimizer_for(m, "adam"), "binary_crossentropy")
         return m
-    want = trained(plain(), batches)
-
-    def world(n):
-        w, ms = InProcessWorld(n), []
-        for r in range(n):
-            m = build()
-            if r == 0:
-                copy_state(base, m)
-            ms.append(des.transform(m, comm=w.communicator(r))[0])
-            ms[-1].compile(optimizer_for(ms[-1], "adam"), "binary_crossentropy")
-        return w, ms
-    ckpt = str(tmp_path / "ckpt")
-    w, ms = world(3)
+    want = trained(plain(), batches, probe)
+    ckpt = str(tmp_path / "ckpt")         # written by save_three_ways
+    w, ms = adam_world(3, build, base)
 
     def first_half(r):
-        got = trained(ms[r], batches[:3])
-        checkpoint.save(ckpt, ms[r], ms[r].optimizer)
-        ms[r].save(str(tmp_path / "saved"))
-        des.export(ms[r], str(tmp_path / "served"))
+        got = trained(ms[r], batches[:3], probe)
+        save_three_ways(ms[r], str(tmp_path))
         table = next(l for l in des.distributed(ms[r]).layer.owned
                      if getattr(l, "des_key_stripe", None) or isinstance(l, StripeEmbedding))
         return got, sorted((table.keys() if kind == "keras" else table.params.export()[0].numpy()).tolist())
@@ -244,14 +204,13 @@ def test_a_striped_model_checkpoints_resumes_on_another_n_and_one_process_and_ex
     assert all(keys and all(k % 3 == r for k in keys) for r, keys in enumerate(held)), held   # a stripe each again
     again = tf.keras.models.load_model(str(tmp_path / "saved"), compile=False)
     within("stripes: model.save, loaded", float(np.abs(again.predict_on_batch(probe) - got[0]).max()), 1e-6)
-    serve = tf.saved_model.load(str(tmp_path / "served")).signatures["serving_default"]
-    served = next(iter(serve(**{k: tf.constant(v) for k, v in probe.items()}).values()))
-    within("stripes: des.export, served", float(np.abs(np.reshape(served, [-1]) - got[0].reshape(-1)).max()), 1e-6)
+    within("stripes: des.export, served", float(np.abs(served(str(tmp_path / "served"), probe) - got[0].reshape(-1)).max()),
+           1e-6)
 
     def second_half(m):
         checkpoint.restore(ckpt, m, m.optimizer)
-        return trained(m, batches[3:])
-    w2, ms2 = world(2)
+        return trained(m, batches[3:], probe)
+    w2, ms2 = adam_world(2, build, base)
     resumed = _on_every_rank(w2, lambda r: second_half(ms2[r]))
     resumed.append(second_half(plain()))
     within("stripes: checkpoint of 3 resumed on 2 and on one process", max(float(np.abs(p - want).max())
