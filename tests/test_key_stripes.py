@@ -215,3 +215,24 @@ def test_a_striped_model_checkpoints_resumes_on_another_n_and_one_process_and_ex
     resumed.append(second_half(plain()))
     within("stripes: checkpoint of 3 resumed on 2 and on one process", max(float(np.abs(p - want).max())
                                                                            for p in resumed), 2e-6)
+
+
+def test_the_ps_and_mode_auto_train_a_one_table_model_as_one_process_does():
+    """des.Options(mode="ps") and mode="auto" (with a sample batch) on TFRA's one-table style
+    (tests/gallery.py tfra_one_table) at N = 2: 4 Adam steps, predictions within 1e-6 of one process
+    (measured 6e-8)."""
+    from gallery import BUILDERS
+    build = BUILDERS["tfra_one_table"]
+    tf.keras.utils.set_random_seed(0)
+    base = build()
+    des.make_keyed(base, seed=0)
+    batches, probe = sliced_batches(base, 4 * 31, 31)
+    reference = build()
+    copy_state(base, reference)
+    des.make_keyed(reference, seed=0)
+    ref = _fit(batches, probe)(reference)
+    sample = {k: np.asarray(v) for k, v in batches[0][0].items()}
+    for mode in ("ps", "auto"):
+        ranks = run_in_process_world(2, build, _fit(batches, probe), init_from=base, mode=mode, sample=sample)
+        within(f"one table, mode {mode}, N=2: predictions",
+               max(float(np.abs(r["predictions"] - ref["predictions"]).max()) for r in ranks), 1e-6)
