@@ -441,21 +441,24 @@ class DESFirstLayer(tf.keras.layers.Layer):
         parts = []
         for i, *ks in runs:
             if ks == list(range(count[i])):
-                width = sum(b.width for b in self.ops[i].samples_blocks(self.comm.world_size)[self.comm.rank])
-                parts.append(tf.reshape(self.ops[i].sent_rows([flat[t] for t in self._op_inputs[i]], batch),
-                                        [-1, width]))
+                parts.append(self._sent_rows(i, flat, batch))
                 continue
             if i not in split:
                 split[i] = self._sent_by_block(i, flat, batch)
             parts += [split[i][k] for k in ks]
         return parts[0] if len(parts) == 1 else tf.concat(parts, axis=1)
 
+    def _sent_rows(self, i: int, flat: dict, batch: tf.Tensor) -> tf.Tensor:
+        """What operator ``i`` sends from this process, [B, its blocks' width]."""
+        blocks = self.ops[i].samples_blocks(self.comm.world_size)[self.comm.rank]
+        return tf.reshape(self.ops[i].sent_rows([flat[t] for t in self._op_inputs[i]], batch),
+                          [-1, sum(b.width for b in blocks)])
+
     def _sent_by_block(self, i: int, flat: dict, batch: tf.Tensor) -> list[tf.Tensor]:
         """What operator ``i`` sends from this process, [B, width] per block (a key-range table's
         one block per position: its columns of the positions' rows)."""
         blocks = self.ops[i].samples_blocks(self.comm.world_size)[self.comm.rank]
-        rows = tf.reshape(self.ops[i].sent_rows([flat[t] for t in self._op_inputs[i]], batch),
-                          [-1, sum(b.width for b in blocks)])
+        rows = self._sent_rows(i, flat, batch)
         if len(blocks) == 1:
             return [rows]
         # one split, not a slice per block: a slice's gradient is a whole [B, width] of zeros around
