@@ -62,6 +62,9 @@ class Rule:
     name: str = ""
     priority: int = 0
     fallback = False          # True: not tried node by node (rewrite_rules.field_rows runs after the others)
+    # True: exact when a field vector it reads is split into key stripes (one id a sample: the sum over
+    # processes of the stripes' vectors is the vector, and exactly one of them is non-zero; des.compiler.big_tables)
+    stripes_exact = False
 
     def match(self, graph: Graph, fields: FieldAnalysis, node: Node) -> Match | Rejection | None:  # pragma: no cover
         raise NotImplementedError

@@ -18,6 +18,7 @@ PATTERN = Alt(Op("bi_interaction", E), half(DIFF))
 @register(priority=20)
 class BiInteractionRule(Rule):
     name = "bi_interaction"
+    stripes_exact = True
 
     def match(self, graph, fields, node):
         return interaction_match(self.name, PATTERN, graph, fields, node, lambda k: k)

@@ -84,6 +84,7 @@ class MaskedRows(tf.keras.layers.Layer):
 @register(priority=0)
 class FieldRowsRule(Rule):
     name = NAME
+    stripes_exact = True
     fallback = True                     # not tried at every node: see gather_left
 
     def match(self, graph, fields, node):
@@ -100,9 +101,10 @@ class FieldRowsRule(Rule):
     def sub_operator(self, match: Match, owned: list[FieldVector], name: str):
         if "stripes" in match.data:
             stripe = owned[0].key_stripe[0] if owned else -1
+            count, width = match.data.get("stripe_shape", match.out_shape)    # a big field's: one row (big_tables)
             return StripeRowsSubOp([v.field for v in owned], stripe=stripe, stripes=match.data["stripes"],
-                                   count=match.out_shape[0], width=match.out_shape[1], name=name,
-                                   source=match.root.layer.name, table=f"table{match.root.index}")
+                                   count=count, width=width, name=name, source=match.root.layer.name,
+                                   table=f"table{match.vectors[0].table.index}")
         if "ranges" in match.data:
             return KeyRangeRowsSubOp([v.field for v in owned], positions=[match.vectors.index(v) for v in owned],
                                      count=len(match.vectors), width=match.vectors[0].width, name=name,

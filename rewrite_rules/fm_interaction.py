@@ -57,6 +57,7 @@ def interaction_match(rule: str, pattern, graph, fields, node, per_sample_size):
 @register(priority=30)
 class FMInteractionRule(Rule):
     name = "fm_interaction"
+    stripes_exact = True
 
     def match(self, graph, fields, node):
         return interaction_match(self.name, PATTERN, graph, fields, node, lambda k: 1)

@@ -24,6 +24,7 @@ def _size(shape) -> int:
 @register(priority=10)
 class LinearSumRule(Rule):
     name = "lr_sum"
+    stripes_exact = True
 
     def match(self, graph, fields, node):
         if node.kind == "add":

@@ -131,10 +131,10 @@ def trained(model, batches, probe) -> np.ndarray:
     return np.asarray(model.predict_on_batch(probe))
 
 
-def adam_world(n: int, build, base) -> tuple:
-    """(an InProcessWorld of ``n``, its models): ``build()`` transformed on every simulated rank, rank 0
-    from ``base``'s state (the transform's broadcast gives it to the others), each compiled with
-    Adam as tests/gallery.py's optimizer_for makes it."""
+def adam_world(n: int, build, base, options=None, spec=None) -> tuple:
+    """(an InProcessWorld of ``n``, its models): ``build()`` transformed on every simulated rank (with
+    des.Options ``options`` and ``spec``), rank 0 from ``base``'s state (the transform's broadcast
+    gives it to the others), each compiled with Adam as tests/gallery.py's optimizer_for makes it."""
     import des
     from des.jobs.verify import copy_state
     from des_ops.comm import InProcessWorld
@@ -144,7 +144,7 @@ def adam_world(n: int, build, base) -> tuple:
         model = build()
         if r == 0:
             copy_state(base, model)
-        models.append(des.transform(model, comm=world.communicator(r))[0])
+        models.append(des.transform(model, options, comm=world.communicator(r), spec=spec)[0])
         models[-1].compile(optimizer_for(models[-1], "adam"), "binary_crossentropy")
     return world, models
 

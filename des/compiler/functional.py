@@ -11,6 +11,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from des.compiler.big_tables import split_big_fields, striped_tables
 from des.compiler.keys import StateKeys, sync_from_root, trace_once
 from des.compiler.choices import (by_rows, by_samples, costs_for, dense_shapes, exchanged_keys, first_layer_choice,
                                   tail_choice)
@@ -49,6 +50,7 @@ def _field_costs(graph: Graph, matches: list[Match], spec=None,
     width: dict[str, int] = {}
     size: dict[str, float] = {}
     lookups: dict[str, float] = {}
+    stripes: dict[str, int] = {}        # a stripe of a field too big for one owner: its share of the field's rows
     seen = set()
     for m in matches:
         for v in m.vectors:
@@ -64,6 +66,7 @@ def _field_costs(graph: Graph, matches: list[Match], spec=None,
             if v.key_stripe is not None:           # a stripe: its share of the table's rows
                 size[f] = v.table.attrs["source"].rows(v.table.layer) / v.key_stripe[1]
                 lookups[f] = float(v.width // int(v.table.attrs["dim"]))
+                stripes[f] = v.key_stripe[1]
                 continue
             size[f] = max(size.get(f, 0.0), v.table.attrs["source"].rows(v.table.layer))
             ops = v.table.tensor_operands()
@@ -77,7 +80,7 @@ def _field_costs(graph: Graph, matches: list[Match], spec=None,
         rows = None
         if spec is not None:
             try:
-                rows = spec[f].cardinality
+                rows = spec[f.rsplit("%", 1)[0]].cardinality / stripes[f] if f in stripes else spec[f].cardinality
             except KeyError:
                 rows = None
         rows = rows or size[f] or distinct.get(f, 0.0)
@@ -161,9 +164,8 @@ def transform_functional(model: tf.keras.Model, options: Options, comm: Communic
                          f"{', '.join(comm.wire_dtypes)} only (use Horovod)")
     graph = Graph(model)
     fields = FieldAnalysis(graph)
-    matches, rejections = find_substitutions(graph, fields, operators=options.first_layer != "rows",
-                                          stripes=comm.world_size)
-    report = _report(graph, fields, matches, rejections, comm, options)
+    matches, rejections, big = _found(graph, fields, options, comm, options.first_layer != "rows", spec, sample)
+    report = _report(graph, fields, matches, rejections, comm, options, big)
     if options.strict and (rejections or report.unsubstituted or not matches):
         report.widths = {m.root.layer.name: rule_named(m.rule).sub_operator(m, m.vectors, name=f"probe_{m.rule}").width
                          for m in matches}                  # what would be sent
@@ -174,13 +176,26 @@ def transform_functional(model: tf.keras.Model, options: Options, comm: Communic
     costs, link, rows, why = _first_layer_plan(graph, fields, matches, model, options, comm, sample)
     if options.first_layer == "auto" and comm.world_size > 1:
         if rows:
-            matches, rejections = find_substitutions(graph, fields, operators=False, stripes=comm.world_size)
-            report = _report(graph, fields, matches, rejections, comm, options)
+            matches, rejections, big = _found(graph, fields, options, comm, False, spec, sample)
+            report = _report(graph, fields, matches, rejections, comm, options, big)
     report.link, report.first_layer, report.first_layer_reason = link, "rows" if rows else "operators", why
     if rows:      # every vector by samples under the data-parallel tail
         options = dataclasses.replace(options, tail="data_parallel", field_rows="samples")
     return _substitute(model, graph, fields, matches, report, comm, options, spec, costs,
                        _distinct_ids(fields, matches, sample), sample)
+
+
+def _found(graph: Graph, fields: FieldAnalysis, options: Options, comm: Communicator, operators: bool, spec,
+           sample) -> tuple[list[Match], list, list[str]]:
+    """The substitutions (rewrite_rules.find_substitutions) with every field too big for one owner
+    split by key stripe (des.compiler.big_tables), the rejections, and the report's lines on those fields."""
+    matches, rejections = find_substitutions(graph, fields, operators=operators, stripes=comm.world_size)
+    if options.stripe_min_rows is None or comm.world_size < 2 or not matches:
+        return matches, rejections, []
+    costs, _ = _field_costs(graph, matches, spec, _distinct_ids(fields, matches, sample))
+    matches, lines = split_big_fields(graph, fields, matches, comm.world_size, options.stripe_min_rows,
+                                      {c.name: c.rows for c in costs})
+    return matches, rejections, lines
 
 
 def first_layer_plan(model: tf.keras.Model, options: Options, comm: Communicator,
@@ -207,10 +222,10 @@ def _first_layer_plan(graph: Graph, fields: FieldAnalysis, matches: list[Match],
 
 
 def _report(graph: Graph, fields: FieldAnalysis, matches: list[Match], rejections: list, comm: Communicator,
-            options: Options) -> Report:
+            options: Options, big: list[str] = ()) -> Report:
     table_lines, left = explain_tables(graph, fields, matches, rejections)
     return Report(matches, rejections, None, comm.rank, comm.world_size, tables=table_lines, unsubstituted=left,
-                  opaque=_opaque_models(graph), options=options)
+                  opaque=_opaque_models(graph), options=options, big_fields=list(big))
 
 
 def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matches: list[Match], report: Report,
@@ -224,8 +239,8 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
             n.attrs["source"].keyed(n.layer, options.seed, graph.layer_key(n.layer))
     if options.sync_weights and comm.world_size > 1:
         # a table split by key range is not broadcast whole: each owner gets its ranges (_key_range_tables)
-        sync_from_root(graph, comm, skip={id(m.root.layer) for m in matches if "ranges" in m.data or
-                                          ("stripes" in m.data and not m.root.attrs["source"].dynamic)})
+        sync_from_root(graph, comm, skip={id(m.root.layer) for m in matches if "ranges" in m.data} |
+                       {id(t.layer) for t in striped_tables(matches).values() if not t.attrs["source"].dynamic})
     forced = _forced_disagreement(comm)
     field_plan, unsized = _field_plan(graph, matches, spec, options.plan, comm, forced, distinct)
     report.plan_note = _unsized_note(unsized) if options.plan == "balanced" and comm.world_size > 1 else ""
@@ -444,24 +459,22 @@ def _stripe_tables(matches: list[Match], comm: Communicator, from_root: bool) ->
     the holder, keeps only its stripe's keys and looks up only those (des_ops.stripes)."""
     out = {}
     r, n = comm.rank, comm.world_size
-    for m in matches:
-        if "stripes" not in m.data:
-            continue
-        table, dim = m.root.layer, int(m.root.attrs["dim"])
-        if m.root.attrs["source"].dynamic:
+    for index, node in sorted(striped_tables(matches).items()):     # graph order: the scatters in one order everywhere
+        table, dim = node.layer, int(node.attrs["dim"])
+        if node.attrs["source"].dynamic:
             table.des_key_stripe = (r, n)
-            keep_own_rows(m.root.attrs["source"], table)
-            out[m.root.index] = (table, lambda ids, table=table, dim=dim: stripe_lookup(table, ids, r, n, dim))
+            keep_own_rows(node.attrs["source"], table)
+            out[index] = (table, lambda ids, table=table, dim=dim: stripe_lookup(table, ids, r, n, dim))
             continue
         if from_root and n > 1:
             full = table.embeddings.numpy() if r == 0 else None
             rows = comm.scatter([full[q::n] for q in range(n)] if r == 0 else None, (dim,), 0,
-                                f"des_key_stripes_{m.root.index}")
+                                f"des_key_stripes_{index}")
         else:
             rows = table.embeddings.numpy()[r::n]
         held = StripeEmbedding(r, n, rows, int(table.input_dim), table=table.name,
                                name=f"des_stripe_{table.name}_rank{r}")
-        out[m.root.index] = (held, held)
+        out[index] = (held, held)
     return out
 
 
@@ -474,18 +487,19 @@ def _rows_from_root(table, ranges_by_rank: list[list], comm: Communicator, name:
 
 
 def _release_unowned(matches: list[Match], mine: set[str]) -> bool:
-    """Drop the rows of the tables this process does not own (a table split by key range: all of it,
-    an owner's ranges live in its RangeEmbedding); True if any was dropped."""
+    """Drop the rows of the tables this process does not own (a table split by key range or a Keras
+    one by key stripe: all of it, an owner's ranges and a stripe live in their own layers; a TFRA
+    table split by key stripe holds its stripe itself); True if any was dropped."""
     released = False
     for m in matches:
-        if "stripes" in m.data and m.root.attrs["source"].dynamic:
-            continue                            # a TFRA table is its own stripe's holder
-        if "ranges" in m.data or "stripes" in m.data:
+        if "ranges" in m.data:
             m.root.attrs["source"].release(m.root.layer)
             released = True
             continue
         for v in m.vectors:
-            if v.field not in mine:
+            if v.key_stripe is not None and v.table.attrs["source"].dynamic:
+                continue
+            if v.field not in mine or v.key_stripe is not None:
                 v.table.attrs["source"].release(v.table.layer)
                 released = True
     return released

@@ -195,7 +195,7 @@ def state_keys(model: tf.keras.Model) -> StateKeys:
     sk = handle.state if handle is not None else _KEYS.get(model)
     if sk is None:
         return StateKeys.of_model(model)
-    if not sk.weights:
+    if not sk.weights and handle is not None:      # a DES model's tail, bound at first use (none: an FM and LR only)
         sk.bind_tail(model)
     return sk
 

@@ -132,6 +132,9 @@ class Options:
     process does not own. ``sync_weights``: every process first takes rank 0's weights and rows.
     ``scope``: prefix of the collective's name (des.transform sets it per tower). ``row_policy``
     (des.RowPolicy): admission and eviction of the rows of every TFRA table this process holds.
+    ``stripe_min_rows``: a field whose rows exceed an even share of all fields' rows (their sum / N)
+    and at least this many is too big for one owner: its tables are split by key stripe over every
+    process (des.compiler.big_tables; 0: whenever above the share; None: never).
     """
     mode: str = "des"
     plan: Any = "balanced"
@@ -146,6 +149,7 @@ class Options:
     costs: AutoTail | None = None
     seed: int = 0
     row_policy: RowPolicy = RowPolicy()
+    stripe_min_rows: int | None = 1_000_000
     strict: bool = False
     release_unowned: bool = True
     sync_weights: bool = True
@@ -172,6 +176,9 @@ class Options:
         if self.tail == "data_parallel" and (self.micro_batches > 1 or self.wire_dtype != "float32"):
             raise ValueError("des.Options: micro_batches and a 16-bit wire_dtype are for the replicated tail; the "
                              "data-parallel tail reduce-scatters the whole batch in float32")
+        if self.stripe_min_rows is not None and (not isinstance(self.stripe_min_rows, numbers.Integral) or
+                                                 isinstance(self.stripe_min_rows, bool) or self.stripe_min_rows < 0):
+            raise ValueError(f"des.Options: stripe_min_rows={self.stripe_min_rows!r}; a whole number >= 0 or None")
         if not isinstance(self.row_policy, RowPolicy):
             raise ValueError(f"des.Options: row_policy={self.row_policy!r}; a des.RowPolicy")
         if self.costs is not None and not isinstance(self.costs, AutoTail):
@@ -196,7 +203,8 @@ class Options:
         plan = self.plan if isinstance(self.plan, str) else "given"
         shown = [f"plan={plan}", f"tail={self.tail}", f"first_dense={self.first_dense}", f"tables={self.tables}",
                  f"micro_batches={self.micro_batches}", f"wire_dtype={self.wire_dtype}", f"seed={self.seed}"]
-        shown += [f"{k}={getattr(self, k)}" for k in ("mode", "first_layer", "field_rows", "distinct_rows", "strict",
+        shown += [f"{k}={getattr(self, k)}" for k in ("mode", "first_layer", "field_rows", "distinct_rows",
+                                                       "stripe_min_rows", "strict",
                                                        "release_unowned", "sync_weights")
                   if getattr(self, k) != getattr(Options, k)]
         if self.costs is not None:

@@ -58,6 +58,7 @@ class Report:
     row_policy: list = dataclasses.field(default_factory=list)   # which tables a des.RowPolicy bounds (lines)
     exchanges: list = dataclasses.field(default_factory=list)    # per field: owner, exchange, bytes (des.compiler.exchange)
     plan_note: str = ""               # the balanced plan: fields it could not size (empty tables, no sample=)
+    big_fields: list = dataclasses.field(default_factory=list)   # fields too big for one owner (des.compiler.big_tables)
     mode: str = "des"                 # "ps": des.Options(mode=...) gave the model to a parameter server
     mode_reason: str = ""             # mode="auto" / "ps": what was weighed (des.jobs.auto.choose)
 
@@ -173,6 +174,9 @@ class Report:
         if self.tables:
             lines.append("tables:")
             lines += [f"  {t}" for t in self.tables]
+        if self.big_fields:
+            lines.append("fields too big for one owner:")
+            lines += [f"  {t}" for t in self.big_fields]
         lines += self.row_policy
         if self.plan is not None:
             lines.append(str(self.plan))
@@ -193,6 +197,7 @@ def explain_tables(graph: Graph, fields: FieldAnalysis, matches: list[Match],
                    rejections: list[Rejection]) -> tuple[list[str], list[str]]:
     """One line per table: where it was substituted, or why not. Returns (lines, unsubstituted names)."""
     used: dict[int, list[str]] = {}
+    striped: dict[int, int] = {}
     for m in matches:
         if "ranges" in m.data:          # one table, P fields as key ranges (rewrite_rules.field_rows)
             r = m.data["ranges"]
@@ -201,14 +206,18 @@ def explain_tables(graph: Graph, fields: FieldAnalysis, matches: list[Match],
                 f"[{r[0][0]}, {r[0][1]}) .. [{r[-1][0]}, {r[-1][1]})), each range's rows with its field's owner, "
                 f"sent in {m.rule}")
             continue
-        if "stripes" in m.data:         # one table, several fields in one key space, split by key stripe
+        if "stripes" in m.data and "stripe_shape" not in m.data:   # one table, several fields in one key space
             used.setdefault(m.root.index, []).append(
                 f"split by key stripe over {m.data['stripes']} processes (process r holds the keys k mod "
                 f"{m.data['stripes']} == r: {m.vectors[0].field} .. {m.vectors[-1].field}), each looks up its own keys, "
                 f"sent in {m.rule}")
             continue
         for v in m.vectors:
-            used.setdefault(v.table.index, []).append(f"{m.rule} at {m.root.layer.name!r}")
+            said = f"{m.rule} at {m.root.layer.name!r}"
+            if said not in used.get(v.table.index, []):     # a field's N key stripes: once
+                used.setdefault(v.table.index, []).append(said)
+            if v.key_stripe is not None:    # a field too big for one owner (des.compiler.big_tables)
+                striped[v.table.index] = v.key_stripe[1]
     lines, left, groups = [], [], {}
     for n in graph.nodes:
         if n.kind != "table":
@@ -219,9 +228,12 @@ def explain_tables(graph: Graph, fields: FieldAnalysis, matches: list[Match],
             f"{len(split.vectors)} fields through offsets)" if split else f"field {fields.ids_input(n)!r})")
         if n.index in used:
             what = ", ".join(used[n.index])
-            striped = what.startswith("split by key stripe")
+            one_space = what.startswith("split by key stripe")
             what = ("substituted: " if what.startswith("split by key") else "substituted in ") + what
-            if split is None and not striped and fields.offset_fields(n):     # ids + offsets, not split by key
+            if n.index in striped:
+                what += (f"; split by key stripe over {striped[n.index]} processes (process r holds the keys k mod "
+                         f"{striped[n.index]} == r)")
+            if split is None and not one_space and fields.offset_fields(n):     # ids + offsets, not split by key
                 what += (f"; one owner holds all {fields.offset_fields(n)} fields (not split by key range: "
                          f"{fields.offset_ranges(n)})")
             groups.setdefault((src.name, n.attrs["dim"], what), []).append(head)

@@ -259,16 +259,22 @@ class FieldAnalysis:
             return f"{name!r} does not look up a fixed number (> 1) of integer ids a sample"
         if per_sample(g, table.output) != (dims[0], table.attrs["dim"]):
             return f"{name!r} gives rows of per-sample shape {per_sample(g, table.output)}"
-        source, layer = table.attrs["source"], table.layer
+        return self.stripe_kind(table) or int(dims[0])
+
+    @staticmethod
+    def stripe_kind(table: Node) -> str | None:
+        """Why the layer of ``table`` cannot be split by key stripe (des_ops.stripes), or None: a TFRA
+        Embedding, or a Keras Embedding without a regularizer, constraint, mask or frozen rows."""
+        name, source, layer = table.layer.name, table.attrs["source"], table.layer
         if source.name == "TFRA Embedding" and type(layer).__name__ != "SquashedEmbedding" and \
                 not any(c.__name__ == "SquashedEmbedding" for c in type(layer).__mro__):
-            return int(dims[0])
+            return None
         if not isinstance(layer, tf.keras.layers.Embedding) or source.dynamic:
             return f"{name!r} is a {source.name}: only a Keras or TFRA Embedding is split by key stripe"
         if (layer.embeddings_regularizer is not None or layer.embeddings_constraint is not None or layer.mask_zero
                 or layer.activity_regularizer is not None or not layer.trainable):
             return f"{name!r} has a regularizer, a constraint, a mask or frozen rows"
-        return int(dims[0])
+        return None
 
     def stripe_keys(self, table: Node) -> list[str] | None:
         """Each position's key of a table split by key stripe, when its ids come straight from a

@@ -1,0 +1,113 @@
+"""A field too big for one owner: its tables split by key stripe over every process.
+
+The balanced plan gives each field one owner. A field whose rows exceed an even share of all
+fields' rows (their sum / N) cannot be balanced so: its owner would hold more than 1/N of the
+model, whatever the plan. When it also has at least ``des.Options.stripe_min_rows`` rows, its
+tables are split by key stripe (des_ops.stripes): process r holds the keys k mod N == r, looks
+up only those for the whole batch (zeros for the others), and that lookup is its field vector
+``<field>%r``, owned by r, in the operators' partials or the field rows like any owned vector.
+
+The sum over processes of the N stripes' vectors is the field vector, exactly (x + 0 + ... = x),
+and, with one id a sample, exactly one of them is non-zero in a sample, so FM's sum of squares
+is exact too. That holds for the rules with ``stripes_exact`` (FM, NFM's bi-interaction, the
+linear sum, field rows). A first Dense by partials would need the field's kernel rows on every
+process with their gradients summed (not built), so a field it reads keeps one owner, and the
+report says so; so does a field read through anything but reshapes and poolings after its
+lookup, or looked up with more than one id a sample.
+
+    >>> import des
+    >>> des.Options(stripe_min_rows=0).stripe_min_rows, des.Options().stripe_min_rows
+    (0, 1000000)
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from des.graph.fields import GLUE, FieldAnalysis, FieldVector, per_sample
+from des.graph.ir import Graph
+from rewrite_rules import Match, rule_named
+
+# what may follow the lookup in a striped field vector's chain: linear in the rows, per sample
+AFTER_LOOKUP = GLUE | {"reduce_sum", "reduce_mean"}
+
+
+def why_not_striped(graph: Graph, fields: FieldAnalysis, match: Match, v: FieldVector) -> str | None:
+    """Why field vector ``v`` of ``match`` cannot be split by key stripe, or None."""
+    table = v.table
+    if not rule_named(match.rule).stripes_exact:
+        return f"{match.rule} at {match.root.layer.name!r} reads it (its weights per field would be shared: not built)"
+    if graph.layer_calls(table.layer) != 1:
+        return f"{table.layer.name!r} is called more than once"
+    kind = fields.stripe_kind(table)
+    if kind:
+        return kind
+    ops = table.tensor_operands()
+    if len(ops) != 1 or per_sample(graph, ops[0]) not in ((), (1,)) or not graph.tensors[ops[0]].dtype.is_integer:
+        return f"{table.layer.name!r} does not look up one integer id a sample"
+    after = v.chain - fields.cone(table.output)
+    odd = sorted({graph.nodes[i].kind for i in after} - AFTER_LOOKUP)
+    if odd:
+        return f"its vector is made from the lookup through {', '.join(odd)}"
+    return None
+
+
+def split_big_fields(graph: Graph, fields: FieldAnalysis, matches: list[Match], world_size: int,
+                     min_rows: int | None, rows: dict[str, float]) -> tuple[list[Match], list[str]]:
+    """``matches`` with the vectors of every field too big for one owner (``rows``: each field's
+    rows, as the plan counts them) replaced by its N key stripes' vectors, and one report line per
+    such field: split, or why it keeps one owner."""
+    if min_rows is None or world_size < 2:
+        return matches, []
+    by_field: dict[str, list[tuple[Match, FieldVector]]] = {}
+    for m in matches:
+        for v in m.vectors:
+            if v.key_range is None and v.key_stripe is None:
+                by_field.setdefault(v.field, []).append((m, v))
+    total = sum(rows.values())
+    big = sorted((f for f in by_field if rows.get(f, 0.0) > total / world_size and rows.get(f, 0.0) >= min_rows),
+                 key=lambda f: -rows[f])
+    split, notes = set(), []
+    for f in big:
+        head = (f"field {f!r}: {rows[f]:,.0f} rows, more than an even share ({total:,.0f} / {world_size}) "
+                f"and at least stripe_min_rows={min_rows:,}")
+        why = next((w for m, v in by_field[f] if (w := why_not_striped(graph, fields, m, v))), None)
+        if why:
+            notes.append(f"{head}: kept whole by one owner, since {why}")
+            continue
+        split.add(f)
+        tables = sorted({v.table.layer.name for _, v in by_field[f]})
+        notes.append(f"{head}: {', '.join(tables)} split by key stripe over {world_size} processes (process r holds "
+                     f"the keys k mod {world_size} == r and looks up only those)")
+    if not split:
+        return matches, notes
+    out = []
+    for m in matches:
+        if not any(v.field in split for v in m.vectors):
+            out.append(m)
+            continue
+        vectors, data = [], dict(m.data)
+        for v in m.vectors:
+            if v.field not in split:
+                vectors.append(v)
+                continue
+            vectors += [FieldVector(v.tensor, v.table, f"{v.field}%{r}", v.width, v.chain, key_stripe=(r, world_size))
+                        for r in range(world_size)]
+            if m.rule == "field_rows":        # one vector: its stripes' rows, keyed by its ids (des_ops.rows)
+                data.update(stripes=world_size, stripe_keys=[_stripe_key(graph, fields, v)], stripe_shape=(1, v.width))
+        out.append(dataclasses.replace(m, vectors=vectors, data=data))
+    return out, notes
+
+
+def _stripe_key(graph: Graph, fields: FieldAnalysis, v: FieldVector) -> str | None:
+    """The input whose ids a striped vector's rows travel by once per distinct id (des_ops.rows,
+    ``<input>@r/N``: process r's rows of the ids k mod N == r, one zero row for the others): only
+    when the table looks those ids up as they are; after any preprocessing (ids * 4, a hashing)
+    the ids' stripe is not the keys', and the rows go once per sample."""
+    key = fields.row_key(v)
+    return key if key is not None and v.table.tensor_operands()[0] in graph.input_ids else None
+
+
+def striped_tables(matches: list[Match]) -> dict[int, object]:
+    """{table node index: table node} of every table split by key stripe (a table of several fields
+    in one key space, or a field too big for one owner)."""
+    return {v.table.index: v.table for m in matches for v in m.vectors if v.key_stripe is not None}
