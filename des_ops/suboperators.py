@@ -219,20 +219,31 @@ class DenseBlockSubOp(SubOperator):
 
     ``exchange``: "partials" (E_p W_p summed over processes) or, with the data-parallel tail,
     "rows" (``rank_widths``: w_p of every process; des_ops.rows): the rows of each process's
-    samples travel to it instead, and it multiplies them by the all-gathered kernel."""
+    samples travel to it instead, and it multiplies them by the all-gathered kernel.
+
+    ``shared_block``: the kernel rows of fields split by key stripe (des.compiler.big_tables), which
+    every process holds; ``shared`` marks, per owned vector, those it multiplies (its stripe's vector,
+    zeros where another process holds the key). Their gradients are summed over processes before the
+    update (des.compiler.functional gives them to des_ops.tail.sum_tail_gradients), so the copies stay
+    equal; such a Dense goes by partials."""
     exchange = "partials"
     rank_widths: list[int] = []
     rank_blocks: list = []          # by rows: each process's field vectors (des_ops.rows.Block)
 
     def __init__(self, fields, kernel_block: np.ndarray, widths: list[int], regularizer=None,
-                 trainable_block: bool = True, **kwargs):
+                 trainable_block: bool = True, shared_block: np.ndarray | None = None,
+                 shared: list[bool] | None = None, **kwargs):
         super().__init__(fields, **kwargs)
         self.width = int(kernel_block.shape[1])
         self.field_widths = list(widths)
+        self.shared = list(shared) if shared is not None else [False] * len(widths)
         self.regularizer = regularizer          # elementwise (L1/L2): the penalty of W is the sum over blocks
         self.kernel_block = None if kernel_block.shape[0] == 0 else self.add_weight(
             "kernel_block", shape=kernel_block.shape, trainable=trainable_block,
             initializer=tf.keras.initializers.Constant(kernel_block))
+        self.shared_block = None if shared_block is None else self.add_weight(
+            "shared_block", shape=shared_block.shape, trainable=trainable_block,
+            initializer=tf.keras.initializers.Constant(shared_block))
 
     def regularization(self):
         if self.regularizer is None or self.kernel_block is None:
@@ -240,6 +251,11 @@ class DenseBlockSubOp(SubOperator):
         return self.regularizer(self.kernel_block)
 
     def partial(self, vectors, batch):
+        if self.shared_block is not None:      # its own fields' rows first, then the striped fields'
+            own = [v for v, s in zip(vectors, self.shared) if not s] + [v for v, s in zip(vectors, self.shared) if s]
+            kernel = self.shared_block if self.kernel_block is None else \
+                tf.concat([self.kernel_block, self.shared_block], axis=0)
+            return dm.dense_partial(own, kernel)
         if self.kernel_block is None:          # this process owns none of the fields
             return dm.zeros(batch, self.width)
         return dm.dense_partial(vectors, self.kernel_block)
@@ -247,6 +263,8 @@ class DenseBlockSubOp(SubOperator):
     def rows_output(self, vectors, batch, comm: Communicator, anchor, name: str, keys: dict | None = None) -> tf.Tensor:
         """This process's rows of sum_p E_p W_p by moving rows (``exchange == "rows"``); ``keys``:
         the whole batch's inputs, whose ids the keyed blocks travel by (once per distinct id)."""
+        if self.shared_block is not None:
+            raise ValueError(f"{self.source}: a Dense reading a field split by key stripe goes by partials")
         e = tf.concat([tf.reshape(v, [-1, w]) for v, w in zip(vectors, self.field_widths)], axis=1) \
             if vectors else dm.zeros(batch, 0)
         kernel = tf.zeros([0, self.width]) if self.kernel_block is None else tf.convert_to_tensor(self.kernel_block)

@@ -66,6 +66,11 @@ class Rule:
     # processes of the stripes' vectors is the vector, and exactly one of them is non-zero; des.compiler.big_tables)
     stripes_exact = False
 
+    def stripes_refusal(self, match: Match) -> str | None:
+        """Why a field vector ``match`` reads cannot be split into key stripes, or None."""
+        return None if self.stripes_exact else \
+            f"{self.name} at {match.root.layer.name!r} reads it (not built for key stripes)"
+
     def match(self, graph: Graph, fields: FieldAnalysis, node: Node) -> Match | Rejection | None:  # pragma: no cover
         raise NotImplementedError
 

@@ -21,6 +21,13 @@ SEPARABLE = (tf.keras.regularizers.L1, tf.keras.regularizers.L2, tf.keras.regula
 @register(priority=40)
 class EmbedConcatDenseRule(Rule):
     name = "embed_concat_dense"
+    stripes_exact = True          # a striped field's kernel rows: shared by every process, gradients summed
+
+    def stripes_refusal(self, match):
+        if match.data.get("kernel_regularizer") is not None:
+            return (f"{self.name} at {match.root.layer.name!r} reads it with a kernel_regularizer, which would count "
+                    f"the kernel rows every process shares once per process")
+        return None
 
     def match(self, graph, fields, node):
         if node.kind != "dense" or len(node.tensor_operands()) != 1:
@@ -62,11 +69,15 @@ class EmbedConcatDenseRule(Rule):
 
     def sub_operator(self, match, owned, name):
         mine = {id(v) for v in owned}
+        striped = {v.tensor for v in owned if v.key_stripe is not None}   # a field too big for one owner: shared rows
         blocks = [rows for p, rows in self.rows(match) if p.vector is not None and id(p.vector) in mine]
+        shared = [rows for p, rows in self.rows(match) if p.vector is not None and p.vector.tensor in striped]
         units = int(match.data["kernel"].shape[1])
         block = np.concatenate(blocks) if blocks else np.zeros((0, units), np.float32)
         return DenseBlockSubOp([v.field for v in owned], block, [v.width for v in owned],
                                regularizer=match.data["kernel_regularizer"], trainable_block=match.data["trainable"],
+                               shared_block=np.concatenate(shared) if shared else None,
+                               shared=[v.key_stripe is not None for v in owned],
                                source=match.root.layer.name, name=name)
 
     def finish(self, match, combined, look):

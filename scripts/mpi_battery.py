@@ -11,7 +11,8 @@ by rows, mpi_tail.py --first-dense rows), samples:NAME (the tail's run with the 
 splits sent to their samples' processes, mpi_tail.py --field-rows samples), layerrows:NAME[:TABLES] (the first layer
 by rows, des.Options(first_layer="rows"), mpi_tail.py --first-layer rows), subclassed:NAME (one model each),
 equivalence:MODEL:OPTIMIZER:horovod:TABLES, ps:MODEL:OPTIMIZER:TABLES, psuser:tfra_deepfm (the PS on
-a user's TFRA model, mpi_ps_user.py). Horovod only (mpi4py's
+a user's TFRA model, mpi_ps_user.py), big:NAME and bigtail:NAME (gallery:NAME and tail:NAME with
+des.Options(stripe_min_rows=0): a field too big for one owner split by key stripe). Horovod only (mpi4py's
 communicator drives MPI itself: scripts/mpi_equivalence.py alone).
 """
 import os
@@ -27,7 +28,8 @@ import mpi_ps_user  # noqa: E402
 import mpi_subclassed  # noqa: E402
 import mpi_tail  # noqa: E402
 
-KINDS = ("gallery", "tail", "rows", "samples", "layerrows", "subclassed", "equivalence", "ps", "psuser")
+KINDS = ("gallery", "tail", "rows", "samples", "layerrows", "subclassed", "equivalence", "ps", "psuser", "big",
+         "bigtail")
 
 
 def run(out: str, job: str) -> None:
@@ -39,8 +41,12 @@ def run(out: str, job: str) -> None:
     os.makedirs(where, exist_ok=True)
     if kind == "gallery":
         mpi_gallery.main(where, [args])
+    elif kind == "big":
+        mpi_gallery.main(where, [args], mpi_gallery.des.Options(stripe_min_rows=0))
     elif kind == "tail":
         mpi_tail.main(where, [args])
+    elif kind == "bigtail":
+        mpi_tail.main(where, [args], stripe_min_rows=0)
     elif kind == "rows":
         mpi_tail.main(where, [args], first_dense="rows")
     elif kind == "samples":

@@ -27,7 +27,7 @@ from des_ops.comm import HorovodCommunicator  # noqa: E402
 from gallery import BUILDERS, MULTI_TASK, batches_for, optimizer_for  # noqa: E402
 
 
-def main(out: str, names: list[str]) -> None:
+def main(out: str, names: list[str], options: des.Options | None = None) -> None:
     comm = HorovodCommunicator()
     tf.keras.utils.set_random_seed(comm.rank)    # other weights on every rank, the same in every launch
     for job in names:
@@ -36,7 +36,7 @@ def main(out: str, names: list[str]) -> None:
         initial = model.get_weights()
         batches = batches_for(model, 20, 32, seed=4)
         probe = batches_for(model, 1, 16, seed=99)[0][0]
-        model, report = des.transform(model, comm=comm)
+        model, report = des.transform(model, options, comm=comm)
         calls, sent = int(comm.calls.numpy()), int(comm.payload_bytes.numpy())
         snap = fit_and_snapshot(model, batches, probe, optimizer_for(model, optimizer) if optimizer else "adam")
         snap["allreduce_calls"] = int(comm.calls.numpy()) - calls       # the communicator's own counter

@@ -37,7 +37,7 @@ def tail_batches(model):
 
 
 def main(out: str, names: list[str], first_dense: str = "partials", field_rows: str = "partials",
-         first_layer: str = "operators", tables: str = "auto") -> None:
+         first_layer: str = "operators", tables: str = "auto", stripe_min_rows: int | None = 1_000_000) -> None:
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     comm = HorovodCommunicator()
@@ -46,8 +46,10 @@ def main(out: str, names: list[str], first_dense: str = "partials", field_rows: 
         model = BUILDERS[name]()
         initial = model.get_weights()
         batches, probe = tail_batches(model)
-        options = (des.Options(first_layer="rows", tables=tables) if first_layer == "rows" else
-                   des.Options(tail="data_parallel", first_dense=first_dense, field_rows=field_rows, tables=tables))
+        options = (des.Options(first_layer="rows", tables=tables, stripe_min_rows=stripe_min_rows)
+                   if first_layer == "rows" else
+                   des.Options(tail="data_parallel", first_dense=first_dense, field_rows=field_rows, tables=tables,
+                               stripe_min_rows=stripe_min_rows))
         model, report = des.transform(model, options, comm=comm)
         before = comm.counted()
         snap = fit_and_snapshot(model, batches, probe, optimizer="sgd", learning_rate=0.5)

@@ -242,6 +242,17 @@ def tfra_one_table():
     return tf.keras.Model(ids, tf.sigmoid(linear + _fm_tf_ops(e) + deep))
 
 
+def big_field_deepfm():
+    """keras_deepfm with f0's two tables 30 times larger (30 V of 33 V rows): f0 is too big for one
+    owner at N > 1 with des.Options(stripe_min_rows=0), and split by key stripe (des.compiler.big_tables)."""
+    x = _ids()
+    rows = {f: 30 * V if f == "f0" else V for f in FIELDS}
+    e = L.Concatenate(axis=1)([L.Embedding(rows[f], K)(x[f]) for f in FIELDS])
+    linear = L.Add()([L.Flatten()(L.Embedding(rows[f], 1)(x[f])) for f in FIELDS])
+    deep = L.Dense(1)(L.Dense(8, activation="relu")(L.Flatten()(e)))
+    return tf.keras.Model(x, tf.sigmoid(linear + _fm_tf_ops(e) + deep))
+
+
 def deepctr_deepfm_defaults():
     """DeepCTR's DeepFM as its README writes it: 8 fields, vocabulary 500, its default DNN
     (256, 128, 64) and l2_reg_embedding 1e-5 (a weight penalty on every table)."""
@@ -315,6 +326,7 @@ BUILDERS = {
     "deepctr_din": deepctr_din,
     "dlrm_offsets": dlrm_offsets,
     "tfra_one_table": tfra_one_table,
+    "big_field_deepfm": big_field_deepfm,
 }
 
 EXPECTED = {
@@ -347,6 +359,7 @@ EXPECTED = {
     "deepctr_din": ["field_rows"] * 4,       # user, item, the history twice (its table: item's)
     "dlrm_offsets": ["field_rows"] * 2,      # both tables split by key range, one field per range
     "tfra_one_table": ["field_rows"] * 2,    # both tables split by key stripe (N > 1)
+    "big_field_deepfm": ["embed_concat_dense", "fm_interaction", "lr_sum"],
 }
 
 

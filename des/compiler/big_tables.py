@@ -10,10 +10,13 @@ up only those for the whole batch (zeros for the others), and that lookup is its
 The sum over processes of the N stripes' vectors is the field vector, exactly (x + 0 + ... = x),
 and, with one id a sample, exactly one of them is non-zero in a sample, so FM's sum of squares
 is exact too. That holds for the rules with ``stripes_exact`` (FM, NFM's bi-interaction, the
-linear sum, field rows). A first Dense by partials would need the field's kernel rows on every
-process with their gradients summed (not built), so a field it reads keeps one owner, and the
-report says so; so does a field read through anything but reshapes and poolings after its
-lookup, or looked up with more than one id a sample.
+linear sum, field rows, the first Dense). A first Dense holds the field's kernel rows on every
+process (``DenseBlockSubOp.shared_block``): each multiplies its stripe's vector by them, and
+their gradients are summed over processes before the update (des_ops.tail.sum_tail_gradients),
+so every copy stays the same; it then goes by partials, not rows, and a kernel penalty refuses
+(it would count the shared rows N times). A field read through anything but reshapes and
+poolings after its lookup, or looked up with more than one id a sample, keeps one owner; the
+report says why.
 
     >>> import des
     >>> des.Options(stripe_min_rows=0).stripe_min_rows, des.Options().stripe_min_rows
@@ -34,8 +37,9 @@ AFTER_LOOKUP = GLUE | {"reduce_sum", "reduce_mean"}
 def why_not_striped(graph: Graph, fields: FieldAnalysis, match: Match, v: FieldVector) -> str | None:
     """Why field vector ``v`` of ``match`` cannot be split by key stripe, or None."""
     table = v.table
-    if not rule_named(match.rule).stripes_exact:
-        return f"{match.rule} at {match.root.layer.name!r} reads it (its weights per field would be shared: not built)"
+    refusal = rule_named(match.rule).stripes_refusal(match)
+    if refusal:
+        return refusal
     if graph.layer_calls(table.layer) != 1:
         return f"{table.layer.name!r} is called more than once"
     kind = fields.stripe_kind(table)
@@ -76,8 +80,11 @@ def split_big_fields(graph: Graph, fields: FieldAnalysis, matches: list[Match], 
             continue
         split.add(f)
         tables = sorted({v.table.layer.name for _, v in by_field[f]})
+        dense = sorted({m.root.layer.name for m, _ in by_field[f] if "parts" in m.data})
         notes.append(f"{head}: {', '.join(tables)} split by key stripe over {world_size} processes (process r holds "
-                     f"the keys k mod {world_size} == r and looks up only those)")
+                     f"the keys k mod {world_size} == r and looks up only those)"
+                     + (f"; every process holds its rows of the kernel of {', '.join(repr(d) for d in dense)}, their "
+                        f"gradients summed each step" if dense else ""))
     if not split:
         return matches, notes
     out = []

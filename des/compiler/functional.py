@@ -532,8 +532,13 @@ def _replay(graph: Graph, skip: set[int], given: dict, model: tf.keras.Model, co
     """The DES model: the graph replayed with the substituted outputs ``given``; with the
     data-parallel tail, each process's rows in and the outputs gathered (and the variables whose
     gradients the tail sums)."""
+    # kernel rows every process holds (a field split by key stripe): their gradients summed, as the tail's
+    shared = [op.shared_block for op in first.ops if getattr(op, "shared_block", None) is not None]
     if not data_parallel:
-        return replay(graph, skip, given, cls=_model_class(model)), []
+        new_model = replay(graph, skip, given, cls=_model_class(model))
+        if shared:
+            sum_tail_gradients(new_model, comm, shared)
+        return new_model, shared
     new_model = replay(graph, skip, given, cls=_model_class(model),
                        input_map=lambda t: ShardRows(comm, name=f"des_rows_{t.name.split(':')[0]}")(t),
                        output_map=lambda t, i: GatherRows(comm, f"des_tail_output{i}",
@@ -541,7 +546,7 @@ def _replay(graph: Graph, skip: set[int], given: dict, model: tf.keras.Model, co
     count_tail_penalties_once([l for l in new_model.submodules
                                if isinstance(l, tf.keras.layers.Layer) and l is not first], comm.rank)
     owned = {v.ref() for v in first.trainable_weights}
-    tail_variables = [v for v in new_model.trainable_variables if v.ref() not in owned]
+    tail_variables = [v for v in new_model.trainable_variables if v.ref() not in owned] + shared
     if comm.world_size > 1:
         agree(comm, "the data-parallel tail's gradients (variables: floats)",
               f"{len(tail_variables)}: {sum(int(v.shape.num_elements()) for v in tail_variables)}")

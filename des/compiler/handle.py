@@ -27,7 +27,7 @@ class Distributed:
     plan: Any                   # des.compiler.plan.FieldPlan: which process owns which field
     state: Any                  # des.compiler.keys.StateKeys: how rows and weights are keyed in checkpoints
     tail: str = "replicated"    # or "data_parallel" (des_ops.tail)
-    tail_variables: list = dataclasses.field(default_factory=list)   # data-parallel tail: summed gradients
+    tail_variables: list = dataclasses.field(default_factory=list)   # summed gradients: the data-parallel tail's, shared kernel rows
     source: Any = None          # the model des.transform was given: the architecture a save writes (des.runtime.saving)
     subclassed: Any = None      # a subclassed model rewritten in place: the user's object (a save writes its class)
     frozen: list = dataclasses.field(default_factory=list)   # its substituted Dense layers (des.runtime.saving.as_written)

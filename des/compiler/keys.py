@@ -107,14 +107,22 @@ class StateKeys:
                 for i, w in enumerate(l.weights):
                     sk.owned[id(w)] = (w, [(f"{keys[id(l)]}/{i}", 0, None)])
         for m, op in zip(matches, des_layer.ops):
-            if "parts" in m.data and getattr(op, "kernel_block", None) is not None:
-                dense_key, start, parts = keys[id(m.root.layer)], 0, []
-                mine = set(op.fields)
+            if "parts" not in m.data:
+                continue
+            dense_key, mine = keys[id(m.root.layer)], set(op.fields)
+            striped = {v.tensor for v in m.vectors if v.key_stripe is not None}
+            for var, held in ((getattr(op, "kernel_block", None), lambda v: v.field in mine and v.tensor not in striped),
+                              (getattr(op, "shared_block", None), lambda v: v.tensor in striped)):
+                if var is None:
+                    continue
+                start, parts = 0, []
                 for p in m.data["parts"]:
-                    if p.vector is not None and p.vector.field in mine:
+                    if p.vector is not None and held(p.vector):
                         parts.append((rows_key(graph, dense_key, keys, p.vector), start, start + p.width))
                         start += p.width
-                sk.owned[id(op.kernel_block)] = (op.kernel_block, parts)
+                sk.owned[id(var)] = (var, parts)
+                if var is getattr(op, "shared_block", None):     # every process holds it whole: rank 0 writes
+                    sk.whole.add(id(var))
         sk._origin = _weight_keys(graph, chain_layers)
         # kernels split by field (their rows live in the DES layer and the tail): not the model's any more
         sk._replaced = {id(m.data["kernel"]) for m in matches if "parts" in m.data}

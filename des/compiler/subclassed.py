@@ -50,7 +50,7 @@ def transform_subclassed(model: tf.keras.Model, options: Options, comm: Communic
     handle.subclassed = model                       # a save writes the user's own class (des.runtime.saving)
     handle.frozen = [m.root.layer for m in report.substitutions if type(m.root.layer) is tf.keras.layers.Dense]
     attach(model, handle)                           # the same handle: plan, DES layer, state keys, tail
-    if handle.tail == "data_parallel":
+    if handle.tail_variables:        # the data-parallel tail's and shared kernel rows' (des.compiler.big_tables)
         sum_tail_gradients(model, comm, handle.tail_variables)     # the user compiles this model
     return model, report
 
