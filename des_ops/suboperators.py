@@ -225,7 +225,9 @@ class DenseBlockSubOp(SubOperator):
     every process holds; ``shared`` marks, per owned vector, those it multiplies (its stripe's vector,
     zeros where another process holds the key). Their gradients are summed over processes before the
     update (des.compiler.functional gives them to des_ops.tail.sum_tail_gradients), so the copies stay
-    equal; such a Dense goes by partials."""
+    equal. Its own fields' rows come first, then the striped ones' (``ordered``), in partials and by
+    rows alike: by rows, each process's stripe is a block of its own, multiplied by its own copy of
+    the rows, and the sum over the blocks is the field's product."""
     exchange = "partials"
     rank_widths: list[int] = []
     rank_blocks: list = []          # by rows: each process's field vectors (des_ops.rows.Block)
@@ -250,24 +252,29 @@ class DenseBlockSubOp(SubOperator):
             return None
         return self.regularizer(self.kernel_block)
 
+    def ordered(self, vectors: list) -> tuple[list, tf.Tensor | None]:
+        """(the owned vectors, its own fields' first, then the striped ones'; their kernel rows, or None)."""
+        if self.shared_block is None:
+            return vectors, self.kernel_block
+        own = [v for v, s in zip(vectors, self.shared) if not s] + [v for v, s in zip(vectors, self.shared) if s]
+        return own, (self.shared_block if self.kernel_block is None else
+                     tf.concat([self.kernel_block, self.shared_block], axis=0))
+
     def partial(self, vectors, batch):
-        if self.shared_block is not None:      # its own fields' rows first, then the striped fields'
-            own = [v for v, s in zip(vectors, self.shared) if not s] + [v for v, s in zip(vectors, self.shared) if s]
-            kernel = self.shared_block if self.kernel_block is None else \
-                tf.concat([self.kernel_block, self.shared_block], axis=0)
-            return dm.dense_partial(own, kernel)
-        if self.kernel_block is None:          # this process owns none of the fields
+        vectors, kernel = self.ordered(vectors)
+        if kernel is None:                     # this process owns none of the fields
             return dm.zeros(batch, self.width)
-        return dm.dense_partial(vectors, self.kernel_block)
+        return dm.dense_partial(vectors, kernel)
 
     def rows_output(self, vectors, batch, comm: Communicator, anchor, name: str, keys: dict | None = None) -> tf.Tensor:
         """This process's rows of sum_p E_p W_p by moving rows (``exchange == "rows"``); ``keys``:
         the whole batch's inputs, whose ids the keyed blocks travel by (once per distinct id)."""
-        if self.shared_block is not None:
-            raise ValueError(f"{self.source}: a Dense reading a field split by key stripe goes by partials")
-        e = tf.concat([tf.reshape(v, [-1, w]) for v, w in zip(vectors, self.field_widths)], axis=1) \
+        widths = [w for w, s in zip(self.field_widths, self.shared) if not s] + \
+            [w for w, s in zip(self.field_widths, self.shared) if s]
+        vectors, kernel = self.ordered(vectors)
+        e = tf.concat([tf.reshape(v, [-1, w]) for v, w in zip(vectors, widths)], axis=1) \
             if vectors else dm.zeros(batch, 0)
-        kernel = tf.zeros([0, self.width]) if self.kernel_block is None else tf.convert_to_tensor(self.kernel_block)
+        kernel = tf.zeros([0, self.width]) if kernel is None else tf.convert_to_tensor(kernel)
         return rows_dense(comm, e, kernel, self.rank_widths, anchor, name, self.rank_blocks or None,
                           _keys_of(self.rank_blocks, keys))
 

@@ -122,20 +122,23 @@ def _split_tables(ranks: list[dict]) -> list[str]:
                                          ("tfra", "attention"), ("keras", "deepfm"), ("tfra", "deepfm")])
 def test_a_big_field_split_by_key_stripe_equals_one_process(kind, reader):
     """At N = 3 under the replicated tail and the data-parallel tail (field rows by samples, keyed
-    ``f0@r/3``), 6 Adam steps of 31 and a last of 2 (processes with no sample): the predictions,
+    ``f0@r/3``; DeepFM also with its first Dense by rows), 6 Adam steps of 31 and a last of 2 (processes with no sample): the predictions,
     every row and weight equal one process's (ADAM_STATE: rows after Adam under the data-parallel tail); f0's two tables, and no other, are held by several
     processes, each process only their keys k mod 3 == rank, every key by one (verify.compare)."""
     build, base, batches, probe, reference = _setup(kind, reader)
     batches = [(x, y) for x, y in batches]
     ref = _fit(batches, probe)(reference)
-    for tail in ("replicated", "data_parallel"):
-        kw = {"tail": tail} if tail == "replicated" else {"tail": tail, "field_rows": "samples"}
+    tails = [{"tail": "replicated"}, {"tail": "data_parallel", "field_rows": "samples"}]
+    if reader == "deepfm":          # the first Dense by rows: each process's stripe a block of its own
+        tails.append({"tail": "data_parallel", "first_dense": "rows"})
+    for kw in tails:
+        tail = kw["tail"] + ("" if kw.get("first_dense") != "rows" else " first Dense by rows")
         ranks = run_in_process_world(3, build, _fit(batches, probe), init_from=base, spec=SPEC, stripe_min_rows=0,
                                      **kw)
         diff = compare(ref, ranks)
         within(f"{kind} {reader} big field {tail} N=3 predictions", diff["predictions"], 1e-6)
         within(f"{kind} {reader} big field {tail} N=3 rows and weights",
-               max(diff["tables"], diff["owned"], diff["weights"]), 1e-6 if tail == "replicated" else ADAM_STATE)
+               max(diff["tables"], diff["owned"], diff["weights"]), 1e-6 if kw["tail"] == "replicated" else ADAM_STATE)
         split = _split_tables(ranks)
         assert len(split) == 2, (tail, split)              # f0's width-K and 1-wide tables, no other
         for table in split:
@@ -147,8 +150,9 @@ def test_a_big_field_split_by_key_stripe_equals_one_process(kind, reader):
 
 def test_the_report_says_which_fields_are_too_big_and_where_their_rows_go():
     """The report of a split: the field's line (rows, the share, the stripes), each of its tables'
-    line, its stripes' owners and exchange; with a first Dense reading it, its shared kernel rows,
-    and with a kernel penalty on that Dense, why it stays whole."""
+    line, its stripes' owners and exchange; with a first Dense reading it, its shared kernel rows
+    (by rows: each process's stripe a block keyed ``f0@r/3``), and with a kernel penalty on that
+    Dense, why it stays whole."""
     n = 3
     x = {k: np.asarray(v) for k, v in sliced_batches(big_field_model(), 64, 64)[0][0][0].items()}
     _, report = des.transform(big_field_model(reader="attention"),
@@ -164,6 +168,12 @@ def test_the_report_says_which_fields_are_too_big_and_where_their_rows_go():
     _, report = des.transform(big_field_model(reader="deepfm"), des.Options(stripe_min_rows=0),
                               comm=InProcessWorld(n).communicator(0))
     assert "every process holds its rows of the kernel of 'dense" in str(report), str(report)
+    model, report = des.transform(big_field_model(reader="deepfm"),
+                                  des.Options(tail="data_parallel", first_dense="rows", stripe_min_rows=0),
+                                  comm=InProcessWorld(n).communicator(0))
+    (dense,) = [op for op, rows in zip(des.distributed(model).layer.ops, des.distributed(model).layer.by_rows) if rows]
+    assert [[b.key for b in bl] for bl in dense.rank_blocks] == [["f1", "f0@0/3"], ["f2", "f0@1/3"], ["f0@2/3"]], \
+        dense.rank_blocks                       # its own fields' rows first, then its stripe's, keyed
 
 
 def test_processes_whose_stripe_no_id_reaches_take_part_and_nothing_hangs():

@@ -76,13 +76,7 @@ def first_layer_choice(graph: Graph, model: tf.keras.Model, matches: list[Match]
 
 def dense_shapes(matches: list[Match]) -> list[tuple[int, int]]:
     """(input width, units) of every first Dense layer among the matches."""
-    return [(sum(v.width for v in m.vectors), int(m.data["kernel"].shape[1])) for m in matches
-            if "parts" in m.data and not _striped(m)]
-
-
-def _striped(m: Match) -> bool:
-    """A first Dense reading a field split by key stripe (its kernel rows shared: by partials only)."""
-    return any(v.key_stripe is not None for v in m.vectors)
+    return [(sum(v.width for v in m.vectors), int(m.data["kernel"].shape[1])) for m in matches if "parts" in m.data]
 
 
 def exchanged_keys(ops: list) -> list[str]:
@@ -140,9 +134,6 @@ def by_rows(matches: list[Match], own, field_plan: FieldPlan, comm: Communicator
         return {}, ""
     out, reasons = {}, []
     for m, op in dense:
-        if _striped(m):
-            reasons.append(f"{m.root.layer.name!r}: partials, since a field split by key stripe feeds it")
-            continue
         widths = [sum(v.width for v in m.vectors if field_plan.owner[v.field] == r) for r in range(comm.world_size)]
         units = int(m.data["kernel"].shape[1])
         if first_dense == "auto":
@@ -151,8 +142,10 @@ def by_rows(matches: list[Match], own, field_plan: FieldPlan, comm: Communicator
             if choice != "rows":
                 continue
         op.exchange, op.rank_widths = "rows", widths
-        op.rank_blocks = [[Block(v.width, key(v)) for v in m.vectors if field_plan.owner[v.field] == r]
-                          for r in range(comm.world_size)]
+        # each process's blocks as its DenseBlockSubOp orders them: its own fields', then its key stripes'
+        op.rank_blocks = [[Block(v.width, key(v)) for v in sorted(
+            (v for v in m.vectors if field_plan.owner[v.field] == r), key=lambda v: v.key_stripe is not None)]
+            for r in range(comm.world_size)]
         out[m.root.layer.name] = (widths, units)
     return out, "; ".join(reasons)
 

@@ -308,9 +308,16 @@ class FieldAnalysis:
         table split by key range: _position_key."""
         if v.key_range is not None:
             return self._position_key(v)
-        if v.key_stripe is not None:          # several positions: keyed per position (stripe_keys)
-            return None
         g = self.graph
+        if v.key_stripe is not None:
+            # a field too big for one owner, its one id a sample looked up as it comes (des.compiler.big_tables):
+            # its own keys' rows once per distinct id, one zero row for the others (des_ops.rows.key_ids);
+            # a table of several positions: keyed per position (stripe_keys)
+            ops = v.table.tensor_operands()
+            if len(ops) != 1 or ops[0] not in g.input_ids or per_sample(g, ops[0]) not in ((), (1,)) or \
+                    not g.tensors[ops[0]].dtype.is_integer:
+                return None
+            return f"{g.input_name(ops[0])}@{v.key_stripe[0]}/{v.key_stripe[1]}"
         inputs = [i for i in self.cone(v.tensor) if g.nodes[i].kind == "input"]
         if len(inputs) != 1:
             return None
