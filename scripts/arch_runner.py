@@ -13,6 +13,8 @@ Systems (``--system``):
     fields, keys ``slot << 55 | id``: scripts/peer_tfra.py's ``field_keys``/``pool_fields``), data-parallel
     (each process parses its rows ``shard=(rank, N)``), ``DynamicEmbeddingOptimizer(legacy Adam(1e-3),
     synchronous=True)``.
+  * ``des-spec``: as ``des``, with ``spec=`` the data's feature spec, whose cardinalities size the
+    fields (so a field too big for one owner is split by key stripe: des.compiler.big_tables).
   * ``des-offsets``: the user's model spelled as DLRM / pytorch-fm ports write it: ONE Keras
     ``Embedding(F * vocab, dim)`` read as ids mod ``--vocab`` + per-field offsets ([B, F] -> [B, F, dim]),
     compiled with legacy Adam(1e-3), then ``des.transform(model)`` with NO options (the table split by key
@@ -163,7 +165,7 @@ def des_choices(report) -> dict:
             "by_rows": list(report.by_rows), "substitutions": dict(rules), "unsubstituted": list(report.unsubstituted),
             "rejections": [str(r) for r in report.rejections], "link": report.link,
             "tail_reason": report.tail_reason, "field_rows_reason": report.field_rows_reason,
-            "by_samples": list(report.by_samples)}
+            "by_samples": list(report.by_samples), "big_fields": list(report.big_fields)}
 
 
 def build_system(a, rank: int, n: int):
@@ -171,14 +173,15 @@ def build_system(a, rank: int, n: int):
     from tensorflow_recommenders_addons import dynamic_embedding as de
     hidden = [int(u) for u in a.hidden.split(",") if u]
     adam = tf.keras.optimizers.legacy.Adam(1e-3)
-    if a.system == "des":
+    if a.system in ("des", "des-spec"):
         import des
         from user_deepfm import compile_user
         spec, ds = sharded_batches(a.data, a.batch, a.dim, None)
         model = user_model(spec, a.arch, a.dim, hidden)
         compile_user(model)                     # TFRA's DynamicEmbeddingOptimizer(legacy Adam(1e-3)), AUC
         # the first global batch as sample=: the plan balances the fields by their distinct ids in it
-        model, report = des.transform(model, sample=next(iter(ds))[0])
+        # (des-spec: by the spec's cardinalities)
+        model, report = des.transform(model, sample=next(iter(ds))[0], spec=spec if a.system == "des-spec" else None)
         if rank == 0:
             print(report, flush=True)
         return model, ds, {"report": str(report).splitlines(), "des": des_choices(report)}
@@ -206,7 +209,7 @@ def build_system(a, rank: int, n: int):
 def main() -> None:
     from user_deepfm import runner_parser, started, timed_fit, write_summary
     ap = runner_parser()
-    ap.add_argument("--system", required=True, choices=["des", "des-offsets", "tfra", "replicated"])
+    ap.add_argument("--system", required=True, choices=["des", "des-spec", "des-offsets", "tfra", "replicated"])
     ap.add_argument("--arch", required=True, choices=["dcn", "autoint", "dlrm"])
     ap.add_argument("--vocab", type=int, default=1 << 18, help="replicated: rows of each hashed Keras table")
     a = started(ap)

@@ -30,6 +30,7 @@ sys.path.insert(0, ROOT)
 from des.cluster.netbed import Netbed  # noqa: E402
 
 SYSTEMS = {"des": "DES: the user's model via des.transform, defaults",
+           "des-spec": "DES: the user's model via des.transform, defaults, spec= the data's cardinalities",
            "des-offsets": "DES: one Keras table of every field by offsets (DLRM ports), split by key range",
            "tfra": "TFRA HvdAllToAllEmbedding, data-parallel",
            "replicated": "replicated: Horovod data-parallel, whole hashed Keras tables"}
@@ -81,6 +82,7 @@ def des_note(arch, n, ranks, system: str = "des") -> str:
             + (f", first Dense by rows {d['by_rows']}" if d["by_rows"] else "")
             + f"; substitutions: {subs}; " + (d["link"] + "; " if d["link"] else "")
             + (f"tables LEFT WHOLE: {', '.join(whole)}" if whole else "no table left whole")
+            + "".join(f"; {line}" for line in d.get("big_fields", []))
             + "".join(f"; rule not applied: {r}" for r in d["rejections"]))
 
 
@@ -91,8 +93,8 @@ def header(a) -> list[str]:
              f"this machine ({platform.node()}, {os.cpu_count()} shared cores, {platform.machine()}; N processes "
              f"oversubscribe them, one TF thread each)")
     return [f"# DCN-v2, AutoInt and DLRM: DES vs TFRA's all-to-all embedding vs replicated tables "
-            f"(criteo-like synthetic data, {a.rows} rows)", "",
-            f"`scripts/bench_arch.py --rows {a.rows} --batch {a.batch} --steps {a.steps} --repeats {a.repeats} "
+            f"({a.preset} synthetic data, {a.rows} rows)", "",
+            f"`scripts/bench_arch.py --preset {a.preset} --rows {a.rows} --batch {a.batch} --steps {a.steps} --repeats {a.repeats} "
             f"--configs '{a.configs}' --archs {a.archs} --systems {a.systems} --vocab {a.vocab} --check-steps "
             f"{a.check_steps}" + (f" --netbed {a.netbed} --cpus {a.cpus}" if a.netbed else "")
             + f"`, {time.strftime('%Y-%m-%d %H:%M')}, {where}. Global batch {a.batch}, dim {a.dim}, the 39 sparse "
@@ -100,7 +102,9 @@ def header(a) -> list[str]:
             f"round-robin over the systems. CPU: mean over a launch's processes. Rows: table rows a process "
             f"holds at the end (min-max over processes). des: one TFRA table per field, des.transform(model, sample=the "
             f"first global batch) with no options (the plan balances the fields by their distinct ids in it), "
-            f"every process reads the global batch. tfra: one HvdAllToAllEmbedding (keys slot << 55 | "
+            f"every process reads the global batch. des-spec: the same with spec= the data's feature spec, whose "
+            f"cardinalities size the fields (a field with more than an even share of all fields' rows and at least "
+            f"des.Options().stripe_min_rows is split by key stripe over every process). tfra: one HvdAllToAllEmbedding (keys slot << 55 | "
             f"id), each process parses its rows, DynamicEmbeddingOptimizer(legacy Adam(1e-3), synchronous=True). "
             f"replicated: Keras Embedding({a.vocab}, {a.dim}) per field over ids mod {a.vocab} (hashed: colliding "
             f"ids share a row; every table whole on every process), each process its rows, "
@@ -133,12 +137,14 @@ def sweep(arch, n, data, a, tmp, chosen) -> tuple[list[str], list[str]]:
                      f"{g['cpu_seconds_per_step']:.3f} | {g['seconds_to_first_step']:.1f} | {wire} | {g['rows']} | "
                      f"{g['samples_per_second'] / base:.2f}x |")
         print(lines[-1], flush=True)
-    return lines, [des_note(arch, n, runs[key][-1], key) for key in ("des", "des-offsets") if key in runs]
+    return lines, [des_note(arch, n, runs[key][-1], key) for key in ("des", "des-spec", "des-offsets") if key in runs]
 
 
 def main():
     ap = config_parser("2:128,64;4:128,64", "arch.md")
     ap.add_argument("--archs", default=",".join(ARCHS), help=f"comma-separated, of {','.join(ARCHS)}")
+    ap.add_argument("--preset", default="criteo-like", choices=["criteo-like", "criteo-big-field"],
+                    help="the synthetic data (criteo-big-field: one field of 1,000,000 values, des.compiler.big_tables)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {','.join(SYSTEMS)}")
     ap.add_argument("--vocab", type=int, default=1 << 18, help="replicated: rows of each hashed Keras table")
     ap.add_argument("--check-steps", type=int, default=4, help="des at N = 1 vs N = 2 after these steps (0: skip)")
@@ -148,7 +154,7 @@ def main():
     archs, chosen = a.archs.split(","), a.systems.split(",")
     if set(archs) - set(ARCHS) or set(chosen) - set(SYSTEMS):
         raise SystemExit(f"--archs of {','.join(ARCHS)}, --systems of {','.join(SYSTEMS)}")
-    data, _, tmp = preset_data("criteo-like", a.rows, "arch_runs")
+    data, _, tmp = preset_data(a.preset, a.rows, "arch_runs")
     lines, notes = header(a), []
     print("\n".join(lines), flush=True)
     if a.check_steps:

@@ -57,10 +57,10 @@ def config_parser(configs: str, report: str) -> argparse.ArgumentParser:
     return ap
 
 
-def synth_data(rows: int) -> str:
-    """``rows`` generated criteo-like lines in a new temporary folder: the file's path."""
+def synth_data(rows: int, preset: str = "criteo-like") -> str:
+    """``rows`` generated lines of a criteo-format ``preset`` in a new temporary folder: the file's path."""
     data = os.path.join(tempfile.mkdtemp(), "train.txt")
-    subprocess.run([sys.executable, "-m", "des.data.synth", "--rows", str(rows), "--out", data],
+    subprocess.run([sys.executable, "-m", "des.data.synth", "--rows", str(rows), "--out", data, "--preset", preset],
                    env=ENV, cwd=ROOT, check=True, capture_output=True)
     return data
 
@@ -71,7 +71,7 @@ def preset_data(preset: str, rows: int, runs: str) -> tuple[str, tuple, str]:
     under reports/compare/data; a text parser reading the global batch would decide DES's speed
     there), its summaries under reports/compare/``runs``."""
     if preset != "wide":
-        data = synth_data(rows)
+        data = synth_data(rows, preset)
         return data, (), os.path.dirname(data)
     sys.path.insert(0, ROOT)
     from des.jobs.compare import ensure_columnar, ensure_data

@@ -48,10 +48,17 @@ def costs_for(options: Options, comm: Communicator, fields: FieldAnalysis, match
             link = measure_link(comm)
             costs, line = dataclasses.replace(costs, bandwidth=link.assumed), str(link)
     if sample is not None:
-        keys = [fields.row_key(v) for m in matches for v in m.vectors]
+        # a field split by key stripe: its ids' distinct share once, as one field's
+        keys = [_unstriped(fields.row_key(v)) for m in matches for v in m.vectors
+                if v.key_stripe is None or v.key_stripe[0] == 0]
         batch = int(np.shape(next(iter(tf.nest.flatten(sample))))[0])
         costs = dataclasses.replace(costs, batch_size=batch, distinct=distinct_share_of(sample, keys, comm.world_size))
     return costs, line
+
+
+def _unstriped(key: str | None) -> str | None:
+    """The input a row key reads, without a key stripe's ``@r/N``."""
+    return key.split("@")[0] if key is not None else None
 
 
 def first_layer_choice(graph: Graph, model: tf.keras.Model, matches: list[Match], options: Options,
@@ -76,7 +83,8 @@ def first_layer_choice(graph: Graph, model: tf.keras.Model, matches: list[Match]
 
 def dense_shapes(matches: list[Match]) -> list[tuple[int, int]]:
     """(input width, units) of every first Dense layer among the matches."""
-    return [(sum(v.width for v in m.vectors), int(m.data["kernel"].shape[1])) for m in matches if "parts" in m.data]
+    return [(sum({v.tensor: v.width for v in m.vectors}.values()), int(m.data["kernel"].shape[1])) for m in matches
+            if "parts" in m.data]      # a field split by key stripe: its N stripes are one vector's width
 
 
 def exchanged_keys(ops: list) -> list[str]:

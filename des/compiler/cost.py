@@ -102,7 +102,9 @@ def estimate(report, batch_size: int, unique_per_slice: dict[str, float]) -> lis
         des_bytes = ring * report.bytes_per_float * batch_size * width
         ps = 0.0
         for v in m.vectors:
-            u = unique_per_slice.get(v.field, 0.0)
+            if v.key_stripe is not None and v.key_stripe[0] > 0:
+                continue                # a field split by key stripe: its ids once, as its stripe 0's
+            u = unique_per_slice.get(v.field.rsplit("%", 1)[0] if v.key_stripe is not None else v.field, 0.0)
             ps += u * remote * (8 + 8 * v.width)
         ps += ring * 4 * m.dense_parameters
         out.append(OperatorCost(m.rule, m.root.layer.name, des_bytes, ps))

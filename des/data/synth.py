@@ -38,6 +38,10 @@ PRESETS = {
     "criteo-like": Preset(int_card=[10, 30, 100, 300, 1000] * 2 + [20, 50, 200],
                           cat_card=[5, 20, 100, 500, 2000, 10000, 50000] * 3 + [3, 30, 300, 3000, 30000]),
     "tiny": Preset(int_card=[5] * 13, cat_card=[20] * 26, k=2),
+    # criteo-like with C26 of 1,000,000 values (about 80% of all fields' values, as Criteo's largest
+    # fields dominate its own): one field too big for one owner (des.compiler.big_tables)
+    "criteo-big-field": Preset(int_card=[10, 30, 100, 300, 1000] * 2 + [20, 50, 200],
+                               cat_card=[5, 20, 100, 500, 2000, 10000, 50000] * 3 + [3, 30, 300, 3000, 999_999]),
 }
 
 
