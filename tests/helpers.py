@@ -131,6 +131,19 @@ def trained(model, batches, probe) -> np.ndarray:
     return np.asarray(model.predict_on_batch(probe))
 
 
+def untouched_adam(build, base):
+    """``build()`` with ``base``'s state, its TFRA rows keyed as DES keys them (des.make_keyed), compiled
+    with Adam as adam_world's models are: the one-process model a DES run is held to."""
+    import des
+    from des.jobs.verify import copy_state
+    from gallery import optimizer_for
+    model = build()
+    copy_state(base, model)
+    des.make_keyed(model, seed=0)
+    model.compile(optimizer_for(model, "adam"), "binary_crossentropy")
+    return model
+
+
 def adam_world(n: int, build, base, options=None, spec=None) -> tuple:
     """(an InProcessWorld of ``n``, its models): ``build()`` transformed on every simulated rank (with
     des.Options ``options`` and ``spec``), rank 0 from ``base``'s state (the transform's broadcast

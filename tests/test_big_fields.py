@@ -19,8 +19,8 @@ from des.graph.fields import FieldAnalysis
 from des.graph.ir import Graph
 from des.jobs.verify import compare, copy_state, fit_and_snapshot, run_in_process_world
 from des_ops.comm import InProcessWorld
-from gallery import V, optimizer_for, sliced_batches
-from helpers import adam_world, save_three_ways, served, trained, within
+from gallery import V, sliced_batches
+from helpers import adam_world, save_three_ways, served, trained, untouched_adam, within
 from models.spec import FeatureSpec, Field
 from rewrite_rules import find_substitutions
 
@@ -209,14 +209,7 @@ def test_a_big_field_checkpoints_resumes_on_another_n_and_one_process_and_export
     such a DES model failed at N > 1 before 7f30283)."""
     build, base, batches, probe, _ = _setup(kind, reader, steps=6, batch=32)
     batches = batches[:6]
-
-    def plain():
-        m = build()
-        copy_state(base, m)
-        des.make_keyed(m, seed=0)
-        m.compile(optimizer_for(m, "adam"), "binary_crossentropy")
-        return m
-    want = trained(plain(), batches, probe)
+    want = trained(untouched_adam(build, base), batches, probe)
     ckpt = str(tmp_path / "ckpt")
     options = des.Options(stripe_min_rows=0)
     w, ms = adam_world(3, build, base, options=options, spec=SPEC)
@@ -238,7 +231,7 @@ def test_a_big_field_checkpoints_resumes_on_another_n_and_one_process_and_export
         checkpoint.restore(ckpt, ms2[r], ms2[r].optimizer)
         return trained(ms2[r], batches[3:], probe)
     resumed = _on_every_rank(w2, second_half)
-    one = plain()
+    one = untouched_adam(build, base)
     checkpoint.restore(ckpt, one, one.optimizer)
     resumed.append(trained(one, batches[3:], probe))
     within(f"{kind} big field: checkpoint of 3 resumed on 2 and on one process",

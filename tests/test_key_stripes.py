@@ -21,9 +21,9 @@ from des.jobs.verify import _on_every_rank, compare, copy_state, fit_and_snapsho
 from des.runtime import checkpoint
 from des_ops.comm import InProcessWorld
 from des_ops.stripes import StripeEmbedding
-from gallery import V, optimizer_for, sliced_batches
+from gallery import V, sliced_batches
 from helpers import (adam_world, check_rows_saved_by_distinct_ids, fit_counting_rows, save_three_ways, served,
-                     trained, within)
+                     trained, untouched_adam, within)
 
 L = tf.keras.layers
 P, K = 4, 4
@@ -183,14 +183,7 @@ def test_a_striped_model_checkpoints_resumes_on_another_n_and_one_process_and_ex
     uninterrupted one-process model does."""
     build, base, batches, probe, _ = _setup(kind, steps=6, batch=32)
     batches = batches[:6]
-
-    def plain():
-        m = build()
-        copy_state(base, m)
-        des.make_keyed(m, seed=0)
-        m.compile(optimizer_for(m, "adam"), "binary_crossentropy")
-        return m
-    want = trained(plain(), batches, probe)
+    want = trained(untouched_adam(build, base), batches, probe)
     ckpt = str(tmp_path / "ckpt")         # written by save_three_ways
     w, ms = adam_world(3, build, base)
 
@@ -212,7 +205,7 @@ def test_a_striped_model_checkpoints_resumes_on_another_n_and_one_process_and_ex
         return trained(m, batches[3:], probe)
     w2, ms2 = adam_world(2, build, base)
     resumed = _on_every_rank(w2, lambda r: second_half(ms2[r]))
-    resumed.append(second_half(plain()))
+    resumed.append(second_half(untouched_adam(build, base)))
     within("stripes: checkpoint of 3 resumed on 2 and on one process", max(float(np.abs(p - want).max())
                                                                            for p in resumed), 2e-6)
 

@@ -276,10 +276,11 @@ class FieldAnalysis:
             return f"{name!r} has a regularizer, a constraint, a mask or frozen rows"
         return None
 
-    def stripe_keys(self, table: Node) -> list[str] | None:
-        """Each position's key of a table split by key stripe, when its ids come straight from a
-        model input (des_ops.rows.key_ids reads them): ``<input>[f]`` (ids [B, P]) or ``<input f>``
-        (a tf.stack of P one-id inputs), with ``+<offset>`` for ids + offsets; else None."""
+    def position_keys(self, table: Node) -> list[str | None] | None:
+        """Each position's key of a table that looks up P ids a sample, for des_ops.rows.key_ids: when
+        its ids (``ids`` or ``ids + offsets``) come straight from model inputs, ``<input>[f]`` (one [B, P]
+        integer input) or ``<input f>`` (a tf.stack of one-id integer inputs; None for a part that is
+        not one), with ``+<offset>`` for ids + offsets; None when they come from neither."""
         g = self.graph
         ids = table.tensor_operands()[0]
         node, offsets = g.producer.get(ids), None
@@ -291,14 +292,21 @@ class FieldAnalysis:
             node, offsets = g.producer.get(ids), np.broadcast_to(consts[0].reshape(-1), per_sample(g, ids) or ())
         plus = (lambda f: f"+{int(offsets[f])}") if offsets is not None else (lambda f: "")
         if node is not None and node.kind == "stack" and node.attrs.get("axis") in (1, -1):
-            parts = [g.producer.get(o) for o in node.tensor_operands()]        # a tf.stack of one-id inputs
-            if all(p is not None and p.kind == "input" and g.tensors[o].dtype.is_integer and per_sample(g, o) == ()
-                   for p, o in zip(parts, node.tensor_operands())):
-                return [g.input_name(o) + plus(f) for f, o in enumerate(node.tensor_operands())]
+            def one_id(o) -> bool:
+                part = g.producer.get(o)
+                return part is not None and part.kind == "input" and g.tensors[o].dtype.is_integer and \
+                    per_sample(g, o) == ()
+            return [g.input_name(o) + plus(f) if one_id(o) else None for f, o in enumerate(node.tensor_operands())]
+        dims = per_sample(g, ids)
+        if node is None or node.kind != "input" or not g.tensors[ids].dtype.is_integer or dims is None or len(dims) != 1:
             return None
-        if node is None or node.kind != "input" or not g.tensors[ids].dtype.is_integer:
-            return None
-        return [f"{g.input_name(ids)}[{f}]" + plus(f) for f in range(per_sample(g, ids)[0])]
+        return [f"{g.input_name(ids)}[{f}]" + plus(f) for f in range(dims[0])]
+
+    def stripe_keys(self, table: Node) -> list[str] | None:
+        """Each position's key of a table split by key stripe when every position has one
+        (position_keys), else None."""
+        keys = self.position_keys(table)
+        return keys if keys and all(keys) else None
 
     def row_key(self, v: FieldVector) -> str | None:
         """The model input whose value alone decides vector ``v``'s value in a sample - one id per
@@ -331,23 +339,16 @@ class FieldAnalysis:
 
     def _position_key(self, v: FieldVector) -> str | None:
         """A position f of ``table(ids + offsets)``: its row is decided by the ids at f alone, so when
-        those come straight from a model input, ``<input>[f]`` (one [B, P] integer input) or the
-        input (a tf.stack of P one-id integer inputs, des_ops.rows.key_ids reads either); else None."""
-        g, table = self.graph, v.table
-        ranges = self.offset_ranges(table)
+        those come straight from a model input, its position key (position_keys) without the offset:
+        ``<input>[f]`` or ``<input f>``; else None."""
+        ranges = self.offset_ranges(v.table)
         if isinstance(ranges, str) or v.key_range not in ranges:
             return None
-        f = ranges.index(v.key_range)
-        ids = g.producer[table.tensor_operands()[0]].tensor_operands()[0]
-        node = g.producer.get(ids)
-        if node is not None and node.kind == "stack" and len(node.tensor_operands()) == len(ranges):
-            ids = node.tensor_operands()[f]
-            node, want, name = g.producer.get(ids), (), None
-        else:
-            want, name = (len(ranges),), f"[{f}]"
-        if node is None or node.kind != "input" or not g.tensors[ids].dtype.is_integer or per_sample(g, ids) != want:
+        keys = self.position_keys(v.table)
+        if keys is None or len(keys) != len(ranges):
             return None
-        return g.input_name(ids) + (name or "")
+        key = keys[ranges.index(v.key_range)]
+        return key.split("+")[0] if key is not None else None
 
     def ids_input(self, table: Node) -> str:
         """The model input a table's ids come from (the first, if several)."""
