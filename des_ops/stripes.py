@@ -55,14 +55,16 @@ class StripeEmbedding(tf.keras.layers.Layer):
 
     des_range_table = True
 
-    def __init__(self, stripe: int, count: int, rows: np.ndarray, vocabulary: int, table: str = "", **kwargs):
+    def __init__(self, stripe: int, count: int, rows: np.ndarray, vocabulary: int, table: str = "",
+                 regularizer=None, **kwargs):
         super().__init__(**kwargs)
         self.stripe, self.count, self.vocabulary = int(stripe), int(count), int(vocabulary)
         self.table = table or self.name
         self.dim = int(rows.shape[1])
         # one variable name per table: optimizer slots are found by name (des.runtime.state)
+        # ``regularizer``: the table's L1/L2 penalty, a sum over rows: this stripe's share of it
         self.embeddings = self.add_weight(f"{self.name}_rows", shape=rows.shape, dtype=tf.float32,
-                                          initializer=tf.keras.initializers.Constant(rows))
+                                          initializer=tf.keras.initializers.Constant(rows), regularizer=regularizer)
         self._message = (f"des: table {self.table} of {self.vocabulary} rows was given an id outside [0, "
                          f"{self.vocabulary})")
 

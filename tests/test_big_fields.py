@@ -176,6 +176,38 @@ def test_the_report_says_which_fields_are_too_big_and_where_their_rows_go():
         dense.rank_blocks                       # its own fields' rows first, then its stripe's, keyed
 
 
+@pytest.mark.parametrize("kind", ["DeepFM", "DCN"])
+def test_deepctr_models_with_their_table_penalties_split_a_big_field_and_equal_one_process(kind):
+    """DeepCTR's DeepFM and DCN with their defaults (an L2 penalty l2_reg_embedding=1e-5 on every
+    table) and f0's vocabulary 30 V: at N = 3 f0's two tables are split by key stripe, each stripe
+    holding its share of the penalty (a sum over rows), and 20 Adam steps of the user's fit equal
+    one process: predictions, rows and weights, and the loss, penalty included (measured <= 2.1e-7)."""
+    from deepctr import models as dm
+    from deepctr.feature_column import SparseFeat
+    from gallery import FIELDS, batches_for
+
+    def build():
+        cols = [SparseFeat(f, vocabulary_size=30 * V if f == "f0" else V, embedding_dim=K, dtype="int64")
+                for f in FIELDS]
+        return getattr(dm, kind)(cols, cols, dnn_hidden_units=(8, 4), seed=1)
+    tf.keras.utils.set_random_seed(0)
+    base = build()
+    batches, probe = batches_for(base, 20, 32, seed=4), batches_for(base, 1, 16, seed=99)[0][0]
+    reference = build()
+    copy_state(base, reference)
+    fit = lambda m: fit_and_snapshot(m, batches, probe, optimizer="adam", learning_rate=0.02)  # noqa: E731
+    ref = fit(reference)
+    _, report = des.transform(build(), des.Options(stripe_min_rows=0), comm=InProcessWorld(3).communicator(0))
+    assert len(report.big_fields) == 1 and "split by key stripe over 3 processes" in report.big_fields[0], \
+        report.big_fields
+    ranks = run_in_process_world(3, build, fit, init_from=base, stripe_min_rows=0)
+    diff = compare(ref, ranks)
+    within(f"DeepCTR {kind} big field N=3 predictions", diff["predictions"], 1e-6)
+    within(f"DeepCTR {kind} big field N=3 rows and weights", max(diff["tables"], diff["owned"], diff["weights"]), 1e-6)
+    within(f"DeepCTR {kind} big field N=3 loss", max(abs(r["loss"] - ref["loss"]) for r in ranks), 1e-6)
+    assert len(_split_tables(ranks)) == 2
+
+
 def test_processes_whose_stripe_no_id_reaches_take_part_and_nothing_hangs():
     """N = 4 with every f0 id a multiple of 4: processes 1-3 look up nothing of f0, send empty or
     zero blocks and still join every collective; equal to one process under both tails. The ids

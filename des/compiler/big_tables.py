@@ -16,7 +16,8 @@ their gradients are summed over processes before the update (des_ops.tail.sum_ta
 so every copy stays the same; it then goes by partials, not rows, and a kernel penalty refuses
 (it would count the shared rows N times). A field read through anything but reshapes and
 poolings after its lookup, or looked up with more than one id a sample, keeps one owner; the
-report says why.
+report says why. A Keras table's L1/L2 penalty, a sum over rows, goes with its stripes (each
+``StripeEmbedding`` holds its share; des.compiler.functional takes it into the penalty column).
 
     >>> import des
     >>> des.Options(stripe_min_rows=0).stripe_min_rows, des.Options().stripe_min_rows
@@ -42,7 +43,7 @@ def why_not_striped(graph: Graph, fields: FieldAnalysis, match: Match, v: FieldV
         return refusal
     if graph.layer_calls(table.layer) != 1:
         return f"{table.layer.name!r} is called more than once"
-    kind = fields.stripe_kind(table)
+    kind = fields.stripe_kind(table, penalty=True)
     if kind:
         return kind
     ops = table.tensor_operands()

@@ -248,6 +248,9 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     own = _OwnedPart.of(graph, matches, mine)
     ranged = {**_key_range_tables(matches, field_plan, comm, options.sync_weights),
               **_stripe_tables(matches, comm, options.sync_weights)}
+    for index in striped_tables(matches):      # a Keras stripe's share of its table's penalty
+        if isinstance(ranged[index][0], StripeEmbedding):
+            own.penalties += take_weight_penalties(ranged[index][0])
     released = options.release_unowned and _release_unowned(matches, mine)
 
     # the vectors in graph order, never in tensor-id (memory address) order: the order in which the
@@ -396,8 +399,12 @@ class _OwnedPart:
         penalty_column = any(has_weight_penalties(l) for l in chain_layers.values()) or \
             any(m.data.get("kernel_regularizer") is not None for m in matches)
         penalties = []
+        # a Keras table split by key stripe: its stripe's layer holds its share of the penalty (_stripe_tables)
+        striped = {v.table.index for m in matches for v in m.vectors
+                   if v.key_stripe is not None and not v.table.attrs["source"].dynamic}
         for i in sorted(nodes):
-            penalties += take_weight_penalties(nodes[i].layer)
+            taken = take_weight_penalties(nodes[i].layer)
+            penalties += [] if i in striped else taken
         return cls(ops, op_inputs, widths, nodes, penalty_column, penalties)
 
 
@@ -473,7 +480,7 @@ def _stripe_tables(matches: list[Match], comm: Communicator, from_root: bool) ->
         else:
             rows = table.embeddings.numpy()[r::n]
         held = StripeEmbedding(r, n, rows, int(table.input_dim), table=table.name,
-                               name=f"des_stripe_{table.name}_rank{r}")
+                               regularizer=table.embeddings_regularizer, name=f"des_stripe_{table.name}_rank{r}")
         out[index] = (held, held)
     return out
 

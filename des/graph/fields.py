@@ -262,16 +262,20 @@ class FieldAnalysis:
         return self.stripe_kind(table) or int(dims[0])
 
     @staticmethod
-    def stripe_kind(table: Node) -> str | None:
+    def stripe_kind(table: Node, penalty: bool = False) -> str | None:
         """Why the layer of ``table`` cannot be split by key stripe (des_ops.stripes), or None: a TFRA
-        Embedding, or a Keras Embedding without a regularizer, constraint, mask or frozen rows."""
+        Embedding, or a Keras Embedding without a regularizer, constraint, mask or frozen rows
+        (``penalty``: an L1/L2 regularizer allowed, a sum over rows each stripe holds its share of)."""
         name, source, layer = table.layer.name, table.attrs["source"], table.layer
         if source.name == "TFRA Embedding" and type(layer).__name__ != "SquashedEmbedding" and \
                 not any(c.__name__ == "SquashedEmbedding" for c in type(layer).__mro__):
             return None
         if not isinstance(layer, tf.keras.layers.Embedding) or source.dynamic:
             return f"{name!r} is a {source.name}: only a Keras or TFRA Embedding is split by key stripe"
-        if (layer.embeddings_regularizer is not None or layer.embeddings_constraint is not None or layer.mask_zero
+        separable = (tf.keras.regularizers.L1, tf.keras.regularizers.L2, tf.keras.regularizers.L1L2)
+        regularized = layer.embeddings_regularizer is not None and not (
+            penalty and isinstance(layer.embeddings_regularizer, separable))
+        if (regularized or layer.embeddings_constraint is not None or layer.mask_zero
                 or layer.activity_regularizer is not None or not layer.trainable):
             return f"{name!r} has a regularizer, a constraint, a mask or frozen rows"
         return None
