@@ -13,8 +13,8 @@ is exact too. That holds for the rules with ``stripes_exact`` (FM, NFM's bi-inte
 linear sum, field rows, the first Dense). A first Dense holds the field's kernel rows on every
 process (``DenseBlockSubOp.shared_block``): each multiplies its stripe's vector by them, and
 their gradients are summed over processes before the update (des_ops.tail.sum_tail_gradients),
-so every copy stays the same; it then goes by partials, not rows, and a kernel penalty refuses
-(it would count the shared rows N times). A field read through anything but reshapes and
+so every copy stays the same; by rows, each process's stripe is a block of its own, times its
+copy. A kernel penalty on that Dense refuses (it would count the shared rows N times). A field read through anything but reshapes and
 poolings after its lookup, or looked up with more than one id a sample, keeps one owner; the
 report says why. A Keras table's L1/L2 penalty, a sum over rows, goes with its stripes (each
 ``StripeEmbedding`` holds its share; des.compiler.functional takes it into the penalty column).
