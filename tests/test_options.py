@@ -40,6 +40,9 @@ def test_transform_takes_the_model_the_options_and_where_it_runs():
     ({"costs": 1e9}, "costs=1000000000.0; a des.AutoTail"),
     ({"first_layer": "rows", "tail": "replicated"}, "des.Options(first_layer='rows'): the rows go to their samples'"),
     ({"first_layer": "split"}, "first_layer='split'; choose from auto, operators, rows"),
+    ({"stripe_min_rows": -1}, "stripe_min_rows=-1; a whole number >= 0 or None"),
+    ({"stripe_min_rows": "1M"}, "stripe_min_rows='1M'; a whole number >= 0 or None"),
+    ({"stripe_min_rows": True}, "stripe_min_rows=True; a whole number >= 0 or None"),
 ])
 def test_bad_options_are_one_line_errors_when_made(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
