@@ -25,6 +25,7 @@ import tensorflow as tf  # noqa: E402
 tf.config.threading.set_inter_op_parallelism_threads(64)     # the simulated world: one thread per process
 
 import des  # noqa: E402
+from bench_des import write_report  # noqa: E402
 from des.data.synth import PRESETS  # noqa: E402
 from des.graph.sources import source_of  # noqa: E402
 from des.jobs.verify import _on_every_rank  # noqa: E402
@@ -91,10 +92,7 @@ def main() -> None:
             if name == "split":
                 notes += [f"N = {n}: {line}" for line in big]
     lines += ["", "Notes (rank 0's report):", ""] + [f"- {note}" for note in notes]
-    os.makedirs(os.path.dirname(a.report), exist_ok=True)
-    with open(a.report, "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    print(f"written: {a.report}")
+    write_report(a.report, lines)
 
 
 if __name__ == "__main__":
