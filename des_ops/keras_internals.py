@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+# weight penalties that are sums over entries: split by rows or fields, the shares add up to the whole
+SEPARABLE_PENALTIES = (tf.keras.regularizers.L1, tf.keras.regularizers.L2, tf.keras.regularizers.L1L2)
+
 
 def take_weight_penalties(layer) -> list:
     """Remove and return the weight penalties (regularizer losses) ``layer`` registered, so that

@@ -68,6 +68,13 @@ def _stripe_of(key: str) -> tuple[str, int, int | None, int | None]:
     return base, 0, stripe, count
 
 
+def unstriped(key: str | None) -> str | None:
+    """``key`` without a key stripe's ``@r/N``: the ids of every stripe (None stays None)."""
+    if key is None or _stripe_of(key)[2] is None:
+        return key
+    return key.rpartition("@")[0]
+
+
 def key_ids(source: dict, key: str):
     """The ids ``key`` names in ``source`` (model inputs or a sample batch): the input itself, or for
     ``name[f]`` column f of input ``name`` (a position of ids + offsets, des.graph.fields.row_key);

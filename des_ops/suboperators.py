@@ -238,7 +238,9 @@ class DenseBlockSubOp(SubOperator):
         super().__init__(fields, **kwargs)
         self.width = int(kernel_block.shape[1])
         self.field_widths = list(widths)
-        self.shared = list(shared) if shared is not None else [False] * len(widths)
+        shared = list(shared) if shared is not None else [False] * len(widths)
+        # the owned vectors in its kernel's row order: its own fields' first, then the striped ones'
+        self.order = [i for i, s in enumerate(shared) if not s] + [i for i, s in enumerate(shared) if s]
         self.regularizer = regularizer          # elementwise (L1/L2): the penalty of W is the sum over blocks
         self.kernel_block = None if kernel_block.shape[0] == 0 else self.add_weight(
             "kernel_block", shape=kernel_block.shape, trainable=trainable_block,
@@ -253,12 +255,12 @@ class DenseBlockSubOp(SubOperator):
         return self.regularizer(self.kernel_block)
 
     def ordered(self, vectors: list) -> tuple[list, tf.Tensor | None]:
-        """(the owned vectors, its own fields' first, then the striped ones'; their kernel rows, or None)."""
+        """(the owned vectors in ``order``; their kernel rows, or None)."""
+        vectors = [vectors[i] for i in self.order]
         if self.shared_block is None:
             return vectors, self.kernel_block
-        own = [v for v, s in zip(vectors, self.shared) if not s] + [v for v, s in zip(vectors, self.shared) if s]
-        return own, (self.shared_block if self.kernel_block is None else
-                     tf.concat([self.kernel_block, self.shared_block], axis=0))
+        return vectors, (self.shared_block if self.kernel_block is None else
+                         tf.concat([self.kernel_block, self.shared_block], axis=0))
 
     def partial(self, vectors, batch):
         vectors, kernel = self.ordered(vectors)
@@ -269,8 +271,7 @@ class DenseBlockSubOp(SubOperator):
     def rows_output(self, vectors, batch, comm: Communicator, anchor, name: str, keys: dict | None = None) -> tf.Tensor:
         """This process's rows of sum_p E_p W_p by moving rows (``exchange == "rows"``); ``keys``:
         the whole batch's inputs, whose ids the keyed blocks travel by (once per distinct id)."""
-        widths = [w for w, s in zip(self.field_widths, self.shared) if not s] + \
-            [w for w, s in zip(self.field_widths, self.shared) if s]
+        widths = [self.field_widths[i] for i in self.order]
         vectors, kernel = self.ordered(vectors)
         e = tf.concat([tf.reshape(v, [-1, w]) for v, w in zip(vectors, widths)], axis=1) \
             if vectors else dm.zeros(batch, 0)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from des_ops.keras_internals import SEPARABLE_PENALTIES
 from des_ops.suboperators import DenseBlockSubOp
 from rewrite_rules.base import Match, Rejection, Rule, check_vectors, register
 
-SEPARABLE = (tf.keras.regularizers.L1, tf.keras.regularizers.L2, tf.keras.regularizers.L1L2)
 
 
 @register(priority=40)
@@ -48,7 +48,7 @@ class EmbedConcatDenseRule(Rule):
             return Rejection(self.name, node, f"its kernel_constraint {type(node.attrs['kernel_constraint']).__name__} "
                                               f"acts on whole columns, which span processes")
         reg = node.attrs.get("kernel_regularizer")
-        if reg is not None and not isinstance(reg, SEPARABLE):
+        if reg is not None and not isinstance(reg, SEPARABLE_PENALTIES):
             return Rejection(self.name, node, f"its kernel_regularizer {type(reg).__name__} is not a sum over "
                                               f"entries (L1/L2), so it cannot be split by field")
         return Match(self.name, node, lay.vectors, lay.glue | {node.index}, others=[p.tensor for p in lay.others],

@@ -29,6 +29,7 @@ import dataclasses
 
 from des.graph.fields import GLUE, FieldAnalysis, FieldVector, per_sample
 from des.graph.ir import Graph
+from des_ops.rows import unstriped
 from rewrite_rules import Match, rule_named
 
 # what may follow the lookup in a striped field vector's chain: linear in the rows, per sample
@@ -98,21 +99,14 @@ def split_big_fields(graph: Graph, fields: FieldAnalysis, matches: list[Match], 
             if v.field not in split:
                 vectors.append(v)
                 continue
-            vectors += [FieldVector(v.tensor, v.table, f"{v.field}%{r}", v.width, v.chain, key_stripe=(r, world_size))
-                        for r in range(world_size)]
+            stripes = [FieldVector(v.tensor, v.table, f"{v.field}%{r}", v.width, v.chain, key_stripe=(r, world_size))
+                       for r in range(world_size)]
+            vectors += stripes
             if m.rule == "field_rows":        # one vector: its stripes' rows, keyed by its ids (des_ops.rows)
-                data.update(stripes=world_size, stripe_keys=[_stripe_key(graph, fields, v)], stripe_shape=(1, v.width))
+                data.update(stripes=world_size, stripe_keys=[unstriped(fields.row_key(stripes[0]))],
+                            stripe_shape=(1, v.width))
         out.append(dataclasses.replace(m, vectors=vectors, data=data))
     return out, notes
-
-
-def _stripe_key(graph: Graph, fields: FieldAnalysis, v: FieldVector) -> str | None:
-    """The input whose ids a striped vector's rows travel by once per distinct id (des_ops.rows,
-    ``<input>@r/N``: process r's rows of the ids k mod N == r, one zero row for the others): only
-    when the table looks those ids up as they are; after any preprocessing (ids * 4, a hashing)
-    the ids' stripe is not the keys', and the rows go once per sample."""
-    key = fields.row_key(v)
-    return key if key is not None and v.table.tensor_operands()[0] in graph.input_ids else None
 
 
 def striped_tables(matches: list[Match]) -> dict[int, object]:

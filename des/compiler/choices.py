@@ -20,7 +20,7 @@ from des.compiler.plan import FieldPlan
 from des.graph.fields import FieldAnalysis
 from des.graph.ir import Graph
 from des_ops.comm import Communicator, agree, shard_rows
-from des_ops.rows import Block, key_ids
+from des_ops.rows import Block, key_ids, unstriped
 from des_ops.tail import tail_obstacles
 from rewrite_rules import Match, rule_named
 
@@ -49,16 +49,11 @@ def costs_for(options: Options, comm: Communicator, fields: FieldAnalysis, match
             costs, line = dataclasses.replace(costs, bandwidth=link.assumed), str(link)
     if sample is not None:
         # a field split by key stripe: its ids' distinct share once, as one field's
-        keys = [_unstriped(fields.row_key(v)) for m in matches for v in m.vectors
+        keys = [unstriped(fields.row_key(v)) for m in matches for v in m.vectors
                 if v.key_stripe is None or v.key_stripe[0] == 0]
         batch = int(np.shape(next(iter(tf.nest.flatten(sample))))[0])
         costs = dataclasses.replace(costs, batch_size=batch, distinct=distinct_share_of(sample, keys, comm.world_size))
     return costs, line
-
-
-def _unstriped(key: str | None) -> str | None:
-    """The input a row key reads, without a key stripe's ``@r/N``."""
-    return key.split("@")[0] if key is not None else None
 
 
 def first_layer_choice(graph: Graph, model: tf.keras.Model, matches: list[Match], options: Options,

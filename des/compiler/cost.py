@@ -104,7 +104,7 @@ def estimate(report, batch_size: int, unique_per_slice: dict[str, float]) -> lis
         for v in m.vectors:
             if v.key_stripe is not None and v.key_stripe[0] > 0:
                 continue                # a field split by key stripe: its ids once, as its stripe 0's
-            u = unique_per_slice.get(v.field.rsplit("%", 1)[0] if v.key_stripe is not None else v.field, 0.0)
+            u = unique_per_slice.get(v.unstriped_field, 0.0)
             ps += u * remote * (8 + 8 * v.width)
         ps += ring * 4 * m.dense_parameters
         out.append(OperatorCost(m.rule, m.root.layer.name, des_bytes, ps))

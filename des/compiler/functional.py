@@ -50,7 +50,7 @@ def _field_costs(graph: Graph, matches: list[Match], spec=None,
     width: dict[str, int] = {}
     size: dict[str, float] = {}
     lookups: dict[str, float] = {}
-    stripes: dict[str, int] = {}        # a stripe of a field too big for one owner: its share of the field's rows
+    stripes: dict[str, tuple] = {}      # a key stripe: (its field, N): its share of the field's rows
     seen = set()
     for m in matches:
         for v in m.vectors:
@@ -66,7 +66,7 @@ def _field_costs(graph: Graph, matches: list[Match], spec=None,
             if v.key_stripe is not None:           # a stripe: its share of the table's rows
                 size[f] = v.table.attrs["source"].rows(v.table.layer) / v.key_stripe[1]
                 lookups[f] = float(v.width // int(v.table.attrs["dim"]))
-                stripes[f] = v.key_stripe[1]
+                stripes[f] = (v.unstriped_field, v.key_stripe[1])
                 continue
             size[f] = max(size.get(f, 0.0), v.table.attrs["source"].rows(v.table.layer))
             ops = v.table.tensor_operands()
@@ -80,7 +80,7 @@ def _field_costs(graph: Graph, matches: list[Match], spec=None,
         rows = None
         if spec is not None:
             try:
-                rows = spec[f.rsplit("%", 1)[0]].cardinality / stripes[f] if f in stripes else spec[f].cardinality
+                rows = spec[stripes[f][0]].cardinality / stripes[f][1] if f in stripes else spec[f].cardinality
             except KeyError:
                 rows = None
         rows = rows or size[f] or distinct.get(f, 0.0)

@@ -31,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from des.graph.ir import Graph, Node, TensorId, all_keras_tensors
+from des_ops.keras_internals import SEPARABLE_PENALTIES
 
 GLUE = {"stack", "concat", "reshape", "flatten", "squeeze", "expand_dims", "identity"}
 
@@ -48,6 +49,11 @@ class FieldVector:
     @property
     def key(self) -> str:
         return self.table.layer.name
+
+    @property
+    def unstriped_field(self) -> str:
+        """The field a key stripe's vector ``<field>%r`` belongs to (else its own)."""
+        return self.field.rsplit("%", 1)[0] if self.key_stripe is not None else self.field
 
 
 @dataclasses.dataclass(eq=False)
@@ -272,9 +278,8 @@ class FieldAnalysis:
             return None
         if not isinstance(layer, tf.keras.layers.Embedding) or source.dynamic:
             return f"{name!r} is a {source.name}: only a Keras or TFRA Embedding is split by key stripe"
-        separable = (tf.keras.regularizers.L1, tf.keras.regularizers.L2, tf.keras.regularizers.L1L2)
         regularized = layer.embeddings_regularizer is not None and not (
-            penalty and isinstance(layer.embeddings_regularizer, separable))
+            penalty and isinstance(layer.embeddings_regularizer, SEPARABLE_PENALTIES))
         if (regularized or layer.embeddings_constraint is not None or layer.mask_zero
                 or layer.activity_regularizer is not None or not layer.trainable):
             return f"{name!r} has a regularizer, a constraint, a mask or frozen rows"
@@ -323,8 +328,9 @@ class FieldAnalysis:
         g = self.graph
         if v.key_stripe is not None:
             # a field too big for one owner, its one id a sample looked up as it comes (des.compiler.big_tables):
-            # its own keys' rows once per distinct id, one zero row for the others (des_ops.rows.key_ids);
-            # a table of several positions: keyed per position (stripe_keys)
+            # its own keys' rows once per distinct id, one zero row for the others (des_ops.rows.key_ids).
+            # After any preprocessing (ids * 4, a hashing) the ids' stripe is not the keys': no key, the rows
+            # go once per sample. A table of several positions: keyed per position (stripe_keys)
             ops = v.table.tensor_operands()
             if len(ops) != 1 or ops[0] not in g.input_ids or per_sample(g, ops[0]) not in ((), (1,)) or \
                     not g.tensors[ops[0]].dtype.is_integer:
