@@ -185,24 +185,93 @@ def wire_order(blocks: list[Block]) -> list[int]:
     return [where[c] for lane in _lanes(blocks) for c in lane.cols if c in where]
 
 
-def _packed(keys: list[tf.Tensor]) -> tf.Tensor:
-    """[B, G] from G keys [B]: equal exactly where (key, id) pairs are equal. One key as it is (any
-    dtype tf.unique takes: int32, int64, string); integer ids in [0, 2**(63 - bits)) packed into one
-    int64 as ``group << (63 - bits) | id`` (bits: enough for G groups); other ids (negative, too large,
-    strings) through each key's tf.unique index, ``group * B + index``."""
-    if len(keys) == 1:
-        return keys[0][:, None]
-    keys = [tf.cast(k, tf.int64) if k.dtype.is_integer else k for k in keys]
+class KeyIds:
+    """The ids of the keys a rows exchange travels by (Block.key), read from ``source`` (the model
+    inputs, or {key: ids}) by key_ids when first asked, each flattened to [B]. ``matrix(keys, lo,
+    hi)``: rows [lo, hi) of G keys as [hi - lo, G]; when they are integer inputs or their columns
+    with one stripe (a table of several fields in one key space: 39 positions and N stripes), one
+    stack (or slice), one add of the offsets and one stripe mask, not a slice and a mask per key.
+
+        >>> ids = KeyIds({"ids": tf.constant([[1, 2], [3, 4]], tf.int64)})
+        >>> ids.matrix(("ids[0]@1/2", "ids[1]+1@1/2")).numpy().tolist()     # odd keys, others 0
+        [[1, 3], [3, 5]]
+        >>> ids.resolves("ids[1]"), ids.resolves("user"), ids["ids[1]"].numpy().tolist()
+        (True, False, [2, 4])
+        >>> KeyIds({"a": tf.constant([4, 5]), "b": tf.constant([[6], [7]])}).matrix(("a@0/2", "b@0/2"), 1, 2).numpy().tolist()
+        [[1, 1]]
+    """
+
+    def __init__(self, source: dict | None):
+        self.source, self.memo, self.stacked = source or {}, {}, {}
+
+    def resolves(self, key: str) -> bool:
+        return key in self.source or key_input(key) in self.source
+
+    def __getitem__(self, key: str) -> tf.Tensor:
+        if key not in self.memo:
+            self.memo[key] = tf.reshape(key_ids(self.source, key), [-1])
+        return self.memo[key]
+
+    def matrix(self, keys: tuple, lo=None, hi=None):
+        """[hi - lo, G] int64 of G > 1 keys of one stripe (or none) that read integer inputs as they are or
+        their columns; else the keys' [hi - lo] ids, a list (_packed stacks them)."""
+        parsed = [_parts(k) for k in keys]
+        sources = [self.source.get(name) for name, *_ in parsed]
+        if (len(keys) == 1 or any(x is None or not x.dtype.is_integer for x in sources)
+                or len({(stripe, count) for *_, stripe, count in parsed}) != 1):
+            return [self[k] if lo is None else self[k][lo:hi] for k in keys]
+        columns = tuple((name, col) for name, col, *_ in parsed)
+        if columns not in self.stacked:        # the whole batch's, once for every slice and stripe
+            self.stacked[columns] = self._side_by_side(columns)
+        x = self.stacked[columns] if lo is None else self.stacked[columns][lo:hi]
+        offsets, (*_, stripe, count) = [p[2] for p in parsed], parsed[0]
+        if any(offsets):
+            x = x + tf.constant([offsets], tf.int64)
+        if stripe is not None:
+            x = tf.where(tf.equal(tf.math.floormod(x, count), stripe), x, tf.constant((stripe + 1) % count, tf.int64))
+        return x
+
+    def _side_by_side(self, columns: tuple) -> tf.Tensor:
+        """[B, G] int64: the inputs (one id a sample) or input columns ``columns`` ((name, column or None))."""
+        names, cols = {name for name, _ in columns}, [col for _, col in columns]
+        x = self.source[columns[0][0]]
+        if len(names) == 1 and None not in cols and x.shape.rank == 2:     # positions of one [B, P] input
+            x = x if cols == list(range(x.shape[1] or -1)) else tf.gather(x, cols, axis=1)
+        else:
+            x = tf.stack([tf.reshape(self.source[name], [-1]) if col is None else self.source[name][:, col]
+                          for name, col in columns], axis=1)
+        return tf.cast(x, tf.int64)
+
+
+def _parts(key: str) -> tuple:
+    """(input, column or None, offset, stripe or None, count or None) of a key ``name[f][+o][@r/N]``."""
+    base, offset, stripe, count = _stripe_of(key)
+    return (*_column_of(base), offset, stripe, count)
+
+
+def _packed(keys) -> tf.Tensor:
+    """[B, G] from G keys (a list of [B] ids, or KeyIds.matrix's [B, G]): equal exactly where (key,
+    id) pairs are equal. One key as it is (any dtype tf.unique takes: int32, int64, string); integer
+    ids in [0, 2**(63 - bits)) packed into one int64 as ``group << (63 - bits) | id`` (bits: enough
+    for G groups); other ids (negative, too large, strings) through each key's tf.unique index,
+    ``group * B + index``."""
+    whole = keys if isinstance(keys, tf.Tensor) else None
+    if whole is None:
+        if len(keys) == 1:
+            return keys[0][:, None]
+        keys = [tf.cast(k, tf.int64) if k.dtype.is_integer else k for k in keys]
+    count = len(keys) if whole is None else int(whole.shape[1])
 
     def by_index():
-        index = tf.stack([tf.unique(key, out_idx=tf.int64)[1] for key in keys], axis=1)
-        return index + tf.range(len(keys), dtype=tf.int64)[None, :] * tf.shape(keys[0], out_type=tf.int64)[0]
-    if not all(k.dtype.is_integer for k in keys):
+        columns = keys if whole is None else tf.unstack(whole, axis=1)
+        index = tf.stack([tf.unique(key, out_idx=tf.int64)[1] for key in columns], axis=1)
+        return index + tf.range(count, dtype=tf.int64)[None, :] * tf.shape(columns[0], out_type=tf.int64)[0]
+    if whole is None and not all(k.dtype.is_integer for k in keys):
         return by_index()
-    k = tf.stack(keys, axis=1)
-    shift = 63 - (len(keys) - 1).bit_length()
+    k = tf.stack(keys, axis=1) if whole is None else whole
+    shift = 63 - (count - 1).bit_length()
     fits = tf.logical_and(tf.reduce_min(k) >= 0, tf.reduce_max(k) < 2 ** shift)
-    groups = tf.constant([[g << shift for g in range(len(keys))]], tf.int64)
+    groups = tf.constant([[g << shift for g in range(count)]], tf.int64)
     return tf.cond(fits, lambda: tf.bitwise.bitwise_or(k, groups), by_index)
 
 
@@ -215,7 +284,7 @@ class _Selection:
     lanes in ``whole`` (a sender's, needed for every slice) are packed once for the whole batch;
     the others (a receiver's of another process, needed for its own slice only) slice by slice."""
 
-    def __init__(self, keys: dict, bounds: list, whole: set = frozenset()):
+    def __init__(self, keys: KeyIds, bounds: list, whole: set = frozenset()):
         self.keys, self.bounds, self.whole, self.packed, self.memo = keys, bounds, set(whole), {}, {}
 
     def of(self, lane: _Lane, q: int):
@@ -225,10 +294,10 @@ class _Selection:
             return None, None, hi - lo
         if (lane.keys, q) not in self.memo:
             if lane.keys not in self.whole:
-                rows = tf.reshape(_packed([self.keys[k][lo:hi] for k in lane.keys]), [-1])
+                rows = tf.reshape(_packed(self.keys.matrix(lane.keys, lo, hi)), [-1])
             else:
                 if lane.keys not in self.packed:
-                    self.packed[lane.keys] = _packed([self.keys[k] for k in lane.keys])
+                    self.packed[lane.keys] = _packed(self.keys.matrix(lane.keys))
                 rows = tf.reshape(self.packed[lane.keys][lo:hi], [-1])
             ids, idx = tf.unique(rows, out_idx=tf.int64)
             count = tf.size(ids, out_type=tf.int64)
@@ -281,7 +350,7 @@ class _Exchange:
     per distinct (group, id) of a keyed lane) in lane order. Plain ops: rows_to_samples and
     rows_dense wrap them in their custom gradients."""
 
-    def __init__(self, comm: Communicator, blocks: list[list[Block]], keys: dict, batch: tf.Tensor, name: str):
+    def __init__(self, comm: Communicator, blocks: list[list[Block]], keys: KeyIds, batch: tf.Tensor, name: str):
         self.comm, self.name = comm, name
         n, r = comm.world_size, comm.rank
         self.lanes = [_lanes(bl) for bl in blocks]
@@ -355,16 +424,12 @@ def _placed(rows: tf.Tensor, idx) -> tf.Tensor:
     return rows if idx is None else tf.gather(rows, idx)
 
 
-def _flat_keys(keys: dict | None) -> dict:
-    return {name: tf.reshape(t, [-1]) for name, t in (keys or {}).items()}
-
-
-def _check_blocks(fn: str, comm: Communicator, e: tf.Tensor, blocks: list[list[Block]], keys: dict) -> None:
+def _check_blocks(fn: str, comm: Communicator, e: tf.Tensor, blocks: list[list[Block]], keys: KeyIds) -> None:
     n, r = comm.world_size, comm.rank
     if len(blocks) != n or sum(b.width for b in blocks[r]) != int(e.shape[1]):
         raise ValueError(f"{fn}: rank {r} holds rows of width {e.shape[1]}; the plan says widths "
                          f"{[sum(b.width for b in bl) for bl in blocks]} for {n} processes")
-    missing = sorted({b.key for bl in blocks for b in bl if b.key is not None} - set(keys))
+    missing = sorted({b.key for bl in blocks for b in bl if b.key is not None and not keys.resolves(b.key)})
     if missing:
         raise ValueError(f"{fn}: no ids given for the keys {missing}")
 
@@ -376,8 +441,8 @@ def rows_dense(comm: Communicator, e: tf.Tensor, kernel: tf.Tensor, rank_widths:
     ``e`` [B, w_r]: this process's fields' rows (w_r = ``rank_widths[rank]``, 0 for a process that
     owns none); ``kernel`` [w_r, H]: its kernel rows; ``rank_widths``: w_p of every process, the
     same list everywhere; ``blocks`` (optional): each process's field vectors as Blocks (widths
-    summing to w_p), whose keyed ones travel de-duplicated with ``keys`` {input name: the whole
-    batch's ids}; ``anchor``: a trainable scalar (its gradient is 0) so that every process
+    summing to w_p), whose keyed ones travel de-duplicated with ``keys``, the whole batch's model
+    inputs (or {key: ids}) their keys read (key_ids); ``anchor``: a trainable scalar (its gradient is 0) so that every process
     runs the backward's collectives even when it holds no trainable input. Collectives:
     ``<name>_rows``, ``<name>_kernel`` (counted under ``step``), ``<name>_rows_grad``,
     ``<name>_kernel_grad`` (under ``tail``)."""
@@ -387,7 +452,7 @@ def rows_dense(comm: Communicator, e: tf.Tensor, kernel: tf.Tensor, rank_widths:
     if len(widths) != n or widths[r] != int(kernel.shape[0]) or [sum(b.width for b in bl) for bl in blocks] != widths:
         raise ValueError(f"rows_dense: rank {r} holds rows of width {e.shape[1]} and {kernel.shape[0]} kernel rows; "
                          f"the plan says widths {widths} for {n} processes")
-    keys = _flat_keys(keys)
+    keys = KeyIds(keys)
     _check_blocks("rows_dense", comm, e, blocks, keys)
     units = int(kernel.shape[1])
 
@@ -448,7 +513,7 @@ def rows_to_samples(comm: Communicator, e: tf.Tensor, rank_widths: list[int], an
     if len(widths) != n or widths[r] != int(e.shape[1]) or [sum(b.width for b in bl) for bl in blocks] != widths:
         raise ValueError(f"rows_to_samples: rank {r} holds rows of width {e.shape[1]}; the plan says widths "
                          f"{widths} for {n} processes")
-    keys = _flat_keys(keys)
+    keys = KeyIds(keys)
     _check_blocks("rows_to_samples", comm, e, blocks, keys)
 
     @tf.custom_gradient

@@ -25,9 +25,9 @@ def stripe_lookup(lookup: Callable[[tf.Tensor], tf.Tensor], ids: tf.Tensor, stri
     ``count`` (k mod count == stripe), zeros for every other key. Only those keys are looked up, so
     only their rows get gradients (a TFRA table creates no row for the others)."""
     flat = tf.reshape(ids, [-1])
-    own = tf.equal(tf.math.floormod(flat, tf.cast(count, flat.dtype)), tf.cast(stripe, flat.dtype))
-    rows = lookup(tf.boolean_mask(flat, own))
-    out = tf.scatter_nd(tf.where(own), tf.reshape(rows, [-1, dim]), tf.stack([tf.size(flat, out_type=tf.int64), dim]))
+    own = tf.where(tf.equal(tf.math.floormod(flat, tf.cast(count, flat.dtype)), tf.cast(stripe, flat.dtype)))
+    rows = lookup(tf.gather_nd(flat, own))           # [n, 1] positions: one Where for the lookup and the scatter
+    out = tf.scatter_nd(own, tf.reshape(rows, [-1, dim]), tf.stack([tf.size(flat, out_type=tf.int64), dim]))
     return tf.reshape(out, tf.concat([tf.shape(ids), [dim]], axis=0))
 
 

@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from des_ops import partials as dm
 from des_ops.comm import Communicator, allreduce_sum, variable_zero
-from des_ops.rows import Block, key_ids, rows_dense, rows_to_samples, wire_order
+from des_ops.rows import Block, rows_dense, rows_to_samples, wire_order
 from des_ops.tail import reduce_scatter_sum
 from models.layers import only_shapes_wanted
 
@@ -276,8 +276,7 @@ class DenseBlockSubOp(SubOperator):
         e = tf.concat([tf.reshape(v, [-1, w]) for v, w in zip(vectors, widths)], axis=1) \
             if vectors else dm.zeros(batch, 0)
         kernel = tf.zeros([0, self.width]) if kernel is None else tf.convert_to_tensor(kernel)
-        return rows_dense(comm, e, kernel, self.rank_widths, anchor, name, self.rank_blocks or None,
-                          _keys_of(self.rank_blocks, keys))
+        return rows_dense(comm, e, kernel, self.rank_widths, anchor, name, self.rank_blocks or None, keys)
 
     def rows_by_part(self) -> list[np.ndarray]:
         """This process's kernel rows, one block per owned field vector."""
@@ -285,12 +284,6 @@ class DenseBlockSubOp(SubOperator):
             return []
         kernel, starts = self.kernel_block.numpy(), np.cumsum([0] + self.field_widths)
         return [kernel[a:b] for a, b in zip(starts[:-1], starts[1:])]
-
-
-def _keys_of(blocks: list, inputs: dict | None) -> dict:
-    """{input name: tensor} of the keys ``blocks`` (a list per process) travel by."""
-    names = {b.key for bl in blocks for b in bl if b.key is not None}
-    return {name: key_ids(inputs, name) for name in sorted(names)} if names else {}
 
 
 def _runs(names: list[str]) -> list[str]:
@@ -435,7 +428,7 @@ class DESFirstLayer(tf.keras.layers.Layer):
             e = self._sent_in_order(mine, flat, batch)
         blocks = [[b for _, _, b in bl] for bl in sent]
         x = rows_to_samples(self.comm, e, [sum(b.width for b in bl) for bl in blocks], self.rows_anchor,
-                            f"{self.collective}_samples", blocks, _keys_of(blocks, inputs))
+                            f"{self.collective}_samples", blocks, inputs)
         # as x holds them, ranks in order; consecutive blocks of one operator and sender as one piece
         runs: list[list] = []
         for p, bl in enumerate(sent):
