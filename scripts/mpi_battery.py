@@ -7,7 +7,7 @@ rank is most of what a small check costs, so checks that share a process count s
 Each job is KIND:ARGS and runs, in the order given, the ``main`` of scripts/mpi_KIND.py with
 its output in OUT_DIR/KIND (ps: OUT_DIR/ps/<ARGS with '-' for ':'>), exactly as that script
 run alone would write it: gallery:NAME, tail:NAME, rows:NAME (the tail's run with the first Dense
-by rows, mpi_tail.py --first-dense rows), samples:NAME (the tail's run with the field vectors no rule
+by rows, mpi_tail.py --first-dense rows), samples:NAME[:TABLES] (the tail's run with the field vectors no rule
 splits sent to their samples' processes, mpi_tail.py --field-rows samples), layerrows:NAME[:TABLES] (the first layer
 by rows, des.Options(first_layer="rows"), mpi_tail.py --first-layer rows), subclassed:NAME (one model each),
 equivalence:MODEL:OPTIMIZER:horovod:TABLES, ps:MODEL:OPTIMIZER:TABLES, psuser:tfra_deepfm (the PS on
@@ -49,8 +49,9 @@ def run(out: str, job: str) -> None:
         mpi_tail.main(where, [args], stripe_min_rows=0)
     elif kind == "rows":
         mpi_tail.main(where, [args], first_dense="rows")
-    elif kind == "samples":
-        mpi_tail.main(where, [args], field_rows="samples")
+    elif kind == "samples":                   # NAME or NAME:TABLES (des.Options.tables)
+        name, _, tables = args.partition(":")
+        mpi_tail.main(where, [name], field_rows="samples", tables=tables or "auto")
     elif kind == "layerrows":                 # NAME or NAME:TABLES (des.Options.tables)
         name, _, tables = args.partition(":")
         mpi_tail.main(where, [name], first_layer="rows", tables=tables or "auto")

@@ -30,11 +30,12 @@ P, K = 4, 4
 _names = itertools.count()
 
 
-def one_table(kind: str = "keras", offsets: bool = False, stacked: bool = False):
+def one_table(kind: str = "keras", offsets: bool = False, stacked: bool = False, linear: bool = False):
     """A user's one-table DeepFM: ids [B, P] (``stacked``: a tf.stack of P one-id inputs f0 .. f3;
     plus ``offsets``: P key ranges of V) into ONE table of width K (a Keras Embedding or a TFRA
     dynamic one), FM by TF ops and an MLP over the flattened rows; beside it a per-field 1-wide table
-    of another input ("user"), which a field owner keeps."""
+    of another input ("user"), which a field owner keeps. ``linear`` (TFRA): the linear weights in a
+    second, 1-wide TFRA table read with the same ids (TFRA's one-table style), summed into the logit."""
     if stacked:
         inputs = [tf.keras.Input(shape=(), dtype=tf.int64, name=f"f{f}") for f in range(P)]
         ids = tf.stack(inputs, axis=1)
@@ -49,14 +50,18 @@ def one_table(kind: str = "keras", offsets: bool = False, stacked: bool = False)
                                       name=f"big{next(_names)}")(keys)
     s = tf.reduce_sum(e, axis=1)
     fm = 0.5 * tf.reduce_sum(s * s - tf.reduce_sum(e * e, axis=1), axis=1, keepdims=True)
-    linear = L.Flatten()(L.Embedding(V, 1)(user))
-    deep = L.Dense(8, activation="relu")(L.Flatten()(e))
+    terms = [L.Dense(8, activation="relu")(L.Flatten()(e)), fm, L.Flatten()(L.Embedding(V, 1)(user))]
+    if linear:
+        w = de.keras.layers.Embedding(1, initializer=tf.keras.initializers.RandomNormal(0, 0.1),
+                                      name=f"lin{next(_names)}")(keys)
+        terms.append(tf.reduce_sum(w, axis=1))
     return tf.keras.Model([*inputs, user] if stacked else [ids, user],
-                          tf.sigmoid(L.Dense(1)(L.Concatenate()([deep, fm, linear]))))
+                          tf.sigmoid(L.Dense(1)(L.Concatenate()(terms))))
 
 
-def _setup(kind: str, offsets: bool = False, steps: int = 5, batch: int = 31, stacked: bool = False):
-    build = lambda: one_table(kind, offsets, stacked)  # noqa: E731
+def _setup(kind: str, offsets: bool = False, steps: int = 5, batch: int = 31, stacked: bool = False,
+           linear: bool = False):
+    build = lambda: one_table(kind, offsets, stacked, linear)  # noqa: E731
     tf.keras.utils.set_random_seed(0)
     base = build()
     if kind == "tfra":
@@ -125,6 +130,39 @@ def test_one_table_of_several_fields_is_split_by_key_stripe_and_equals_one_proce
             assert keys and all(k % 3 == r for k in keys), (tail, r, keys)
 
 
+def test_a_tfra_one_table_and_its_linear_table_share_one_joined_table_a_stripe():
+    """TFRA's one-table style with the linear weights in a second 1-wide TFRA table read with the same
+    ids: with joined tables each process keeps its stripe of both in ONE fused table (rows [K
+    embedding | 1 weight], des_fused5_joined_stripe...), looked up once a step behind one stripe
+    mask; the TFRA tables themselves train no more. At N = 3 under both tails, 6 Adam steps: equal to
+    one process (predictions, rows and weights within 1e-6), each process holding its stripe's keys
+    of both tables only."""
+    build, base, batches, probe, reference = _setup("tfra", linear=True)
+    ref = _fit(batches, probe)(reference)
+    striped = [k for k, rows in ref["tables"].items()
+               if len(rows) > 1 and all(len(np.ravel(v)) in (1, K) for v in rows.values()) and len(rows) != V]
+    assert len(striped) == 2, sorted(ref["tables"])
+
+    def work(m):
+        owned = [layer.name for layer in des.distributed(m).layer.owned]
+        return _fit(batches, probe)(m), owned
+    for tail in ("replicated", "data_parallel"):
+        kw = {"tail": tail} if tail == "replicated" else {"tail": tail, "field_rows": "samples"}
+        out = run_in_process_world(3, build, work, init_from=base, tables="joined", **kw)
+        ranks = [snap for snap, _ in out]
+        for r, (_, owned) in enumerate(out):
+            assert sum(name.startswith(f"des_fused{K + 1}_joined_stripe") for name in owned) == 1, (tail, r, owned)
+            assert not any(name.startswith(("big", "lin")) for name in owned), (tail, r, owned)
+        diff = compare(ref, ranks)
+        within(f"joined stripes {tail} N=3 predictions", diff["predictions"], 1e-6)
+        within(f"joined stripes {tail} N=3 rows and weights", max(diff["tables"], diff["owned"], diff["weights"]),
+               1e-6)
+        for key in striped:
+            held = [sorted(snap["tables"][key]) for snap in ranks]
+            assert sorted(k for h in held for k in h) == sorted(ref["tables"][key]), (tail, key)
+            assert all(keys and all(k % 3 == r for k in keys) for r, keys in enumerate(held)), (tail, key)
+
+
 def test_stripe_rows_travel_once_per_distinct_id_of_each_slice():
     """By samples each process sends a slice, for each position, its own keys' distinct rows once and
     one row of zeros for the other keys (key ``ids[f]@r/N``): at N = 3 the bytes handed to the
@@ -174,27 +212,38 @@ def test_processes_whose_stripe_no_id_reaches_take_part_and_nothing_hangs():
                                  for k in snap["tables"] for key in keys), (kw, r)
 
 
-@pytest.mark.parametrize("kind", ["tfra", "keras"])
+@pytest.mark.parametrize("kind", ["tfra", "keras", "tfra-joined"])
 def test_a_striped_model_checkpoints_resumes_on_another_n_and_one_process_and_exports(tmp_path, kind):
-    """3 processes train 3 of 6 Adam steps of the one-table model (TFRA or Keras), checkpoint, model.save and
+    """3 processes train 3 of 6 Adam steps of the one-table model (TFRA or Keras; "tfra-joined": with a
+    1-wide TFRA table on the same ids, both stripes in one joined table), checkpoint, model.save and
     des.export (every process; rank 0 gathers every stripe's rows for them and keeps its own after);
     the save and the export predict what the DES model does, and the
     checkpoint resumed on 2 processes and in the untouched model on one process ends where the
     uninterrupted one-process model does."""
-    build, base, batches, probe, _ = _setup(kind, steps=6, batch=32)
+    joined = kind == "tfra-joined"
+    build, base, batches, probe, _ = _setup(kind.split("-")[0], steps=6, batch=32, linear=joined)
     batches = batches[:6]
+    options = des.Options(tables="joined") if joined else None
     want = trained(untouched_adam(build, base), batches, probe)
     ckpt = str(tmp_path / "ckpt")         # written by save_three_ways
-    w, ms = adam_world(3, build, base)
+    w, ms = adam_world(3, build, base, options)
+
+    def held_keys(m) -> list[list[int]]:
+        """The keys of each table split by key stripe this process holds (a joined one's through its fused table)."""
+        tables = [(layer, source) for layer, source in des.distributed(m).state.tables.values()
+                  if getattr(layer, "des_key_stripe", None) or isinstance(layer, StripeEmbedding)]
+        return [sorted((layer.keys() if isinstance(layer, StripeEmbedding) else source.export(layer)[0]).tolist())
+                for layer, source in tables]
 
     def first_half(r):
         got = trained(ms[r], batches[:3], probe)
         save_three_ways(ms[r], str(tmp_path))
-        table = next(l for l in des.distributed(ms[r]).layer.owned
-                     if getattr(l, "des_key_stripe", None) or isinstance(l, StripeEmbedding))
-        return got, sorted((table.keys() if kind == "keras" else table.params.export()[0].numpy()).tolist())
+        owned = [layer.name for layer in des.distributed(ms[r]).layer.owned]
+        assert not joined or any(name.startswith(f"des_fused{K + 1}_joined_stripe") for name in owned), owned
+        return got, held_keys(ms[r])
     got, held = zip(*_on_every_rank(w, first_half))
-    assert all(keys and all(k % 3 == r for k in keys) for r, keys in enumerate(held)), held   # a stripe each again
+    assert all(len(tables) == (2 if joined else 1) for tables in held), held
+    assert all(keys and all(k % 3 == r for k in keys) for r, tables in enumerate(held) for keys in tables), held
     again = tf.keras.models.load_model(str(tmp_path / "saved"), compile=False)
     within("stripes: model.save, loaded", float(np.abs(again.predict_on_batch(probe) - got[0]).max()), 1e-6)
     within("stripes: des.export, served", float(np.abs(served(str(tmp_path / "served"), probe) - got[0].reshape(-1)).max()),
@@ -203,7 +252,7 @@ def test_a_striped_model_checkpoints_resumes_on_another_n_and_one_process_and_ex
     def second_half(m):
         checkpoint.restore(ckpt, m, m.optimizer)
         return trained(m, batches[3:], probe)
-    w2, ms2 = adam_world(2, build, base)
+    w2, ms2 = adam_world(2, build, base, options)
     resumed = _on_every_rank(w2, lambda r: second_half(ms2[r]))
     resumed.append(second_half(untouched_adam(build, base)))
     within("stripes: checkpoint of 3 resumed on 2 and on one process", max(float(np.abs(p - want).max())

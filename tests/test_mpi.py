@@ -37,7 +37,7 @@ HELD_OUT = ["deepctr_dcn", "deepctr_xdeepfm", "deepctr_autoint", "deepctr_pnn", 
 REPEATED = ["gallery:deepctr_deepfm_defaults", "gallery:two_tower", "gallery:shared_table_deepfm", "tail:keras_deepfm",
             "rows:keras_deepfm", "gallery:deepctr_dcn"]
 BATTERY = {2: [f"gallery:{m}" for m in HELD_OUT] + ["samples:deepctr_dcn", "samples:dlrm_offsets"], 3: REPEATED + [f"gallery:{m}" for m in USERS + FIELD_ROWS if f"gallery:{m}" not in REPEATED]
-           + [f"subclassed:{m}" for m in SUBCLASSED] + ["gallery:tfra_one_table", "samples:tfra_one_table", "big:big_field_deepfm", "bigtail:big_field_deepfm"], 4: [],
+           + [f"subclassed:{m}" for m in SUBCLASSED] + ["gallery:tfra_one_table", "samples:tfra_one_table:joined", "big:big_field_deepfm", "bigtail:big_field_deepfm"], 4: [],
            5: ["gallery:two_tower", "gallery:shared_table_deepfm", "tail:deepctr_deepfm", "rows:deepctr_deepfm",
                "gallery:deepctr_dcn", "samples:deepctr_dcn", "samples:dlrm_offsets", "psuser:tfra_deepfm", "layerrows:deepctr_deepfm",
                "layerrows:tfra_deepfm:joined"]}
@@ -573,10 +573,11 @@ def test_one_table_split_by_key_stripe_under_mpirun(battery):
     width K and one of width 1) at N = 3: each table split by key stripe, every process holding the
     keys k mod 3 == its rank only; the user's fit equals one process under the replicated tail, and
     under the data-parallel tail with the rows by samples, each position's own keys once per
-    distinct id of a slice (keys ``ids[f]@r/3``), the bytes as numpy counts them."""
+    distinct id of a slice (keys ``ids[f]@r/3``), the bytes as numpy counts them, and with joined
+    tables: each process's stripes of both tables in one fused table (one lookup a step)."""
     from des_ops.rows import distinct_rows
     sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "scripts")]
-    from gallery import BUILDERS
+    from gallery import BUILDERS, K
     from mpi_tail import tail_batches
     name, n = "tfra_one_table", 3
     ranks = _ranks(battery(n) / "gallery", name, n)
@@ -586,8 +587,9 @@ def test_one_table_split_by_key_stripe_under_mpirun(battery):
         assert len(snap["tables"]) == 2 and all(keys and all(k % n == r for k in keys)
                                                 for keys in snap["tables"].values()), r
     ranks = _ranks(battery(n) / "samples", name, n)
+    assert f"des_fused{K + 1}_joined_stripe" in ranks[0]["report"], ranks[0]["report"]
     diff = compare(_tail_reference(name, ranks[0]["initial"]), ranks)
-    print(f"mpirun -np {n} {name} stripes by samples: {diff}")
+    print(f"mpirun -np {n} {name} stripes by samples, joined: {diff}")
     within(f"stripes by samples N={n}", max(diff.values()), 1e-6)
     blocks = ranks[0]["sample_blocks"]
     assert [sorted(b.key for b in bl) for bl in blocks] == [sorted([f"ids[{f}]@{r}/{n}" for f in range(4)] * 2)

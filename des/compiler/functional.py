@@ -23,7 +23,7 @@ from des.compiler.exchange import FieldTraffic, exchange_lines
 from des.compiler.plan import FieldCost, FieldPlan, check_agreement, make_plan
 from des.graph.sources import source_of
 from des_ops.comm import Communicator, agree
-from des_ops.fused import fuse_nodes
+from des_ops.fused import fuse_nodes, fusion_groups, linear_part, linear_partners, width_of
 from des_ops.ranges import RangeEmbedding, rows_of
 from des_ops.stripes import StripeEmbedding, keep_own_rows, stripe_lookup
 from des_ops.keras_internals import (autograph_as_keras_decides, compile_args, copy_optimizer, has_weight_penalties,
@@ -263,6 +263,7 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     fused, fused_lines = (fuse_nodes(graph, [n for n in own.nodes.values() if n.index not in ranged],
                                      f"rank{comm.rank}", tables == "joined")
                           if tables != "per-field" else ([], []))
+    striped_fused, striped_lines = _join_striped(graph, matches, ranged, comm) if tables == "joined" else ([], [])
     chains = FieldChains(graph, list(own.nodes.values()),
                          sorted({t for ids in own.op_inputs for t in ids}, key=position.__getitem__), fused, ranged)
     skip = set().union(*(m.nodes for m in matches))
@@ -284,17 +285,17 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     report.exchanges = exchange_lines(
         _field_traffic(matches, own.ops, field_plan, set(report.by_rows), key), sample if isinstance(sample, dict) else None,
         comm.world_size, [report.first_layer_reason, report.field_rows_reason, report.first_dense_reason])
-    first = _first_layer(chains, fused, own, comm, tail, options.scope, forced, options.micro_batches,
-                         options.wire_dtype)
+    first = _first_layer(chains, fused + striped_fused, own, comm, tail, options.scope, forced,
+                         options.micro_batches, options.wire_dtype)
     names_in = sorted({graph.nodes[i].layer.name for m in matches for v in m.vectors for i in v.chain | fields.cone(v.tensor)
                        if graph.nodes[i].kind == "input"})
     outs = first({n: graph.tensors[_input_id(graph, n)] for n in names_in})
     given = {m.root.output: _finisher(graph, m, o) for m, o in zip(matches, outs)}
     new_model, tail_variables = _replay(graph, skip, given, model, comm, first, tail == "data_parallel")
     attach(new_model, Distributed(first, field_plan, StateKeys.of_transform(
-        graph, matches, first, [m.layer for _, members in fused for m in members]), tail, tail_variables,
+        graph, matches, first, [m.layer for _, members in fused + striped_fused for m in members]), tail, tail_variables,
         source=model))
-    report.tables += fused_lines
+    report.tables += fused_lines + striped_lines
     report.plan, report.floats_per_sample, report.widths = field_plan, first.floats_per_sample(), own.widths
     report.penalty_column = own.penalty_column
     report.tail, report.tail_reason = tail, tail_reason
@@ -426,7 +427,7 @@ def _mark_linear_tables(matches: list[Match]) -> None:
             used.setdefault(id(v.table.layer), set()).add(m.rule)
     for m in matches:
         for v in m.vectors if m.rule in ("lr_sum", "field_rows") else []:
-            if m.rule == "field_rows" and v.width != 1:
+            if m.rule == "field_rows" and int(v.table.attrs.get("dim", v.width)) != 1:   # its rows', not [B, P, 1]'s
                 continue
             shadow = getattr(v.table.layer, "shadow", None)
             if used[id(v.table.layer)] <= {"lr_sum", "field_rows"} and shadow is not None:
@@ -483,6 +484,54 @@ def _stripe_tables(matches: list[Match], comm: Communicator, from_root: bool) ->
                                regularizer=table.embeddings_regularizer, name=f"des_stripe_{table.name}_rank{r}")
         out[index] = (held, held)
     return out
+
+
+def _join_striped(graph: Graph, matches: list[Match], ranged: dict, comm: Communicator) -> tuple[list, list[str]]:
+    """TFRA tables split by key stripe that joined rows allow (an embedding and its linear weight read
+    with the same ids: TFRA's one-table style, a big field's two tables): each pair's stripe in ONE
+    FusedTable, looked up once for both behind one stripe mask, not two TFRA lookups and updates a
+    step (des_ops.fused). Replaces the pair's entries of ``ranged``; ([(table, its two nodes)],
+    report lines)."""
+    calls: dict[int, int] = {}
+    for n in graph.nodes:
+        if n.kind == "table":
+            calls[id(n.layer)] = calls.get(id(n.layer), 0) + 1
+    nodes = [n for _, n in sorted(striped_tables(matches).items())
+             if n.attrs["source"].dynamic and calls[id(n.layer)] == 1 and n.index in ranged]
+    out, lines = [], []
+    for (widths, _, _), members in fusion_groups(nodes, join_linear=True).items():
+        if len(widths) != 2:
+            continue
+        partner = linear_partners(members)
+        for n in members:
+            if linear_part(n.layer) or id(n.layer) not in partner:
+                continue
+            pair = sorted([n] + [m for m in members if m.layer is partner[id(n.layer)]], key=lambda m: m.index)
+            fused, text = fuse_nodes(graph, pair, f"stripe{pair[0].index}_rank{comm.rank}", join_linear=True)
+            table, readers = fused[0]
+            lookup = _joined_stripe_lookup(table, [width_of(node.layer) for node in readers], comm.rank,
+                                           comm.world_size)
+            for j, node in enumerate(readers):
+                ranged[node.index] = (node.layer, lambda ids, f=lookup, j=j: f(ids)[j])
+            out.append((table, readers))
+            lines += [f"{line}, split by key stripe (process {comm.rank} of {comm.world_size}: its keys)"
+                      for line in text]
+    return out, lines
+
+
+def _joined_stripe_lookup(table, widths: list[int], stripe: int, count: int):
+    """ids -> [ids.shape + [width] per reader]: the joined rows of ``table``'s members (one per
+    reader, of ``widths``) for this process's key stripe, zeros for the others' keys, looked up once
+    and split (a split's gradient is one concat, a slice's a zero-filled copy each). Two readers of
+    the same ids share the lookup: the last one is kept for the next reader."""
+    last: dict = {}
+
+    def lookup(ids):
+        if last.get("ids") is not ids:
+            rows = stripe_lookup(lambda k: tf.concat(table([k] * len(widths)), axis=-1), ids, stripe, count, sum(widths))
+            last["ids"], last["parts"] = ids, tf.split(rows, widths, axis=-1)
+        return last["parts"]
+    return lookup
 
 
 def _rows_from_root(table, ranges_by_rank: list[list], comm: Communicator, name: str) -> np.ndarray:
