@@ -197,7 +197,8 @@ class KeyIds:
         [[1, 3], [3, 5]]
         >>> ids.resolves("ids[1]"), ids.resolves("user"), ids["ids[1]"].numpy().tolist()
         (True, False, [2, 4])
-        >>> KeyIds({"a": tf.constant([4, 5]), "b": tf.constant([[6], [7]])}).matrix(("a@0/2", "b@0/2"), 1, 2).numpy().tolist()
+        >>> mixed = {"a": tf.constant([4, 5], tf.int32), "b": tf.constant([[6], [7]], tf.int64)}
+        >>> KeyIds(mixed).matrix(("a@0/2", "b@0/2"), 1, 2).numpy().tolist()      # 5 and 7 are not even
         [[1, 1]]
     """
 
@@ -217,7 +218,7 @@ class KeyIds:
         their columns; else the keys' [hi - lo] ids, a list (_packed stacks them)."""
         parsed = [_parts(k) for k in keys]
         sources = [self.source.get(name) for name, *_ in parsed]
-        if (len(keys) == 1 or any(x is None or not x.dtype.is_integer for x in sources)
+        if (len(keys) == 1 or any(x is None or not tf.as_dtype(x.dtype).is_integer for x in sources)
                 or len({(stripe, count) for *_, stripe, count in parsed}) != 1):
             return [self[k] if lo is None else self[k][lo:hi] for k in keys]
         columns = tuple((name, col) for name, col, *_ in parsed)
@@ -234,13 +235,12 @@ class KeyIds:
     def _side_by_side(self, columns: tuple) -> tf.Tensor:
         """[B, G] int64: the inputs (one id a sample) or input columns ``columns`` ((name, column or None))."""
         names, cols = {name for name, _ in columns}, [col for _, col in columns]
-        x = self.source[columns[0][0]]
+        x = tf.convert_to_tensor(self.source[columns[0][0]])
         if len(names) == 1 and None not in cols and x.shape.rank == 2:     # positions of one [B, P] input
-            x = x if cols == list(range(x.shape[1] or -1)) else tf.gather(x, cols, axis=1)
-        else:
-            x = tf.stack([tf.reshape(self.source[name], [-1]) if col is None else self.source[name][:, col]
-                          for name, col in columns], axis=1)
-        return tf.cast(x, tf.int64)
+            return tf.cast(x if cols == list(range(x.shape[1] or -1)) else tf.gather(x, cols, axis=1), tf.int64)
+        column = lambda x, col: tf.reshape(x, [-1]) if col is None else x[:, col]  # noqa: E731
+        return tf.stack([tf.cast(column(tf.convert_to_tensor(self.source[name]), col), tf.int64)
+                         for name, col in columns], axis=1)
 
 
 def _parts(key: str) -> tuple:
