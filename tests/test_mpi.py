@@ -587,7 +587,8 @@ def test_one_table_split_by_key_stripe_under_mpirun(battery):
         assert len(snap["tables"]) == 2 and all(keys and all(k % n == r for k in keys)
                                                 for keys in snap["tables"].values()), r
     ranks = _ranks(battery(n) / "samples", name, n)
-    assert f"des_fused{K + 1}_joined_stripe" in ranks[0]["report"], ranks[0]["report"]
+    joined = [line for line in ranks[0]["report"].splitlines() if f"des_fused{K + 1}_joined_stripe" in line]
+    assert len(joined) == 1 and "key stripe (k mod 3 == 0)" in joined[0], ranks[0]["report"]
     diff = compare(_tail_reference(name, ranks[0]["initial"]), ranks)
     print(f"mpirun -np {n} {name} stripes by samples, joined: {diff}")
     within(f"stripes by samples N={n}", max(diff.values()), 1e-6)

@@ -507,15 +507,16 @@ def _join_striped(graph: Graph, matches: list[Match], ranged: dict, comm: Commun
             if linear_part(n.layer) or id(n.layer) not in partner:
                 continue
             pair = sorted([n] + [m for m in members if m.layer is partner[id(n.layer)]], key=lambda m: m.index)
-            fused, text = fuse_nodes(graph, pair, f"stripe{pair[0].index}_rank{comm.rank}", join_linear=True)
+            fused, _ = fuse_nodes(graph, pair, f"stripe{pair[0].index}_rank{comm.rank}", join_linear=True)
             table, readers = fused[0]
             lookup = _joined_stripe_lookup(table, [width_of(node.layer) for node in readers], comm.rank,
                                            comm.world_size)
             for j, node in enumerate(readers):
                 ranged[node.index] = (node.layer, lambda ids, f=lookup, j=j: f(ids)[j])
             out.append((table, readers))
-            lines += [f"{line}, split by key stripe (process {comm.rank} of {comm.world_size}: its keys)"
-                      for line in text]
+            lines.append(f"fused table {table.name}: this process's key stripe (k mod {comm.world_size} == {comm.rank}) "
+                         f"of {' and '.join(f'{n.layer.name} (width {width_of(n.layer)})' for n in readers)}, "
+                         f"side by side in one TFRA table: one lookup and one update a step for both")
     return out, lines
 
 
