@@ -24,11 +24,20 @@ def stripe_lookup(lookup: Callable[[tf.Tensor], tf.Tensor], ids: tf.Tensor, stri
     """ids.shape + [dim]: ``lookup`` (1-D keys -> [n, dim]) of the keys of stripe ``stripe`` of
     ``count`` (k mod count == stripe), zeros for every other key. Only those keys are looked up, so
     only their rows get gradients (a TFRA table creates no row for the others)."""
+    return stripe_lookups(lambda k: [lookup(k)], ids, stripe, count, [dim])[0]
+
+
+def stripe_lookups(lookup: Callable[[tf.Tensor], list], ids: tf.Tensor, stripe: int, count: int,
+                   dims: list[int]) -> list[tf.Tensor]:
+    """stripe_lookup of several tables read with the same ids at once: ``lookup`` (1-D keys -> one
+    [n, dims[j]] per table, e.g. a joined table's members) behind one stripe mask, each placed in its
+    own ids.shape + [dims[j]] (no concatenation to split again, forward or backward)."""
     flat = tf.reshape(ids, [-1])
     own = tf.where(tf.equal(tf.math.floormod(flat, tf.cast(count, flat.dtype)), tf.cast(stripe, flat.dtype)))
-    rows = lookup(tf.gather_nd(flat, own))           # [n, 1] positions: one Where for the lookup and the scatter
-    out = tf.scatter_nd(own, tf.reshape(rows, [-1, dim]), tf.stack([tf.size(flat, out_type=tf.int64), dim]))
-    return tf.reshape(out, tf.concat([tf.shape(ids), [dim]], axis=0))
+    rows = lookup(tf.gather_nd(flat, own))           # [n, 1] positions: one Where for the lookup and the scatters
+    size = tf.size(flat, out_type=tf.int64)
+    return [tf.reshape(tf.scatter_nd(own, tf.reshape(r, [-1, d]), tf.stack([size, d])),
+                       tf.concat([tf.shape(ids), [d]], axis=0)) for r, d in zip(rows, dims)]
 
 
 def held_keys(keys: np.ndarray, stripe: int, count: int) -> np.ndarray:

@@ -25,7 +25,7 @@ from des.graph.sources import source_of
 from des_ops.comm import Communicator, agree
 from des_ops.fused import fuse_nodes, fusion_groups, linear_part, linear_partners, width_of
 from des_ops.ranges import RangeEmbedding, rows_of
-from des_ops.stripes import StripeEmbedding, keep_own_rows, stripe_lookup
+from des_ops.stripes import StripeEmbedding, keep_own_rows, stripe_lookup, stripe_lookups
 from des_ops.keras_internals import (autograph_as_keras_decides, compile_args, copy_optimizer, has_weight_penalties,
                                      take_weight_penalties)
 from des_ops.suboperators import DESFirstLayer
@@ -523,14 +523,15 @@ def _join_striped(graph: Graph, matches: list[Match], ranged: dict, comm: Commun
 def _joined_stripe_lookup(table, widths: list[int], stripe: int, count: int):
     """ids -> [ids.shape + [width] per reader]: the joined rows of ``table``'s members (one per
     reader, of ``widths``) for this process's key stripe, zeros for the others' keys, looked up once
-    and split (a split's gradient is one concat, a slice's a zero-filled copy each). Two readers of
-    the same ids share the lookup: the last one is kept for the next reader."""
+    (des_ops.stripes.stripe_lookups: each member placed on its own, no slice of a joined tensor,
+    whose gradient is a zero-filled copy). Two readers of the same ids share the lookup: the last
+    one is kept for the next reader."""
     last: dict = {}
 
     def lookup(ids):
         if last.get("ids") is not ids:
-            rows = stripe_lookup(lambda k: tf.concat(table([k] * len(widths)), axis=-1), ids, stripe, count, sum(widths))
-            last["ids"], last["parts"] = ids, tf.split(rows, widths, axis=-1)
+            last["ids"], last["parts"] = ids, stripe_lookups(lambda k: table([k] * len(widths)), ids, stripe, count,
+                                                             widths)
         return last["parts"]
     return lookup
 
