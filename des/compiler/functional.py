@@ -492,12 +492,8 @@ def _join_striped(graph: Graph, matches: list[Match], ranged: dict, comm: Commun
     FusedTable, looked up once for both behind one stripe mask, not two TFRA lookups and updates a
     step (des_ops.fused). Replaces the pair's entries of ``ranged``; ([(table, its two nodes)],
     report lines)."""
-    calls: dict[int, int] = {}
-    for n in graph.nodes:
-        if n.kind == "table":
-            calls[id(n.layer)] = calls.get(id(n.layer), 0) + 1
-    nodes = [n for _, n in sorted(striped_tables(matches).items())
-             if n.attrs["source"].dynamic and calls[id(n.layer)] == 1 and n.index in ranged]
+    # a table split by key stripe is called once (stripe_positions, big_tables.why_not_striped)
+    nodes = [n for _, n in sorted(striped_tables(matches).items()) if n.attrs["source"].dynamic]
     out, lines = [], []
     for (widths, _, _), members in fusion_groups(nodes, join_linear=True).items():
         if len(widths) != 2:
