@@ -188,23 +188,58 @@ def test_stripe_rows_travel_once_per_distinct_id_of_each_slice():
     assert "ids%1 (rank 1; " in text and "its keys' rows once per distinct id of each position: " in text, text
 
 
-def test_processes_whose_stripe_no_id_reaches_take_part_and_nothing_hangs():
-    """N = 4 with every id a multiple of 4 (ids * 4 into a table of 4 V rows): processes 1-3 look up
-    nothing, send empty blocks and still join every collective; equal to one process under both
-    tails, each process holding its own stripe's rows."""
+@pytest.mark.parametrize("kind", ["keras", "tfra-joined"])
+def test_processes_whose_stripe_no_id_reaches_take_part_and_nothing_hangs(kind):
+    """N = 4 with every id a multiple of 4 (ids * 4 into a table of 4 V rows; "tfra-joined": a TFRA
+    table and a 1-wide TFRA table on ids that are multiples of 4, joined in one table a stripe): processes 1-3 look
+    up nothing, send empty blocks and still join every collective; equal to one process under both
+    tails, each process holding its own stripe's rows (a TFRA stripe: none on processes 1-3, every
+    key the one process made on process 0)."""
+    tfra = kind == "tfra-joined"
+
     def build():
         ids = tf.keras.Input(shape=(P,), dtype=tf.int64, name="ids")
-        e = L.Embedding(4 * V, K)(ids * 4)
-        return tf.keras.Model(ids, L.Dense(1, activation="sigmoid")(L.Dense(8, activation="relu")(L.Flatten()(e))))
+        if not tfra:
+            e = L.Embedding(4 * V, K)(ids * 4)
+            return tf.keras.Model(ids, L.Dense(1, activation="sigmoid")(L.Dense(8, activation="relu")(L.Flatten()(e))))
+        init = tf.keras.initializers.RandomNormal(0, 0.1)
+        e = de.keras.layers.Embedding(K, initializer=init, name=f"big{next(_names)}")(ids)   # fed ids * 4
+        w = de.keras.layers.Embedding(1, initializer=init, name=f"lin{next(_names)}")(ids)
+        s = tf.reduce_sum(e, axis=1)            # TFRA's one-table style, as one_table(linear=True)
+        fm = 0.5 * tf.reduce_sum(s * s - tf.reduce_sum(e * e, axis=1), axis=1, keepdims=True)
+        terms = [L.Dense(8, activation="relu")(L.Flatten()(e)), fm, tf.reduce_sum(w, axis=1)]
+        return tf.keras.Model(ids, L.Dense(1, activation="sigmoid")(L.Concatenate()(terms)))
     tf.keras.utils.set_random_seed(0)
     base = build()
+    if tfra:
+        des.make_keyed(base, seed=0)
     batches, probe = sliced_batches(base, 3 * 16 + 1, 16, seed=2, probe_rows=8, probe_seed=9)
+    if tfra:        # a dynamic table reads the ids as keys: multiples of 4 only
+        batches = [({"ids": x["ids"] * 4}, y) for x, y in batches]
+        probe = {"ids": probe["ids"] * 4}
     reference = build()
     copy_state(base, reference)
+    if tfra:
+        des.make_keyed(reference, seed=0)
     ref = _fit(batches, probe)(reference)
     for kw in ({"tail": "replicated"}, {"tail": "data_parallel", "field_rows": "samples"}):
-        ranks = run_in_process_world(4, build, _fit(batches, probe), init_from=base, **kw)
-        within(f"empty stripes {kw['tail']} N=4 predictions", compare(ref, ranks)["predictions"], 1e-6)
+        if tfra:
+            kw["tables"] = "joined"
+        out = run_in_process_world(4, build, lambda m: (_fit(batches, probe)(m), des.distributed(m).layer.owned),
+                                   init_from=base, **kw)
+        ranks = [snap for snap, _ in out]
+        for r, (_, owned) in enumerate(out):
+            names = [layer.name for layer in owned]
+            assert sum(name.startswith(f"des_fused{K + 1}_joined_stripe") for name in names) == int(tfra), (r, names)
+        diff = compare(ref, ranks)
+        within(f"{kind} empty stripes {kw['tail']} N=4 predictions", diff["predictions"], 1e-6)
+        if tfra:
+            within(f"{kind} empty stripes {kw['tail']} N=4 rows and weights",
+                   max(diff["tables"], diff["owned"], diff["weights"]), 1e-6)
+            for key in [k for k in ref["tables"] if k.startswith(("big", "lin"))]:
+                held = [sorted(snap["tables"][key]) for snap in ranks]
+                assert held[0] == sorted(ref["tables"][key]) and not any(held[1:]), (kw, key, held)
+            continue
         for r, snap in enumerate(ranks):          # each holds its stripe (rows 1-3 never read: as initialised)
             (keys,) = [sorted(rows) for rows in snap["tables"].values()]
             assert keys == list(range(r, 4 * V, 4)), (kw, r)
