@@ -149,6 +149,7 @@ class _Lane:
     keys: tuple
     width: int
     cols: tuple[int, ...]
+    apart: str = ""
 
 
 def _lanes(blocks: list[Block]) -> list[_Lane]:
@@ -163,7 +164,8 @@ def _lanes(blocks: list[Block]) -> list[_Lane]:
         keys, cols = lanes.setdefault(None if g.key is None else (g.width, apart), ([], []))
         keys.append(g.key)
         cols.extend(g.cols)
-    return [_Lane(tuple(keys), len(cols) if w is None else w[0], tuple(cols)) for w, (keys, cols) in lanes.items()]
+    return [_Lane(tuple(keys), len(cols) if w is None else w[0], tuple(cols), "" if w is None else w[1])
+            for w, (keys, cols) in lanes.items()]
 
 
 def _aparts(blocks: list[Block]) -> list[str]:
@@ -286,6 +288,16 @@ class _Selection:
 
     def __init__(self, keys: KeyIds, bounds: list, whole: set = frozenset()):
         self.keys, self.bounds, self.whole, self.packed, self.memo = keys, bounds, set(whole), {}, {}
+        self.masked: dict = {}
+
+    def keys_at(self, lane: _Lane, q: int) -> tf.Tensor:
+        """The key (int64, as key_ids reads it) of each distinct pair ``of(lane, q)`` selects, in its order."""
+        first, _, _ = self.of(lane, q)
+        lo, hi = self.bounds[q]
+        if lane.keys not in self.masked:
+            m = self.keys.matrix(lane.keys)
+            self.masked[lane.keys] = m if isinstance(m, tf.Tensor) else tf.stack([tf.cast(k, tf.int64) for k in m], 1)
+        return tf.gather(tf.reshape(self.masked[lane.keys][lo:hi], [-1]), first)
 
     def of(self, lane: _Lane, q: int):
         """(first, idx, count) of ``lane`` on slice ``q``; (None, None, rows) for a keyless lane."""
@@ -355,7 +367,7 @@ class _Exchange:
         n, r = comm.world_size, comm.rank
         self.lanes = [_lanes(bl) for bl in blocks]
         self.bounds = [shard_rows(batch, q, n) for q in range(n)]
-        select = _Selection(keys, self.bounds, {lane.keys for lane in self.lanes[r]})
+        select = self.select = _Selection(keys, self.bounds, {lane.keys for lane in self.lanes[r]})
         self.sent = [[select.of(lane, q) for lane in self.lanes[r]] for q in range(n)]     # [dest][my lane]
         self.got = [[select.of(lane, r) for lane in self.lanes[p]] for p in range(n)]      # [source][its lane]
 
@@ -372,13 +384,35 @@ class _Exchange:
                 pieces.append(tf.reshape(part if first is None else tf.gather(part, first), [-1]))
                 total += count * lane.width
             splits.append(total)
-        flat = tf.concat(pieces, 0) if pieces else tf.zeros([0], e.dtype)
+        return self._received(pieces, splits, e.dtype, also_counted)
+
+    def picked_keys(self) -> list[tf.Tensor]:
+        """Per lane of this process (keyed): the keys of the rows it sends, each destination's
+        distinct pairs (_Selection) one destination after another."""
+        return [tf.concat([self.select.keys_at(lane, q) for q in range(self.comm.world_size)], 0)
+                for lane in self.lanes[self.comm.rank]]
+
+    def forward_picked(self, rows: list[tf.Tensor], dtype=tf.float32) -> tf.Tensor:
+        """forward() from the rows this process sends as they are (``rows``: per lane, [the lane's
+        picked_keys, width]), not picked from [B, w_r] rows of the whole batch."""
+        n, mine = self.comm.world_size, self.lanes[self.comm.rank]
+        per = [tf.split(x, tf.stack([self.sent[q][k][2] for q in range(n)]), num=n) for k, x in enumerate(rows)]
+        pieces, splits = [], []
+        for q in range(n):
+            splits.append(tf.add_n([tf.constant(0, tf.int64)] + [self.sent[q][k][2] * lane.width
+                                                                 for k, lane in enumerate(mine)]))
+            pieces += [tf.reshape(per[k][q], [-1]) for k in range(len(mine))]
+        return self._received(pieces, splits, dtype)
+
+    def _received(self, pieces: list, splits: list, dtype, also_counted=0) -> tf.Tensor:
+        """Send ``pieces`` (splits[q] floats to process q), and put what came back at this process's samples."""
+        flat = tf.concat(pieces, 0) if pieces else tf.zeros([0], dtype)
         with tf.control_dependencies([self.comm.count("step", nbytes(flat) + also_counted)]):
             got, _ = self.comm.alltoall(not_folded(self.comm, flat), tf.cast(tf.stack(splits), tf.int32), self.name)
         flat_lanes = [(lane, sel) for p in range(self.comm.world_size) for lane, sel in zip(self.lanes[p], self.got[p])]
         if not flat_lanes:
             lo, hi = self.bounds[self.comm.rank]
-            return tf.zeros(tf.stack([hi - lo, 0]), e.dtype)
+            return tf.zeros(tf.stack([hi - lo, 0]), dtype)
         parts = tf.split(got, tf.stack([count * lane.width for lane, (_, _, count) in flat_lanes]), num=len(flat_lanes))
         placed = [tf.reshape(_placed(tf.reshape(x, [-1, lane.width]), idx), [-1, len(lane.cols)])
                   for x, (lane, (_, idx, _)) in zip(parts, flat_lanes)]
@@ -386,6 +420,32 @@ class _Exchange:
 
     def backward(self, dx: tf.Tensor, also_counted=0) -> tuple[tf.Tensor, tf.Tensor]:
         """(the gradient of this process's ``e``, [B, its width]; what came back, for the anchor)."""
+        got, back = self._returned(dx, also_counted)
+        mine = self.lanes[self.comm.rank]
+        batch = self.bounds[-1][1]
+        if not mine:
+            return tf.zeros(tf.stack([batch, 0]), dx.dtype), back
+        columns = []
+        for k, lane in enumerate(mine):
+            rows = []
+            for q, (lo, hi) in enumerate(self.bounds):
+                first = self.sent[q][k][0]
+                d = tf.reshape(got[q, k], [-1, lane.width])
+                shape = tf.stack([(hi - lo) * len(lane.keys), tf.constant(lane.width, tf.int64)])
+                rows.append(d if first is None else tf.scatter_nd(first[:, None], d, shape))
+            columns.append(tf.reshape(tf.concat(rows, axis=0), [-1, len(lane.cols)]))
+        return _in_block_order(columns, [mine]), back
+
+    def backward_picked(self, dx: tf.Tensor) -> tuple[list[tf.Tensor], tf.Tensor]:
+        """(the gradient of forward_picked's ``rows``, per lane; what came back, for the anchor)."""
+        got, back = self._returned(dx)
+        n, mine = self.comm.world_size, self.lanes[self.comm.rank]
+        return [tf.concat([tf.reshape(got[q, k], [-1, lane.width]) for q in range(n)], 0)
+                for k, lane in enumerate(mine)], back
+
+    def _returned(self, dx: tf.Tensor, also_counted=0) -> tuple[dict, tf.Tensor]:
+        """Send each owner the gradient of the rows it sent (one per distinct pair: the sum over its
+        samples); ({(destination q, lane k): what came back for the rows sent to q}, all of it)."""
         n, r = self.comm.world_size, self.comm.rank
         pieces, splits, offset = [], [], 0
         for p in range(n):
@@ -401,22 +461,11 @@ class _Exchange:
             back, _ = self.comm.alltoall(not_folded(self.comm, flat), tf.cast(tf.stack(splits), tf.int32),
                                          f"{self.name}_grad")
         mine = self.lanes[r]
-        batch = self.bounds[-1][1]
         if not mine:
-            return tf.zeros(tf.stack([batch, 0]), dx.dtype), back
+            return {}, back
         order = [(q, k) for q in range(n) for k in range(len(mine))]      # as sent: by destination, then lane
         sizes = [self.sent[q][k][2] * mine[k].width for q, k in order]
-        got = dict(zip(order, tf.split(back, tf.stack(sizes), num=len(order))))
-        columns = []
-        for k, lane in enumerate(mine):
-            rows = []
-            for q, (lo, hi) in enumerate(self.bounds):
-                first = self.sent[q][k][0]
-                d = tf.reshape(got[q, k], [-1, lane.width])
-                shape = tf.stack([(hi - lo) * len(lane.keys), tf.constant(lane.width, tf.int64)])
-                rows.append(d if first is None else tf.scatter_nd(first[:, None], d, shape))
-            columns.append(tf.reshape(tf.concat(rows, axis=0), [-1, len(lane.cols)]))
-        return _in_block_order(columns, [mine]), back
+        return dict(zip(order, tf.split(back, tf.stack(sizes), num=len(order)))), back
 
 
 def _placed(rows: tf.Tensor, idx) -> tf.Tensor:
@@ -486,8 +535,9 @@ def rows_dense(comm: Communicator, e: tf.Tensor, kernel: tf.Tensor, rank_widths:
     return _rows_dense(e, kernel, anchor)
 
 
-def rows_to_samples(comm: Communicator, e: tf.Tensor, rank_widths: list[int], anchor: tf.Tensor,
-                    name: str, blocks: list[list[Block]] | None = None, keys: dict | None = None) -> tf.Tensor:
+def rows_to_samples(comm: Communicator, e: tf.Tensor | None, rank_widths: list[int], anchor: tf.Tensor,
+                    name: str, blocks: list[list[Block]] | None = None, keys: dict | None = None,
+                    picked=None, batch=None) -> tf.Tensor:
     """This process's samples' rows (``shard_rows``) of every process's ``e``, side by side in rank
     order: [b_r, sum(rank_widths)]. ``e`` [B, w_r]: the rows this process owns (for a field vector
     no rule splits, des_ops.suboperators.FieldRowsSubOp, under the data-parallel tail); one
@@ -506,10 +556,25 @@ def rows_to_samples(comm: Communicator, e: tf.Tensor, rank_widths: list[int], an
         >>> ids = {"user": tf.constant([7, 9, 7], tf.int64)}        # rows 0 and 2 are user 7's: sent once
         >>> rows_to_samples(LocalCommunicator(), e, [2], tf.zeros([]), "demo", [[Block(2, "user")]], ids).numpy().tolist()
         [[1.0, 2.0], [3.0, 4.0], [1.0, 2.0]]
+
+    ``picked`` (instead of ``e``, with ``batch``, the global batch's rows): 1-D int64 keys -> {a
+    block's ``apart``: [n, width] rows of those keys}, for a process whose blocks are all keyed
+    and of a table that looks up any keys (des_ops.stripes.StripeLookup.at): it is called with the
+    keys of the rows this process sends, each destination's distinct ones (not the whole batch's
+    keys), and their gradients go straight back to it. The same rows on the wire as ``e``'s.
+
+        >>> table = tf.constant([[0.0, 0.0], [1.0, 2.0], [3.0, 4.0]])    # keys 1 and 2
+        >>> look = lambda k: {"t": tf.gather(table, k)}                # noqa: E731
+        >>> ids = {"item": tf.constant([1, 2, 1], tf.int64)}
+        >>> rows_to_samples(LocalCommunicator(), None, [2], tf.zeros([]), "demo", [[Block(2, "item", "t")]], ids,
+        ...                 picked=look, batch=3).numpy().tolist()
+        [[1.0, 2.0], [3.0, 4.0], [1.0, 2.0]]
     """
     n, r = comm.world_size, comm.rank
     widths = [int(w) for w in rank_widths]
     blocks = blocks if blocks is not None else blocks_of(widths)
+    if picked is not None:
+        return _picked_to_samples(comm, widths, anchor, name, blocks, KeyIds(keys), picked, batch)
     if len(widths) != n or widths[r] != int(e.shape[1]) or [sum(b.width for b in bl) for bl in blocks] != widths:
         raise ValueError(f"rows_to_samples: rank {r} holds rows of width {e.shape[1]}; the plan says widths "
                          f"{widths} for {n} processes")
@@ -528,6 +593,37 @@ def rows_to_samples(comm: Communicator, e: tf.Tensor, rank_widths: list[int], an
         return x, grad
 
     return _to_samples(e, anchor)
+
+
+def _picked_to_samples(comm: Communicator, widths: list[int], anchor: tf.Tensor, name: str, blocks: list[list[Block]],
+                       keys: KeyIds, picked, batch) -> tf.Tensor:
+    """rows_to_samples of the rows ``picked`` gives for the keys this process sends."""
+    r = comm.rank
+    if [sum(b.width for b in bl) for bl in blocks] != widths or batch is None:
+        raise ValueError(f"rows_to_samples: the plan says widths {widths}; blocks of "
+                         f"{[sum(b.width for b in bl) for bl in blocks]}; picked rows need the batch's size")
+    if any(b.key is None for b in blocks[r]):
+        raise ValueError(f"rows_to_samples: rank {r} picks its rows by key, but some of its blocks have none")
+    _check_blocks("rows_to_samples", comm, tf.zeros([0, widths[r]]), blocks, keys)
+    exchange = _Exchange(comm, blocks, keys, tf.cast(batch, tf.int64), name)
+    looked: dict = {}
+    rows = []
+    for lane, lane_keys in zip(exchange.lanes[r], exchange.picked_keys()):
+        if lane.keys not in looked:               # lanes of one key share the keys: one lookup for all
+            looked[lane.keys] = picked(lane_keys)
+        rows.append(tf.reshape(looked[lane.keys][lane.apart], [-1, lane.width]))
+
+    @tf.custom_gradient
+    def _to_samples(a, *sent):
+        x = exchange.forward_picked(list(sent))
+        x = x + a * tf.cast(tf.minimum(tf.shape(x)[0], 0), tf.float32)
+
+        def grad(dx):
+            d_sent, back = exchange.backward_picked(dx)
+            return [tf.reduce_sum(back) * variable_zero(comm)] + d_sent
+        return x, grad
+
+    return _to_samples(anchor, *rows)
 
 
 def distinct_rows(ids: dict, blocks: list[list[Block]], batch: int, rank: int) -> tuple[int, int]:

@@ -40,6 +40,62 @@ def stripe_lookups(lookup: Callable[[tf.Tensor], list], ids: tf.Tensor, stripe: 
                        tf.concat([tf.shape(ids), [d]], axis=0)) for r, d in zip(rows, dims)]
 
 
+class StripeLookup:
+    """The lookup of one or more tables read with the same ids and split by key stripe (a table and
+    its linear partner joined in one: ``lookup`` 1-D keys -> one [n, dims[j]] per member): called
+    on ids, each member's rows in ids.shape + [dims[j]] (stripe_lookups; the last ids' result is
+    kept for the next member); ``at(keys)``: each member's [n, dims[j]] rows of 1-D ``keys``, zeros
+    for other stripes' keys, placed nowhere: for an exchange that sends the rows of a slice's
+    distinct keys only (des_ops.rows.rows_to_samples ``picked``), not the whole batch's.
+
+        >>> full = tf.constant(np.arange(12, dtype=np.float32).reshape(6, 2))
+        >>> odd = StripeLookup(lambda k: [tf.gather(full, k)], 1, 2, [2])
+        >>> odd.at(tf.constant([5, 2, 1], tf.int64))[0].numpy()[:, 0].tolist()
+        [10.0, 0.0, 2.0]
+        >>> odd.member(0)(tf.constant([[5, 2]], tf.int64)).numpy()[..., 0].tolist()
+        [[10.0, 0.0]]
+    """
+
+    def __init__(self, lookup: Callable[[tf.Tensor], list], stripe: int, count: int, dims: list[int]):
+        self.lookup, self.stripe, self.count, self.dims = lookup, int(stripe), int(count), [int(d) for d in dims]
+        self._last: dict = {}
+
+    def __call__(self, ids: tf.Tensor) -> list[tf.Tensor]:
+        if self._last.get("ids") is not ids:
+            self._last = {"ids": ids, "parts": stripe_lookups(self.lookup, ids, self.stripe, self.count, self.dims)}
+        return self._last["parts"]
+
+    def at(self, keys: tf.Tensor) -> list[tf.Tensor]:
+        return stripe_lookups(self.lookup, keys, self.stripe, self.count, self.dims)
+
+    def member(self, j: int) -> "StripeMember":
+        return StripeMember(self, j)
+
+
+class StripeMember:
+    """Member ``j`` of a StripeLookup: ids -> its rows (ids.shape + [dim]), or ``deferred(ids)``:
+    that lookup not made yet (Deferred), for a reader that may want only some keys' rows."""
+
+    def __init__(self, lookup: StripeLookup, j: int):
+        self.lookup, self.j = lookup, int(j)
+
+    def __call__(self, ids: tf.Tensor) -> tf.Tensor:
+        return self.lookup(ids)[self.j]
+
+    def deferred(self, ids: tf.Tensor) -> "Deferred":
+        return Deferred(self, ids)
+
+
+class Deferred:
+    """A striped lookup not made yet: ``member`` (StripeMember) of ``ids``; ``dense()`` makes it."""
+
+    def __init__(self, member: StripeMember, ids: tf.Tensor):
+        self.member, self.ids = member, ids
+
+    def dense(self) -> tf.Tensor:
+        return self.member(self.ids)
+
+
 def held_keys(keys: np.ndarray, stripe: int, count: int) -> np.ndarray:
     """Mask of ``keys`` in stripe ``stripe`` of ``count``."""
     return np.mod(np.asarray(keys, np.int64), count) == stripe

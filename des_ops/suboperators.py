@@ -23,6 +23,7 @@ import tensorflow as tf
 from des_ops import partials as dm
 from des_ops.comm import Communicator, allreduce_sum, variable_zero
 from des_ops.rows import Block, rows_dense, rows_to_samples, wire_order
+from des_ops.stripes import Deferred
 from des_ops.tail import reduce_scatter_sum
 from models.layers import only_shapes_wanted
 
@@ -178,7 +179,9 @@ class StripeRowsSubOp(FieldRowsSubOp):
     By samples (``exchange`` "samples"): every process sends each process its samples' rows,
     one block per position keyed by ``stripe_keys`` (``<key>@r/N``: its own keys' rows once per
     distinct id, the others' zeros once) when every position has a key, else one block; the
-    receiver adds the senders' blocks in rank order.
+    receiver adds the senders' blocks in rank order. When all a process sends is such blocks of
+    one TFRA lookup (DESFirstLayer._picked), it looks up only the keys it sends, not the whole
+    batch's: the same rows on the wire.
 
         >>> op = StripeRowsSubOp(["t%0"], stripe=0, stripes=2, count=2, width=1, table="t3")
         >>> op.stripe_keys = ["ids[0]", "ids[1]"]
@@ -339,6 +342,7 @@ class DESFirstLayer(tf.keras.layers.Layer):
         self.penalty_column = penalty_column
         self.widths = [op.width for op in self.ops]
         self.sends_fused_rows = False     # by samples: sends one fused table's rows as its lookup made them
+        self.picks_stripe_rows = False    # by samples: looks up the distinct keys it sends only (_picked)
         # operators whose output is not reduce-scattered: the first Dense by moving rows (des_ops.rows)
         self.by_rows = [getattr(op, "exchange", "partials") == "rows" for op in self.ops]
         # field vectors whose rows go to their samples' processes (one all-to-all for all of them)
@@ -380,8 +384,9 @@ class DESFirstLayer(tf.keras.layers.Layer):
                 armed = tf.logical_and(armed, tf.cast(training, tf.bool))
             tf.cond(armed, lambda: self.batch_fingerprint.assign(dm.fingerprint([inputs[k] for k in keys])).read_value(),
                     lambda: self.batch_fingerprint.read_value())
-        vectors = self._field_vectors(inputs)
-        flat = {t: tf.reshape(v, tf.stack([batch, -1])) for t, v in vectors.items()}
+        defer = self._deferrable()
+        vectors = self._field_vectors(inputs, defer) if defer else self._field_vectors(inputs)
+        flat = {t: tf.reshape(v, tf.stack([batch, -1])) for t, v in vectors.items() if not isinstance(v, Deferred)}
         if self.shard_rows:
             return self._own_rows(flat, batch, inputs, vectors)
         total = self._sum_in_slices(flat, batch)
@@ -411,6 +416,41 @@ class DESFirstLayer(tf.keras.layers.Layer):
             out.update(self._samples_rows(flat, batch, inputs, vectors))
         return [out[i] for i in range(len(self.ops))]
 
+    def _deferrable(self) -> frozenset:
+        """The field vectors whose lookups wait for the rows exchange (des_ops.stripes.StripeLookup.at):
+        when every block this process sends by samples is a position of a table split by key stripe
+        (StripeRowsSubOp, keyed), it looks up each slice's distinct keys only, not the whole batch's
+        keys to place them in [B, P, width] zeros and pick them out again. Read by no other operator."""
+        if not self.shard_rows or not any(self.to_samples) or not hasattr(self._field_vectors, "fused"):
+            return frozenset()
+        n, r = self.comm.world_size, self.comm.rank
+        sending = [i for i, s in enumerate(self.to_samples) if s and self.ops[i].samples_blocks(n)[r]]
+        picks = [i for i in sending if isinstance(self.ops[i], StripeRowsSubOp) and len(self._op_inputs[i]) == 1
+                 and all(b.key is not None for b in self.ops[i].samples_blocks(n)[r])]
+        if not picks or len(picks) != len(sending):
+            return frozenset()
+        wanted = {self._op_inputs[i][0] for i in picks}
+        if any(t in wanted for i, ts in enumerate(self._op_inputs) if i not in picks for t in ts):
+            return frozenset()
+        return frozenset(wanted)
+
+    def _picked(self, mine: list[tuple], vectors: dict):
+        """For rows_to_samples: keys -> {a block's table: its rows}, from the one StripeLookup every
+        block of ``mine`` reads (Deferred vectors of the same ids); else None."""
+        ops = sorted({i for i, _, _ in mine})
+        got = [vectors[self._op_inputs[i][0]] for i in ops]
+        if not ops or not all(isinstance(d, Deferred) for d in got):
+            return None
+        lookup, ids = got[0].member.lookup, got[0].ids
+        if any(d.member.lookup is not lookup or d.ids is not ids for d in got):
+            return None
+        tables = {self.ops[i].table: d.member.j for i, d in zip(ops, got)}
+
+        def picked(keys):
+            rows = lookup.at(tf.cast(keys, ids.dtype))
+            return {table: rows[j] for table, j in tables.items()}
+        return picked
+
     def _samples_rows(self, flat: dict, batch: tf.Tensor, inputs: dict, vectors: dict) -> dict[int, tf.Tensor]:
         """The field vectors by samples: this process's rows of each, from one all-to-all in which
         every owner sends its blocks' rows side by side (des_ops.rows.rows_to_samples): a vector's
@@ -423,12 +463,22 @@ class DESFirstLayer(tf.keras.layers.Layer):
         # (its fields' embedding and linear weight, row after row) is one slice of ``e``
         sent = [[bl[j] for j in wire_order([b for _, _, b in bl])] for bl in sent]
         mine = sent[self.comm.rank]
-        e = self._fused_rows_sent(mine, vectors)
-        if e is None:
-            e = self._sent_in_order(mine, flat, batch)
         blocks = [[b for _, _, b in bl] for bl in sent]
-        x = rows_to_samples(self.comm, e, [sum(b.width for b in bl) for bl in blocks], self.rows_anchor,
-                            f"{self.collective}_samples", blocks, inputs)
+        widths = [sum(b.width for b in bl) for bl in blocks]
+        picked = self._picked(mine, vectors)
+        if picked is not None:
+            self.picks_stripe_rows = True
+            x = rows_to_samples(self.comm, None, widths, self.rows_anchor, f"{self.collective}_samples", blocks,
+                                inputs, picked=picked, batch=batch)
+        else:
+            for t, v in vectors.items():       # deferred, but this process's blocks are not all of one lookup
+                if isinstance(v, Deferred):
+                    vectors[t] = v.dense()
+                    flat[t] = tf.reshape(vectors[t], tf.stack([batch, -1]))
+            e = self._fused_rows_sent(mine, vectors)
+            if e is None:
+                e = self._sent_in_order(mine, flat, batch)
+            x = rows_to_samples(self.comm, e, widths, self.rows_anchor, f"{self.collective}_samples", blocks, inputs)
         # as x holds them, ranks in order; consecutive blocks of one operator and sender as one piece
         runs: list[list] = []
         for p, bl in enumerate(sent):

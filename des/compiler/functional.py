@@ -25,7 +25,7 @@ from des.graph.sources import source_of
 from des_ops.comm import Communicator, agree
 from des_ops.fused import fuse_nodes, fusion_groups, linear_part, linear_partners, width_of
 from des_ops.ranges import RangeEmbedding, rows_of
-from des_ops.stripes import StripeEmbedding, keep_own_rows, stripe_lookup, stripe_lookups
+from des_ops.stripes import Deferred, StripeEmbedding, StripeLookup, StripeMember, keep_own_rows
 from des_ops.keras_internals import (autograph_as_keras_decides, compile_args, copy_optimizer, has_weight_penalties,
                                      take_weight_penalties)
 from des_ops.suboperators import DESFirstLayer
@@ -118,7 +118,9 @@ class FieldChains:
         self.group_of = {n.index: k for k, (_, members) in enumerate(self.fused) for n in members}
         self.producer = {t: n for n in self.nodes for t in n.outputs}
 
-    def __call__(self, inputs: dict) -> dict:
+    def __call__(self, inputs: dict, defer=frozenset()) -> dict:
+        """{wanted tensor id: its tensor}; a wanted tensor in ``defer`` that a table split by key
+        stripe gives (a StripeMember) comes as a des_ops.stripes.Deferred, its lookup not made."""
         env = {t: inputs[name] for t, name in self.inputs.items() if name in inputs}
         # per fused table of this call: (its one-hot inputs' rows side by side [B, S * dim], the
         # outputs those columns are, in order), for a reader of all of them in that order
@@ -129,6 +131,8 @@ class FieldChains:
                 return x
             if id(x) not in env:                     # a fused group reads ahead of the topological order
                 run(self.producer[id(x)])
+            if isinstance(env[id(x)], Deferred):      # a layer of the chain reads it: made after all
+                env[id(x)] = env[id(x)].dense()
             return env[id(x)]
 
         def run(node: Node) -> None:
@@ -142,7 +146,10 @@ class FieldChains:
                     self.fused_rows.append((rows, [outs[k] for k in layout]))
                 return
             if node.index in self.ranged:            # a table split by key range or stripe: its own keys
-                env[node.output] = self.ranged[node.index][1](look(node.call_args[0]))
+                lookup = self.ranged[node.index][1]
+                ids = look(node.call_args[0])
+                later = node.output in defer and isinstance(lookup, StripeMember)
+                env[node.output] = lookup.deferred(ids) if later else lookup(ids)
                 return
             with autograph_as_keras_decides():       # the DES layer's call is not converted; users' layers are
                 out = call_node(node, look)
@@ -472,7 +479,7 @@ def _stripe_tables(matches: list[Match], comm: Communicator, from_root: bool) ->
         if node.attrs["source"].dynamic:
             table.des_key_stripe = (r, n)
             keep_own_rows(node.attrs["source"], table)
-            out[index] = (table, lambda ids, table=table, dim=dim: stripe_lookup(table, ids, r, n, dim))
+            out[index] = (table, StripeLookup(lambda k, table=table: [table(k)], r, n, [dim]).member(0))
             continue
         if from_root and n > 1:
             full = table.embeddings.numpy() if r == 0 else None
@@ -505,31 +512,18 @@ def _join_striped(graph: Graph, matches: list[Match], ranged: dict, comm: Commun
             pair = sorted([n] + [m for m in members if m.layer is partner[id(n.layer)]], key=lambda m: m.index)
             fused, _ = fuse_nodes(graph, pair, f"stripe{pair[0].index}_rank{comm.rank}", join_linear=True)
             table, readers = fused[0]
-            lookup = _joined_stripe_lookup(table, [width_of(node.layer) for node in readers], comm.rank,
-                                           comm.world_size)
+            widths = [width_of(node.layer) for node in readers]
+            # one lookup of the joined rows behind one stripe mask, each member placed on its own (no
+            # slice of a joined tensor, whose gradient is a zero-filled copy); two readers share it
+            lookup = StripeLookup(lambda k, table=table, w=len(widths): table([k] * w), comm.rank, comm.world_size,
+                                  widths)
             for j, node in enumerate(readers):
-                ranged[node.index] = (node.layer, lambda ids, f=lookup, j=j: f(ids)[j])
+                ranged[node.index] = (node.layer, lookup.member(j))
             out.append((table, readers))
             lines.append(f"fused table {table.name}: this process's key stripe (k mod {comm.world_size} == {comm.rank}) "
                          f"of {' and '.join(f'{n.layer.name} (width {width_of(n.layer)})' for n in readers)}, "
                          f"side by side in one TFRA table: one lookup and one update a step for both")
     return out, lines
-
-
-def _joined_stripe_lookup(table, widths: list[int], stripe: int, count: int):
-    """ids -> [ids.shape + [width] per reader]: the joined rows of ``table``'s members (one per
-    reader, of ``widths``) for this process's key stripe, zeros for the others' keys, looked up once
-    (des_ops.stripes.stripe_lookups: each member placed on its own, no slice of a joined tensor,
-    whose gradient is a zero-filled copy). Two readers of the same ids share the lookup: the last
-    one is kept for the next reader."""
-    last: dict = {}
-
-    def lookup(ids):
-        if last.get("ids") is not ids:
-            last["ids"], last["parts"] = ids, stripe_lookups(lambda k: table([k] * len(widths)), ids, stripe, count,
-                                                             widths)
-        return last["parts"]
-    return lookup
 
 
 def _rows_from_root(table, ranges_by_rank: list[list], comm: Communicator, name: str) -> np.ndarray:
