@@ -36,21 +36,24 @@ ADAM_STATE = 1e-5
 
 
 def big_field_model(kind: str = "keras", reader: str = "fm", scale: int = 1, in_model: bool = True,
-                    penalty: bool = False):
+                    penalty: bool = False, capacity: int = 0):
     """Three one-id fields, f0 with BIG rows, each an embedding of width K and a 1-wide weight;
     ``reader`` "fm": FM by TF ops over their stack and the linear sum, "attention": AutoInt-like
     self-attention over the stack (no rule splits it: field rows) and the linear sum, "deepfm": FM
     and a first Dense over the flattened embeddings. ``kind`` "tfra": the width-K tables are TFRA
     dynamic ones. ``scale``: f0's table has ``scale`` times its rows, and with ``in_model`` the
     model multiplies f0's ids by it before the lookup (every key in stripe 0 of ``scale``).
-    ``penalty``: the first Dense has an L2 kernel penalty."""
+    ``penalty``: the first Dense has an L2 kernel penalty. ``capacity`` (TFRA): f0's table is declared
+    with ``init_capacity=capacity``."""
     inputs = [tf.keras.Input(shape=(1,), dtype=tf.int64, name=f) for f in SIZES]
     ids = [inputs[0] * scale, *inputs[1:]] if in_model and scale != 1 else inputs
     if kind == "keras":
         emb = [L.Embedding(scale * n, K, name=f"e_{f}_{next(_names)}")(i) for (f, n), i in zip(SIZES.items(), ids)]
     else:            # TFRA shares tables by name: a fresh name per build
         emb = [de.keras.layers.Embedding(K, initializer=tf.keras.initializers.RandomNormal(0, 0.1),
-                                         name=f"e_{f}_{next(_names)}")(i) for f, i in zip(SIZES, ids)]
+                                         name=f"e_{f}_{next(_names)}",
+                                         **({"init_capacity": capacity} if f == "f0" and capacity else {}))(i)
+               for f, i in zip(SIZES, ids)]
     weights = [L.Embedding(scale * n, 1, name=f"w_{f}_{next(_names)}")(i) for (f, n), i in zip(SIZES.items(), ids)]
     stack = L.Concatenate(axis=1)([L.Reshape((1, K))(e) for e in emb])            # [B, 3, K]
     linear = tf.reduce_sum(L.Concatenate(axis=1)(weights), axis=1)               # [B, 1]
@@ -146,6 +149,44 @@ def test_a_big_field_split_by_key_stripe_equals_one_process(kind, reader):
             assert sorted(k for h in held for k in h) == sorted(ref["tables"][table]), (tail, table)
             for r, keys in enumerate(held):
                 assert keys and all(k % 3 == r for k in keys), (tail, table, r, keys)
+
+
+def test_a_tfra_table_declared_big_by_its_init_capacity_is_split_with_the_defaults():
+    """A TFRA table starts empty and a sample batch holds at most its rows of distinct ids, so a
+    table sized by sample= alone never reaches stripe_min_rows (1,000,000 by default). One declared
+    with TFRA's ``init_capacity`` counts those rows: at N = 3 with des.Options' defaults and sample=,
+    f0's TFRA table declared with 2,000,000 is split by key stripe (the report says so) and the
+    model trains as one process does (6 Adam steps, the replicated tail and the data-parallel one
+    the defaults choose); declared with none, f0 keeps one owner."""
+    capacity = 2_000_000
+    build = lambda: big_field_model("tfra", "fm", capacity=capacity)  # noqa: E731
+    tf.keras.utils.set_random_seed(0)
+    base = build()
+    des.make_keyed(base, seed=0)
+    batches, probe = sliced_batches(base, 5 * 31 + 2, 31)
+    sample = {k: np.asarray(v) for k, v in batches[0][0].items()}
+    for declared in (capacity, 0):
+        _, report = des.transform(big_field_model("tfra", "fm", capacity=declared),
+                                  comm=InProcessWorld(3).communicator(0), sample=sample)
+        text = str(report)
+        said = f"field 'f0': {capacity:,} rows, more than an even share" in text and \
+            "split by key stripe over 3 processes" in text
+        assert said == bool(declared), text
+    reference = build()
+    copy_state(base, reference)
+    des.make_keyed(reference, seed=0)
+    ref = _fit(batches, probe)(reference)
+    for kw in ({"tail": "replicated"}, {}):
+        ranks = run_in_process_world(3, build, _fit(batches, probe), init_from=base, sample=sample, **kw)
+        diff = compare(ref, ranks)
+        within(f"init_capacity big field {kw or 'defaults'} N=3 predictions", diff["predictions"], 1e-6)
+        within(f"init_capacity big field {kw or 'defaults'} N=3 rows and weights",
+               max(diff["tables"], diff["owned"], diff["weights"]), ADAM_STATE)
+        split = _split_tables(ranks)
+        assert len(split) == 2, (kw, split)              # f0's TFRA table and its 1-wide weight table
+        for table in split:
+            held = [sorted(r["tables"].get(table, {})) for r in ranks]
+            assert all(keys and all(k % 3 == r for k in keys) for r, keys in enumerate(held)), (kw, table)
 
 
 def test_the_report_says_which_fields_are_too_big_and_where_their_rows_go():

@@ -43,8 +43,9 @@ from des.compiler.report import Report, TransformError, explain_tables
 def _field_costs(graph: Graph, matches: list[Match], spec=None,
                  distinct: dict | None = None) -> tuple[list[FieldCost], list[str]]:
     """Each field's cost for the balanced plan: its rows (the spec's cardinality, else its tables'
-    rows; a TFRA table starts empty, so its distinct ids in the ``distinct`` sample batch when
-    given: the rows it trains each step and sends by rows, a proxy for the rows it will hold),
+    rows, or a TFRA table's ``init_capacity`` if more; a TFRA table starts empty, so without one its
+    distinct ids in the ``distinct`` sample batch when given: the rows it trains each step and sends
+    by rows, a proxy for the rows it will hold),
     width and ids per sample. Also the fields none of these sized (each then counts as 1 row)."""
     distinct = distinct or {}
     width: dict[str, int] = {}
@@ -64,11 +65,11 @@ def _field_costs(graph: Graph, matches: list[Match], spec=None,
                 lookups[f] = 1.0
                 continue
             if v.key_stripe is not None:           # a stripe: its share of the table's rows
-                size[f] = v.table.attrs["source"].rows(v.table.layer) / v.key_stripe[1]
+                size[f] = _table_rows(v.table) / v.key_stripe[1]
                 lookups[f] = float(v.width // int(v.table.attrs["dim"]))
                 stripes[f] = (v.unstriped_field, v.key_stripe[1])
                 continue
-            size[f] = max(size.get(f, 0.0), v.table.attrs["source"].rows(v.table.layer))
+            size[f] = max(size.get(f, 0.0), _table_rows(v.table))
             ops = v.table.tensor_operands()
             shape = graph.shape(ops[0]) if ops else tf.TensorShape([None])
             n = 1.0
@@ -87,6 +88,13 @@ def _field_costs(graph: Graph, matches: list[Match], spec=None,
         unsized += [] if rows else [f]
         out.append(FieldCost(f, float(rows or 1.0), width[f], lookups[f]))
     return out, unsized
+
+
+def _table_rows(table) -> float:
+    """The rows a table node's layer holds now, or was declared to hold (a TFRA table's
+    ``init_capacity``) if more."""
+    source = table.attrs["source"]
+    return max(source.rows(table.layer), source.declared_rows(table.layer))
 
 
 def _distinct_ids(fields: FieldAnalysis, matches: list[Match], sample) -> dict[str, float]:

@@ -56,6 +56,11 @@ class TableSource:
             return float(len(fused[0].field_rows(fused[1])[0]))
         return float(layer.params.size().numpy())
 
+    def declared_rows(self, layer) -> float:
+        """The rows the layer was declared to hold (a TFRA table's ``init_capacity``), 0 if none:
+        a dynamic table starts empty, so the plan counts at least these."""
+        return float(getattr(getattr(layer, "params", None), "init_size", 0) or 0)
+
     def export(self, layer) -> tuple[np.ndarray, np.ndarray]:
         fused = fused_of(layer)
         if fused:
