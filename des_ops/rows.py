@@ -371,38 +371,39 @@ class _Exchange:
         self.sent = [[select.of(lane, q) for lane in self.lanes[r]] for q in range(n)]     # [dest][my lane]
         self.got = [[select.of(lane, r) for lane in self.lanes[p]] for p in range(n)]      # [source][its lane]
 
-    def forward(self, e: tf.Tensor, also_counted=0) -> tf.Tensor:
-        """``also_counted``: bytes of the caller's other collective, counted with these (one count)."""
-        mine = self.lanes[self.comm.rank]
-        rows = [tf.reshape(_columns(e, lane.cols), [-1, lane.width]) for lane in mine]     # [B * G, width]
+    def forward(self, e: tf.Tensor | None, also_counted=0, picked: dict | None = None) -> tf.Tensor:
+        """``also_counted``: bytes of the caller's other collective, counted with these (one count).
+        ``picked`` {lane k of this process: its rows as they travel, [picked_keys()[k], width]}: those
+        lanes are sent as given, not picked from ``e`` (None when every lane is picked)."""
+        picked = picked or {}
+        n, mine = self.comm.world_size, self.lanes[self.comm.rank]
+        rows = {k: tf.reshape(_columns(e, lane.cols), [-1, lane.width])                   # [B * G, width]
+                for k, lane in enumerate(mine) if k not in picked}
+        per = {k: tf.split(x, tf.stack([self.sent[q][k][2] for q in range(n)]), num=n) for k, x in picked.items()}
         pieces, splits = [], []
-        for (lo, hi), sent in zip(self.bounds, self.sent):
+        for q, ((lo, hi), sent) in enumerate(zip(self.bounds, self.sent)):
             total = tf.constant(0, tf.int64)
-            for lane, x, (first, _, count) in zip(mine, rows, sent):
-                g = len(lane.keys)
-                part = x[lo * g:hi * g]
-                pieces.append(tf.reshape(part if first is None else tf.gather(part, first), [-1]))
+            for k, (lane, (first, _, count)) in enumerate(zip(mine, sent)):
+                if k in per:
+                    part = per[k][q]
+                else:
+                    g = len(lane.keys)
+                    part = rows[k][lo * g:hi * g]
+                    part = part if first is None else tf.gather(part, first)
+                pieces.append(tf.reshape(part, [-1]))
                 total += count * lane.width
             splits.append(total)
-        return self._received(pieces, splits, e.dtype, also_counted)
+        return self._received(pieces, splits, tf.float32 if e is None else e.dtype, also_counted)
 
     def picked_keys(self) -> list[tf.Tensor]:
         """Per lane of this process (keyed): the keys of the rows it sends, each destination's
-        distinct pairs (_Selection) one destination after another."""
-        return [tf.concat([self.select.keys_at(lane, q) for q in range(self.comm.world_size)], 0)
-                for lane in self.lanes[self.comm.rank]]
-
-    def forward_picked(self, rows: list[tf.Tensor], dtype=tf.float32) -> tf.Tensor:
-        """forward() from the rows this process sends as they are (``rows``: per lane, [the lane's
-        picked_keys, width]), not picked from [B, w_r] rows of the whole batch."""
-        n, mine = self.comm.world_size, self.lanes[self.comm.rank]
-        per = [tf.split(x, tf.stack([self.sent[q][k][2] for q in range(n)]), num=n) for k, x in enumerate(rows)]
-        pieces, splits = [], []
-        for q in range(n):
-            splits.append(tf.add_n([tf.constant(0, tf.int64)] + [self.sent[q][k][2] * lane.width
-                                                                 for k, lane in enumerate(mine)]))
-            pieces += [tf.reshape(per[k][q], [-1]) for k in range(len(mine))]
-        return self._received(pieces, splits, dtype)
+        distinct pairs (_Selection) one destination after another; lanes of the same keys get the
+        same tensor."""
+        memo: dict = {}
+        for lane in self.lanes[self.comm.rank]:
+            if lane.keys not in memo and lane.keys != (None,):
+                memo[lane.keys] = tf.concat([self.select.keys_at(lane, q) for q in range(self.comm.world_size)], 0)
+        return [memo.get(lane.keys) for lane in self.lanes[self.comm.rank]]
 
     def _received(self, pieces: list, splits: list, dtype, also_counted=0) -> tf.Tensor:
         """Send ``pieces`` (splits[q] floats to process q), and put what came back at this process's samples."""
@@ -418,15 +419,21 @@ class _Exchange:
                   for x, (lane, (_, idx, _)) in zip(parts, flat_lanes)]
         return _in_block_order(placed, self.lanes)
 
-    def backward(self, dx: tf.Tensor, also_counted=0) -> tuple[tf.Tensor, tf.Tensor]:
-        """(the gradient of this process's ``e``, [B, its width]; what came back, for the anchor)."""
+    def backward(self, dx: tf.Tensor, also_counted=0, picked=()) -> tuple[tf.Tensor, dict, tf.Tensor]:
+        """(the gradient of this process's ``e``, [B, its width], zeros in the columns of the lanes
+        ``picked`` (as forward's); {picked lane k: the gradient of its rows}; what came back, for the
+        anchor)."""
         got, back = self._returned(dx, also_counted)
-        mine = self.lanes[self.comm.rank]
+        n, mine = self.comm.world_size, self.lanes[self.comm.rank]
         batch = self.bounds[-1][1]
         if not mine:
-            return tf.zeros(tf.stack([batch, 0]), dx.dtype), back
+            return tf.zeros(tf.stack([batch, 0]), dx.dtype), {}, back
+        d_picked = {k: tf.concat([tf.reshape(got[q, k], [-1, mine[k].width]) for q in range(n)], 0) for k in picked}
         columns = []
         for k, lane in enumerate(mine):
+            if k in d_picked:
+                columns.append(tf.zeros(tf.stack([batch, len(lane.cols)]), dx.dtype))
+                continue
             rows = []
             for q, (lo, hi) in enumerate(self.bounds):
                 first = self.sent[q][k][0]
@@ -434,14 +441,8 @@ class _Exchange:
                 shape = tf.stack([(hi - lo) * len(lane.keys), tf.constant(lane.width, tf.int64)])
                 rows.append(d if first is None else tf.scatter_nd(first[:, None], d, shape))
             columns.append(tf.reshape(tf.concat(rows, axis=0), [-1, len(lane.cols)]))
-        return _in_block_order(columns, [mine]), back
-
-    def backward_picked(self, dx: tf.Tensor) -> tuple[list[tf.Tensor], tf.Tensor]:
-        """(the gradient of forward_picked's ``rows``, per lane; what came back, for the anchor)."""
-        got, back = self._returned(dx)
-        n, mine = self.comm.world_size, self.lanes[self.comm.rank]
-        return [tf.concat([tf.reshape(got[q, k], [-1, lane.width]) for q in range(n)], 0)
-                for k, lane in enumerate(mine)], back
+        de = None if len(d_picked) == len(mine) else _in_block_order(columns, [mine])
+        return de, d_picked, back
 
     def _returned(self, dx: tf.Tensor, also_counted=0) -> tuple[dict, tf.Tensor]:
         """Send each owner the gradient of the rows it sent (one per distinct pair: the sum over its
@@ -517,7 +518,7 @@ def rows_dense(comm: Communicator, e: tf.Tensor, kernel: tf.Tensor, rank_widths:
         def grad(dy):
             dk = tf.matmul(x, dy, transpose_a=True)                            # [w, H], every process's share
             dk_flat = tf.reshape(dk, [-1])                                    # blocks in rank order
-            de, back = exchange.backward(tf.matmul(dy, kernel_all, transpose_b=True), also_counted=nbytes(dk_flat))
+            de, _, back = exchange.backward(tf.matmul(dy, kernel_all, transpose_b=True), also_counted=nbytes(dk_flat))
             with tf.control_dependencies([back]):
                 shares, _ = comm.alltoall(not_folded(comm, dk_flat), tf.constant([w * units for w in widths], tf.int32),
                                           f"{name}_kernel_grad")
@@ -557,29 +558,55 @@ def rows_to_samples(comm: Communicator, e: tf.Tensor | None, rank_widths: list[i
         >>> rows_to_samples(LocalCommunicator(), e, [2], tf.zeros([]), "demo", [[Block(2, "user")]], ids).numpy().tolist()
         [[1.0, 2.0], [3.0, 4.0], [1.0, 2.0]]
 
-    ``picked`` (instead of ``e``, with ``batch``, the global batch's rows): 1-D int64 keys -> {a
-    block's ``apart``: [n, width] rows of those keys}, for a process whose blocks are all keyed
-    and of a table that looks up any keys (des_ops.stripes.StripeLookup.at): it is called with the
-    keys of the rows this process sends, each destination's distinct ones (not the whole batch's
-    keys), and their gradients go straight back to it. The same rows on the wire as ``e``'s.
+    ``picked`` {a block's ``apart``: 1-D int64 keys -> [n, width] rows of those keys}: this process's
+    keyed blocks of those tables (des_ops.stripes.StripeLookup.at) send the rows ``picked`` gives for
+    the keys they send, each destination's distinct ones, not rows picked out of ``e`` (whose
+    columns of them are then not read: zeros will do; ``e`` None when every block is picked, with
+    ``batch``, the global batch's rows); their gradients go straight back to ``picked``'s rows. The
+    same rows on the wire.
 
         >>> table = tf.constant([[0.0, 0.0], [1.0, 2.0], [3.0, 4.0]])    # keys 1 and 2
-        >>> look = lambda k: {"t": tf.gather(table, k)}                # noqa: E731
         >>> ids = {"item": tf.constant([1, 2, 1], tf.int64)}
         >>> rows_to_samples(LocalCommunicator(), None, [2], tf.zeros([]), "demo", [[Block(2, "item", "t")]], ids,
-        ...                 picked=look, batch=3).numpy().tolist()
+        ...                 picked={"t": lambda k: tf.gather(table, k)}, batch=3).numpy().tolist()
         [[1.0, 2.0], [3.0, 4.0], [1.0, 2.0]]
     """
     n, r = comm.world_size, comm.rank
     widths = [int(w) for w in rank_widths]
     blocks = blocks if blocks is not None else blocks_of(widths)
-    if picked is not None:
-        return _picked_to_samples(comm, widths, anchor, name, blocks, KeyIds(keys), picked, batch)
-    if len(widths) != n or widths[r] != int(e.shape[1]) or [sum(b.width for b in bl) for bl in blocks] != widths:
-        raise ValueError(f"rows_to_samples: rank {r} holds rows of width {e.shape[1]}; the plan says widths "
-                         f"{widths} for {n} processes")
+    if e is None and batch is None:
+        raise ValueError("rows_to_samples: without rows (e=None) the batch's size must be given")
+    if len(widths) != n or (e is not None and widths[r] != int(e.shape[1])) or \
+            [sum(b.width for b in bl) for bl in blocks] != widths:
+        raise ValueError(f"rows_to_samples: rank {r} holds rows of width {None if e is None else e.shape[1]}; the "
+                         f"plan says widths {widths} for {n} processes")
     keys = KeyIds(keys)
-    _check_blocks("rows_to_samples", comm, e, blocks, keys)
+    _check_blocks("rows_to_samples", comm, tf.zeros([0, widths[r]]) if e is None else e, blocks, keys)
+    picked = picked or {}
+    if picked:
+        exchange = _Exchange(comm, blocks, keys, tf.cast(batch, tf.int64) if e is None else
+                             tf.shape(e, out_type=tf.int64)[0], name)
+        mine = exchange.lanes[r]
+        chosen = [k for k, lane in enumerate(mine) if lane.apart in picked and lane.keys != (None,)]
+        if e is None and len(chosen) != len(mine):
+            raise ValueError(f"rows_to_samples: rank {r} has no rows (e=None) for blocks of tables "
+                             f"{sorted({lane.apart for lane in mine if lane.apart not in picked})}")
+        sent_keys = exchange.picked_keys()
+        rows = [tf.reshape(picked[mine[k].apart](sent_keys[k]), [-1, mine[k].width]) for k in chosen]
+
+        @tf.custom_gradient
+        def _picked(a, *args):
+            e_p, sent = (None, args) if e is None else (args[0], args[1:])
+            x = exchange.forward(e_p, picked=dict(zip(chosen, sent)))
+            x = x + a * tf.cast(tf.minimum(tf.shape(x)[0], 0), tf.float32)
+
+            def grad(dx):
+                de, d_sent, back = exchange.backward(dx, picked=chosen)
+                return [tf.reduce_sum(back) * variable_zero(comm)] + ([] if e is None else [de]) + \
+                    [d_sent[k] for k in chosen]
+            return x, grad
+
+        return _picked(anchor, *([] if e is None else [e]), *rows)
 
     @tf.custom_gradient
     def _to_samples(e_p, a):
@@ -588,42 +615,11 @@ def rows_to_samples(comm: Communicator, e: tf.Tensor | None, rank_widths: list[i
         x = x + a * tf.cast(tf.minimum(tf.shape(x)[0], 0), tf.float32)
 
         def grad(dx):
-            de, back = exchange.backward(dx)
+            de, _, back = exchange.backward(dx)
             return de, tf.reduce_sum(back) * variable_zero(comm)
         return x, grad
 
     return _to_samples(e, anchor)
-
-
-def _picked_to_samples(comm: Communicator, widths: list[int], anchor: tf.Tensor, name: str, blocks: list[list[Block]],
-                       keys: KeyIds, picked, batch) -> tf.Tensor:
-    """rows_to_samples of the rows ``picked`` gives for the keys this process sends."""
-    r = comm.rank
-    if [sum(b.width for b in bl) for bl in blocks] != widths or batch is None:
-        raise ValueError(f"rows_to_samples: the plan says widths {widths}; blocks of "
-                         f"{[sum(b.width for b in bl) for bl in blocks]}; picked rows need the batch's size")
-    if any(b.key is None for b in blocks[r]):
-        raise ValueError(f"rows_to_samples: rank {r} picks its rows by key, but some of its blocks have none")
-    _check_blocks("rows_to_samples", comm, tf.zeros([0, widths[r]]), blocks, keys)
-    exchange = _Exchange(comm, blocks, keys, tf.cast(batch, tf.int64), name)
-    looked: dict = {}
-    rows = []
-    for lane, lane_keys in zip(exchange.lanes[r], exchange.picked_keys()):
-        if lane.keys not in looked:               # lanes of one key share the keys: one lookup for all
-            looked[lane.keys] = picked(lane_keys)
-        rows.append(tf.reshape(looked[lane.keys][lane.apart], [-1, lane.width]))
-
-    @tf.custom_gradient
-    def _to_samples(a, *sent):
-        x = exchange.forward_picked(list(sent))
-        x = x + a * tf.cast(tf.minimum(tf.shape(x)[0], 0), tf.float32)
-
-        def grad(dx):
-            d_sent, back = exchange.backward_picked(dx)
-            return [tf.reduce_sum(back) * variable_zero(comm)] + d_sent
-        return x, grad
-
-    return _to_samples(anchor, *rows)
 
 
 def distinct_rows(ids: dict, blocks: list[list[Block]], batch: int, rank: int) -> tuple[int, int]:

@@ -59,6 +59,7 @@ class StripeLookup:
     def __init__(self, lookup: Callable[[tf.Tensor], list], stripe: int, count: int, dims: list[int]):
         self.lookup, self.stripe, self.count, self.dims = lookup, int(stripe), int(count), [int(d) for d in dims]
         self._last: dict = {}
+        self._at: dict = {}
 
     def __call__(self, ids: tf.Tensor) -> list[tf.Tensor]:
         if self._last.get("ids") is not ids:
@@ -66,7 +67,9 @@ class StripeLookup:
         return self._last["parts"]
 
     def at(self, keys: tf.Tensor) -> list[tf.Tensor]:
-        return stripe_lookups(self.lookup, keys, self.stripe, self.count, self.dims)
+        if self._at.get("keys") is not keys:          # the members' lanes share their keys: one lookup
+            self._at = {"keys": keys, "parts": stripe_lookups(self.lookup, keys, self.stripe, self.count, self.dims)}
+        return self._at["parts"]
 
     def member(self, j: int) -> "StripeMember":
         return StripeMember(self, j)

@@ -418,38 +418,27 @@ class DESFirstLayer(tf.keras.layers.Layer):
 
     def _deferrable(self) -> frozenset:
         """The field vectors whose lookups wait for the rows exchange (des_ops.stripes.StripeLookup.at):
-        when every block this process sends by samples is a position of a table split by key stripe
-        (StripeRowsSubOp, keyed), it looks up each slice's distinct keys only, not the whole batch's
-        keys to place them in [B, P, width] zeros and pick them out again. Read by no other operator."""
+        a table split by key stripe whose blocks travel by samples, keyed (StripeRowsSubOp), looks up
+        the distinct keys of each slice it sends only, not the whole batch's keys to place them in
+        [B, P, width] zeros and pick them out again. Vectors read by no other operator."""
         if not self.shard_rows or not any(self.to_samples) or not hasattr(self._field_vectors, "fused"):
             return frozenset()
         n, r = self.comm.world_size, self.comm.rank
-        sending = [i for i, s in enumerate(self.to_samples) if s and self.ops[i].samples_blocks(n)[r]]
-        picks = [i for i in sending if isinstance(self.ops[i], StripeRowsSubOp) and len(self._op_inputs[i]) == 1
+        picks = [i for i, s in enumerate(self.to_samples) if s and isinstance(self.ops[i], StripeRowsSubOp)
+                 and len(self._op_inputs[i]) == 1 and self.ops[i].samples_blocks(n)[r]
                  and all(b.key is not None for b in self.ops[i].samples_blocks(n)[r])]
-        if not picks or len(picks) != len(sending):
-            return frozenset()
-        wanted = {self._op_inputs[i][0] for i in picks}
-        if any(t in wanted for i, ts in enumerate(self._op_inputs) if i not in picks for t in ts):
-            return frozenset()
-        return frozenset(wanted)
+        others = {t for i, ts in enumerate(self._op_inputs) if i not in picks for t in ts}
+        return frozenset(self._op_inputs[i][0] for i in picks) - others
 
-    def _picked(self, mine: list[tuple], vectors: dict):
-        """For rows_to_samples: keys -> {a block's table: its rows}, from the one StripeLookup every
-        block of ``mine`` reads (Deferred vectors of the same ids); else None."""
-        ops = sorted({i for i, _, _ in mine})
-        got = [vectors[self._op_inputs[i][0]] for i in ops]
-        if not ops or not all(isinstance(d, Deferred) for d in got):
-            return None
-        lookup, ids = got[0].member.lookup, got[0].ids
-        if any(d.member.lookup is not lookup or d.ids is not ids for d in got):
-            return None
-        tables = {self.ops[i].table: d.member.j for i, d in zip(ops, got)}
-
-        def picked(keys):
-            rows = lookup.at(tf.cast(keys, ids.dtype))
-            return {table: rows[j] for table, j in tables.items()}
-        return picked
+    def _picked(self, mine: list[tuple], vectors: dict) -> dict:
+        """For rows_to_samples: {an operator's table: keys -> its rows}, for this process's blocks
+        whose vectors are Deferred (a StripeLookup's members; two of one lookup share it)."""
+        out = {}
+        for i in sorted({i for i, _, _ in mine}):
+            d = vectors[self._op_inputs[i][0]]
+            if isinstance(d, Deferred):
+                out[self.ops[i].table] = lambda keys, d=d: d.member.lookup.at(tf.cast(keys, d.ids.dtype))[d.member.j]
+        return out
 
     def _samples_rows(self, flat: dict, batch: tf.Tensor, inputs: dict, vectors: dict) -> dict[int, tf.Tensor]:
         """The field vectors by samples: this process's rows of each, from one all-to-all in which
@@ -466,19 +455,18 @@ class DESFirstLayer(tf.keras.layers.Layer):
         blocks = [[b for _, _, b in bl] for bl in sent]
         widths = [sum(b.width for b in bl) for bl in blocks]
         picked = self._picked(mine, vectors)
-        if picked is not None:
-            self.picks_stripe_rows = True
-            x = rows_to_samples(self.comm, None, widths, self.rows_anchor, f"{self.collective}_samples", blocks,
-                                inputs, picked=picked, batch=batch)
-        else:
-            for t, v in vectors.items():       # deferred, but this process's blocks are not all of one lookup
+        self.picks_stripe_rows = bool(picked)
+        e = None
+        if not picked or len(picked) < len({i for i, _, _ in mine}):    # some rows come from the whole batch's
+            width = {ts[0]: op.width for op, ts in zip(self.ops, self._op_inputs) if len(ts) == 1}
+            for t, v in vectors.items():       # a deferred vector's columns are not read: zeros hold their place
                 if isinstance(v, Deferred):
-                    vectors[t] = v.dense()
-                    flat[t] = tf.reshape(vectors[t], tf.stack([batch, -1]))
+                    flat[t] = dm.zeros(batch, width[t])
             e = self._fused_rows_sent(mine, vectors)
             if e is None:
                 e = self._sent_in_order(mine, flat, batch)
-            x = rows_to_samples(self.comm, e, widths, self.rows_anchor, f"{self.collective}_samples", blocks, inputs)
+        x = rows_to_samples(self.comm, e, widths, self.rows_anchor, f"{self.collective}_samples", blocks, inputs,
+                            picked=picked, batch=batch)
         # as x holds them, ranks in order; consecutive blocks of one operator and sender as one piece
         runs: list[list] = []
         for p, bl in enumerate(sent):

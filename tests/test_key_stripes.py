@@ -144,15 +144,18 @@ def test_a_tfra_one_table_and_its_linear_table_share_one_joined_table_a_stripe()
     assert len(striped) == 2, sorted(ref["tables"])
 
     def work(m):
-        owned = [layer.name for layer in des.distributed(m).layer.owned]
-        return _fit(batches, probe)(m), owned
+        first = des.distributed(m).layer
+        return _fit(batches, probe)(m), [layer.name for layer in first.owned], first.picks_stripe_rows
     for tail in ("replicated", "data_parallel"):
         kw = {"tail": tail} if tail == "replicated" else {"tail": tail, "field_rows": "samples"}
         out = run_in_process_world(3, build, work, init_from=base, tables="joined", **kw)
-        ranks = [snap for snap, _ in out]
-        for r, (_, owned) in enumerate(out):
+        ranks = [snap for snap, _, _ in out]
+        for r, (_, owned, picks) in enumerate(out):
             assert sum(name.startswith(f"des_fused{K + 1}_joined_stripe") for name in owned) == 1, (tail, r, owned)
             assert not any(name.startswith(("big", "lin")) for name in owned), (tail, r, owned)
+            # by samples each process looks up only the keys of its stripe it sends, the owner of
+            # "user" too (that table's rows come out of the whole batch's lookup)
+            assert picks == (tail == "data_parallel"), (tail, r)
         diff = compare(ref, ranks)
         within(f"joined stripes {tail} N=3 predictions", diff["predictions"], 1e-6)
         within(f"joined stripes {tail} N=3 rows and weights", max(diff["tables"], diff["owned"], diff["weights"]),
