@@ -179,9 +179,9 @@ class StripeRowsSubOp(FieldRowsSubOp):
     By samples (``exchange`` "samples"): every process sends each process its samples' rows,
     one block per position keyed by ``stripe_keys`` (``<key>@r/N``: its own keys' rows once per
     distinct id, the others' zeros once) when every position has a key, else one block; the
-    receiver adds the senders' blocks in rank order. When all a process sends is such blocks of
-    one TFRA lookup (DESFirstLayer._picked), it looks up only the keys it sends, not the whole
-    batch's: the same rows on the wire.
+    receiver adds the senders' blocks in rank order. Of a TFRA table, a process looks up only the
+    keys it sends, each slice's distinct ones, not the whole batch's (DESFirstLayer._picked): the
+    same rows on the wire.
 
         >>> op = StripeRowsSubOp(["t%0"], stripe=0, stripes=2, count=2, width=1, table="t3")
         >>> op.stripe_keys = ["ids[0]", "ids[1]"]
@@ -421,7 +421,7 @@ class DESFirstLayer(tf.keras.layers.Layer):
         a table split by key stripe whose blocks travel by samples, keyed (StripeRowsSubOp), looks up
         the distinct keys of each slice it sends only, not the whole batch's keys to place them in
         [B, P, width] zeros and pick them out again. Vectors read by no other operator."""
-        if not self.shard_rows or not any(self.to_samples) or not hasattr(self._field_vectors, "fused"):
+        if not self.shard_rows or not any(self.to_samples) or not getattr(self._field_vectors, "defers", False):
             return frozenset()
         n, r = self.comm.world_size, self.comm.rank
         picks = [i for i, s in enumerate(self.to_samples) if s and isinstance(self.ops[i], StripeRowsSubOp)

@@ -115,6 +115,7 @@ class FieldChains:
     topological order, the layers of their chains (preprocessing, lookup, pooling, reshapes).
     The table nodes of a fused group (``fused``: [(FusedTable, its table nodes in call order)])
     are computed together, by one call of their fused table, when the first of them is reached."""
+    defers = True       # __call__(inputs, defer): a striped lookup can wait for the rows exchange
 
     def __init__(self, graph: Graph, nodes: list[Node], wanted: list[int], fused: list[tuple] = (),
                  ranged: dict | None = None):
