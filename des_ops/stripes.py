@@ -56,19 +56,26 @@ class StripeLookup:
         [[10.0, 0.0]]
     """
 
-    def __init__(self, lookup: Callable[[tf.Tensor], list], stripe: int, count: int, dims: list[int]):
+    def __init__(self, lookup: Callable[[tf.Tensor], list], stripe: int, count: int, dims: list[int],
+                 check: Callable[[tf.Tensor], tf.Operation] | None = None):
         self.lookup, self.stripe, self.count, self.dims = lookup, int(stripe), int(count), [int(d) for d in dims]
+        self.check = check      # ids -> an op that stops the step on a bad id (every id, every process)
         self._last: dict = {}
         self._at: dict = {}
 
     def __call__(self, ids: tf.Tensor) -> list[tf.Tensor]:
         if self._last.get("ids") is not ids:
-            self._last = {"ids": ids, "parts": stripe_lookups(self.lookup, ids, self.stripe, self.count, self.dims)}
+            with tf.control_dependencies([self.check(ids)] if self.check else []):
+                parts = stripe_lookups(self.lookup, ids, self.stripe, self.count, self.dims)
+            self._last = {"ids": ids, "parts": parts}
         return self._last["parts"]
 
-    def at(self, keys: tf.Tensor) -> list[tf.Tensor]:
+    def at(self, keys: tf.Tensor, ids: tf.Tensor | None = None) -> list[tf.Tensor]:
+        """Each member's rows of ``keys``; ``ids``: the whole batch's, which ``check`` reads first."""
         if self._at.get("keys") is not keys:          # the members' lanes share their keys: one lookup
-            self._at = {"keys": keys, "parts": stripe_lookups(self.lookup, keys, self.stripe, self.count, self.dims)}
+            with tf.control_dependencies([self.check(ids)] if self.check and ids is not None else []):
+                parts = stripe_lookups(self.lookup, keys, self.stripe, self.count, self.dims)
+            self._at = {"keys": keys, "parts": parts}
         return self._at["parts"]
 
     def member(self, j: int) -> "StripeMember":
@@ -148,10 +155,21 @@ class StripeEmbedding(tf.keras.layers.Layer):
         """Row indices of held global ``keys``."""
         return np.asarray(keys, np.int64) // self.count
 
+    def check(self, ids) -> tf.Operation:
+        """Stops the step if an id is outside the vocabulary (as the untouched table would)."""
+        ids = tf.cast(ids, tf.int64)
+        return tf.debugging.Assert(tf.logical_not(tf.reduce_any(tf.logical_or(ids < 0, ids >= self.vocabulary))),
+                                   [self._message])
+
+    def rows(self, keys) -> tf.Tensor:
+        """The rows of held global ``keys`` (1-D)."""
+        return tf.gather(self.embeddings, tf.cast(keys, tf.int64) // self.count)
+
+    def lookup(self) -> "StripeLookup":
+        """This stripe as a StripeLookup (each id checked against the vocabulary first)."""
+        return StripeLookup(lambda k: [self.rows(k)], self.stripe, self.count, [self.dim], check=self.check)
+
     def call(self, ids):
         ids = tf.cast(ids, tf.int64)
-        outside = tf.logical_or(ids < 0, ids >= self.vocabulary)
-        check = tf.debugging.Assert(tf.logical_not(tf.reduce_any(outside)), [self._message])
-        with tf.control_dependencies([check]):
-            return stripe_lookup(lambda k: tf.gather(self.embeddings, k // self.count), ids, self.stripe,
-                                 self.count, self.dim)
+        with tf.control_dependencies([self.check(ids)]):
+            return stripe_lookup(self.rows, ids, self.stripe, self.count, self.dim)

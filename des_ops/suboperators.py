@@ -437,7 +437,8 @@ class DESFirstLayer(tf.keras.layers.Layer):
         for i in sorted({i for i, _, _ in mine}):
             d = vectors[self._op_inputs[i][0]]
             if isinstance(d, Deferred):
-                out[self.ops[i].table] = lambda keys, d=d: d.member.lookup.at(tf.cast(keys, d.ids.dtype))[d.member.j]
+                out[self.ops[i].table] = lambda keys, d=d: d.member.lookup.at(tf.cast(keys, d.ids.dtype),
+                                                                              d.ids)[d.member.j]
         return out
 
     def _samples_rows(self, flat: dict, batch: tf.Tensor, inputs: dict, vectors: dict) -> dict[int, tf.Tensor]:

@@ -234,8 +234,8 @@ def test_processes_whose_stripe_no_id_reaches_take_part_and_nothing_hangs(kind):
         for r, (_, first) in enumerate(out):
             names = [layer.name for layer in first.owned]
             assert sum(name.startswith(f"des_fused{K + 1}_joined_stripe") for name in names) == int(tfra), (r, names)
-            # by samples a TFRA stripe's process looks up its keys of each slice's distinct ids only, not
-            # the whole batch's (a Keras stripe checks every id against the vocabulary on every process)
+            # by samples a process looks up its keys of each slice's distinct ids only, not the whole
+            # batch's; the Keras model computes its ids (ids * 4): no input to pick its rows by
             assert first.picks_stripe_rows == (tfra and kw["tail"] == "data_parallel"), (kw, r)
         diff = compare(ref, ranks)
         within(f"{kind} empty stripes {kw['tail']} N=4 predictions", diff["predictions"], 1e-6)
@@ -251,6 +251,21 @@ def test_processes_whose_stripe_no_id_reaches_take_part_and_nothing_hangs(kind):
             assert keys == list(range(r, 4 * V, 4)), (kw, r)
             assert r == 0 or all(np.array_equal(snap["tables"][k][key], ref["tables"][k][key])
                                  for k in snap["tables"] for key in keys), (kw, r)
+
+
+def test_an_id_outside_a_striped_keras_tables_vocabulary_stops_every_process_with_its_name():
+    """A Keras table split by key stripe given an id outside [0, V): every process checks every id
+    of the batch (not only its stripe's, which it alone looks up) and stops with the table's name,
+    under both tails, before any collective: none waits for another (N = 3)."""
+    build, base, batches, probe, _ = _setup("keras")
+    x, y = batches[0]
+    ids = np.array(x["ids"])
+    ids[1, 2] = V                       # one id past the table's last row
+    bad = [({**x, "ids": ids}, y)]
+    for kw in ({"tail": "replicated"}, {"tail": "data_parallel", "field_rows": "samples"}):
+        with pytest.raises(RuntimeError, match=r"was given an id outside \[0, ") as e:
+            run_in_process_world(3, build, _fit(bad, probe), init_from=base, **kw)
+        assert "simulated rank" in str(e.value), kw
 
 
 @pytest.mark.parametrize("kind", ["tfra", "keras", "tfra-joined"])

@@ -498,7 +498,7 @@ def _stripe_tables(matches: list[Match], comm: Communicator, from_root: bool) ->
             rows = table.embeddings.numpy()[r::n]
         held = StripeEmbedding(r, n, rows, int(table.input_dim), table=table.name,
                                regularizer=table.embeddings_regularizer, name=f"des_stripe_{table.name}_rank{r}")
-        out[index] = (held, held)
+        out[index] = (held, held.lookup().member(0))
     return out
 
 
