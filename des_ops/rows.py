@@ -373,7 +373,7 @@ class _Exchange:
 
     def forward(self, e: tf.Tensor | None, also_counted=0, picked: dict | None = None) -> tf.Tensor:
         """``also_counted``: bytes of the caller's other collective, counted with these (one count).
-        ``picked`` {lane k of this process: its rows as they travel, [picked_keys()[k], width]}: those
+        ``picked`` {lane k of this process: its rows as they travel, [picked_keys(...)[k], width]}: those
         lanes are sent as given, not picked from ``e`` (None when every lane is picked)."""
         picked = picked or {}
         n, mine = self.comm.world_size, self.lanes[self.comm.rank]
@@ -395,15 +395,16 @@ class _Exchange:
             splits.append(total)
         return self._received(pieces, splits, tf.float32 if e is None else e.dtype, also_counted)
 
-    def picked_keys(self) -> list[tf.Tensor]:
-        """Per lane of this process (keyed): the keys of the rows it sends, each destination's
-        distinct pairs (_Selection) one destination after another; lanes of the same keys get the
-        same tensor."""
+    def picked_keys(self, chosen: list[int]) -> dict[int, tf.Tensor]:
+        """{lane k of this process, for k in ``chosen`` (keyed lanes): the keys of the rows it sends,
+        each destination's distinct pairs (_Selection) one destination after another}; lanes of the
+        same keys get the same tensor."""
         memo: dict = {}
-        for lane in self.lanes[self.comm.rank]:
-            if lane.keys not in memo and lane.keys != (None,):
-                memo[lane.keys] = tf.concat([self.select.keys_at(lane, q) for q in range(self.comm.world_size)], 0)
-        return [memo.get(lane.keys) for lane in self.lanes[self.comm.rank]]
+        mine = self.lanes[self.comm.rank]
+        for k in chosen:
+            if mine[k].keys not in memo:
+                memo[mine[k].keys] = tf.concat([self.select.keys_at(mine[k], q) for q in range(self.comm.world_size)], 0)
+        return {k: memo[mine[k].keys] for k in chosen}
 
     def _received(self, pieces: list, splits: list, dtype, also_counted=0) -> tf.Tensor:
         """Send ``pieces`` (splits[q] floats to process q), and put what came back at this process's samples."""
@@ -591,7 +592,7 @@ def rows_to_samples(comm: Communicator, e: tf.Tensor | None, rank_widths: list[i
         if e is None and len(chosen) != len(mine):
             raise ValueError(f"rows_to_samples: rank {r} has no rows (e=None) for blocks of tables "
                              f"{sorted({lane.apart for lane in mine if lane.apart not in picked})}")
-        sent_keys = exchange.picked_keys()
+        sent_keys = exchange.picked_keys(chosen)
         rows = [tf.reshape(picked[mine[k].apart](sent_keys[k]), [-1, mine[k].width]) for k in chosen]
 
         @tf.custom_gradient
