@@ -575,39 +575,16 @@ def rows_to_samples(comm: Communicator, e: tf.Tensor | None, rank_widths: list[i
     n, r = comm.world_size, comm.rank
     widths = [int(w) for w in rank_widths]
     blocks = blocks if blocks is not None else blocks_of(widths)
-    if e is None and batch is None:
-        raise ValueError("rows_to_samples: without rows (e=None) the batch's size must be given")
+    if e is None and (batch is None or not picked):
+        raise ValueError("rows_to_samples: without rows (e=None), rows picked by key and the batch's size are needed")
     if len(widths) != n or (e is not None and widths[r] != int(e.shape[1])) or \
             [sum(b.width for b in bl) for bl in blocks] != widths:
         raise ValueError(f"rows_to_samples: rank {r} holds rows of width {None if e is None else e.shape[1]}; the "
                          f"plan says widths {widths} for {n} processes")
     keys = KeyIds(keys)
     _check_blocks("rows_to_samples", comm, tf.zeros([0, widths[r]]) if e is None else e, blocks, keys)
-    picked = picked or {}
     if picked:
-        exchange = _Exchange(comm, blocks, keys, tf.cast(batch, tf.int64) if e is None else
-                             tf.shape(e, out_type=tf.int64)[0], name)
-        mine = exchange.lanes[r]
-        chosen = [k for k, lane in enumerate(mine) if lane.apart in picked and lane.keys != (None,)]
-        if e is None and len(chosen) != len(mine):
-            raise ValueError(f"rows_to_samples: rank {r} has no rows (e=None) for blocks of tables "
-                             f"{sorted({lane.apart for lane in mine if lane.apart not in picked})}")
-        sent_keys = exchange.picked_keys(chosen)
-        rows = [tf.reshape(picked[mine[k].apart](sent_keys[k]), [-1, mine[k].width]) for k in chosen]
-
-        @tf.custom_gradient
-        def _picked(a, *args):
-            e_p, sent = (None, args) if e is None else (args[0], args[1:])
-            x = exchange.forward(e_p, picked=dict(zip(chosen, sent)))
-            x = x + a * tf.cast(tf.minimum(tf.shape(x)[0], 0), tf.float32)
-
-            def grad(dx):
-                de, d_sent, back = exchange.backward(dx, picked=chosen)
-                return [tf.reduce_sum(back) * variable_zero(comm)] + ([] if e is None else [de]) + \
-                    [d_sent[k] for k in chosen]
-            return x, grad
-
-        return _picked(anchor, *([] if e is None else [e]), *rows)
+        return _picked_to_samples(comm, e, anchor, name, blocks, keys, picked, batch)
 
     @tf.custom_gradient
     def _to_samples(e_p, a):
@@ -621,6 +598,35 @@ def rows_to_samples(comm: Communicator, e: tf.Tensor | None, rank_widths: list[i
         return x, grad
 
     return _to_samples(e, anchor)
+
+
+def _picked_to_samples(comm: Communicator, e: tf.Tensor | None, anchor: tf.Tensor, name: str,
+                       blocks: list[list[Block]], keys: KeyIds, picked: dict, batch) -> tf.Tensor:
+    """rows_to_samples with ``picked`` lanes: their rows looked up for the keys this process sends."""
+    r = comm.rank
+    exchange = _Exchange(comm, blocks, keys, tf.cast(batch, tf.int64) if e is None else
+                         tf.shape(e, out_type=tf.int64)[0], name)
+    mine = exchange.lanes[r]
+    chosen = [k for k, lane in enumerate(mine) if lane.apart in picked and lane.keys != (None,)]
+    if e is None and len(chosen) != len(mine):
+        raise ValueError(f"rows_to_samples: rank {r} has no rows (e=None) for blocks of tables "
+                         f"{sorted({lane.apart for lane in mine if lane.apart not in picked})}")
+    sent_keys = exchange.picked_keys(chosen)
+    rows = [tf.reshape(picked[mine[k].apart](sent_keys[k]), [-1, mine[k].width]) for k in chosen]
+
+    @tf.custom_gradient
+    def _picked(a, *args):
+        e_p, sent = (None, args) if e is None else (args[0], args[1:])
+        x = exchange.forward(e_p, picked=dict(zip(chosen, sent)))
+        x = x + a * tf.cast(tf.minimum(tf.shape(x)[0], 0), tf.float32)
+
+        def grad(dx):
+            de, d_sent, back = exchange.backward(dx, picked=chosen)
+            return [tf.reduce_sum(back) * variable_zero(comm)] + ([] if e is None else [de]) + \
+                [d_sent[k] for k in chosen]
+        return x, grad
+
+    return _picked(anchor, *([] if e is None else [e]), *rows)
 
 
 def distinct_rows(ids: dict, blocks: list[list[Block]], batch: int, rank: int) -> tuple[int, int]:
