@@ -19,19 +19,13 @@ import numpy as np
 import tensorflow as tf
 
 
-def stripe_lookup(lookup: Callable[[tf.Tensor], tf.Tensor], ids: tf.Tensor, stripe: int, count: int,
-                  dim: int) -> tf.Tensor:
-    """ids.shape + [dim]: ``lookup`` (1-D keys -> [n, dim]) of the keys of stripe ``stripe`` of
-    ``count`` (k mod count == stripe), zeros for every other key. Only those keys are looked up, so
-    only their rows get gradients (a TFRA table creates no row for the others)."""
-    return stripe_lookups(lambda k: [lookup(k)], ids, stripe, count, [dim])[0]
-
-
 def stripe_lookups(lookup: Callable[[tf.Tensor], list], ids: tf.Tensor, stripe: int, count: int,
                    dims: list[int]) -> list[tf.Tensor]:
-    """stripe_lookup of several tables read with the same ids at once: ``lookup`` (1-D keys -> one
-    [n, dims[j]] per table, e.g. a joined table's members) behind one stripe mask, each placed in its
-    own ids.shape + [dims[j]] (no concatenation to split again, forward or backward)."""
+    """ids.shape + [dims[j]] for each of several tables read with the same ids: ``lookup`` (1-D keys ->
+    one [n, dims[j]] per table, e.g. a joined table's members) of the keys of stripe ``stripe`` of
+    ``count`` (k mod count == stripe), behind one stripe mask, zeros for every other key, each table's
+    rows placed on their own (no concatenation to split again, forward or backward). Only those keys
+    are looked up, so only their rows get gradients (a TFRA table creates no row for the others)."""
     flat = tf.reshape(ids, [-1])
     own = tf.where(tf.equal(tf.math.floormod(flat, tf.cast(count, flat.dtype)), tf.cast(stripe, flat.dtype)))
     rows = lookup(tf.gather_nd(flat, own))           # [n, 1] positions: one Where for the lookup and the scatters
@@ -170,6 +164,4 @@ class StripeEmbedding(tf.keras.layers.Layer):
         return StripeLookup(lambda k: [self.rows(k)], self.stripe, self.count, [self.dim], check=self.check)
 
     def call(self, ids):
-        ids = tf.cast(ids, tf.int64)
-        with tf.control_dependencies([self.check(ids)]):
-            return stripe_lookup(self.rows, ids, self.stripe, self.count, self.dim)
+        return self.lookup()(tf.cast(ids, tf.int64))[0]
