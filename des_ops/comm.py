@@ -371,6 +371,7 @@ class InProcessWorld:
     """
 
     def __init__(self, world_size: int, timeout: float = 300.0):
+        _enough_inter_op_threads(world_size)
         self.world_size = world_size
         self._timeout = timeout
         self._published: dict = {}
@@ -456,6 +457,28 @@ class InProcessWorld:
             if not self._cond.wait_for(lambda: n in self._published, timeout=self._timeout):
                 raise TimeoutError(f"rank {rank}: no broadcast {n} from rank {root}")
             return self._published[n].copy()
+
+
+SIMULATED_WORLD_THREADS = 64    # TF inter-op threads the simulated world asks for (tests/conftest.py sets it)
+
+
+def _enough_inter_op_threads(world_size: int) -> None:
+    """Every simulated rank blocks a TF inter-op thread inside each collective it waits in; with
+    the default pool (one thread a core) the ranks that wait can hold every thread while the one
+    they wait for has none left to run on, and the world stalls until its timeout. Ask for
+    SIMULATED_WORLD_THREADS while TF can still take it; once TF has started with fewer, say so
+    now rather than time out later."""
+    need = max(SIMULATED_WORLD_THREADS, 8 * world_size)
+    have = tf.config.threading.get_inter_op_parallelism_threads() or (os.cpu_count() or 1)
+    if have >= need:
+        return
+    try:
+        tf.config.threading.set_inter_op_parallelism_threads(need)
+    except RuntimeError:
+        raise RuntimeError(
+            f"the simulated world of {world_size} ranks needs {need} TensorFlow inter-op threads, and TF "
+            f"started with {have}: call tf.config.threading.set_inter_op_parallelism_threads({need}) "
+            f"before TensorFlow runs anything (each simulated rank blocks a thread in its collectives)") from None
 
 
 class InProcessCommunicator(Communicator):
