@@ -22,6 +22,7 @@ from rewrite_rules.base import Match, Rejection, Rule, check_vectors, register
 class EmbedConcatDenseRule(Rule):
     name = "embed_concat_dense"
     stripes_exact = True          # a striped field's kernel rows: shared by every process, gradients summed
+    stripes_linear = True
 
     def stripes_refusal(self, match):
         if match.data.get("kernel_regularizer") is not None:

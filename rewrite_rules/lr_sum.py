@@ -25,6 +25,7 @@ def _size(shape) -> int:
 class LinearSumRule(Rule):
     name = "lr_sum"
     stripes_exact = True
+    stripes_linear = True
 
     def match(self, graph, fields, node):
         if node.kind == "add":

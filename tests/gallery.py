@@ -253,6 +253,20 @@ def big_field_deepfm():
     return tf.keras.Model(x, tf.sigmoid(linear + _fm_tf_ops(e) + deep))
 
 
+def big_bag_deepfm():
+    """keras_deepfm plus "hist", a bag of 5 ids a sample into tables of 30 V rows (too big for one
+    owner at N > 1 with des.Options(stripe_min_rows=0)), mean-pooled into the first Dense and summed
+    into the linear sum (both linear in it: split by key stripe); FM reads the one-id fields."""
+    x = _ids()
+    hist = tf.keras.Input(shape=(5,), dtype=tf.int64, name="hist")
+    e = L.Concatenate(axis=1)([L.Embedding(V, K)(x[f]) for f in FIELDS])
+    bag = tf.reduce_mean(L.Embedding(30 * V, K)(hist), axis=1)
+    linear = L.Add()([L.Flatten()(L.Embedding(V, 1)(x[f])) for f in FIELDS]
+                     + [tf.reduce_sum(L.Embedding(30 * V, 1)(hist), axis=1)])
+    deep = L.Dense(1)(L.Dense(8, activation="relu")(L.Concatenate()([L.Flatten()(e), bag])))
+    return tf.keras.Model({**x, "hist": hist}, tf.sigmoid(linear + _fm_tf_ops(e) + deep))
+
+
 def deepctr_deepfm_defaults():
     """DeepCTR's DeepFM as its README writes it: 8 fields, vocabulary 500, its default DNN
     (256, 128, 64) and l2_reg_embedding 1e-5 (a weight penalty on every table)."""
@@ -327,6 +341,7 @@ BUILDERS = {
     "dlrm_offsets": dlrm_offsets,
     "tfra_one_table": tfra_one_table,
     "big_field_deepfm": big_field_deepfm,
+    "big_bag_deepfm": big_bag_deepfm,
 }
 
 EXPECTED = {
@@ -360,6 +375,7 @@ EXPECTED = {
     "dlrm_offsets": ["field_rows"] * 2,      # both tables split by key range, one field per range
     "tfra_one_table": ["field_rows"] * 2,    # both tables split by key stripe (N > 1)
     "big_field_deepfm": ["embed_concat_dense", "fm_interaction", "lr_sum"],
+    "big_bag_deepfm": ["embed_concat_dense", "fm_interaction", "lr_sum"],
 }
 
 

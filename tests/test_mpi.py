@@ -37,7 +37,7 @@ HELD_OUT = ["deepctr_dcn", "deepctr_xdeepfm", "deepctr_autoint", "deepctr_pnn", 
 REPEATED = ["gallery:deepctr_deepfm_defaults", "gallery:two_tower", "gallery:shared_table_deepfm", "tail:keras_deepfm",
             "rows:keras_deepfm", "gallery:deepctr_dcn"]
 BATTERY = {2: [f"gallery:{m}" for m in HELD_OUT] + ["samples:deepctr_dcn", "samples:dlrm_offsets"], 3: REPEATED + [f"gallery:{m}" for m in USERS + FIELD_ROWS if f"gallery:{m}" not in REPEATED]
-           + [f"subclassed:{m}" for m in SUBCLASSED] + ["gallery:tfra_one_table", "samples:tfra_one_table:joined", "big:big_field_deepfm", "bigtail:big_field_deepfm"], 4: [],
+           + [f"subclassed:{m}" for m in SUBCLASSED] + ["gallery:tfra_one_table", "samples:tfra_one_table:joined", "big:big_field_deepfm", "bigtail:big_field_deepfm", "big:big_bag_deepfm", "bigtail:big_bag_deepfm"], 4: [],
            5: ["gallery:two_tower", "gallery:shared_table_deepfm", "tail:deepctr_deepfm", "rows:deepctr_deepfm",
                "gallery:deepctr_dcn", "samples:deepctr_dcn", "samples:dlrm_offsets", "psuser:tfra_deepfm", "layerrows:deepctr_deepfm",
                "layerrows:tfra_deepfm:joined"]}
@@ -605,32 +605,34 @@ def test_one_table_split_by_key_stripe_under_mpirun(battery):
 
 @pytest.mark.mpi
 def test_a_big_field_split_by_key_stripe_under_mpirun(battery):
-    """tests/gallery.py big_field_deepfm at N = 3 with des.Options(stripe_min_rows=0): f0 (30 V of
-    33 V rows) is too big for one owner and split by key stripe (des.compiler.big_tables). Its two
-    tables are held by every process, each the keys k mod 3 == its rank; every process holds f0's
-    first-Dense kernel rows whole (their gradients summed). The user's fit (Adam, the tail
-    des.transform picks) and the data-parallel tail (SGD, the first Dense by partials) equal one
-    process, every rank's predictions the same bits."""
-    name, n = "big_field_deepfm", 3
-    ranks = _ranks(battery(n) / "big", name, n)
-    report = ranks[0]["report"]
-    assert "field 'f0': 1,200 rows, more than an even share" in report and \
-        "split by key stripe over 3 processes" in report, report
-    diff = compare(_gallery_reference(name, ranks[0]["initial"]), ranks)
-    print(f"mpirun -np {n} {name} (f0 split by key stripe): {diff}")
-    within("big field N=3 predictions", diff["predictions"], 5e-7)
-    within("big field N=3 rows and weights", max(diff.values()), 1e-5)
-    split = sorted({k for r in ranks for k, rows in r["tables"].items()
-                    if rows and sum(bool(q["tables"].get(k)) for q in ranks) > 1})
-    assert len(split) == 2, split                                   # f0's width-K and 1-wide tables
-    for r, snap in enumerate(ranks):
-        assert np.array_equal(snap["predictions"], ranks[0]["predictions"])
-        assert all(k % n == r for t in split for k in snap["tables"][t]), r
-        assert [k for k in snap["whole"] if "/rows:" in k], snap["whole"]       # f0's kernel rows, on every rank
-    ranks = _ranks(battery(n) / "bigtail", name, n)
-    diff = compare(_tail_reference(name, ranks[0]["initial"]), ranks)
-    print(f"mpirun -np {n} {name} (f0 split, data-parallel tail): {diff}")
-    within("big field data-parallel tail N=3", max(diff.values()), 1e-6)
+    """tests/gallery.py big_field_deepfm and big_bag_deepfm at N = 3 with des.Options(stripe_min_rows=0):
+    f0 (30 V of 33 V rows), and "hist", a bag of 5 ids a sample read by the linear sum and the
+    first Dense only, are too big for one owner and split by key stripe (des.compiler.big_tables).
+    Their two tables are held by every process, each the keys k mod 3 == its rank; every process
+    holds the field's first-Dense kernel rows whole (their gradients summed). The user's fit (Adam,
+    the tail des.transform picks) and the data-parallel tail (SGD, the first Dense by partials)
+    equal one process, every rank's predictions the same bits."""
+    n = 3
+    for name, field in (("big_field_deepfm", "f0"), ("big_bag_deepfm", "hist")):
+        ranks = _ranks(battery(n) / "big", name, n)
+        report = ranks[0]["report"]
+        assert f"field '{field}': 1,200 rows, more than an even share" in report and \
+            "split by key stripe over 3 processes" in report, report
+        diff = compare(_gallery_reference(name, ranks[0]["initial"]), ranks)
+        print(f"mpirun -np {n} {name} ({field} split by key stripe): {diff}")
+        within(f"{name} N=3 predictions", diff["predictions"], 5e-7)
+        within(f"{name} N=3 rows and weights", max(diff.values()), 1e-5)
+        split = sorted({k for r in ranks for k, rows in r["tables"].items()
+                        if rows and sum(bool(q["tables"].get(k)) for q in ranks) > 1})
+        assert len(split) == 2, (name, split)                          # the field's width-K and 1-wide tables
+        for r, snap in enumerate(ranks):
+            assert np.array_equal(snap["predictions"], ranks[0]["predictions"])
+            assert all(k % n == r for t in split for k in snap["tables"][t]), (name, r)
+            assert [k for k in snap["whole"] if "/rows:" in k], (name, snap["whole"])   # its kernel rows, on every rank
+        ranks = _ranks(battery(n) / "bigtail", name, n)
+        diff = compare(_tail_reference(name, ranks[0]["initial"]), ranks)
+        print(f"mpirun -np {n} {name} ({field} split, data-parallel tail): {diff}")
+        within(f"{name} data-parallel tail N=3", max(diff.values()), 1e-6)
 
 
 @pytest.mark.mpi

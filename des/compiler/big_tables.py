@@ -14,9 +14,14 @@ linear sum, field rows, the first Dense). A first Dense holds the field's kernel
 process (``DenseBlockSubOp.shared_block``): each multiplies its stripe's vector by them, and
 their gradients are summed over processes before the update (des_ops.tail.sum_tail_gradients),
 so every copy stays the same; by rows, each process's stripe is a block of its own, times its
-copy. A kernel penalty on that Dense refuses (it would count the shared rows N times). A field read through anything but reshapes and
-poolings after its lookup, or looked up with more than one id a sample, keeps one owner; the
-report says why. A Keras table's L1/L2 penalty, a sum over rows, goes with its stripes (each
+copy. A kernel penalty on that Dense refuses (it would count the shared rows N times).
+
+A field looked up with P > 1 ids a sample (a bag of ids, pooled or not) has several non-zero
+stripes in a sample, so FM's sum of squares would not be exact on them; only the rules linear in
+the field vector (``stripes_linear``: the linear sum, the first Dense) split it, and its rows go
+once per sample, not per distinct id (no one id decides them). A field read through anything but
+reshapes and poolings after its lookup, or by a rule that is not linear with several ids a
+sample, keeps one owner; the report says why. A Keras table's L1/L2 penalty, a sum over rows, goes with its stripes (each
 ``StripeEmbedding`` holds its share; des.compiler.functional takes it into the penalty column).
 
     >>> import des
@@ -48,8 +53,12 @@ def why_not_striped(graph: Graph, fields: FieldAnalysis, match: Match, v: FieldV
     if kind:
         return kind
     ops = table.tensor_operands()
-    if len(ops) != 1 or per_sample(graph, ops[0]) not in ((), (1,)) or not graph.tensors[ops[0]].dtype.is_integer:
-        return f"{table.layer.name!r} does not look up one integer id a sample"
+    ids = per_sample(graph, ops[0]) if len(ops) == 1 else None
+    if ids is None or len(ids) > 1 or not graph.tensors[ops[0]].dtype.is_integer:
+        return f"{table.layer.name!r} does not look up a fixed number of integer ids a sample"
+    if ids not in ((), (1,)) and not rule_named(match.rule).stripes_linear:
+        return (f"{match.rule} at {match.root.layer.name!r} reads its {ids[0]} ids a sample, and only a rule "
+                f"linear in the field vector (the linear sum, the first Dense) is exact on their stripes")
     after = v.chain - fields.cone(table.output)
     odd = sorted({graph.nodes[i].kind for i in after} - AFTER_LOOKUP)
     if odd:
