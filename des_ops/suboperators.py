@@ -230,14 +230,17 @@ class DenseBlockSubOp(SubOperator):
     update (des.compiler.functional gives them to des_ops.tail.sum_tail_gradients), so the copies stay
     equal. Its own fields' rows come first, then the striped ones' (``ordered``), in partials and by
     rows alike: by rows, each process's stripe is a block of its own, multiplied by its own copy of
-    the rows, and the sum over the blocks is the field's product."""
+    the rows, and the sum over the blocks is the field's product. A kernel penalty (L1/L2, a sum over
+    entries) counts the shared rows once: on the process of each field's stripe 0 only
+    (``penalized_shared``: a mask of the shared rows it penalizes), whose penalty gradient the sum
+    of the copies' gradients then holds once."""
     exchange = "partials"
     rank_widths: list[int] = []
     rank_blocks: list = []          # by rows: each process's field vectors (des_ops.rows.Block)
 
     def __init__(self, fields, kernel_block: np.ndarray, widths: list[int], regularizer=None,
                  trainable_block: bool = True, shared_block: np.ndarray | None = None,
-                 shared: list[bool] | None = None, **kwargs):
+                 shared: list[bool] | None = None, penalized_shared: np.ndarray | None = None, **kwargs):
         super().__init__(fields, **kwargs)
         self.width = int(kernel_block.shape[1])
         self.field_widths = list(widths)
@@ -251,11 +254,16 @@ class DenseBlockSubOp(SubOperator):
         self.shared_block = None if shared_block is None else self.add_weight(
             "shared_block", shape=shared_block.shape, trainable=trainable_block,
             initializer=tf.keras.initializers.Constant(shared_block))
+        self.penalized_shared = None if penalized_shared is None or not np.any(penalized_shared) else \
+            np.flatnonzero(penalized_shared)
 
     def regularization(self):
-        if self.regularizer is None or self.kernel_block is None:
+        if self.regularizer is None:
             return None
-        return self.regularizer(self.kernel_block)
+        terms = [] if self.kernel_block is None else [self.regularizer(self.kernel_block)]
+        if self.shared_block is not None and self.penalized_shared is not None:
+            terms.append(self.regularizer(tf.gather(self.shared_block, self.penalized_shared)))
+        return tf.add_n(terms) if terms else None
 
     def ordered(self, vectors: list) -> tuple[list, tf.Tensor | None]:
         """(the owned vectors in ``order``; their kernel rows, or None)."""

@@ -21,14 +21,10 @@ from rewrite_rules.base import Match, Rejection, Rule, check_vectors, register
 @register(priority=40)
 class EmbedConcatDenseRule(Rule):
     name = "embed_concat_dense"
-    stripes_exact = True          # a striped field's kernel rows: shared by every process, gradients summed
+    # a striped field's kernel rows: shared by every process, gradients summed; a kernel penalty
+    # counts them on the process of the field's stripe 0 only
+    stripes_exact = True
     stripes_linear = True
-
-    def stripes_refusal(self, match):
-        if match.data.get("kernel_regularizer") is not None:
-            return (f"{self.name} at {match.root.layer.name!r} reads it with a kernel_regularizer, which would count "
-                    f"the kernel rows every process shares once per process")
-        return None
 
     def match(self, graph, fields, node):
         if node.kind != "dense" or len(node.tensor_operands()) != 1:
@@ -73,12 +69,16 @@ class EmbedConcatDenseRule(Rule):
         striped = {v.tensor for v in owned if v.key_stripe is not None}   # a field too big for one owner: shared rows
         blocks = [rows for p, rows in self.rows(match) if p.vector is not None and id(p.vector) in mine]
         shared = [rows for p, rows in self.rows(match) if p.vector is not None and p.vector.tensor in striped]
+        first = {v.tensor for v in owned if v.key_stripe is not None and v.key_stripe[0] == 0}
+        penalized = [np.full(len(rows), p.vector.tensor in first) for p, rows in self.rows(match)
+                     if p.vector is not None and p.vector.tensor in striped]
         units = int(match.data["kernel"].shape[1])
         block = np.concatenate(blocks) if blocks else np.zeros((0, units), np.float32)
         return DenseBlockSubOp([v.field for v in owned], block, [v.width for v in owned],
                                regularizer=match.data["kernel_regularizer"], trainable_block=match.data["trainable"],
                                shared_block=np.concatenate(shared) if shared else None,
                                shared=[v.key_stripe is not None for v in owned],
+                               penalized_shared=np.concatenate(penalized) if penalized else None,
                                source=match.root.layer.name, name=name)
 
     def finish(self, match, combined, look):

@@ -83,8 +83,8 @@ def _split(model, n: int, min_rows: int = 0):
 def test_which_fields_are_split_and_why_not():
     """f0 (30 V of 32 V rows) is split at N = 3 when read by FM, the linear sum, attention (field
     rows) or a first Dense: its vectors become f0%0..f0%2, one per process, every other field's
-    stay; not when the Dense has a kernel penalty (the report says why), below stripe_min_rows, or
-    on one process; the small fields never."""
+    stay, with a kernel penalty on the Dense too; not below stripe_min_rows, or on one process; the
+    small fields never."""
     for reader in ("fm", "attention", "deepfm"):
         matches, notes = _split(big_field_model(reader=reader), 3)
         fields = {v.field for m in matches for v in m.vectors}
@@ -93,15 +93,16 @@ def test_which_fields_are_split_and_why_not():
         assert len(notes) == 1 and notes[0].startswith(f"field 'f0': {BIG:,} rows") and \
             "split by key stripe over 3 processes" in notes[0], notes
     matches, notes = _split(big_field_model(reader="deepfm", penalty=True), 3)
-    assert not any("%" in v.field for m in matches for v in m.vectors)
-    assert "kept whole by one owner, since embed_concat_dense at" in notes[0] and "kernel_regularizer" in notes[0], notes
+    assert {v.field for m in matches for v in m.vectors} == {"f0%0", "f0%1", "f0%2", "f1", "f2"}
+    assert "counts them once, on the process of stripe 0" in notes[0], notes
     assert _split(big_field_model(), 3, min_rows=BIG + 1)[1] == []
     assert _split(big_field_model(), 1)[1] == []
     assert _split(big_field_model(), 3, min_rows=None)[1] == []
 
 
 def _setup(kind: str, reader: str, scale: int = 1, steps: int = 5, batch: int = 31, in_model: bool = True):
-    build = lambda: big_field_model(kind, reader, scale, in_model)  # noqa: E731
+    penalty = reader == "deepfm-penalty"
+    build = lambda: big_field_model(kind, reader.removesuffix("-penalty"), scale, in_model, penalty)  # noqa: E731
     tf.keras.utils.set_random_seed(0)
     base = build()
     des.make_keyed(base, seed=0)
@@ -123,17 +124,18 @@ def _split_tables(ranks: list[dict]) -> list[str]:
 
 
 @pytest.mark.parametrize("kind,reader", [("keras", "fm"), ("tfra", "fm"), ("keras", "attention"),
-                                         ("tfra", "attention"), ("keras", "deepfm"), ("tfra", "deepfm")])
+                                         ("tfra", "attention"), ("keras", "deepfm"), ("tfra", "deepfm"),
+                                         ("keras", "deepfm-penalty")])
 def test_a_big_field_split_by_key_stripe_equals_one_process(kind, reader):
     """At N = 3 under the replicated tail and the data-parallel tail (field rows by samples, keyed
-    ``f0@r/3``; DeepFM also with its first Dense by rows), 6 Adam steps of 31 and a last of 2 (processes with no sample): the predictions,
+    ``f0@r/3``; DeepFM, with and without an L2 kernel penalty on its first Dense, also by rows), 6 Adam steps of 31 and a last of 2 (processes with no sample): the predictions,
     every row and weight equal one process's (ADAM_STATE: rows after Adam under the data-parallel tail); f0's two tables, and no other, are held by several
     processes, each process only their keys k mod 3 == rank, every key by one (verify.compare)."""
     build, base, batches, probe, reference = _setup(kind, reader)
     batches = [(x, y) for x, y in batches]
     ref = _fit(batches, probe)(reference)
     tails = [{"tail": "replicated"}, {"tail": "data_parallel", "field_rows": "samples"}]
-    if reader == "deepfm":          # the first Dense by rows: each process's stripe a block of its own
+    if reader.startswith("deepfm"):          # the first Dense by rows: each process's stripe a block of its own
         tails.append({"tail": "data_parallel", "first_dense": "rows"})
     for kw in tails:
         tail = kw["tail"] + ("" if kw.get("first_dense") != "rows" else " first Dense by rows")
@@ -143,6 +145,8 @@ def test_a_big_field_split_by_key_stripe_equals_one_process(kind, reader):
         within(f"{kind} {reader} big field {tail} N=3 predictions", diff["predictions"], 1e-6)
         within(f"{kind} {reader} big field {tail} N=3 rows and weights",
                max(diff["tables"], diff["owned"], diff["weights"]), 1e-6 if kw["tail"] == "replicated" else ADAM_STATE)
+        within(f"{kind} {reader} big field {tail} N=3 loss (penalties included)",
+               max(abs(r["loss"] - ref["loss"]) for r in ranks), 1e-6)
         split = _split_tables(ranks)
         assert len(split) == 2, (tail, split)              # f0's width-K and 1-wide tables, no other
         for table in split:
@@ -194,7 +198,7 @@ def test_the_report_says_which_fields_are_too_big_and_where_their_rows_go():
     """The report of a split: the field's line (rows, the share, the stripes), each of its tables'
     line, its stripes' owners and exchange; with a first Dense reading it, its shared kernel rows
     (by rows: each process's stripe a block keyed ``f0@r/3``), and with a kernel penalty on that
-    Dense, why it stays whole."""
+    Dense, where the shared rows' penalty is counted."""
     n = 3
     x = {k: np.asarray(v) for k, v in sliced_batches(big_field_model(), 64, 64)[0][0][0].items()}
     _, report = des.transform(big_field_model(reader="attention"),
@@ -206,7 +210,8 @@ def test_the_report_says_which_fields_are_too_big_and_where_their_rows_go():
     assert "f0%1 (rank 1; " in text, text
     _, report = des.transform(big_field_model(reader="deepfm", penalty=True), des.Options(stripe_min_rows=0),
                               comm=InProcessWorld(n).communicator(0))
-    assert "kept whole by one owner, since embed_concat_dense at" in str(report), str(report)
+    assert "the kernel penalty of 'dense" in str(report) and "counts them once, on the process of stripe 0" in \
+        str(report), str(report)
     _, report = des.transform(big_field_model(reader="deepfm"), des.Options(stripe_min_rows=0),
                               comm=InProcessWorld(n).communicator(0))
     assert "every process holds its rows of the kernel of 'dense" in str(report), str(report)

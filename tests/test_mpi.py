@@ -607,7 +607,8 @@ def test_one_table_split_by_key_stripe_under_mpirun(battery):
 def test_a_big_field_split_by_key_stripe_under_mpirun(battery):
     """tests/gallery.py big_field_deepfm and big_bag_deepfm at N = 3 with des.Options(stripe_min_rows=0):
     f0 (30 V of 33 V rows), and "hist", a bag of 5 ids a sample read by the linear sum and the
-    first Dense only, are too big for one owner and split by key stripe (des.compiler.big_tables).
+    first Dense only (with an L2 kernel penalty), are too big for one owner and split by key stripe
+    (des.compiler.big_tables).
     Their two tables are held by every process, each the keys k mod 3 == its rank; every process
     holds the field's first-Dense kernel rows whole (their gradients summed). The user's fit (Adam,
     the tail des.transform picks) and the data-parallel tail (SGD, the first Dense by partials)

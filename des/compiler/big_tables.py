@@ -14,7 +14,8 @@ linear sum, field rows, the first Dense). A first Dense holds the field's kernel
 process (``DenseBlockSubOp.shared_block``): each multiplies its stripe's vector by them, and
 their gradients are summed over processes before the update (des_ops.tail.sum_tail_gradients),
 so every copy stays the same; by rows, each process's stripe is a block of its own, times its
-copy. A kernel penalty on that Dense refuses (it would count the shared rows N times).
+copy. A kernel penalty (L1/L2) on that Dense counts the shared rows once, on the process of the
+field's stripe 0 (``DenseBlockSubOp.penalized_shared``), in the penalty the step sums over processes.
 
 A field looked up with P > 1 ids a sample (a bag of ids, pooled or not) has several non-zero
 stripes in a sample, so FM's sum of squares would not be exact on them; only the rules linear in
@@ -92,10 +93,13 @@ def split_big_fields(graph: Graph, fields: FieldAnalysis, matches: list[Match], 
         split.add(f)
         tables = sorted({v.table.layer.name for _, v in by_field[f]})
         dense = sorted({m.root.layer.name for m, _ in by_field[f] if "parts" in m.data})
+        penalized = sorted({m.root.layer.name for m, _ in by_field[f] if m.data.get("kernel_regularizer") is not None})
         notes.append(f"{head}: {', '.join(tables)} split by key stripe over {world_size} processes (process r holds "
                      f"the keys k mod {world_size} == r and looks up only those)"
                      + (f"; every process holds its rows of the kernel of {', '.join(repr(d) for d in dense)}, their "
-                        f"gradients summed each step" if dense else ""))
+                        f"gradients summed each step" if dense else "")
+                     + (f"; the kernel penalty of {', '.join(repr(d) for d in penalized)} counts them once, on "
+                        f"the process of stripe 0" if penalized else ""))
     if not split:
         return matches, notes
     out = []
