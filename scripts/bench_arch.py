@@ -93,10 +93,12 @@ def header(a) -> list[str]:
              f"this machine ({platform.node()}, {os.cpu_count()} shared cores, {platform.machine()}; N processes "
              f"oversubscribe them, one TF thread each)")
     return [f"# DCN-v2, AutoInt and DLRM: DES vs TFRA's all-to-all embedding vs replicated tables "
-            f"({a.preset} synthetic data, {a.rows} rows)", "",
+            f"({a.preset} synthetic data, {a.rows} rows" + (", read from a columnar copy by every system" if a.columnar
+                                                             else "") + ")", "",
             f"`scripts/bench_arch.py --preset {a.preset} --rows {a.rows} --batch {a.batch} --steps {a.steps} --repeats {a.repeats} "
             f"--configs '{a.configs}' --archs {a.archs} --systems {a.systems} --vocab {a.vocab} --check-steps "
             f"{a.check_steps}" + (f" --netbed {a.netbed} --cpus {a.cpus}" if a.netbed else "")
+            + (" --columnar" if a.columnar else "")
             + f"`, {time.strftime('%Y-%m-%d %H:%M')}, {where}. Global batch {a.batch}, dim {a.dim}, the 39 sparse "
             f"fields; median over launches of each launch's median step (the first excluded); launches go "
             f"round-robin over the systems. CPU: mean over a launch's processes. Rows: table rows a process "
@@ -150,11 +152,17 @@ def main():
     ap.add_argument("--check-steps", type=int, default=4, help="des at N = 1 vs N = 2 after these steps (0: skip)")
     ap.add_argument("--netbed", default=None, metavar="RATE", help="run on the emulated cluster at this rate")
     ap.add_argument("--cpus", default="share", help="--netbed: each host's CPU budget")
+    ap.add_argument("--columnar", action="store_true",
+                    help="every system reads a columnar copy (des.data.convert) instead of the text, which des "
+                         "parses whole on every process and tfra a share on each")
     a = ap.parse_args()
     archs, chosen = a.archs.split(","), a.systems.split(",")
     if set(archs) - set(ARCHS) or set(chosen) - set(SYSTEMS):
         raise SystemExit(f"--archs of {','.join(ARCHS)}, --systems of {','.join(SYSTEMS)}")
     data, _, tmp = preset_data(a.preset, a.rows, "arch_runs")
+    if a.columnar:
+        from des.jobs.compare import ensure_columnar
+        data, _ = ensure_columnar([data], "criteo", None, json.load(open(data + ".meta.json")))
     lines, notes = header(a), []
     print("\n".join(lines), flush=True)
     if a.check_steps:
