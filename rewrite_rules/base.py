@@ -65,8 +65,9 @@ class Rule:
     # True: exact when a field vector it reads is split into key stripes (one id a sample: the sum over
     # processes of the stripes' vectors is the vector, and exactly one of them is non-zero; des.compiler.big_tables)
     stripes_exact = False
-    # True: linear in each field vector it reads (a sum, a matrix product), so also exact for a field
-    # looked up with several ids a sample, whose stripes' vectors sum to the vector but may all be non-zero
+    # True: linear in each field vector it reads (a sum, a matrix product) and built for it, so also exact
+    # for a field looked up with several ids a sample, whose stripes' vectors sum to the vector but may
+    # all be non-zero (field rows, linear too, keys its exchange by one id a sample: False)
     stripes_linear = False
 
     def stripes_refusal(self, match: Match) -> str | None:

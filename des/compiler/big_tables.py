@@ -58,8 +58,8 @@ def why_not_striped(graph: Graph, fields: FieldAnalysis, match: Match, v: FieldV
     if ids is None or len(ids) > 1 or not graph.tensors[ops[0]].dtype.is_integer:
         return f"{table.layer.name!r} does not look up a fixed number of integer ids a sample"
     if ids not in ((), (1,)) and not rule_named(match.rule).stripes_linear:
-        return (f"{match.rule} at {match.root.layer.name!r} reads its {ids[0]} ids a sample, and only a rule "
-                f"linear in the field vector (the linear sum, the first Dense) is exact on their stripes")
+        return (f"{match.rule} at {match.root.layer.name!r} reads its {ids[0]} ids a sample, and a field of several "
+                f"ids a sample is split only where the linear sum or a first Dense alone reads it")
     after = v.chain - fields.cone(table.output)
     odd = sorted({graph.nodes[i].kind for i in after} - AFTER_LOOKUP)
     if odd:
