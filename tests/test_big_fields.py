@@ -101,8 +101,12 @@ def test_which_fields_are_split_and_why_not():
 
 
 def _setup(kind: str, reader: str, scale: int = 1, steps: int = 5, batch: int = 31, in_model: bool = True):
-    penalty = reader == "deepfm-penalty"
+    """``reader`` "bag": bag_field_model with an L2 kernel penalty on its first Dense; "deepfm-penalty":
+    big_field_model's DeepFM with one."""
+    penalty = reader.endswith("-penalty")
     build = lambda: big_field_model(kind, reader.removesuffix("-penalty"), scale, in_model, penalty)  # noqa: E731
+    if reader == "bag":
+        build = lambda: bag_field_model(kind, penalty=True)  # noqa: E731
     tf.keras.utils.set_random_seed(0)
     base = build()
     des.make_keyed(base, seed=0)
@@ -303,9 +307,10 @@ def test_processes_whose_stripe_no_id_reaches_take_part_and_nothing_hangs():
                    1e-6 if kw["tail"] == "replicated" else ADAM_STATE, case=where)
 
 
-@pytest.mark.parametrize("kind,reader", [("tfra", "deepfm"), ("keras", "fm")])
+@pytest.mark.parametrize("kind,reader", [("tfra", "deepfm"), ("keras", "fm"), ("keras", "bag")])
 def test_a_big_field_checkpoints_resumes_on_another_n_and_one_process_and_exports(tmp_path, kind, reader):
-    """3 processes train 3 of 6 Adam steps with f0 split, checkpoint, model.save and des.export;
+    """3 processes train 3 of 6 Adam steps with f0 (bag: "history", a bag of BAG ids, under a first
+    Dense with a kernel penalty) split, checkpoint, model.save and des.export;
     the save and the export predict what the DES model does, and the checkpoint resumed on 2
     processes (f0 split over 2) and in the untouched model on one process ends where the
     uninterrupted one-process model does. DeepFM: f0's first-Dense kernel rows, which every
@@ -315,8 +320,10 @@ def test_a_big_field_checkpoints_resumes_on_another_n_and_one_process_and_export
     batches = batches[:6]
     want = trained(untouched_adam(build, base), batches, probe)
     ckpt = str(tmp_path / "ckpt")
-    options = des.Options(stripe_min_rows=0)
-    w, ms = adam_world(3, build, base, options=options, spec=SPEC)
+    options, spec, field = des.Options(stripe_min_rows=0), SPEC, "f0"
+    if reader == "bag":
+        spec, field = BAG_SPEC, "history"
+    w, ms = adam_world(3, build, base, options=options, spec=spec)
     from des.jobs.verify import _on_every_rank
 
     def first_half(r):
@@ -324,12 +331,13 @@ def test_a_big_field_checkpoints_resumes_on_another_n_and_one_process_and_export
         save_three_ways(ms[r], str(tmp_path))
         return got
     got = _on_every_rank(w, first_half)
-    assert all("%" in f for f in des.distributed(ms[0]).plan.owner if f.startswith("f0"))
+    owners = des.distributed(ms[0]).plan.owner
+    assert sorted(f for f in owners if f.startswith(field)) == [f"{field}%{r}" for r in range(3)], owners
     loaded = tf.keras.models.load_model(str(tmp_path / "saved"), compile=False)
-    within(f"{kind} big field save", np.abs(np.asarray(loaded.predict_on_batch(probe)) - got[0]).max(), 1e-6)
-    within(f"{kind} big field export", np.abs(served(str(tmp_path / "served"), probe) - got[0].ravel()).max(), 1e-6)
+    within(f"{kind} {reader} big field save", np.abs(np.asarray(loaded.predict_on_batch(probe)) - got[0]).max(), 1e-6)
+    within(f"{kind} {reader} big field export", np.abs(served(str(tmp_path / "served"), probe) - got[0].ravel()).max(), 1e-6)
     from des.runtime import checkpoint
-    w2, ms2 = adam_world(2, build, base, options=options, spec=SPEC)
+    w2, ms2 = adam_world(2, build, base, options=options, spec=spec)
 
     def second_half(r):
         checkpoint.restore(ckpt, ms2[r], ms2[r].optimizer)
@@ -338,19 +346,21 @@ def test_a_big_field_checkpoints_resumes_on_another_n_and_one_process_and_export
     one = untouched_adam(build, base)
     checkpoint.restore(ckpt, one, one.optimizer)
     resumed.append(trained(one, batches[3:], probe))
-    within(f"{kind} big field: checkpoint of 3 resumed on 2 and on one process",
+    within(f"{kind} {reader} big field: checkpoint of 3 resumed on 2 and on one process",
            max(float(np.abs(p - want).max()) for p in resumed), 2e-6)
 
 
 BAG = 5       # ids a sample of the "history" field
+BAG_SPEC = FeatureSpec((Field("history", dim=K, cardinality=BIG), Field("f1", dim=K, cardinality=V),
+                        Field("f2", dim=K, cardinality=V)))
 
 
-def bag_field_model(kind: str = "keras", reader: str = "deep"):
+def bag_field_model(kind: str = "keras", reader: str = "deep", penalty: bool = False):
     """A field looked up with BAG ids a sample ("history", [B, BAG], a table of BIG rows) mean-pooled
     beside two one-id fields; its 1-wide weights summed over the bag into the linear sum. ``reader``
     "deep": a first Dense over the concatenation (the rules linear in the field vector), "fm": FM
     over the three vectors' stack too. ``kind`` "tfra": the history tables are TFRA ones declared
-    with BIG rows (init_capacity)."""
+    with BIG rows (init_capacity). ``penalty``: an L2 kernel penalty on the first Dense."""
     history = tf.keras.Input(shape=(BAG,), dtype=tf.int64, name="history")
     ones = [tf.keras.Input(shape=(1,), dtype=tf.int64, name=f) for f in ("f1", "f2")]
     if kind == "keras":
@@ -364,7 +374,8 @@ def bag_field_model(kind: str = "keras", reader: str = "deep"):
     emb = [L.Flatten()(L.Embedding(V, K, name=f"e_{f}_{next(_names)}")(i)) for f, i in zip(("f1", "f2"), ones)]
     weights = [L.Flatten()(L.Embedding(V, 1, name=f"w_{f}_{next(_names)}")(i)) for f, i in zip(("f1", "f2"), ones)]
     linear = tf.reduce_sum(L.Concatenate()([tf.reduce_sum(w_bag, axis=1), *weights]), axis=1, keepdims=True)
-    top = L.Dense(1)(L.Dense(8, activation="relu")(L.Concatenate()([pooled, *emb])))
+    top = L.Dense(1)(L.Dense(8, activation="relu", kernel_regularizer="l2" if penalty else None)(
+        L.Concatenate()([pooled, *emb])))
     if reader == "fm":
         stack = tf.stack([pooled, *emb], axis=1)
         s = tf.reduce_sum(stack, axis=1)
@@ -395,8 +406,7 @@ def test_a_big_field_of_several_ids_a_sample_is_split_where_its_readers_are_line
     ref = _fit(batches, probe)(reference)
     history = sorted(k for k, (layer, _) in state_keys(reference).tables.items() if "_hist_" in layer.name)
     assert len(history) == 2, history
-    spec = FeatureSpec((Field("history", dim=K, cardinality=BIG), Field("f1", dim=K, cardinality=V),
-                        Field("f2", dim=K, cardinality=V)))
+    spec = BAG_SPEC
     for kw in ({"tail": "replicated"}, {"tail": "data_parallel", "first_dense": "rows"}):
         ranks = run_in_process_world(3, build, _fit(batches, probe), init_from=base, spec=spec, stripe_min_rows=0,
                                      **kw)
