@@ -73,11 +73,11 @@ def big_field_model(kind: str = "keras", reader: str = "fm", scale: int = 1, in_
 SPEC = FeatureSpec(tuple(Field(f, dim=K, cardinality=n) for f, n in SIZES.items()))
 
 
-def _split(model, n: int, min_rows: int = 0):
+def _split(model, n: int, min_rows: int = 0, rows: dict = SIZES):
     g = Graph(model)
     fa = FieldAnalysis(g)
     matches, _ = find_substitutions(g, fa, stripes=n)
-    return split_big_fields(g, fa, matches, n, min_rows, SIZES)
+    return split_big_fields(g, fa, matches, n, min_rows, rows)
 
 
 def test_which_fields_are_split_and_why_not():
@@ -107,6 +107,13 @@ def _setup(kind: str, reader: str, scale: int = 1, steps: int = 5, batch: int = 
     build = lambda: big_field_model(kind, reader.removesuffix("-penalty"), scale, in_model, penalty)  # noqa: E731
     if reader == "bag":
         build = lambda: bag_field_model(kind, penalty=True)  # noqa: E731
+    return (build, *_prepared(build, steps, batch))
+
+
+def _prepared(build, steps: int = 5, batch: int = 31):
+    """(base, batches, probe, reference) of ``build``: a seeded model whose TFRA tables make their
+    new rows as DES does, ``steps`` batches of ``batch`` rows and a last of 2, a probe batch, and a
+    copy of the model to train on one process."""
     tf.keras.utils.set_random_seed(0)
     base = build()
     des.make_keyed(base, seed=0)
@@ -114,7 +121,15 @@ def _setup(kind: str, reader: str, scale: int = 1, steps: int = 5, batch: int = 
     reference = build()
     copy_state(base, reference)
     des.make_keyed(reference, seed=0)
-    return build, base, batches, probe, reference
+    return base, batches, probe, reference
+
+
+def _held_by_stripes(ranks: list[dict], ref: dict, table: str, n: int = 3) -> None:
+    """Every key of ``table`` that one process holds (``ref``) is held by process k mod n only."""
+    held = [sorted(r["tables"].get(table, {})) for r in ranks]
+    assert sorted(k for h in held for k in h) == sorted(ref["tables"][table]), table
+    for r, keys in enumerate(held):
+        assert keys and all(k % n == r for k in keys), (table, r, keys)
 
 
 def _fit(batches, probe):
@@ -154,10 +169,7 @@ def test_a_big_field_split_by_key_stripe_equals_one_process(kind, reader):
         split = _split_tables(ranks)
         assert len(split) == 2, (tail, split)              # f0's width-K and 1-wide tables, no other
         for table in split:
-            held = [sorted(r["tables"].get(table, {})) for r in ranks]
-            assert sorted(k for h in held for k in h) == sorted(ref["tables"][table]), (tail, table)
-            for r, keys in enumerate(held):
-                assert keys and all(k % 3 == r for k in keys), (tail, table, r, keys)
+            _held_by_stripes(ranks, ref, table)
 
 
 def test_a_tfra_table_declared_big_by_its_init_capacity_is_split_with_the_defaults():
@@ -169,10 +181,7 @@ def test_a_tfra_table_declared_big_by_its_init_capacity_is_split_with_the_defaul
     under the data-parallel tail); declared with none, f0 keeps one owner."""
     capacity = 2_000_000
     build = lambda: big_field_model("tfra", "fm", capacity=capacity)  # noqa: E731
-    tf.keras.utils.set_random_seed(0)
-    base = build()
-    des.make_keyed(base, seed=0)
-    batches, probe = sliced_batches(base, 5 * 31 + 2, 31)
+    base, batches, probe, reference = _prepared(build)
     sample = {k: np.asarray(v) for k, v in batches[0][0].items()}
     for declared in (capacity, 0):
         _, report = des.transform(big_field_model("tfra", "fm", capacity=declared),
@@ -181,9 +190,6 @@ def test_a_tfra_table_declared_big_by_its_init_capacity_is_split_with_the_defaul
         said = f"field 'f0': {capacity:,} rows, more than an even share" in text and \
             "split by key stripe over 3 processes" in text
         assert said == bool(declared), text
-    reference = build()
-    copy_state(base, reference)
-    des.make_keyed(reference, seed=0)
     ref = _fit(batches, probe)(reference)
     for kw in ({"tail": "replicated"}, {"tail": "data_parallel", "field_rows": "samples"}):
         ranks = run_in_process_world(3, build, _fit(batches, probe), init_from=base, sample=sample, **kw)
@@ -194,8 +200,7 @@ def test_a_tfra_table_declared_big_by_its_init_capacity_is_split_with_the_defaul
         split = _split_tables(ranks)
         assert len(split) == 2, (kw, split)              # f0's TFRA table and its 1-wide weight table
         for table in split:
-            held = [sorted(r["tables"].get(table, {})) for r in ranks]
-            assert all(keys and all(k % 3 == r for k in keys) for r, keys in enumerate(held)), (kw, table)
+            _held_by_stripes(ranks, ref, table)
 
 
 def test_the_report_says_which_fields_are_too_big_and_where_their_rows_go():
@@ -392,24 +397,17 @@ def test_a_big_field_of_several_ids_a_sample_is_split_where_its_readers_are_line
     per sample: no one id decides them), 6 Adam steps of 31 and a last of 2: equal to one process,
     each key of both history tables held by its stripe's process only. Read by FM as well, whose
     sum of squares would not be exact on such stripes, it keeps one owner and the report says why."""
-    _, notes = split_big_fields(*_graph_fields(bag_field_model(kind, "fm")), 3, 0, {"history": BIG, "f1": V, "f2": V})
+    _, notes = _split(bag_field_model(kind, "fm"), 3, rows={"history": BIG, "f1": V, "f2": V})
     assert len(notes) == 1 and "kept whole by one owner, since fm_interaction" in notes[0] and \
         f"reads its {BAG} ids a sample" in notes[0], notes
     build = lambda: bag_field_model(kind)  # noqa: E731
-    tf.keras.utils.set_random_seed(0)
-    base = build()
-    des.make_keyed(base, seed=0)
-    batches, probe = sliced_batches(base, 5 * 31 + 2, 31)
-    reference = build()
-    copy_state(base, reference)
-    des.make_keyed(reference, seed=0)
+    base, batches, probe, reference = _prepared(build)
     ref = _fit(batches, probe)(reference)
     history = sorted(k for k, (layer, _) in state_keys(reference).tables.items() if "_hist_" in layer.name)
     assert len(history) == 2, history
-    spec = BAG_SPEC
     for kw in ({"tail": "replicated"}, {"tail": "data_parallel", "first_dense": "rows"}):
-        ranks = run_in_process_world(3, build, _fit(batches, probe), init_from=base, spec=spec, stripe_min_rows=0,
-                                     **kw)
+        ranks = run_in_process_world(3, build, _fit(batches, probe), init_from=base, spec=BAG_SPEC,
+                                     stripe_min_rows=0, **kw)
         diff = compare(ref, ranks)
         within(f"{kind} bag field {kw['tail']} N=3 predictions", diff["predictions"], 1e-6)
         within(f"{kind} bag field {kw['tail']} N=3 rows and weights",
@@ -417,12 +415,4 @@ def test_a_big_field_of_several_ids_a_sample_is_split_where_its_readers_are_line
         split = _split_tables(ranks)
         assert split == history, (kw, split)
         for table in split:
-            held = [sorted(r["tables"].get(table, {})) for r in ranks]
-            assert sorted(k for h in held for k in h) == sorted(ref["tables"][table]), (kw, table)
-            assert all(keys and all(k % 3 == r for k in keys) for r, keys in enumerate(held)), (kw, table)
-
-
-def _graph_fields(model):
-    g = Graph(model)
-    fa = FieldAnalysis(g)
-    return g, fa, find_substitutions(g, fa, stripes=3)[0]
+            _held_by_stripes(ranks, ref, table)
