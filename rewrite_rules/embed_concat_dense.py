@@ -67,11 +67,11 @@ class EmbedConcatDenseRule(Rule):
     def sub_operator(self, match, owned, name):
         mine = {id(v) for v in owned}
         striped = {v.tensor for v in owned if v.key_stripe is not None}   # a field too big for one owner: shared rows
-        blocks = [rows for p, rows in self.rows(match) if p.vector is not None and id(p.vector) in mine]
-        shared = [rows for p, rows in self.rows(match) if p.vector is not None and p.vector.tensor in striped]
-        first = {v.tensor for v in owned if v.key_stripe is not None and v.key_stripe[0] == 0}
-        penalized = [np.full(len(rows), p.vector.tensor in first) for p, rows in self.rows(match)
-                     if p.vector is not None and p.vector.tensor in striped]
+        first = {v.tensor for v in owned if v.key_stripe is not None and v.key_stripe[0] == 0}   # penalized here
+        fields = [(p.vector, rows) for p, rows in self.rows(match) if p.vector is not None]
+        blocks = [rows for v, rows in fields if id(v) in mine]
+        shared = [rows for v, rows in fields if v.tensor in striped]
+        penalized = [np.full(len(rows), v.tensor in first) for v, rows in fields if v.tensor in striped]
         units = int(match.data["kernel"].shape[1])
         block = np.concatenate(blocks) if blocks else np.zeros((0, units), np.float32)
         return DenseBlockSubOp([v.field for v in owned], block, [v.width for v in owned],

@@ -159,10 +159,7 @@ def main():
     archs, chosen = a.archs.split(","), a.systems.split(",")
     if set(archs) - set(ARCHS) or set(chosen) - set(SYSTEMS):
         raise SystemExit(f"--archs of {','.join(ARCHS)}, --systems of {','.join(SYSTEMS)}")
-    data, _, tmp = preset_data(a.preset, a.rows, "arch_runs")
-    if a.columnar:
-        from des.jobs.compare import ensure_columnar
-        data, _ = ensure_columnar([data], "criteo", None, json.load(open(data + ".meta.json")))
+    data, _, tmp = preset_data(a.preset, a.rows, "arch_runs", columnar=a.columnar)
     lines, notes = header(a), []
     print("\n".join(lines), flush=True)
     if a.check_steps:

@@ -65,16 +65,20 @@ def synth_data(rows: int, preset: str = "criteo-like") -> str:
     return data
 
 
-def preset_data(preset: str, rows: int, runs: str) -> tuple[str, tuple, str]:
+def preset_data(preset: str, rows: int, runs: str, columnar: bool = False) -> tuple[str, tuple, str]:
     """(data, des.train's reader arguments, a folder for the runs' summaries) of a benchmark:
-    criteo-like text in a new temporary folder, or the wide preset's columnar copy (written once
-    under reports/compare/data; a text parser reading the global batch would decide DES's speed
-    there), its summaries under reports/compare/``runs``."""
-    if preset != "wide":
-        data = synth_data(rows, preset)
-        return data, (), os.path.dirname(data)
+    criteo-like text in a new temporary folder (``columnar``: and its columnar copy beside it,
+    which every system then reads), or the wide preset's columnar copy (written once under
+    reports/compare/data; a text parser reading the global batch would decide DES's speed there),
+    its summaries under reports/compare/``runs``."""
     sys.path.insert(0, ROOT)
     from des.jobs.compare import ensure_columnar, ensure_data
+    if preset != "wide":
+        data = synth_data(rows, preset)
+        if not columnar:
+            return data, (), os.path.dirname(data)
+        cols, _ = ensure_columnar([data], "criteo", None, json.load(open(data + ".meta.json")))
+        return cols, ("--format", "columnar"), os.path.dirname(data)
     text = ensure_data("wide", rows, 0, os.path.join(ROOT, "reports", "compare", "data"))
     data, _ = ensure_columnar([text], "libffm", None, json.load(open(text + ".meta.json")))
     tmp = os.path.join(ROOT, "reports", "compare", runs)

@@ -123,11 +123,7 @@ def main():
     if "tfra" not in chosen or set(chosen) - set(SYSTEMS):
         raise SystemExit(f"--systems {a.systems}: a comma-separated subset of {','.join(SYSTEMS)} with tfra")
     models = checked_models(a, chosen)
-    data, reader, tmp = preset_data(a.preset, a.rows, "peer_runs")
-    if a.columnar and a.preset != "wide":
-        from des.jobs.compare import ensure_columnar
-        data, _ = ensure_columnar([data], "criteo", None, json.load(open(data + ".meta.json")))
-        reader = ("--format", "columnar")
+    data, reader, tmp = preset_data(a.preset, a.rows, "peer_runs", columnar=a.columnar)
     where = (f"the netbed (des.netbed: one host per process at {a.netbed}, CPU budget {a.cpus} each; "
              f"wire = bytes a host sent on its interface per step, median, rank 0's host)" if a.netbed else
              "this machine (2 shared cores; N processes oversubscribe them, one TF thread each)")
