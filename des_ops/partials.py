@@ -6,6 +6,12 @@ For embeddings v_f of the fields F_p that process p owns:
     fm:      S_p = sum_f v_f,  Q_p = sum_f sum_k v_fk^2        -> combine: 0.5 * (sum_k (sum_p S_p)_k^2 - sum_p Q_p)
     bi:      S_p = sum_f v_f,  Q_p = sum_f v_f^2 (per k)        -> combine: 0.5 * ((sum_p S_p)^2 - sum_p Q_p)
     dense:   E_p W_p  (W_p = rows of W for F_p)                -> combine: act(sum_p E_p W_p + b)
+
+A field split by key stripe with several ids a sample (des.compiler.big_tables) has several
+non-zero stripes v_f^p in a sample, and sum_p |v_f^p|^2 is not |v_f|^2. FM and bi carry such a
+field's stripe as T_p = v_f^p beside S_p, not in Q_p, and square it after the sum:
+
+    fm:      ... -> combine: 0.5 * (sum_k (sum_p S_p)_k^2 - (sum_p Q_p + sum_k (sum_p T_p)_k^2))
 """
 from __future__ import annotations
 
@@ -49,19 +55,35 @@ def linear_partial(embs: list[tf.Tensor], batch: tf.Tensor) -> tf.Tensor:
     return tf.add_n(embs) if embs else zeros(batch, 1)
 
 
-def fm_partial(embs: list[tf.Tensor], batch: tf.Tensor, k: int) -> tf.Tensor:
-    """[B, k + 1]: S_p and Q_p side by side."""
+def fm_partial(embs: list[tf.Tensor], batch: tf.Tensor, k: int, slots: list[int | None] | None = None,
+               summed: int = 0) -> tf.Tensor:
+    """[B, k + 1 + summed * k]: S_p, Q_p and the ``summed`` fields' T_p side by side. ``slots``: per
+    vector, its place among the fields squared after the sum (a stripe of a field of several ids a
+    sample), or None (squared here, into Q_p)."""
     if not embs:
-        return zeros(batch, k + 1)
-    s = tf.add_n(embs)
-    q = tf.add_n([tf.reduce_sum(tf.square(e), axis=1, keepdims=True) for e in embs])
-    return tf.concat([s, q], axis=1)
+        return zeros(batch, k + 1 + summed * k)
+    slots = slots or [None] * len(embs)
+    squares = [tf.reduce_sum(tf.square(e), axis=1, keepdims=True) for e, j in zip(embs, slots) if j is None]
+    q = tf.add_n(squares) if squares else zeros(batch, 1)
+    return tf.concat([tf.add_n(embs), q, *_summed_parts(embs, slots, summed, batch, k)], axis=1)
 
 
-def fm_combine(total: tf.Tensor, k: int) -> tf.Tensor:
-    """[B, 1] from the summed [B, k + 1]."""
-    s, q = total[:, :k], total[:, k:]
+def fm_combine(total: tf.Tensor, k: int, summed: int = 0) -> tf.Tensor:
+    """[B, 1] from the summed [B, k + 1 + summed * k]."""
+    s, q = total[:, :k], total[:, k:k + 1]
+    if summed:
+        q = q + tf.reduce_sum(tf.square(total[:, k + 1:]), axis=1, keepdims=True)
     return 0.5 * (tf.reduce_sum(tf.square(s), axis=1, keepdims=True) - q)
+
+
+def _summed_parts(embs: list[tf.Tensor], slots: list[int | None], summed: int, batch: tf.Tensor,
+                  k: int) -> list[tf.Tensor]:
+    """T_p: per field squared after the sum, this process's vector of it (its stripe), or zeros."""
+    parts = [None] * summed
+    for e, j in zip(embs, slots):
+        if j is not None:
+            parts[j] = e if parts[j] is None else parts[j] + e
+    return [zeros(batch, k) if p is None else p for p in parts]
 
 
 def dense_partial(embs: list[tf.Tensor], kernel_block: tf.Tensor) -> tf.Tensor:
@@ -69,13 +91,21 @@ def dense_partial(embs: list[tf.Tensor], kernel_block: tf.Tensor) -> tf.Tensor:
     return tf.matmul(tf.concat(embs, axis=1), kernel_block)
 
 
-def bi_partial(embs: list[tf.Tensor], batch: tf.Tensor, k: int) -> tf.Tensor:
-    """[B, 2k]: S_p = sum_f v_f and, per k, Q_p = sum_f v_f^2 (not summed over k)."""
+def bi_partial(embs: list[tf.Tensor], batch: tf.Tensor, k: int, slots: list[int | None] | None = None,
+               summed: int = 0) -> tf.Tensor:
+    """[B, 2k + summed * k]: S_p = sum_f v_f, per k Q_p = sum_f v_f^2 (not summed over k), and the
+    ``summed`` fields' T_p (``slots``: as in ``fm_partial``)."""
     if not embs:
-        return zeros(batch, 2 * k)
-    return tf.concat([tf.add_n(embs), tf.add_n([tf.square(e) for e in embs])], axis=1)
+        return zeros(batch, (2 + summed) * k)
+    slots = slots or [None] * len(embs)
+    squares = [tf.square(e) for e, j in zip(embs, slots) if j is None]
+    q = tf.add_n(squares) if squares else zeros(batch, k)
+    return tf.concat([tf.add_n(embs), q, *_summed_parts(embs, slots, summed, batch, k)], axis=1)
 
 
-def bi_combine(total: tf.Tensor, k: int) -> tf.Tensor:
-    """[B, k] bi-interaction from the summed [B, 2k]."""
-    return 0.5 * (tf.square(total[:, :k]) - total[:, k:])
+def bi_combine(total: tf.Tensor, k: int, summed: int = 0) -> tf.Tensor:
+    """[B, k] bi-interaction from the summed [B, 2k + summed * k]."""
+    q = total[:, k:2 * k]
+    if summed:
+        q = q + tf.reduce_sum(tf.reshape(tf.square(total[:, 2 * k:]), tf.stack([tf.shape(total)[0], summed, k])), axis=1)
+    return 0.5 * (tf.square(total[:, :k]) - q)

@@ -69,6 +69,10 @@ class Rule:
     # for a field looked up with several ids a sample, whose stripes' vectors sum to the vector but may
     # all be non-zero (field rows, linear too, keys its exchange by one id a sample: False)
     stripes_linear = False
+    # True: squares a field vector only after the sum over processes for the fields ``sub_operator`` is told
+    # to sum first (``match.data["summed"]``: FM, NFM's bi-interaction), so also exact for the stripes of a
+    # field of several ids a sample, whose squares do not add up to the square of their sum
+    sums_stripes_first = False
 
     def stripes_refusal(self, match: Match) -> str | None:
         """Why a field vector ``match`` reads cannot be split into key stripes, or None."""

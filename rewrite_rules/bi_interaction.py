@@ -19,10 +19,11 @@ PATTERN = Alt(Op("bi_interaction", E), half(DIFF))
 class BiInteractionRule(Rule):
     name = "bi_interaction"
     stripes_exact = True
+    sums_stripes_first = True
 
     def match(self, graph, fields, node):
         return interaction_match(self.name, PATTERN, graph, fields, node, lambda k: k)
 
     def sub_operator(self, match, owned, name):
-        return BiInteractionSubOp([v.field for v in owned], k=match.data["k"], source=match.root.layer.name,
-                                  name=name)
+        return BiInteractionSubOp([v.field for v in owned], k=match.data["k"], summed=match.data.get("summed", ()),
+                                  source=match.root.layer.name, name=name)

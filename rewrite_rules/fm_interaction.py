@@ -58,9 +58,11 @@ def interaction_match(rule: str, pattern, graph, fields, node, per_sample_size):
 class FMInteractionRule(Rule):
     name = "fm_interaction"
     stripes_exact = True
+    sums_stripes_first = True
 
     def match(self, graph, fields, node):
         return interaction_match(self.name, PATTERN, graph, fields, node, lambda k: 1)
 
     def sub_operator(self, match, owned, name):
-        return FMSubOp([v.field for v in owned], k=match.data["k"], source=match.root.layer.name, name=name)
+        return FMSubOp([v.field for v in owned], k=match.data["k"], summed=match.data.get("summed", ()),
+                       source=match.root.layer.name, name=name)

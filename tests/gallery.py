@@ -255,9 +255,10 @@ def big_field_deepfm():
 
 def big_bag_deepfm():
     """keras_deepfm plus "hist", a bag of 5 ids a sample into tables of 30 V rows (too big for one
-    owner at N > 1 with des.Options(stripe_min_rows=0)), mean-pooled into the first Dense and summed
-    into the linear sum (both linear in it: split by key stripe); FM reads the one-id fields. The
-    first Dense has an L2 kernel penalty (the shared rows of "hist" counted once over processes)."""
+    owner at N > 1 with des.Options(stripe_min_rows=0)), mean-pooled into FM beside the one-id
+    fields and into the first Dense, and summed into the linear sum: split by key stripe (FM squares
+    its pooled vector after the sum over processes). The first Dense has an L2 kernel penalty (the
+    shared rows of "hist" counted once over processes)."""
     x = _ids()
     hist = tf.keras.Input(shape=(5,), dtype=tf.int64, name="hist")
     e = L.Concatenate(axis=1)([L.Embedding(V, K)(x[f]) for f in FIELDS])
@@ -265,7 +266,8 @@ def big_bag_deepfm():
     linear = L.Add()([L.Flatten()(L.Embedding(V, 1)(x[f])) for f in FIELDS]
                      + [tf.reduce_sum(L.Embedding(30 * V, 1)(hist), axis=1)])
     deep = L.Dense(1)(L.Dense(8, activation="relu", kernel_regularizer="l2")(L.Concatenate()([L.Flatten()(e), bag])))
-    return tf.keras.Model({**x, "hist": hist}, tf.sigmoid(linear + _fm_tf_ops(e) + deep))
+    fm = _fm_tf_ops(L.Concatenate(axis=1)([e, tf.expand_dims(bag, 1)]))
+    return tf.keras.Model({**x, "hist": hist}, tf.sigmoid(linear + fm + deep))
 
 
 def deepctr_deepfm_defaults():

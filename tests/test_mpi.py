@@ -606,9 +606,9 @@ def test_one_table_split_by_key_stripe_under_mpirun(battery):
 @pytest.mark.mpi
 def test_a_big_field_split_by_key_stripe_under_mpirun(battery):
     """tests/gallery.py big_field_deepfm and big_bag_deepfm at N = 3 with des.Options(stripe_min_rows=0):
-    f0 (30 V of 33 V rows), and "hist", a bag of 5 ids a sample read by the linear sum and the
-    first Dense only (with an L2 kernel penalty), are too big for one owner and split by key stripe
-    (des.compiler.big_tables).
+    f0 (30 V of 33 V rows), and "hist", a bag of 5 ids a sample read by FM (which squares its pooled
+    vector after the sum over processes), the linear sum and the first Dense (with an L2 kernel
+    penalty), are too big for one owner and split by key stripe (des.compiler.big_tables).
     Their two tables are held by every process, each the keys k mod 3 == its rank; every process
     holds the field's first-Dense kernel rows whole (their gradients summed). The user's fit (Adam,
     the tail des.transform picks) and the data-parallel tail (SGD, the first Dense by partials)
@@ -619,6 +619,7 @@ def test_a_big_field_split_by_key_stripe_under_mpirun(battery):
         report = ranks[0]["report"]
         assert f"field '{field}': 1,200 rows, more than an even share" in report and \
             "split by key stripe over 3 processes" in report, report
+        assert (name == "big_bag_deepfm") == ("squares its 5 ids a sample after the sum over processes" in report)
         diff = compare(_gallery_reference(name, ranks[0]["initial"]), ranks)
         print(f"mpirun -np {n} {name} ({field} split by key stripe): {diff}")
         within(f"{name} N=3 predictions", diff["predictions"], 5e-7)

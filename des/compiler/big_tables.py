@@ -18,11 +18,13 @@ copy. A kernel penalty (L1/L2) on that Dense counts the shared rows once, on the
 field's stripe 0 (``DenseBlockSubOp.penalized_shared``), in the penalty the step sums over processes.
 
 A field looked up with P > 1 ids a sample (a bag of ids, pooled or not) has several non-zero
-stripes in a sample, so FM's sum of squares would not be exact on them; only the rules linear in
-the field vector (``stripes_linear``: the linear sum, the first Dense) split it, and its rows go
-once per sample, not per distinct id (no one id decides them). A field read through anything but
-reshapes and poolings after its lookup, or by a rule that is not linear with several ids a
-sample, keeps one owner; the report says why. A Keras table's L1/L2 penalty, a sum over rows, goes with its stripes (each
+stripes in a sample. The rules linear in the field vector (``stripes_linear``: the linear sum, the
+first Dense) take them as they are, and its rows go once per sample, not per distinct id (no one id
+decides them). FM and NFM's bi-interaction (``sums_stripes_first``) would not be exact on their
+squares (|a|^2 + |b|^2 is not |a + b|^2): each process sends its stripe's vector beside its
+partials, k floats a sample more (``match.data["summed"]``), and the square is taken after the
+sum over processes (des_ops.partials). A field read through anything but reshapes and poolings
+after its lookup, or with several ids a sample by field rows, keeps one owner; the report says why. A Keras table's L1/L2 penalty, a sum over rows, goes with its stripes (each
 ``StripeEmbedding`` holds its share; des.compiler.functional takes it into the penalty column).
 
     >>> import des
@@ -53,18 +55,30 @@ def why_not_striped(graph: Graph, fields: FieldAnalysis, match: Match, v: FieldV
     kind = fields.stripe_kind(table, penalty=True)
     if kind:
         return kind
-    ops = table.tensor_operands()
-    ids = per_sample(graph, ops[0]) if len(ops) == 1 else None
-    if ids is None or len(ids) > 1 or not graph.tensors[ops[0]].dtype.is_integer:
+    ids = ids_a_sample(graph, v)
+    if ids is None:
         return f"{table.layer.name!r} does not look up a fixed number of integer ids a sample"
-    if ids not in ((), (1,)) and not rule_named(match.rule).stripes_linear:
-        return (f"{match.rule} at {match.root.layer.name!r} reads its {ids[0]} ids a sample, and a field of several "
-                f"ids a sample is split only where the linear sum or a first Dense alone reads it")
+    rule = rule_named(match.rule)
+    if ids > 1 and not (rule.stripes_linear or rule.sums_stripes_first):
+        return (f"{match.rule} at {match.root.layer.name!r} reads its {ids} ids a sample, and a field of several "
+                f"ids a sample is split only where the linear sum, a first Dense, FM or a bi-interaction reads it")
     after = v.chain - fields.cone(table.output)
     odd = sorted({graph.nodes[i].kind for i in after} - AFTER_LOOKUP)
     if odd:
         return f"its vector is made from the lookup through {', '.join(odd)}"
     return None
+
+
+def ids_a_sample(graph: Graph, v: FieldVector) -> int | None:
+    """How many ids a sample the table of ``v`` looks up (1 for [B] or [B, 1] ids), or None when
+    that is not a fixed number of integer ids."""
+    ops = v.table.tensor_operands()
+    ids = per_sample(graph, ops[0]) if len(ops) == 1 else None
+    if ids is None or len(ids) > 1 or not graph.tensors[ops[0]].dtype.is_integer:
+        return None
+    if ids and not ids[0]:
+        return None
+    return ids[0] if ids else 1
 
 
 def split_big_fields(graph: Graph, fields: FieldAnalysis, matches: list[Match], world_size: int,
@@ -94,12 +108,17 @@ def split_big_fields(graph: Graph, fields: FieldAnalysis, matches: list[Match], 
         tables = sorted({v.table.layer.name for _, v in by_field[f]})
         dense = sorted({m.root.layer.name for m, _ in by_field[f] if "parts" in m.data})
         penalized = sorted({m.root.layer.name for m, _ in by_field[f] if m.data.get("kernel_regularizer") is not None})
+        ids = ids_a_sample(graph, by_field[f][0][1])
+        summed = sorted({f"{m.rule} at {m.root.layer.name!r}" for m, _ in by_field[f]
+                         if ids > 1 and rule_named(m.rule).sums_stripes_first})
         notes.append(f"{head}: {', '.join(tables)} split by key stripe over {world_size} processes (process r holds "
                      f"the keys k mod {world_size} == r and looks up only those)"
                      + (f"; every process holds its rows of the kernel of {', '.join(repr(d) for d in dense)}, their "
                         f"gradients summed each step" if dense else "")
                      + (f"; the kernel penalty of {', '.join(repr(d) for d in penalized)} counts them once, on "
-                        f"the process of stripe 0" if penalized else ""))
+                        f"the process of stripe 0" if penalized else "")
+                     + (f"; {', '.join(summed)} square{'s' if len(summed) == 1 else ''} its {ids} ids a sample after "
+                        f"the sum over processes" if summed else ""))
     if not split:
         return matches, notes
     out = []
@@ -118,6 +137,8 @@ def split_big_fields(graph: Graph, fields: FieldAnalysis, matches: list[Match], 
             if m.rule == "field_rows":        # one vector: its stripes' rows, keyed by its ids (des_ops.rows)
                 data.update(stripes=world_size, stripe_keys=[unstriped(fields.row_key(stripes[0]))],
                             stripe_shape=(1, v.width))
+            elif rule_named(m.rule).sums_stripes_first and ids_a_sample(graph, v) > 1:
+                data["summed"] = [*data.get("summed", ()), v.field]     # squared after the sum over processes
         out.append(dataclasses.replace(m, vectors=vectors, data=data))
     return out, notes
 
