@@ -638,6 +638,45 @@ def test_a_big_field_split_by_key_stripe_under_mpirun(battery):
 
 
 @pytest.mark.mpi
+def test_des_train_splits_a_big_field_saves_and_serves_like_one_process(tmp_path):
+    """des.train's own model on criteo-like data whose C26 has 1,000,000 values (the
+    criteo-big-field preset): with des.Options' defaults at N = 3 the field is too big for one owner
+    and its two tables are split by key stripe (the report says so; each process holds about a third
+    of the rows the one process holds, together all of them). Adam, 6 steps of 256: the same held-out
+    AUC and log loss as one process; its checkpoint, read by 2 processes, predicts what one
+    process's does."""
+    from des.data.synth import write_criteo
+    data, test = tmp_path / "big.txt", tmp_path / "test.txt"
+    write_criteo(str(data), 3000, preset="criteo-big-field", seed=1, quiet=True)
+    test.write_text("".join(open(data).readlines()[-400:]))
+    args = ["-m", "des.train", "--model", "deepfm", "--batch", "256", "--hidden", "16", "--dim", "4", "--threads", "1",
+            "--holdout", "500", "--shuffle-buffer", "1000", "--lr", "0.02", "--steps", "6", "--data", str(data)]
+    single = subprocess.run([sys.executable, *args, "--checkpoint", str(tmp_path / "s"), "--summary-json",
+                             str(tmp_path / "s.json")], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stderr[-3000:]
+    run = mpirun(3, *args, "--mode", "des", "--checkpoint", str(tmp_path / "d"), "--summary-json", str(tmp_path / "d.json"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "field 'C26': 1,000,000 rows, more than an even share" in run.stdout and \
+        "emb1_C26, emb4_C26 split by key stripe over 3 processes" in run.stdout, run.stdout[-3000:]
+    one = json.load(open(tmp_path / "s.json"))
+    ranks = [json.load(open(tmp_path / f"d.json.rank{r}")) for r in range(3)]
+    held = [r["table_rows"]["tables"]["emb4_C26/emb1_C26"]["held"] for r in ranks]
+    print(f"C26 rows held: one process {one['table_rows']['tables']['emb4_C26/emb1_C26']['held']}, N = 3 {held}")
+    assert sum(held) == one["table_rows"]["tables"]["emb4_C26/emb1_C26"]["held"] and min(held) > 0
+    for got in ranks:
+        within("|AUC - single's|", abs(got["auc"] - one["auc"]), 1e-7)              # measured 0
+        within("|log loss - single's|", abs(got["logloss"] - one["logloss"]), 5e-7)   # measured 0
+    preds = []
+    for ck, n in (("s", 1), ("d", 2)):
+        r = mpirun(n, "-m", "des.predict", "--checkpoint", str(tmp_path / ck), "--data", str(test),
+                   "--out", str(tmp_path / f"{ck}.txt"), "--threads", "1")
+        assert r.returncode == 0, r.stderr[-3000:]
+        preds.append(np.loadtxt(tmp_path / f"{ck}.txt"))
+    assert "des checkpoint of 3 process(es), read by 2" in r.stdout, r.stdout[-2000:]
+    within("DES 3 checkpoint read by 2: predictions", np.abs(preds[0] - preds[1]).max(), 5e-7)   # measured 3.0e-7
+
+
+@pytest.mark.mpi
 def test_same_mpirun_job_gives_the_same_bits_and_idle_processes_take_part(battery):
     """One job (DeepCTR's DeepFM with its defaults, the two-tower model, the shared-table DeepFM,
     a Keras DeepFM with the data-parallel tail, with partials and with its first Dense by rows) launched twice on 3 processes: bitwise-identical

@@ -24,7 +24,9 @@ decides them). FM and NFM's bi-interaction (``sums_stripes_first``) would not be
 squares (|a|^2 + |b|^2 is not |a + b|^2): each process sends its stripe's vector beside its
 partials, k floats a sample more (``match.data["summed"]``), and the square is taken after the
 sum over processes (des_ops.partials). A field read through anything but reshapes and poolings
-after its lookup, or with several ids a sample by field rows, keeps one owner; the report says why. A Keras table's L1/L2 penalty, a sum over rows, goes with its stripes (each
+after its lookup, by a table that pools its ids itself (des.train's weighted fields), or with
+several ids a sample by field rows, keeps one owner; the report says why. Tables of Keras, TFRA
+and this project's FieldEmbedding (des.train's, keyed like TFRA's) are split. A Keras table's L1/L2 penalty, a sum over rows, goes with its stripes (each
 ``StripeEmbedding`` holds its share; des.compiler.functional takes it into the penalty column).
 
     >>> import des
@@ -58,6 +60,9 @@ def why_not_striped(graph: Graph, fields: FieldAnalysis, match: Match, v: FieldV
     ids = ids_a_sample(graph, v)
     if ids is None:
         return f"{table.layer.name!r} does not look up a fixed number of integer ids a sample"
+    shape = per_sample(graph, table.tensor_operands()[0])
+    if per_sample(graph, table.output) != (*shape, table.attrs["dim"]):   # a stripe's lookup gives ids.shape + [dim]
+        return f"{table.layer.name!r} pools its ids itself (rows of per-sample shape {per_sample(graph, table.output)})"
     rule = rule_named(match.rule)
     if ids > 1 and not (rule.stripes_linear or rule.sums_stripes_first):
         return (f"{match.rule} at {match.root.layer.name!r} reads its {ids} ids a sample, and a field of several "

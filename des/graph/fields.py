@@ -276,6 +276,8 @@ class FieldAnalysis:
         if source.name == "TFRA Embedding" and type(layer).__name__ != "SquashedEmbedding" and \
                 not any(c.__name__ == "SquashedEmbedding" for c in type(layer).__mro__):
             return None
+        if source.name == "FieldEmbedding":     # des.train's tables (models.layers): TFRA ones with keyed new rows
+            return None
         if not isinstance(layer, tf.keras.layers.Embedding) or source.dynamic:
             return f"{name!r} is a {source.name}: only a Keras or TFRA Embedding is split by key stripe"
         regularized = layer.embeddings_regularizer is not None and not (

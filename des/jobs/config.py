@@ -130,6 +130,7 @@ class RunConfig:
     first_dense: str = Options.first_dense
     micro_batches: int = 1
     wire_dtype: str = "float32"
+    stripe_min_rows: Optional[int] = Options.stripe_min_rows
     replica_check: int = 100
     checkpoint: Optional[str] = None
     checkpoint_every: Every = Every()
@@ -162,7 +163,7 @@ class RunConfig:
         tables = self.tables or ("joined" if self.join_linear else "fused")
         return Options(plan=plan or self.plan, tail=self.tail, first_dense=self.first_dense, tables=tables,
                        micro_batches=self.micro_batches, wire_dtype=self.wire_dtype,
-                       costs=AutoTail(batch_size=self.batch, bandwidth=self.network.link_bytes_per_second,
+                       stripe_min_rows=self.stripe_min_rows, costs=AutoTail(batch_size=self.batch, bandwidth=self.network.link_bytes_per_second,
                                       distinct=distinct), row_policy=self.row_policy)
 
     @property
@@ -253,6 +254,15 @@ def _o(flag: str, path: str | None = None, **kwargs) -> Option:
     return Option(flag, path or flag[2:].replace("-", "_"), kwargs)
 
 
+def _stripe_min_rows(text: str) -> int | None:
+    """--stripe-min-rows: a whole number >= 0, or "off" (None: no field is split)."""
+    if text == "off":
+        return None
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number >= 0, or off")
+    return int(text)
+
+
 OPTIONS: list[Option] = [
     _o("--mode", choices=lambda: [*MODES, "auto"], default="single",      # the modes registered when parsed
        help="des: field-partitioned first layers; ps: tables sharded by key (baseline); "
@@ -336,6 +346,10 @@ OPTIONS: list[Option] = [
        help="des: the partials' type on the wire; float16 halves the bytes and is summed in 16 bits by the "
             "collective (NOT exact; float32 is); ps: the type rows and gradient rows travel in (float16: half "
             "their bytes, rounded to 16 bits; ids and dense gradients unchanged)"),
+    _o("--stripe-min-rows", type=_stripe_min_rows, default=Options.stripe_min_rows, metavar="ROWS|off",
+       help="des: a field with more rows than all fields' rows / N and at least ROWS (the data's cardinalities) "
+            f"is split by key stripe over every process instead of one owner holding it (default "
+            f"{Options.stripe_min_rows:,}; off: never; the same results either way)"),
     _o("--link", "network.link", default="10gbit",
        help="--tail auto, --first-dense auto: each process's network rate (tc units, e.g. 100mbit) the cost model "
             "assumes"),
