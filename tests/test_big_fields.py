@@ -102,12 +102,13 @@ def test_which_fields_are_split_and_why_not():
 
 
 def _setup(kind: str, reader: str, scale: int = 1, steps: int = 5, batch: int = 31, in_model: bool = True):
-    """``reader`` "bag": bag_field_model with an L2 kernel penalty on its first Dense; "deepfm-penalty":
+    """``reader`` "bag": bag_field_model with FM (the bag squared after the sum over processes) and an
+    L2 kernel penalty on its first Dense; "deepfm-penalty":
     big_field_model's DeepFM with one."""
     penalty = reader.endswith("-penalty")
     build = lambda: big_field_model(kind, reader.removesuffix("-penalty"), scale, in_model, penalty)  # noqa: E731
     if reader == "bag":
-        build = lambda: bag_field_model(kind, penalty=True)  # noqa: E731
+        build = lambda: bag_field_model(kind, "fm", penalty=True)  # noqa: E731
     return (build, *_prepared(build, steps, batch))
 
 
@@ -315,8 +316,8 @@ def test_processes_whose_stripe_no_id_reaches_take_part_and_nothing_hangs():
 
 @pytest.mark.parametrize("kind,reader", [("tfra", "deepfm"), ("keras", "fm"), ("keras", "bag")])
 def test_a_big_field_checkpoints_resumes_on_another_n_and_one_process_and_exports(tmp_path, kind, reader):
-    """3 processes train 3 of 6 Adam steps with f0 (bag: "history", a bag of BAG ids, under a first
-    Dense with a kernel penalty) split, checkpoint, model.save and des.export;
+    """3 processes train 3 of 6 Adam steps with f0 (bag: "history", a bag of BAG ids, read by FM and
+    a first Dense with a kernel penalty) split, checkpoint, model.save and des.export;
     the save and the export predict what the DES model does, and the checkpoint resumed on 2
     processes (f0 split over 2) and in the untouched model on one process ends where the
     uninterrupted one-process model does. DeepFM: f0's first-Dense kernel rows, which every
