@@ -100,6 +100,40 @@ class Deferred:
         return self.member(self.ids)
 
 
+class MaskedStripe:
+    """Stripe ``stripe`` of ``count`` of tables that pool their ids themselves (des.train's
+    FieldEmbedding on [B, L] ids, maybe weighted: ``[ids, weights]``), read with the same inputs:
+    ``call`` (the inputs -> one output per table) made on the inputs with every other stripe's id
+    (and the padding) as the padding id, whose row is zero and never trained, so each output is
+    this stripe's share of the pooled vector and the shares sum to it (the rules that split such a
+    field are linear in it, or square it after the sum). ``member(j)``: table j's output; the
+    members share one call.
+
+        >>> rows = tf.constant(np.arange(6, dtype=np.float32).reshape(6, 1))
+        >>> pooled = lambda x: [tf.reduce_sum(tf.where(x[0][..., None] >= 0, tf.gather(rows, tf.maximum(x[0], 0)), 0.0)
+        ...                                   * x[1][..., None], axis=1)]
+        >>> odd = MaskedStripe(pooled, 1, 2, pad=-1)
+        >>> odd.member(0)([tf.constant([[1, 2, 3]], tf.int64), tf.constant([[1.0, 1.0, 0.5]])]).numpy().tolist()
+        [[2.5]]
+    """
+
+    def __init__(self, call: Callable[[object], list], stripe: int, count: int, pad: int):
+        self.call, self.stripe, self.count, self.pad = call, int(stripe), int(count), int(pad)
+        self._last: dict = {}
+
+    def __call__(self, inputs) -> list[tf.Tensor]:
+        if self._last.get("inputs") is not inputs:
+            ids, rest = (inputs[0], list(inputs[1:])) if isinstance(inputs, (list, tuple)) else (inputs, [])
+            wide = tf.cast(ids, tf.int64)
+            own = tf.equal(tf.math.floormod(wide, self.count), self.stripe)       # the padding stays padding
+            masked = tf.where(own, ids, tf.cast(self.pad, ids.dtype))
+            self._last = {"inputs": inputs, "outs": self.call([masked, *rest] if rest else masked)}
+        return self._last["outs"]
+
+    def member(self, j: int) -> Callable:
+        return lambda inputs: self(inputs)[j]
+
+
 def held_keys(keys: np.ndarray, stripe: int, count: int) -> np.ndarray:
     """Mask of ``keys`` in stripe ``stripe`` of ``count``."""
     return np.mod(np.asarray(keys, np.int64), count) == stripe

@@ -23,7 +23,7 @@ from des.jobs.verify import compare, copy_state, fit_and_snapshot, run_in_proces
 from des_ops.comm import InProcessWorld
 from gallery import V, sliced_batches
 from helpers import adam_world, save_three_ways, served, trained, untouched_adam, within
-from models.spec import FeatureSpec, Field
+from models.spec import PAD_ID, FeatureSpec, Field
 from rewrite_rules import find_substitutions
 
 L = tf.keras.layers
@@ -442,9 +442,7 @@ def test_des_trains_zoo_tables_split_by_key_stripe():
     """des.train's own tables (models.layers.FieldEmbedding, dynamic, keyed new rows) are split like
     a TFRA one: the zoo's DeepFM with a field of BIG rows in its spec, at N = 3, 6 steps of 31 and a
     last of 2 (SGD under both tails, Adam under the replicated one), equals one process, each key of
-    the field's embedding and linear tables held by its stripe's process only. A weighted field
-    (libsvm/libffm ``idx:val``: the table pools ids times weights itself) keeps one owner, and the
-    report says why."""
+    the field's embedding and linear tables held by its stripe's process only."""
     build = lambda: models.deepfm(ZOO_SPEC)  # noqa: E731
     tf.keras.utils.set_random_seed(0)
     base = build()
@@ -468,8 +466,43 @@ def test_des_trains_zoo_tables_split_by_key_stripe():
         assert _split_tables(ranks) == big, (tail, _split_tables(ranks))
         for table in big:
             _held_by_stripes(ranks, ref, table)
-    weighted = FeatureSpec((Field("big", kind="multi", dim=K, cardinality=BIG, max_len=1, weighted=True),
-                            *ZOO_SPEC.fields[1:]))
-    _, notes = _split(models.deepfm(weighted), 3, rows={"big": BIG, "a": V, "b": V})
-    assert len(notes) == 1 and "kept whole by one owner, since" in notes[0] and \
-        "does not look up a fixed number of integer ids a sample" in notes[0], notes
+
+
+@pytest.mark.parametrize("ids", [1, BAG])
+def test_des_trains_weighted_fields_and_bags_split_by_masking_the_others_ids(ids):
+    """des.train's table of a weighted field (libsvm / libffm ``idx:val``: [ids, weights] [B, L],
+    pooled as sum_l w_l e(id_l) by the table itself), one id a sample or a bag of BAG: each process
+    calls it with the ids of other stripes (and some padding) as the padding id, whose row is zero
+    (des_ops.stripes.MaskedStripe), so the shares sum to the pooled vector; FM squares a bag's after
+    that sum. The zoo's DeepFM at N = 3, SGD under the replicated tail, the data-parallel one and
+    that with the first Dense by rows, Adam under the replicated one: equal to one process, each key
+    held by its stripe's process only."""
+    spec = FeatureSpec((Field("big", kind="multi", dim=K, cardinality=BIG, max_len=ids, weighted=True),
+                        *ZOO_SPEC.fields[1:]))
+    _, notes = _split(models.deepfm(spec), 3, rows={"big": BIG, "a": V, "b": V})
+    assert len(notes) == 1 and "split by key stripe over 3 processes" in notes[0], notes
+    assert (ids > 1) == ("fm_interaction at 'fm' squares its" in notes[0]), notes
+    build = lambda: models.deepfm(spec)  # noqa: E731
+    tf.keras.utils.set_random_seed(0)
+    base = build()
+    batches, probe = sliced_batches(base, 5 * 31 + 2, 31)
+    for x, _ in batches:              # the reader's padding: the last position of every third sample
+        pad = (np.arange(x["big"].shape[0]) % 3 == 0)[:, None] & (np.arange(ids) == ids - 1)[None, :]
+        x["big"] = tf.where(pad, tf.constant(PAD_ID, tf.int64), x["big"])
+        x["big_weight"] = tf.where(pad, 0.0, x["big_weight"])
+    for optimizer, kw in (("sgd", {"tail": "replicated"}), ("sgd", {"tail": "data_parallel"}),
+                          ("sgd", {"tail": "data_parallel", "first_dense": "rows"}), ("adam", {"tail": "replicated"})):
+        fit = lambda m: fit_and_snapshot(m, batches, probe, optimizer=optimizer, learning_rate=0.02)  # noqa: E731
+        reference = build()
+        copy_state(base, reference)
+        ref = fit(reference)
+        big = sorted(k for k, (layer, _) in state_keys(reference).tables.items() if layer.field == "big")
+        ranks = run_in_process_world(3, build, fit, init_from=base, spec=spec, stripe_min_rows=0, **kw)
+        diff = compare(ref, ranks)
+        case = f"zoo deepfm, {ids} weighted id(s) a sample, {optimizer} {kw}"
+        within(f"{case} N=3 predictions", diff["predictions"], 1e-6)
+        within(f"{case} N=3 rows and weights", max(diff["tables"], diff["owned"], diff["weights"]),
+               1e-6 if optimizer == "sgd" else ADAM_STATE)
+        assert len(big) == 2 and _split_tables(ranks) == big, (kw, big, _split_tables(ranks))
+        for table in big:
+            _held_by_stripes(ranks, ref, table)

@@ -24,9 +24,11 @@ decides them). FM and NFM's bi-interaction (``sums_stripes_first``) would not be
 squares (|a|^2 + |b|^2 is not |a + b|^2): each process sends its stripe's vector beside its
 partials, k floats a sample more (``match.data["summed"]``), and the square is taken after the
 sum over processes (des_ops.partials). A field read through anything but reshapes and poolings
-after its lookup, by a table that pools its ids itself (des.train's weighted fields), or with
-several ids a sample by field rows, keeps one owner; the report says why. Tables of Keras, TFRA
-and this project's FieldEmbedding (des.train's, keyed like TFRA's) are split. A Keras table's L1/L2 penalty, a sum over rows, goes with its stripes (each
+after its lookup, or with several ids a sample by field rows, keeps one owner; the report says
+why. Tables of Keras, TFRA and this project's FieldEmbedding (des.train's, keyed like TFRA's)
+are split. A FieldEmbedding on [B, L] ids (maybe weighted, libsvm / libffm ``idx:val``) pools them
+itself: its stripe is the table called with the other stripes' ids as the padding id, whose row
+is zero (des_ops.stripes.MaskedStripe). A Keras table's L1/L2 penalty, a sum over rows, goes with its stripes (each
 ``StripeEmbedding`` holds its share; des.compiler.functional takes it into the penalty column).
 
     >>> import des
@@ -61,7 +63,8 @@ def why_not_striped(graph: Graph, fields: FieldAnalysis, match: Match, v: FieldV
     if ids is None:
         return f"{table.layer.name!r} does not look up a fixed number of integer ids a sample"
     shape = per_sample(graph, table.tensor_operands()[0])
-    if per_sample(graph, table.output) != (*shape, table.attrs["dim"]):   # a stripe's lookup gives ids.shape + [dim]
+    if per_sample(graph, table.output) != (*shape, table.attrs["dim"]) and not masks_its_ids(graph, table):
+        # a stripe's lookup gives ids.shape + [dim]; des.train's tables pool their own and are masked instead
         return f"{table.layer.name!r} pools its ids itself (rows of per-sample shape {per_sample(graph, table.output)})"
     rule = rule_named(match.rule)
     if ids > 1 and not (rule.stripes_linear or rule.sums_stripes_first):
@@ -74,11 +77,20 @@ def why_not_striped(graph: Graph, fields: FieldAnalysis, match: Match, v: FieldV
     return None
 
 
+def masks_its_ids(graph: Graph, table) -> bool:
+    """True for des.train's table (models.layers.FieldEmbedding) on [B, L] ids, maybe with their
+    [B, L] weights: it pools them itself, so its stripe is the table called on its own ids, the
+    others masked as padding (des_ops.stripes.MaskedStripe), not a lookup of ids.shape + [dim]."""
+    ops = table.tensor_operands()
+    return table.attrs["source"].name == "FieldEmbedding" and len(ops) in (1, 2) and \
+        len(graph.shape(ops[0])) == 2 and (len(ops) == 1 or per_sample(graph, ops[1]) == per_sample(graph, ops[0]))
+
+
 def ids_a_sample(graph: Graph, v: FieldVector) -> int | None:
     """How many ids a sample the table of ``v`` looks up (1 for [B] or [B, 1] ids), or None when
     that is not a fixed number of integer ids."""
     ops = v.table.tensor_operands()
-    ids = per_sample(graph, ops[0]) if len(ops) == 1 else None
+    ids = per_sample(graph, ops[0]) if len(ops) == 1 or masks_its_ids(graph, v.table) else None
     if ids is None or len(ids) > 1 or not graph.tensors[ops[0]].dtype.is_integer:
         return None
     if ids and not ids[0]:

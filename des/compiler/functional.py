@@ -11,7 +11,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from des.compiler.big_tables import split_big_fields, striped_tables
+from des.compiler.big_tables import masks_its_ids, split_big_fields, striped_tables
 from des.compiler.keys import StateKeys, sync_from_root, trace_once
 from des.compiler.choices import (by_rows, by_samples, costs_for, dense_shapes, exchanged_keys, first_layer_choice,
                                   tail_choice)
@@ -19,13 +19,14 @@ from des.compiler.cost import AutoTail
 from des.graph.fields import FieldAnalysis
 from des.compiler.handle import Distributed, attach
 from des.graph.ir import Graph, Node, call_node, is_keras_tensor, replay
+from models.spec import PAD_ID
 from des.compiler.exchange import FieldTraffic, exchange_lines
 from des.compiler.plan import FieldCost, FieldPlan, check_agreement, make_plan
 from des.graph.sources import source_of
 from des_ops.comm import Communicator, agree
 from des_ops.fused import fuse_nodes, fusion_groups, linear_part, linear_partners, width_of
 from des_ops.ranges import RangeEmbedding, rows_of
-from des_ops.stripes import Deferred, StripeEmbedding, StripeLookup, StripeMember, keep_own_rows
+from des_ops.stripes import Deferred, MaskedStripe, StripeEmbedding, StripeLookup, StripeMember, keep_own_rows
 from des_ops.keras_internals import (autograph_as_keras_decides, compile_args, copy_optimizer, has_weight_penalties,
                                      take_weight_penalties)
 from des_ops.suboperators import DESFirstLayer
@@ -156,7 +157,7 @@ class FieldChains:
                 return
             if node.index in self.ranged:            # a table split by key range or stripe: its own keys
                 lookup = self.ranged[node.index][1]
-                ids = look(node.call_args[0])
+                ids = tf.nest.map_structure(look, node.call_args[0])       # ids, or [ids, weights]
                 later = node.output in defer and isinstance(lookup, StripeMember)
                 env[node.output] = lookup.deferred(ids) if later else lookup(ids)
                 return
@@ -263,7 +264,7 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     mine = set(field_plan.fields_of(comm.rank))
     own = _OwnedPart.of(graph, matches, mine)
     ranged = {**_key_range_tables(matches, field_plan, comm, options.sync_weights),
-              **_stripe_tables(matches, comm, options.sync_weights)}
+              **_stripe_tables(graph, matches, comm, options.sync_weights)}
     for index in striped_tables(matches):      # a Keras stripe's share of its table's penalty
         if isinstance(ranged[index][0], StripeEmbedding):
             own.penalties += take_weight_penalties(ranged[index][0])
@@ -476,7 +477,7 @@ def _key_range_tables(matches: list[Match], plan: FieldPlan, comm: Communicator,
     return out
 
 
-def _stripe_tables(matches: list[Match], comm: Communicator, from_root: bool) -> dict:
+def _stripe_tables(graph: Graph, matches: list[Match], comm: Communicator, from_root: bool) -> dict:
     """For each table split by key stripe: {table node index: (the layer holding this process's
     stripe, ids -> lookup)}. A Keras table's stripe moves into a StripeEmbedding (rank 0's rows
     with ``from_root``: one scatter, never the whole table to every process); a TFRA table stays
@@ -488,7 +489,9 @@ def _stripe_tables(matches: list[Match], comm: Communicator, from_root: bool) ->
         if node.attrs["source"].dynamic:
             table.des_key_stripe = (r, n)
             keep_own_rows(node.attrs["source"], table)
-            out[index] = (table, StripeLookup(lambda k, table=table: [table(k)], r, n, [dim]).member(0))
+            out[index] = (table, MaskedStripe(lambda x, table=table: [table(x)], r, n, PAD_ID).member(0)
+                          if masks_its_ids(graph, node) else
+                          StripeLookup(lambda k, table=table: [table(k)], r, n, [dim]).member(0))
             continue
         if from_root and n > 1:
             full = table.embeddings.numpy() if r == 0 else None
@@ -524,8 +527,12 @@ def _join_striped(graph: Graph, matches: list[Match], ranged: dict, comm: Commun
             widths = [width_of(node.layer) for node in readers]
             # one lookup of the joined rows behind one stripe mask, each member placed on its own (no
             # slice of a joined tensor, whose gradient is a zero-filled copy); two readers share it
-            lookup = StripeLookup(lambda k, table=table, w=len(widths): table([k] * w), comm.rank, comm.world_size,
-                                  widths)
+            if masks_its_ids(graph, readers[0]):      # des.train's tables on [B, L] ids pool them: masked ids
+                lookup = MaskedStripe(lambda x, table=table, w=len(widths): table([x] * w), comm.rank,
+                                      comm.world_size, PAD_ID)
+            else:
+                lookup = StripeLookup(lambda k, table=table, w=len(widths): table([k] * w), comm.rank,
+                                      comm.world_size, widths)
             for j, node in enumerate(readers):
                 ranged[node.index] = (node.layer, lookup.member(j))
             out.append((table, readers))
