@@ -178,6 +178,18 @@ def test_des_reading_text_with_a_process_that_owns_no_field_equals_one_process(t
         within("|log loss - single's|", abs(got["logloss"] - one["logloss"]), 5e-7)   # measured 6.0e-8
 
 
+def _predictions(where, data, runs) -> tuple[list[np.ndarray], str]:
+    """des.predict of each (checkpoint folder under ``where``, processes) in ``runs`` on ``data``:
+    the predictions of each, and what the last run printed."""
+    preds = []
+    for ck, n in runs:
+        r = mpirun(n, "-m", "des.predict", "--checkpoint", str(where / ck), "--data", str(data),
+                   "--out", str(where / f"{ck}.txt"), "--threads", "1")
+        assert r.returncode == 0, r.stderr[-3000:]
+        preds.append(np.loadtxt(where / f"{ck}.txt"))
+    return preds, r.stdout
+
+
 @pytest.mark.mpi
 def test_a_killed_des_job_resumes_as_ps_on_3_processes_like_one_uninterrupted_process(data_file, tmp_path):
     """2 epochs of 4 steps in one process, against: DES on 2 processes saving every 3 steps, its
@@ -209,13 +221,8 @@ def test_a_killed_des_job_resumes_as_ps_on_3_processes_like_one_uninterrupted_pr
     # PS 3 -> DES 2: the PS checkpoint read by DES on 2 processes predicts what one process's does
     test = tmp_path / "test.txt"
     test.write_text("".join(open(data_file).readlines()[:500]))
-    preds = []
-    for ck, n in (("s", 1), ("p", 2)):
-        r = mpirun(n, "-m", "des.predict", "--checkpoint", str(tmp_path / ck), "--data", str(test),
-                   "--out", str(tmp_path / f"{ck}.txt"), "--threads", "1")
-        assert r.returncode == 0, r.stderr[-3000:]
-        preds.append(np.loadtxt(tmp_path / f"{ck}.txt"))
-    assert "ps checkpoint of 3 process(es), read by 2" in r.stdout
+    preds, said = _predictions(tmp_path, test, (("s", 1), ("p", 2)))
+    assert "ps checkpoint of 3 process(es), read by 2" in said
     print(f"PS 3 checkpoint read by DES 2 vs single: max diff {np.abs(preds[0] - preds[1]).max():.1e}")
     assert preds[0].shape == (500,)
     within("PS 3 checkpoint read by DES 2: predictions", np.abs(preds[0] - preds[1]).max(), 5e-7)   # measured 6.0e-8
@@ -637,43 +644,55 @@ def test_a_big_field_split_by_key_stripe_under_mpirun(battery):
         within(f"{name} data-parallel tail N=3", max(diff.values()), 1e-6)
 
 
+def _split_field_trains_like_one_process(where, args: list, field: str, extra: tuple = (), tag: str = "") -> None:
+    """des.train ``args`` on one process and on 3 (``--mode des`` and ``extra``), ``--checkpoint``
+    ``where``/<tag>s and <tag>d: ``field``'s two tables split by key stripe (the report says so, each
+    process holds some of the rows one process holds, together all of them), the same held-out AUC
+    and log loss (measured 0 both)."""
+    single = subprocess.run([sys.executable, *args, "--checkpoint", str(where / f"{tag}s"), "--summary-json",
+                             str(where / f"{tag}s.json")], env=ENV, cwd=ROOT, capture_output=True, text=True,
+                            timeout=600)
+    assert single.returncode == 0, single.stderr[-3000:]
+    run = mpirun(3, *args, "--mode", "des", *extra, "--checkpoint", str(where / f"{tag}d"),
+                 "--summary-json", str(where / f"{tag}d.json"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"emb1_{field}, emb4_{field} split by key stripe over 3 processes" in run.stdout, run.stdout[-3000:]
+    one = json.load(open(where / f"{tag}s.json"))
+    ranks = [json.load(open(where / f"{tag}d.json.rank{r}")) for r in range(3)]
+    table = f"emb4_{field}/emb1_{field}"
+    held = [r["table_rows"]["tables"][table]["held"] for r in ranks]
+    print(f"{field} rows held: one process {one['table_rows']['tables'][table]['held']}, N = 3 {held}")
+    assert sum(held) == one["table_rows"]["tables"][table]["held"] and min(held) > 0
+    for got in ranks:
+        within(f"{field}: |AUC - single's|", abs(got["auc"] - one["auc"]), 1e-7)
+        within(f"{field}: |log loss - single's|", abs(got["logloss"] - one["logloss"]), 5e-7)
+
+
 @pytest.mark.mpi
 def test_des_train_splits_a_big_field_saves_and_serves_like_one_process(tmp_path):
     """des.train's own model on criteo-like data whose C26 has 1,000,000 values (the
     criteo-big-field preset): with des.Options' defaults at N = 3 the field is too big for one owner
-    and its two tables are split by key stripe (the report says so; each process holds about a third
-    of the rows the one process holds, together all of them). Adam, 6 steps of 256: the same held-out
-    AUC and log loss as one process; its checkpoint, read by 2 processes, predicts what one
-    process's does."""
+    and its two tables are split by key stripe. Adam, 6 steps of 256: the same held-out AUC and log
+    loss as one process; its checkpoint, read by 2 processes, predicts what one process's does.
+    Then libffm data whose fields are weighted (tables that pool ids times weights themselves), F3
+    declared big, --stripe-min-rows 0: split, the same AUC and log loss."""
     from des.data.synth import write_criteo
     data, test = tmp_path / "big.txt", tmp_path / "test.txt"
     write_criteo(str(data), 3000, preset="criteo-big-field", seed=1, quiet=True)
     test.write_text("".join(open(data).readlines()[-400:]))
     args = ["-m", "des.train", "--model", "deepfm", "--batch", "256", "--hidden", "16", "--dim", "4", "--threads", "1",
-            "--holdout", "500", "--shuffle-buffer", "1000", "--lr", "0.02", "--steps", "6", "--data", str(data)]
-    single = subprocess.run([sys.executable, *args, "--checkpoint", str(tmp_path / "s"), "--summary-json",
-                             str(tmp_path / "s.json")], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert single.returncode == 0, single.stderr[-3000:]
-    run = mpirun(3, *args, "--mode", "des", "--checkpoint", str(tmp_path / "d"), "--summary-json", str(tmp_path / "d.json"))
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "field 'C26': 1,000,000 rows, more than an even share" in run.stdout and \
-        "emb1_C26, emb4_C26 split by key stripe over 3 processes" in run.stdout, run.stdout[-3000:]
-    one = json.load(open(tmp_path / "s.json"))
-    ranks = [json.load(open(tmp_path / f"d.json.rank{r}")) for r in range(3)]
-    held = [r["table_rows"]["tables"]["emb4_C26/emb1_C26"]["held"] for r in ranks]
-    print(f"C26 rows held: one process {one['table_rows']['tables']['emb4_C26/emb1_C26']['held']}, N = 3 {held}")
-    assert sum(held) == one["table_rows"]["tables"]["emb4_C26/emb1_C26"]["held"] and min(held) > 0
-    for got in ranks:
-        within("|AUC - single's|", abs(got["auc"] - one["auc"]), 1e-7)              # measured 0
-        within("|log loss - single's|", abs(got["logloss"] - one["logloss"]), 5e-7)   # measured 0
-    preds = []
-    for ck, n in (("s", 1), ("d", 2)):
-        r = mpirun(n, "-m", "des.predict", "--checkpoint", str(tmp_path / ck), "--data", str(test),
-                   "--out", str(tmp_path / f"{ck}.txt"), "--threads", "1")
-        assert r.returncode == 0, r.stderr[-3000:]
-        preds.append(np.loadtxt(tmp_path / f"{ck}.txt"))
-    assert "des checkpoint of 3 process(es), read by 2" in r.stdout, r.stdout[-2000:]
-    within("DES 3 checkpoint read by 2: predictions", np.abs(preds[0] - preds[1]).max(), 5e-7)   # measured 3.0e-7
+            "--holdout", "500", "--shuffle-buffer", "1000", "--lr", "0.02", "--steps", "6"]
+    _split_field_trains_like_one_process(tmp_path, [*args, "--data", str(data)], "C26")
+    preds, said = _predictions(tmp_path, test, (("s", 1), ("d", 2)))
+    assert "des checkpoint of 3 process(es), read by 2" in said, said[-2000:]
+    # measured 2.1e-7 to 3.0e-7 (des.predict at N = 2 gives other bits from launch to launch: reported, not fixed)
+    within("DES 3 checkpoint read by 2: predictions", np.abs(preds[0] - preds[1]).max(), 5e-7)
+    # libffm: every field weighted (idx:val), its table pooling ids times weights itself; F3 declared big
+    ffm = tmp_path / "w.ffm"
+    write_small_ffm(str(ffm), 4000, seed=3, fields=4)
+    meta = json.load(open(f"{ffm}.meta.json"))
+    json.dump(dict(meta, cardinalities={"F0": 10, "F1": 20, "F2": 100, "F3": 500}), open(f"{ffm}.meta.json", "w"))
+    _split_field_trains_like_one_process(tmp_path, [*args, "--data", str(ffm)], "F3", ("--stripe-min-rows", "0"), "w")
 
 
 @pytest.mark.mpi
