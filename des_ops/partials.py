@@ -107,5 +107,6 @@ def bi_combine(total: tf.Tensor, k: int, summed: int = 0) -> tf.Tensor:
     """[B, k] bi-interaction from the summed [B, 2k + summed * k]."""
     q = total[:, k:2 * k]
     if summed:
-        q = q + tf.reduce_sum(tf.reshape(tf.square(total[:, 2 * k:]), tf.stack([tf.shape(total)[0], summed, k])), axis=1)
+        squares = tf.reshape(tf.square(total[:, 2 * k:]), tf.stack([tf.shape(total)[0], summed, k]))
+        q = q + tf.reduce_sum(squares, axis=1)
     return 0.5 * (tf.square(total[:, :k]) - q)

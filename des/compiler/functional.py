@@ -19,7 +19,6 @@ from des.compiler.cost import AutoTail
 from des.graph.fields import FieldAnalysis
 from des.compiler.handle import Distributed, attach
 from des.graph.ir import Graph, Node, call_node, is_keras_tensor, replay
-from models.spec import PAD_ID
 from des.compiler.exchange import FieldTraffic, exchange_lines
 from des.compiler.plan import FieldCost, FieldPlan, check_agreement, make_plan
 from des.graph.sources import source_of
@@ -31,6 +30,7 @@ from des_ops.keras_internals import (autograph_as_keras_decides, compile_args, c
                                      take_weight_penalties)
 from des_ops.suboperators import DESFirstLayer
 from des_ops.tail import GatherRows, ShardRows, count_tail_penalties_once, sum_tail_gradients
+from models.spec import PAD_ID
 from rewrite_rules import Match, find_substitutions, rule_named
 
 from des.compiler.options import Options

@@ -163,7 +163,8 @@ class RunConfig:
         tables = self.tables or ("joined" if self.join_linear else "fused")
         return Options(plan=plan or self.plan, tail=self.tail, first_dense=self.first_dense, tables=tables,
                        micro_batches=self.micro_batches, wire_dtype=self.wire_dtype,
-                       stripe_min_rows=self.stripe_min_rows, costs=AutoTail(batch_size=self.batch, bandwidth=self.network.link_bytes_per_second,
+                       stripe_min_rows=self.stripe_min_rows,
+                       costs=AutoTail(batch_size=self.batch, bandwidth=self.network.link_bytes_per_second,
                                       distinct=distinct), row_policy=self.row_policy)
 
     @property
