@@ -60,12 +60,8 @@ def fm_partial(embs: list[tf.Tensor], batch: tf.Tensor, k: int, slots: list[int 
     """[B, k + 1 + summed * k]: S_p, Q_p and the ``summed`` fields' T_p side by side. ``slots``: per
     vector, its place among the fields squared after the sum (a stripe of a field of several ids a
     sample), or None (squared here, into Q_p)."""
-    if not embs:
-        return zeros(batch, k + 1 + summed * k)
-    slots = slots or [None] * len(embs)
-    squares = [tf.reduce_sum(tf.square(e), axis=1, keepdims=True) for e, j in zip(embs, slots) if j is None]
-    q = tf.add_n(squares) if squares else zeros(batch, 1)
-    return tf.concat([tf.add_n(embs), q, *_summed_parts(embs, slots, summed, batch, k)], axis=1)
+    return _sums_and_squares(embs, batch, k, lambda e: tf.reduce_sum(tf.square(e), axis=1, keepdims=True), 1,
+                             slots, summed)
 
 
 def fm_combine(total: tf.Tensor, k: int, summed: int = 0) -> tf.Tensor:
@@ -76,14 +72,20 @@ def fm_combine(total: tf.Tensor, k: int, summed: int = 0) -> tf.Tensor:
     return 0.5 * (tf.reduce_sum(tf.square(s), axis=1, keepdims=True) - q)
 
 
-def _summed_parts(embs: list[tf.Tensor], slots: list[int | None], summed: int, batch: tf.Tensor,
-                  k: int) -> list[tf.Tensor]:
-    """T_p: per field squared after the sum, this process's vector of it (its stripe), or zeros."""
+def _sums_and_squares(embs: list[tf.Tensor], batch: tf.Tensor, k: int, square, q_width: int,
+                      slots: list[int | None] | None, summed: int) -> tf.Tensor:
+    """[S_p, Q_p, T_p]: the sum of ``embs``, the sum of ``square`` of those not in a slot ([B,
+    ``q_width``]), and per field squared after the sum this process's vector of it (its stripe) or zeros."""
+    if not embs:
+        return zeros(batch, k + q_width + summed * k)
+    slots = slots or [None] * len(embs)
+    squares = [square(e) for e, j in zip(embs, slots) if j is None]
     parts = [None] * summed
     for e, j in zip(embs, slots):
         if j is not None:
             parts[j] = e if parts[j] is None else parts[j] + e
-    return [zeros(batch, k) if p is None else p for p in parts]
+    return tf.concat([tf.add_n(embs), tf.add_n(squares) if squares else zeros(batch, q_width),
+                      *[zeros(batch, k) if p is None else p for p in parts]], axis=1)
 
 
 def dense_partial(embs: list[tf.Tensor], kernel_block: tf.Tensor) -> tf.Tensor:
@@ -95,12 +97,7 @@ def bi_partial(embs: list[tf.Tensor], batch: tf.Tensor, k: int, slots: list[int 
                summed: int = 0) -> tf.Tensor:
     """[B, 2k + summed * k]: S_p = sum_f v_f, per k Q_p = sum_f v_f^2 (not summed over k), and the
     ``summed`` fields' T_p (``slots``: as in ``fm_partial``)."""
-    if not embs:
-        return zeros(batch, (2 + summed) * k)
-    slots = slots or [None] * len(embs)
-    squares = [tf.square(e) for e, j in zip(embs, slots) if j is None]
-    q = tf.add_n(squares) if squares else zeros(batch, k)
-    return tf.concat([tf.add_n(embs), q, *_summed_parts(embs, slots, summed, batch, k)], axis=1)
+    return _sums_and_squares(embs, batch, k, tf.square, k, slots, summed)
 
 
 def bi_combine(total: tf.Tensor, k: int, summed: int = 0) -> tf.Tensor:

@@ -58,49 +58,37 @@ class LinearSumSubOp(SubOperator):
 
 
 class FMSubOp(SubOperator):
-    """0.5 * sum_k((sum_f v)^2 - sum_f v^2): partial [S_p, Q_p], [B, k + 1]; with ``summed`` (fields
-    split by key stripe that have several ids a sample, des.compiler.big_tables) each one's stripe
-    T_p beside them, [B, k + 1 + k * len(summed)], squared after the sum (des_ops.partials)."""
+    """0.5 * sum_k((sum_f v)^2 - sum_f v^2): partial [S_p, Q_p], [B, k + 1]; with ``summed`` fields
+    (split by key stripe, several ids a sample: des.compiler.big_tables) each one's stripe T_p beside
+    them, [B, k + 1 + k * summed], squared after the sum (des_ops.partials). ``slots``: per owned
+    vector, its field's place among them, or None."""
 
-    def __init__(self, fields, *, k: int, summed=(), **kwargs):
+    def __init__(self, fields, *, k: int, slots=None, summed: int = 0, **kwargs):
         super().__init__(fields, **kwargs)
-        self.k, self.summed = k, list(summed)
-        self.width = k + 1 + k * len(self.summed)
+        self.k, self.slots, self.summed = k, slots, int(summed)
+        self.width = k + 1 + k * self.summed
 
     def partial(self, vectors, batch):
-        return dm.fm_partial(vectors, batch, self.k, summed_slots(self.fields, self.summed), len(self.summed))
+        return dm.fm_partial(vectors, batch, self.k, self.slots, self.summed)
 
     def combine(self, total):
-        return dm.fm_combine(total, self.k, len(self.summed))
+        return dm.fm_combine(total, self.k, self.summed)
 
 
 class BiInteractionSubOp(SubOperator):
     """NFM's bi-interaction 0.5 * ((sum_f v)^2 - sum_f v^2), a [B, k] vector: partial [S_p, Q_p], [B, 2k];
-    ``summed``: as FMSubOp's, [B, 2k + k * len(summed)]."""
+    ``slots``, ``summed``: as FMSubOp's, [B, 2k + k * summed]."""
 
-    def __init__(self, fields, *, k: int, summed=(), **kwargs):
+    def __init__(self, fields, *, k: int, slots=None, summed: int = 0, **kwargs):
         super().__init__(fields, **kwargs)
-        self.k, self.summed = k, list(summed)
-        self.width = (2 + len(self.summed)) * k
+        self.k, self.slots, self.summed = k, slots, int(summed)
+        self.width = (2 + self.summed) * k
 
     def partial(self, vectors, batch):
-        return dm.bi_partial(vectors, batch, self.k, summed_slots(self.fields, self.summed), len(self.summed))
+        return dm.bi_partial(vectors, batch, self.k, self.slots, self.summed)
 
     def combine(self, total):
-        return dm.bi_combine(total, self.k, len(self.summed))
-
-
-def summed_slots(fields: list[str], summed: list[str]) -> list[int | None]:
-    """Per owned field vector, the place of its field among ``summed`` when it is one of that
-    field's key stripes (``<field>%<r>``), else None.
-
-        >>> summed_slots(["f1", "hist%2", "f2"], ["hist"])
-        [None, 0, None]
-    """
-    def slot(name: str) -> int | None:
-        base, mark, r = name.rpartition("%")
-        return summed.index(base) if mark and r.isdigit() and base in summed else None
-    return [slot(f) for f in fields]
+        return dm.bi_combine(total, self.k, self.summed)
 
 
 class FieldRowsSubOp(SubOperator):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from des.graph.pattern import Alt, Op
 from des_ops.suboperators import BiInteractionSubOp
 from rewrite_rules.base import Rule, register
-from rewrite_rules.fm_interaction import DIFF, E, half, interaction_match
+from rewrite_rules.fm_interaction import DIFF, E, half, interaction_match, summed_slots
 
 PATTERN = Alt(Op("bi_interaction", E), half(DIFF))
 
@@ -25,5 +25,5 @@ class BiInteractionRule(Rule):
         return interaction_match(self.name, PATTERN, graph, fields, node, lambda k: k)
 
     def sub_operator(self, match, owned, name):
-        return BiInteractionSubOp([v.field for v in owned], k=match.data["k"], summed=match.data.get("summed", ()),
+        return BiInteractionSubOp([v.field for v in owned], k=match.data["k"], **summed_slots(match, owned),
                                   source=match.root.layer.name, name=name)

@@ -30,6 +30,15 @@ PATTERN = Alt(
 )
 
 
+def summed_slots(match: Match, owned: list) -> dict:
+    """FMSubOp's / BiInteractionSubOp's ``slots`` and ``summed``: per owned vector, the place of its
+    field among ``match.data["summed"]`` (fields squared after the sum over processes) when it is a
+    key stripe of one, else None; and how many there are."""
+    summed = match.data.get("summed", [])
+    return {"slots": [summed.index(v.unstriped_field) if v.key_stripe is not None and v.unstriped_field in summed
+                      else None for v in owned], "summed": len(summed)}
+
+
 def interaction_match(rule: str, pattern, graph, fields, node, per_sample_size):
     """Shared by the FM and bi-interaction rules: the pattern, a stack of equal-width field
     vectors, both sums over fields of the same shape, and the output size per sample."""
@@ -64,5 +73,5 @@ class FMInteractionRule(Rule):
         return interaction_match(self.name, PATTERN, graph, fields, node, lambda k: 1)
 
     def sub_operator(self, match, owned, name):
-        return FMSubOp([v.field for v in owned], k=match.data["k"], summed=match.data.get("summed", ()),
+        return FMSubOp([v.field for v in owned], k=match.data["k"], **summed_slots(match, owned),
                        source=match.root.layer.name, name=name)

@@ -438,34 +438,45 @@ ZOO_SPEC = FeatureSpec((Field("big", dim=K, cardinality=BIG), Field("a", dim=K, 
                         Field("b", dim=K, cardinality=V)))
 
 
-def test_des_trains_zoo_tables_split_by_key_stripe():
-    """des.train's own tables (models.layers.FieldEmbedding, dynamic, keyed new rows) are split like
-    a TFRA one: the zoo's DeepFM with a field of BIG rows in its spec, at N = 3, 6 steps of 31 and a
-    last of 2 (SGD under both tails, Adam under the replicated one), equals one process, each key of
-    the field's embedding and linear tables held by its stripe's process only."""
-    build = lambda: models.deepfm(ZOO_SPEC)  # noqa: E731
+def _zoo_split_equals_one_process(spec: FeatureSpec, case: str, runs: list[tuple], pad=None) -> None:
+    """The zoo's DeepFM over ``spec`` (field "big" too big for one owner) at N = 3, 6 steps of 31 and a
+    last of 2, per (optimizer, des.Options keywords, bound of rows and weights) in ``runs``: equal to
+    one process (predictions 1e-6), the big field's two tables split, each key held by its stripe's
+    process only. ``pad``: edits the batches first."""
+    build = lambda: models.deepfm(spec)  # noqa: E731
     tf.keras.utils.set_random_seed(0)
     base = build()
     batches, probe = sliced_batches(base, 5 * 31 + 2, 31)
-    # Adam's m / (sqrt(v) + eps) amplifies float32 summation order where a gradient is near zero: this model's
-    # dense weights differ by 4.5e-7 (replicated) and 7.0e-6 (data-parallel) from one process with the field
-    # whole, 5.8e-7 and 9.6e-6 split; after SGD by <= 7.5e-9 either way (measured). Adam: the replicated tail
-    for optimizer, tail, bound in (("sgd", "replicated", 1e-6), ("sgd", "data_parallel", 1e-6),
-                                   ("adam", "replicated", ADAM_STATE)):
+    if pad is not None:
+        pad(batches)
+    for optimizer, kw, bound in runs:
         fit = lambda m: fit_and_snapshot(m, batches, probe, optimizer=optimizer, learning_rate=0.02)  # noqa: E731
         reference = build()
         copy_state(base, reference)
         ref = fit(reference)
         big = sorted(k for k, (layer, _) in state_keys(reference).tables.items() if layer.field == "big")
         assert len(big) == 2, big
-        ranks = run_in_process_world(3, build, fit, init_from=base, spec=ZOO_SPEC, stripe_min_rows=0, tail=tail)
+        ranks = run_in_process_world(3, build, fit, init_from=base, spec=spec, stripe_min_rows=0, **kw)
         diff = compare(ref, ranks)
-        within(f"zoo deepfm {optimizer} {tail} N=3 predictions", diff["predictions"], 1e-6)
-        within(f"zoo deepfm {optimizer} {tail} N=3 rows and weights",
-               max(diff["tables"], diff["owned"], diff["weights"]), bound)
-        assert _split_tables(ranks) == big, (tail, _split_tables(ranks))
+        within(f"{case}, {optimizer} {kw} N=3 predictions", diff["predictions"], 1e-6)
+        within(f"{case}, {optimizer} {kw} N=3 rows and weights", max(diff["tables"], diff["owned"], diff["weights"]),
+               bound)
+        assert _split_tables(ranks) == big, (kw, big, _split_tables(ranks))
         for table in big:
             _held_by_stripes(ranks, ref, table)
+
+
+def test_des_trains_zoo_tables_split_by_key_stripe():
+    """des.train's own tables (models.layers.FieldEmbedding, dynamic, keyed new rows) are split like
+    a TFRA one: the zoo's DeepFM with a field of BIG rows in its spec, at N = 3, 6 steps of 31 and a
+    last of 2 (SGD under both tails, Adam under the replicated one), equals one process, each key of
+    the field's embedding and linear tables held by its stripe's process only."""
+    # Adam's m / (sqrt(v) + eps) amplifies float32 summation order where a gradient is near zero: this model's
+    # dense weights differ by 4.5e-7 (replicated) and 7.0e-6 (data-parallel) from one process with the field
+    # whole, 5.8e-7 and 9.6e-6 split; after SGD by <= 7.5e-9 either way (measured). Adam: the replicated tail
+    _zoo_split_equals_one_process(ZOO_SPEC, "zoo deepfm", [("sgd", {"tail": "replicated"}, 1e-6),
+                                                           ("sgd", {"tail": "data_parallel"}, 1e-6),
+                                                           ("adam", {"tail": "replicated"}, ADAM_STATE)])
 
 
 @pytest.mark.parametrize("ids", [1, BAG])
@@ -482,27 +493,13 @@ def test_des_trains_weighted_fields_and_bags_split_by_masking_the_others_ids(ids
     _, notes = _split(models.deepfm(spec), 3, rows={"big": BIG, "a": V, "b": V})
     assert len(notes) == 1 and "split by key stripe over 3 processes" in notes[0], notes
     assert (ids > 1) == ("fm_interaction at 'fm' squares its" in notes[0]), notes
-    build = lambda: models.deepfm(spec)  # noqa: E731
-    tf.keras.utils.set_random_seed(0)
-    base = build()
-    batches, probe = sliced_batches(base, 5 * 31 + 2, 31)
-    for x, _ in batches:              # the reader's padding: the last position of every third sample
-        pad = (np.arange(x["big"].shape[0]) % 3 == 0)[:, None] & (np.arange(ids) == ids - 1)[None, :]
-        x["big"] = tf.where(pad, tf.constant(PAD_ID, tf.int64), x["big"])
-        x["big_weight"] = tf.where(pad, 0.0, x["big_weight"])
-    for optimizer, kw in (("sgd", {"tail": "replicated"}), ("sgd", {"tail": "data_parallel"}),
-                          ("sgd", {"tail": "data_parallel", "first_dense": "rows"}), ("adam", {"tail": "replicated"})):
-        fit = lambda m: fit_and_snapshot(m, batches, probe, optimizer=optimizer, learning_rate=0.02)  # noqa: E731
-        reference = build()
-        copy_state(base, reference)
-        ref = fit(reference)
-        big = sorted(k for k, (layer, _) in state_keys(reference).tables.items() if layer.field == "big")
-        ranks = run_in_process_world(3, build, fit, init_from=base, spec=spec, stripe_min_rows=0, **kw)
-        diff = compare(ref, ranks)
-        case = f"zoo deepfm, {ids} weighted id(s) a sample, {optimizer} {kw}"
-        within(f"{case} N=3 predictions", diff["predictions"], 1e-6)
-        within(f"{case} N=3 rows and weights", max(diff["tables"], diff["owned"], diff["weights"]),
-               1e-6 if optimizer == "sgd" else ADAM_STATE)
-        assert len(big) == 2 and _split_tables(ranks) == big, (kw, big, _split_tables(ranks))
-        for table in big:
-            _held_by_stripes(ranks, ref, table)
+
+    def pad(batches):                 # the reader's padding: the last position of every third sample
+        for x, _ in batches:
+            padded = (np.arange(x["big"].shape[0]) % 3 == 0)[:, None] & (np.arange(ids) == ids - 1)[None, :]
+            x["big"] = tf.where(padded, tf.constant(PAD_ID, tf.int64), x["big"])
+            x["big_weight"] = tf.where(padded, 0.0, x["big_weight"])
+    _zoo_split_equals_one_process(spec, f"zoo deepfm, {ids} weighted id(s) a sample",
+                                  [("sgd", {"tail": "replicated"}, 1e-6), ("sgd", {"tail": "data_parallel"}, 1e-6),
+                                   ("sgd", {"tail": "data_parallel", "first_dense": "rows"}, 1e-6),
+                                   ("adam", {"tail": "replicated"}, ADAM_STATE)], pad)

@@ -489,9 +489,7 @@ def _stripe_tables(graph: Graph, matches: list[Match], comm: Communicator, from_
         if node.attrs["source"].dynamic:
             table.des_key_stripe = (r, n)
             keep_own_rows(node.attrs["source"], table)
-            out[index] = (table, MaskedStripe(lambda x, table=table: [table(x)], r, n, PAD_ID).member(0)
-                          if masks_its_ids(graph, node) else
-                          StripeLookup(lambda k, table=table: [table(k)], r, n, [dim]).member(0))
+            out[index] = (table, _stripe_lookup(graph, node, lambda x, table=table: [table(x)], r, n, [dim]).member(0))
             continue
         if from_root and n > 1:
             full = table.embeddings.numpy() if r == 0 else None
@@ -503,6 +501,15 @@ def _stripe_tables(graph: Graph, matches: list[Match], comm: Communicator, from_
                                regularizer=table.embeddings_regularizer, name=f"des_stripe_{table.name}_rank{r}")
         out[index] = (held, held.lookup().member(0))
     return out
+
+
+def _stripe_lookup(graph: Graph, node: Node, call, stripe: int, count: int, dims: list[int]):
+    """Stripe ``stripe`` of ``count`` of the tables ``call`` reads (inputs -> one output each): a
+    StripeLookup of its own keys, or, for des.train's tables that pool their [B, L] ids themselves,
+    a MaskedStripe (the others' ids as padding)."""
+    if masks_its_ids(graph, node):
+        return MaskedStripe(call, stripe, count, PAD_ID)
+    return StripeLookup(call, stripe, count, dims)
 
 
 def _join_striped(graph: Graph, matches: list[Match], ranged: dict, comm: Communicator) -> tuple[list, list[str]]:
@@ -527,12 +534,8 @@ def _join_striped(graph: Graph, matches: list[Match], ranged: dict, comm: Commun
             widths = [width_of(node.layer) for node in readers]
             # one lookup of the joined rows behind one stripe mask, each member placed on its own (no
             # slice of a joined tensor, whose gradient is a zero-filled copy); two readers share it
-            if masks_its_ids(graph, readers[0]):      # des.train's tables on [B, L] ids pool them: masked ids
-                lookup = MaskedStripe(lambda x, table=table, w=len(widths): table([x] * w), comm.rank,
-                                      comm.world_size, PAD_ID)
-            else:
-                lookup = StripeLookup(lambda k, table=table, w=len(widths): table([k] * w), comm.rank,
-                                      comm.world_size, widths)
+            lookup = _stripe_lookup(graph, readers[0], lambda x, table=table, w=len(widths): table([x] * w),
+                                    comm.rank, comm.world_size, widths)
             for j, node in enumerate(readers):
                 ranged[node.index] = (node.layer, lookup.member(j))
             out.append((table, readers))
