@@ -50,9 +50,23 @@ def first_row(value: tf.Tensor, batch: tf.Tensor) -> tf.Tensor:
     return tf.pad(tf.reshape(value, [1, 1]), tf.stack([tf.stack([0, batch - 1]), [0, 0]]))
 
 
+def ordered_sum(xs: list[tf.Tensor]) -> tf.Tensor:
+    """``xs[0] + xs[1] + ...``, added left to right. Not ``tf.add_n``: AddN adds into whichever
+    input buffer it may reuse in place, first, so the order of its float sum (and the bits) would
+    follow the execution order, which a collective in flight makes vary from launch to launch.
+
+        >>> float(ordered_sum([tf.constant(1.0), tf.constant(2.0), tf.constant(3.0)]))
+        6.0
+    """
+    total = xs[0]
+    for x in xs[1:]:
+        total = total + x
+    return total
+
+
 def linear_partial(embs: list[tf.Tensor], batch: tf.Tensor) -> tf.Tensor:
     """[B, 1]: the sum of this process's 1-wide lookups."""
-    return tf.add_n(embs) if embs else zeros(batch, 1)
+    return ordered_sum(embs) if embs else zeros(batch, 1)
 
 
 def fm_partial(embs: list[tf.Tensor], batch: tf.Tensor, k: int, slots: list[int | None] | None = None,
@@ -84,7 +98,7 @@ def _sums_and_squares(embs: list[tf.Tensor], batch: tf.Tensor, k: int, square, q
     for e, j in zip(embs, slots):
         if j is not None:
             parts[j] = e if parts[j] is None else parts[j] + e
-    return tf.concat([tf.add_n(embs), tf.add_n(squares) if squares else zeros(batch, q_width),
+    return tf.concat([ordered_sum(embs), ordered_sum(squares) if squares else zeros(batch, q_width),
                       *[zeros(batch, k) if p is None else p for p in parts]], axis=1)
 
 

@@ -269,7 +269,7 @@ class DenseBlockSubOp(SubOperator):
         terms = [] if self.kernel_block is None else [self.regularizer(self.kernel_block)]
         if self.shared_block is not None and self.penalized_shared is not None:
             terms.append(self.regularizer(tf.gather(self.shared_block, self.penalized_shared)))
-        return tf.add_n(terms) if terms else None
+        return dm.ordered_sum(terms) if terms else None
 
     def ordered(self, vectors: list) -> tuple[list, tf.Tensor | None]:
         """(the owned vectors in ``order``; their kernel rows, or None)."""
@@ -579,7 +579,7 @@ class DESFirstLayer(tf.keras.layers.Layer):
     def _owned_penalty(self) -> tf.Tensor:
         terms = [fn() for fn in self._penalties] + [op.regularization() for op in self.ops]
         terms = [tf.cast(t, tf.float32) for t in terms if t is not None]
-        return tf.add_n(terms) if terms else tf.constant(0.0)
+        return dm.ordered_sum(terms) if terms else tf.constant(0.0)
 
     def floats_per_sample(self) -> int:
         """Floats per sample of the fused allreduce (or reduce-scatter): the operators' partials
