@@ -34,6 +34,8 @@ from __future__ import annotations
 import os
 import re
 import threading
+import weakref
+import zlib
 
 import numpy as np
 import tensorflow as tf
@@ -333,33 +335,96 @@ class HorovodCommunicator(Communicator):
         return horovod_broadcast(self, a, root)
 
 
+def sleeping_wait(request, first: float = 2e-5, longest: float = 5e-4, timeout: float | None = None,
+                  what: str = "a collective") -> None:
+    """Wait for an MPI request, testing it with sleeps between (``first`` s, doubling up to
+    ``longest``). Open MPI's own Wait polls a whole core until the bytes have come (yielding does
+    not help under a CPU quota: the poll spends it). 4 emulated hosts at 100 Mbit/s, a 1.1 MB
+    allreduce: 65 ms of CPU a call polled, 12 ms slept, the same 150 ms of wall time
+    (reports/peer_wide_netbed_100mbit_sleeping.md has the training runs). After ``timeout`` s
+    it raises instead of waiting on: some rank never came (as Horovod's stall shutdown)."""
+    import time
+    pause, since = first, time.monotonic()
+    while not request.Test():
+        if timeout is not None and time.monotonic() - since > timeout:
+            raise TimeoutError(f"{what}: waited {timeout:.0f} s; a rank that did not print this line never "
+                               f"reached it (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS sets the wait)")
+        time.sleep(pause)
+        pause = min(2 * pause, longest)
+
+
+class SleepingMpi:
+    """Allreduce and broadcast by mpi4py on a duplicate of COMM_WORLD, waited for sleeping
+    (``sleeping_wait``); each allreduce checks that every rank called the same one (``sum``).
+    A step's allreduces run in tf.numpy_function and block a TensorFlow thread, so they are
+    chained in the order they were traced, the same on every rank (two scoped DES layers of one
+    step issued in another order on two ranks would wait for each other)."""
+
+    def __init__(self) -> None:
+        from mpi4py import MPI
+        self.mpi, self.comm = MPI, MPI.COMM_WORLD.Dup()
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.timeout = float(os.environ.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", STALL_DEFAULTS[
+            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"]))
+        self._last_in = weakref.WeakKeyDictionary()       # graph -> its last allreduce
+
+    def sum(self, a: np.ndarray, name: str = "des_allreduce") -> np.ndarray:
+        """``a`` summed over ranks. MPI matches collectives by order, not by name; so ``size``
+        numbers ride along, rank r's mark of ``name`` in place r, and a rank that met another
+        collective (another name) ends the job naming the ranks."""
+        a = np.asarray(a)
+        mark = zlib.crc32(name.encode()) % (1 << 23) + 1          # exact in float32
+        send = np.zeros(a.size + self.size, a.dtype)
+        send[:a.size], send[a.size + self.rank] = a.reshape(-1), mark
+        out = np.empty_like(send)
+        sleeping_wait(self.comm.Iallreduce(send, out, op=self.mpi.SUM), timeout=self.timeout,
+                      what=f"rank {self.rank} of {self.size}, allreduce {name!r}")
+        others = [r for r, m in enumerate(out[a.size:]) if m != mark]
+        if others:
+            raise DisagreementError(f"rank {self.rank} of {self.size}: allreduce {name!r} met another collective "
+                                    f"on rank(s) {', '.join(map(str, others))} (MPI matches collectives by order)")
+        return out[:a.size].reshape(a.shape)
+
+    def allreduce(self, x: tf.Tensor, name: str) -> tf.Tensor:
+        if tf.executing_eagerly():
+            return tf.constant(self.sum(x.numpy(), name))
+        graph = tf.compat.v1.get_default_graph()
+        last = self._last_in.get(graph)
+        if last is not None:
+            with tf.control_dependencies([last]):
+                x = tf.identity(x)
+        y = tf.ensure_shape(tf.numpy_function(lambda a: self.sum(a, name), [x], x.dtype, stateful=True), x.shape)
+        self._last_in[graph] = y
+        return y
+
+    def broadcast(self, a: np.ndarray, root: int) -> np.ndarray:
+        buf = np.ascontiguousarray(a).copy()
+        sleeping_wait(self.comm.Ibcast(buf, root=root), timeout=self.timeout,
+                      what=f"rank {self.rank} of {self.size}, broadcast from rank {root}")
+        return buf
+
+    def one_machine(self) -> bool:
+        return self.comm.Split_type(self.mpi.COMM_TYPE_SHARED).Get_size() == self.size
+
+
 class Mpi4pyCommunicator(Communicator):
-    """mpi4py Allreduce through tf.numpy_function (for runs without Horovod)."""
+    """DES's allreduce and broadcast by mpi4py, waited for sleeping (``SleepingMpi``); no Horovod,
+    no background thread. Allreduce and broadcast only: DES's replicated tail."""
     name = "mpi4py"
     wire_dtypes = ("float32",)      # Open MPI 4.1 fails a numpy float16 Allreduce (MPI_ERR_TYPE)
     blocking = True
 
     def __init__(self) -> None:
-        from mpi4py import MPI
-        self._comm = MPI.COMM_WORLD
-        self._mpi = MPI
-        self.rank, self.world_size = self._comm.Get_rank(), self._comm.Get_size()
+        self._mpi = SleepingMpi()
+        self.rank, self.world_size = self._mpi.rank, self._mpi.size
         super().__init__()
 
-    def _np_allreduce(self, a: np.ndarray) -> np.ndarray:
-        out = np.empty_like(a)
-        self._comm.Allreduce(np.ascontiguousarray(a), out, op=self._mpi.SUM)
-        return out
-
     def allreduce(self, x, name="des_allreduce"):
-        y = tf.numpy_function(self._np_allreduce, [x], x.dtype, stateful=True)
-        return tf.ensure_shape(y, x.shape)
+        return self._mpi.allreduce(x, name)
 
     def broadcast(self, a, root=0):
-        buf = np.ascontiguousarray(a).copy()
-        self.count("broadcast", buf.nbytes)
-        self._comm.Bcast(buf, root=root)
-        return buf
+        self.count("broadcast", np.asarray(a).nbytes)
+        return self._mpi.broadcast(a, root)
 
 
 class InProcessWorld:

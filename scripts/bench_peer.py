@@ -40,6 +40,7 @@ from des.cluster.netbed import Netbed  # noqa: E402
 
 
 SYSTEMS = {"tfra": "TFRA HvdAllToAllEmbedding", "des-replicated": "DES, replicated tail",
+           "des-replicated-mpi4py": "DES, replicated tail, mpi4py's allreduce waited sleeping (--comm mpi4py)",
            "des-data-parallel": "DES, data-parallel tail", "des-rows": "DES, data-parallel tail, first Dense by rows",
            "ps": "PS (this project)", "des-user": "DES, a user's DeepFM via des.transform, defaults",
            "des-user-rows": "DES, a user's DeepFM via des.transform, data-parallel tail, first Dense by rows",
@@ -77,6 +78,7 @@ def launchers_for(n, model, data, reader, a, launcher):
         return run(n, "des", model, data, a, out, (*extra, *reader), launcher)
     return {"tfra": lambda out: peer(n, model, data, a, out, launcher),
             "des-replicated": lambda out: des_run(out, ("--tail", "replicated")),
+            "des-replicated-mpi4py": lambda out: des_run(out, ("--tail", "replicated", "--comm", "mpi4py")),
             "des-data-parallel": lambda out: des_run(out, ("--tail", "data_parallel", "--first-dense", "partials")),
             "des-rows": lambda out: des_run(out, ("--tail", "data_parallel", "--first-dense", "rows")),
             "ps": lambda out: run(n, "ps", model, data, a, out, reader, launcher),

@@ -78,3 +78,66 @@ def test_an_epoch_of_unknown_length_counts_one_call_per_step():
     assert data.cardinality() == tf.data.UNKNOWN_CARDINALITY
     model.fit(data, epochs=2, verbose=0)
     assert des.distributed(model).comm.counted()["step"] == {"calls": 6, "bytes": 6 * 4 * 32 * 5}
+
+
+def test_the_mpi4py_wait_sleeps_doubling_pauses_up_to_its_longest_until_the_request_is_done(monkeypatch):
+    """des_ops.comm.sleeping_wait tests the request, sleeps 20 us, 40 us, ... at most 500 us between
+    tests (Open MPI's own Wait would poll a core), and returns on the first test that finds it done."""
+    import time
+    from des_ops.comm import sleeping_wait
+    pauses = []
+    monkeypatch.setattr(time, "sleep", pauses.append)
+
+    class Request:
+        tests = 0
+
+        def Test(self):
+            self.tests += 1
+            return self.tests == 8
+    request = Request()
+    sleeping_wait(request)
+    assert request.tests == 8
+    np.testing.assert_allclose(pauses, [2e-5, 4e-5, 8e-5, 1.6e-4, 3.2e-4, 5e-4, 5e-4])
+    pauses.clear()
+    sleeping_wait(type("Done", (), {"Test": lambda self: True})())
+    assert pauses == []
+
+
+def test_the_mpi4py_allreduce_names_ranks_that_met_another_collective_and_gives_up_on_ranks_that_never_come():
+    """MPI matches collectives by order, not name: des_ops.comm.SleepingMpi.sum sends each rank's
+    mark of the name beside the payload, so rank 0 of 2 whose allreduce met rank 1's differently
+    named one ends naming rank 1; with the same name it returns the sum. A rank that never comes
+    ends the wait after the stall timeout, with a message."""
+    import pytest
+    from des_ops.comm import DisagreementError, SleepingMpi
+
+    class Done:
+        def Test(self):
+            return True
+
+    def world(rank1_name: str, never: bool = False):
+        """Rank 0 of 2, rank 1 sending [10, 20] under ``rank1_name`` (or never coming)."""
+        mpi = object.__new__(SleepingMpi)
+        mpi.rank, mpi.size, mpi.timeout, mpi.mpi = 0, 2, 0.05, type("MPI", (), {"SUM": "sum"})
+
+        def iallreduce(send, out, op):
+            if never:
+                return type("Pending", (), {"Test": lambda self: False})()
+            theirs = np.zeros_like(send)
+            theirs[:2], theirs[2 + 1] = [10, 20], _mark(rank1_name)
+            out[:] = send + theirs
+            return Done()
+        mpi.comm = type("Comm", (), {"Iallreduce": staticmethod(iallreduce)})
+        return mpi
+
+    def _mark(name):          # the mark SleepingMpi.sum puts in a rank's place, computed independently
+        import zlib
+        return zlib.crc32(name.encode()) % (1 << 23) + 1
+
+    np.testing.assert_array_equal(world("des_partials").sum(np.array([1.0, 2.0], np.float32), "des_partials"),
+                                  [11.0, 22.0])
+    with pytest.raises(DisagreementError, match=r"rank 0 of 2: allreduce 'des_partials' met another collective "
+                                                r"on rank\(s\) 1"):
+        world("des_partials_other").sum(np.array([1.0, 2.0], np.float32), "des_partials")
+    with pytest.raises(TimeoutError, match=r"rank 0 of 2, allreduce 'des_partials': waited 0 s"):
+        world("des_partials", never=True).sum(np.array([1.0, 2.0], np.float32), "des_partials")
