@@ -1,6 +1,7 @@
 """One process of the subclassed-model runs under mpirun (used by tests/test_mpi.py):
 
     mpirun -np 2 python scripts/mpi_subclassed.py OUT_DIR tfrs_ranking subclassed_wdl tfrs_retrieval
+    mpirun -np 3 python scripts/mpi_subclassed.py OUT_DIR --mpi4py tfrs_retrieval     # des_ops.Mpi4pyCommunicator
 
 For each named model of tests/subclassed_models.py: every rank builds it with its own random
 weights (seeded by its rank), calls it once on a batch (rank 0 saves those initial weights),
@@ -20,12 +21,13 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(1)
 
 import des  # noqa: E402
-from des_ops.comm import HorovodCommunicator  # noqa: E402
+from des_ops.comm import HorovodCommunicator, Mpi4pyCommunicator  # noqa: E402
 from subclassed_models import BUILDERS, batches_for, outputs, probe_of, sample_of, train  # noqa: E402
 
 
 def main(out: str, names: list[str]) -> None:
-    comm = HorovodCommunicator()
+    comm = Mpi4pyCommunicator() if names[0] == "--mpi4py" else HorovodCommunicator()
+    names = [n for n in names if n != "--mpi4py"]
     for name in names:
         tf.keras.utils.set_random_seed(comm.rank)
         batches, probe = batches_for(name, 20, 32, seed=4), probe_of(name)

@@ -754,7 +754,8 @@ def test_subclassed_and_tfrs_models_under_mpirun_equal_single_process(battery):
     two-tower retrieval model (towers called in compute_loss; one field in the candidate tower,
     so at N = 3 two processes own none of its fields): traced or transformed tower by tower,
     trained with the user's own fit under a real mpirun; after 20 steps every rank equals the
-    untouched model on one process started from rank 0's weights."""
+    untouched model on one process started from rank 0's weights. The retrieval model again with
+    the mpi4py communicator: the same bits."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from subclassed_models import BUILDERS, COLLECTIVES, EXPECTED, batches_for, outputs, probe_of, train
     n, out = 3, battery(3) / "subclassed"      # N = 2: the in-process world (tests/test_subclassed.py)
@@ -774,6 +775,15 @@ def test_subclassed_and_tfrs_models_under_mpirun_equal_single_process(battery):
                    5e-7, case=name)   # retrieval: a sum ~100; measured <= 6.0e-8
             assert np.array_equal(r["predictions"], ranks[0]["predictions"])
             assert r["allreduce_calls"] == (20 + 1) * COLLECTIVES.get(name, 1)   # per fit step and predict
+    # the retrieval model's two towers make two allreduces a step: by mpi4py (matched by order, chained
+    # in trace order) they give the very bits of Horovod's (matched by name)
+    (out / "mpi4py").mkdir(exist_ok=True)
+    run = mpirun(n, "scripts/mpi_subclassed.py", str(out / "mpi4py"), "--mpi4py", "tfrs_retrieval")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert COLLECTIVES["tfrs_retrieval"] == 2
+    for a, b in zip(_ranks(out, "tfrs_retrieval", n), _ranks(out / "mpi4py", "tfrs_retrieval", n)):
+        np.testing.assert_array_equal(a["predictions"], b["predictions"])
+        assert a["allreduce_calls"] == b["allreduce_calls"]
 
 
 @pytest.mark.mpi
