@@ -403,9 +403,6 @@ class SleepingMpi:
                       what=f"rank {self.rank} of {self.size}, broadcast from rank {root}")
         return buf
 
-    def one_machine(self) -> bool:
-        return self.comm.Split_type(self.mpi.COMM_TYPE_SHARED).Get_size() == self.size
-
 
 class Mpi4pyCommunicator(Communicator):
     """DES's allreduce and broadcast by mpi4py, waited for sleeping (``SleepingMpi``); no Horovod,
