@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 import weakref
 import zlib
 
@@ -343,7 +344,6 @@ def sleeping_wait(request, first: float = 2e-5, longest: float = 5e-4, timeout: 
     allreduce: 65 ms of CPU a call polled, 12 ms slept, the same 150 ms of wall time
     (reports/peer_wide_netbed_100mbit_sleeping.md has the training runs). After ``timeout`` s
     it raises instead of waiting on: some rank never came (as Horovod's stall shutdown)."""
-    import time
     pause, since = first, time.monotonic()
     while not request.Test():
         if timeout is not None and time.monotonic() - since > timeout:

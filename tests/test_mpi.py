@@ -72,6 +72,14 @@ def _ranks(where, name: str, n: int) -> list[dict]:
     return [pickle.load(open(where / f"{prefix}rank{r}.pkl", "rb")) for r in range(n)]
 
 
+def _same_bits(a: dict, b: dict, job: str) -> None:
+    """Two launches' snapshots of one rank: the same predictions, rows and weights, bit for bit."""
+    parts = [p for p in ("predictions", "tables", "owned", "weights") if p in a]
+    assert "predictions" in parts and "weights" in parts, parts
+    for u, v in zip(tf.nest.flatten({p: a[p] for p in parts}), tf.nest.flatten({p: b[p] for p in parts})):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v), err_msg=job)
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("name, optimizer, n, comm, tables", EQUIVALENCE)
 def test_des_under_mpirun_equals_single_process(battery, tmp_path, name, optimizer, n, comm, tables):
@@ -88,11 +96,7 @@ def test_des_under_mpirun_equals_single_process(battery, tmp_path, name, optimiz
             assert run.returncode == 0, run.stderr[-3000:]
         for a, b in zip(_ranks(tmp_path / "again", config.replace(":", "-"), n),
                         _ranks(out, config.replace(":", "-"), n)):     # the same job, the same bits
-            parts = [p for p in ("predictions", "tables", "owned", "weights") if p in a]
-            assert "predictions" in parts and "weights" in parts, parts
-            for part in parts:
-                for u, v in zip(tf.nest.flatten(a[part]), tf.nest.flatten(b[part])):
-                    np.testing.assert_array_equal(np.asarray(u), np.asarray(v), err_msg=f"{config} {part}")
+            _same_bits(a, b, config)
     ranks = _ranks(out, config.replace(":", "-"), n)       # as scripts/mpi_equivalence.py names it
     # a sample's partials by hand (PS_SPEC: 4 fields of dim 3; hidden 8,4): the linear sum (1), the
     # FM's S and Q (3 + 1), the first Dense's 8 units
@@ -716,10 +720,7 @@ def test_same_mpirun_job_gives_the_same_bits_and_idle_processes_take_part(batter
     for job in REPEATED:
         kind, name = job.split(":")
         for a, b in zip(_ranks(first / kind, name, 3), _ranks(again / kind, name, 3)):
-            parts = [p for p in ("predictions", "tables", "owned", "weights") if p in a]
-            assert "predictions" in parts and "weights" in parts, parts
-            for u, v in zip(tf.nest.flatten({p: a[p] for p in parts}), tf.nest.flatten({p: b[p] for p in parts})):
-                np.testing.assert_array_equal(np.asarray(u), np.asarray(v), err_msg=job)
+            _same_bits(a, b, job)
     for name in ("two_tower", "shared_table_deepfm"):
         ranks = _ranks(battery(5) / "gallery", name, 5)
         assert "no fields: contributes zeros" in ranks[0]["report"]
