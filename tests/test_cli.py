@@ -10,7 +10,10 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
+import tensorflow as tf
 
+from des.jobs.job import batches_left
 from helpers import copy_meta, write_small_ffm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,7 +120,8 @@ def test_restore_continues_where_the_checkpoint_stopped(tmp_path):
 def test_resume_after_a_crash_equals_the_uninterrupted_run(tmp_path):
     """2 epochs straight, against the same job killed at step 7 of epoch 1 (checkpoints every 3
     steps) and resumed with --restore: the same held-out AUC and log loss, to the bit, and the
-    same predictions (des.predict) within 1e-6."""
+    same predictions (des.predict) within 1e-6. So does a job resumed from a checkpoint on the
+    first epoch's last step."""
     data = str(tmp_path / "train.txt")
     write_small_ffm(data, 3000, seed=4)
     base = TRAIN + ["--data", data, "--model", "deepfm", "--epochs", "2", "--holdout", "500",
@@ -136,6 +140,21 @@ def test_resume_after_a_crash_equals_the_uninterrupted_run(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
         runs[name] = json.load(open(tmp_path / f"{name}.json"))
     assert (runs["resumed"]["auc"], runs["resumed"]["logloss"]) == (runs["straight"]["auc"], runs["straight"]["logloss"])
+    # a checkpoint on an epoch's last step (2,500 lines: 10 batches; due after the 10th, saved before
+    # an 11th the data lacks): resumed, the rest of that epoch is empty and the job goes on with the next
+    r = subprocess.run(base + ["--epochs", "1", "--checkpoint", str(tmp_path / "c"), "--checkpoint-every", "10"],
+                       env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.load(open(tmp_path / "c" / "state.old" / "config.json"))["position"]["step"] == 10
+    os.makedirs(tmp_path / "e")
+    os.rename(tmp_path / "c" / "state.old", tmp_path / "e" / "state")
+    r = subprocess.run(base + ["--restore", str(tmp_path / "e"), "--checkpoint", str(tmp_path / "e"),
+                               "--summary-json", str(tmp_path / "end.json")],
+                       env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "epoch 1 has no batch after step 10 (the checkpoint was at its end): going on with the next" in r.stdout
+    end = json.load(open(tmp_path / "end.json"))
+    assert (end["auc"], end["logloss"]) == (runs["straight"]["auc"], runs["straight"]["logloss"])
     preds = []
     for ck in ("a", "b"):
         r = subprocess.run([sys.executable, "-m", "des.predict", "--checkpoint", str(tmp_path / ck), "--data", data,
@@ -144,6 +163,24 @@ def test_resume_after_a_crash_equals_the_uninterrupted_run(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
         preds.append(np.loadtxt(tmp_path / f"{ck}.txt"))
     assert preds[0].shape == (3000,) and np.abs(preds[0] - preds[1]).max() <= 1e-6
+
+
+def test_a_resumed_epoch_with_batches_left_on_some_processes_only_names_them():
+    """batches_left: every process's answer in one sum; all alike, they go on alike; else the ranks."""
+    class Mode:
+        rank, world_size = 1, 3
+
+        def __init__(self, others):
+            self.others = others
+
+        def sum_across(self, mine):
+            return [o + m for o, m in zip(self.others, mine)]
+
+    empty, some = tf.data.Dataset.range(4).skip(4), tf.data.Dataset.range(4).skip(3)
+    assert batches_left(some, Mode([1.0, 0.0, 1.0])) is True
+    assert batches_left(empty, Mode([0.0, 0.0, 0.0])) is False
+    with pytest.raises(ValueError, match=r"the data of rank\(s\) \[0, 2\] has batches left, that of rank\(s\) \[1\] none"):
+        batches_left(empty, Mode([1.0, 0.0, 1.0]))
 
 
 def _train(tmp_path, *args):

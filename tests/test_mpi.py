@@ -174,21 +174,33 @@ def test_training_cli_des_under_mpirun(data_file, single_run, tmp_path):
 def test_des_reading_text_with_a_process_that_owns_no_field_equals_one_process(tmp_path):
     """des.train --mode des on 3 processes over a 2-field libffm file: rank 2 owns no field, so its
     text reader turns only the first field's values into ids (for the replica check); the job ends
-    on its own and evaluates what the single process does."""
+    on its own and evaluates what the single process does. Resumed from its checkpoint on the
+    epoch's last step, it goes on past the empty rest of the epoch alike on every process."""
     data = str(tmp_path / "two.ffm")
     write_small_ffm(data, 3000, seed=3, fields=2)
     args = [*TRAIN, "--data", data, "--holdout", "500", "--steps", "6"]
     single = subprocess.run([sys.executable, *args, "--summary-json", str(tmp_path / "one.json")],
                             env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert single.returncode == 0, single.stderr[-3000:]
-    run = mpirun(3, *args, "--mode", "des", "--replica-check", "2", "--summary-json", str(tmp_path / "des.json"))
+    run = mpirun(3, *args, "--mode", "des", "--replica-check", "2", "--summary-json", str(tmp_path / "des.json"),
+                 "--checkpoint", str(tmp_path / "ck"), "--checkpoint-every", "5")
     assert run.returncode == 0, run.stderr[-3000:]
     assert re.search(r"rank 2: load 0\.000 +\[no fields", run.stdout), run.stdout[-2000:]
+    # 2,500 lines are 5 batches: the save due after the 5th ran before a 6th the data lacked. Resumed
+    # from it, the epoch has no batch left on any process (one small sum, rank 2's answer in it)
+    assert json.load(open(tmp_path / "ck" / "state.old" / "config.json"))["position"]["step"] == 5
+    os.makedirs(tmp_path / "end")
+    os.rename(tmp_path / "ck" / "state.old", tmp_path / "end" / "state")
+    end = mpirun(3, *args, "--mode", "des", "--restore", str(tmp_path / "end"),
+                 "--summary-json", str(tmp_path / "end.json"))
+    assert end.returncode == 0, end.stderr[-3000:]
+    assert "epoch 1 has no batch after step 5 (the checkpoint was at its end)" in end.stdout, end.stdout[-2000:]
     one = json.load(open(tmp_path / "one.json"))
     for r in range(3):
-        got = json.load(open(tmp_path / f"des.json.rank{r}"))
-        within("|AUC - single's|", abs(got["auc"] - one["auc"]), 1e-7)             # measured 0
-        within("|log loss - single's|", abs(got["logloss"] - one["logloss"]), 5e-7)   # measured 6.0e-8
+        for name in ("des", "end"):
+            got = json.load(open(tmp_path / f"{name}.json.rank{r}"))
+            within("|AUC - single's|", abs(got["auc"] - one["auc"]), 1e-7)             # measured 0
+            within("|log loss - single's|", abs(got["logloss"] - one["logloss"]), 5e-7)   # measured 6.0e-8
 
 
 def _predictions(where, data, runs) -> tuple[list[np.ndarray], str]:

@@ -212,7 +212,19 @@ class _Job:
                 if steps is not None and steps <= 0:
                     continue
                 data = self.train_data(epoch, mode.train_shard(epoch))
-                model.fit(data.skip(skip) if skip else data, initial_epoch=epoch, epochs=epoch + 1,
+                if skip:
+                    data = data.skip(skip)
+                    try:
+                        left = batches_left(data, mode)
+                    except ValueError as e:
+                        raise _fail(f"epoch {epoch + 1} after step {skip}: {e}", once=False) from None
+                    if not left:
+                        self.log(f"epoch {epoch + 1} has no batch after step {skip} (the checkpoint was at its "
+                                 f"end): going on with the next")
+                        if self.saver is not None:
+                            self.saver.on_epoch_end(epoch)       # the epoch's end, as the uninterrupted run saved it
+                        continue
+                model.fit(data, initial_epoch=epoch, epochs=epoch + 1,
                           steps_per_epoch=steps, verbose=verbose, callbacks=callbacks)
             result = mode.evaluate(model, evald) if evald is not None else {}
         except tf.errors.OpError as e:
@@ -267,6 +279,26 @@ class _Job:
             path = a.summary_json if mode.world_size == 1 else f"{a.summary_json}.rank{mode.rank}"
             with open(path, "w") as fh:
                 json.dump(summary, fh, indent=1)
+
+
+def batches_left(data: tf.data.Dataset, mode) -> bool:
+    """Whether the rest of a resumed epoch (``data``, its done batches skipped) has a batch, on
+    every process: a checkpoint can fall on an epoch's last step (a save due after a step runs
+    before the next one, which the data then lacked), and Keras refuses an empty epoch. One small
+    sum over the processes (``mode.sum_across``, called by all), so all of them go on alike; a
+    ValueError names the ranks when some have batches left and others not.
+
+        >>> class One: rank, world_size, sum_across = 0, 1, staticmethod(list)
+        >>> batches_left(tf.data.Dataset.range(3).skip(3), One()), batches_left(tf.data.Dataset.range(3).skip(2), One())
+        (False, True)
+    """
+    mine = [0.0] * mode.world_size
+    mine[mode.rank] = float(any(True for _ in data.take(1)))
+    having = mode.sum_across(mine)
+    if all(having) or not any(having):
+        return bool(all(having))
+    raise ValueError(f"the data of rank(s) {[r for r, h in enumerate(having) if h]} has batches left, "
+                     f"that of rank(s) {[r for r, h in enumerate(having) if not h]} none")
 
 
 def _start_position(a: RunConfig, saved: dict, global_batch: int) -> tuple[dict, int]:
