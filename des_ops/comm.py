@@ -3,12 +3,10 @@
 DES needs one collective, a SUM allreduce (``allreduce_sum``: identity gradient); its
 data-parallel tail adds all-gather and reduce-scatter; the parameter server and the cache route
 keys with all-to-all (des.baselines.ps.tables.KeyExchange, on a communicator). Backends:
-Horovod, mpi4py (allreduce and broadcast), the in-process simulated world, a world of one, and
-the timing-only no-op ones (``NoopCommunicator``).
+the in-process simulated world and a world of one here; Horovod, mpi4py (allreduce and
+broadcast) and the timing-only no-op ones in des_ops.mpi, whose ``default_communicator`` picks one.
 
-    >>> comm = default_communicator()            # Horovod under mpirun/horovodrun, else size 1
-    >>> comm
-    LocalCommunicator(rank=0, world_size=1)
+    >>> comm = LocalCommunicator()               # des_ops.mpi.default_communicator() without a launcher
     >>> partials = tf.constant([[1.0, 2.0]])
     >>> with tf.GradientTape() as tape:
     ...     tape.watch(partials)
@@ -34,9 +32,6 @@ from __future__ import annotations
 import os
 import re
 import threading
-import time
-import weakref
-import zlib
 
 import numpy as np
 import tensorflow as tf
@@ -158,270 +153,12 @@ class LocalCommunicator(Communicator):
         return a
 
 
-class NoopCommunicator(Communicator):
-    """This process's rank and world size from the launcher, but no collective of a step moves a
-    payload: allreduce and all-to-all return their input. For timing a step's computation
-    alone (des.cluster.timemodel); the results are not the model's (nothing is summed or exchanged).
-    ``broadcast`` (eager, at transform: rank 0's weights, the plan agreement of ``agree``) is a
-    real one when the communicator meets the others at all, and returns the input with
-    ``meet="never"`` (``broadcasts`` is then False and ``agree`` has nothing to compare).
-
-    ``meet`` says which calls still meet the other processes with a real Horovod call, so that a
-    step waits for the slowest process as in training:
-
-    - ``"never"`` (``--comm noop``);
-    - ``"scalars"``: one-element allreduces are real sums (the PS's 4-byte slice sizes:
-      ``--mode ps --comm sync``);
-    - ``"every"``: those, and every other call meets without its payload (an allreduce of one
-      float, an all-to-all of no rows): ``--comm meet``, and DES's ``--comm sync``
-      (``SyncCommunicator``).
-
-    >>> NoopCommunicator(meet="every").alltoall(tf.ones([3, 1]), tf.constant([3]), "ids")[1].numpy()  # alone
-    array([3], dtype=int32)
-    >>> NoopCommunicator(meet="sometimes")
-    Traceback (most recent call last):
-    ValueError: meet='sometimes': one of never, scalars, every
-    """
-    name = "noop"
-    MEETS = ("never", "scalars", "every")
-    meet = "never"
-
-    def __init__(self, rank: int | None = None, world_size: int | None = None, meet: str | None = None) -> None:
-        start_horovod_thread()
-        env_rank, env_size = launcher_rank()
-        self.rank = env_rank if rank is None else rank
-        self.world_size = env_size if world_size is None else world_size
-        if meet is not None:
-            if meet not in self.MEETS:
-                raise ValueError(f"meet={meet!r}: one of {', '.join(self.MEETS)}")
-            self.meet = meet
-        super().__init__()
-
-    def _meets(self, x: tf.Tensor) -> bool:
-        return self.world_size > 1 and (self.meet == "every" or
-                                        (self.meet == "scalars" and x.shape.num_elements() == 1))
-
-    def allreduce(self, x, name="des_allreduce"):
-        if not self._meets(x):
-            return tf.identity(x)
-        if x.shape.num_elements() == 1:
-            import horovod.tensorflow as hvd
-            return hvd.allreduce(x, op=hvd.Sum, name=op_name(name))
-        # x times exactly 1 computed from the meeting: a data dependency that grappler cannot fold
-        # (a control dependency on the allreduce, or x + 0 * it, were optimised away: no wait)
-        return x * (1.0 + tf.minimum(tf.abs(tf.reduce_sum(sync_processes(x, name))), 0.0))
-
-    def allgather(self, x, name="des_allgather"):
-        # timing only: N copies of this process's rows, the size of the gathered batch
-        return self.allreduce(tf.concat([x] * self.world_size, 0), name)
-
-    def reducescatter(self, x, name="des_reducescatter"):
-        lo, hi = shard_rows(tf.shape(x)[0], self.rank, self.world_size)
-        return self.allreduce(x, name)[lo:hi]
-
-    def alltoall(self, x, splits, name="des_alltoall"):
-        x = tf.convert_to_tensor(x)                      # a gradient may come as IndexedSlices
-        if self.meet != "every" or self.world_size == 1:
-            return tf.identity(x), tf.identity(splits)
-        import horovod.tensorflow as hvd
-        _, came = hvd.alltoall(x[:0], splits=tf.zeros_like(splits), name=op_name(name))  # no rows; splits meet
-        return tf.identity(x), splits + came             # + zeros: a data dependency on the meeting
-
-    @property
-    def broadcasts(self) -> bool:
-        return self.meet != "never" and self.world_size > 1
-
-    def broadcast(self, a, root=0):
-        return horovod_broadcast(self, a, root) if self.broadcasts else a
-
-
-class SyncCommunicator(NoopCommunicator):
-    """A no-op communicator whose every call waits for every process (one float, Horovod)."""
-    name = "sync"
-    meet = "every"
-
-
-def sync_processes(x: tf.Tensor, name: str = "des_sync") -> tf.Tensor:
-    """A Horovod allreduce of ``x``'s first element: returns when every process has reached it.
-    (Of ``x``, not of a constant: grappler would fold an allreduce of constants at trace time.)"""
-    import horovod.tensorflow as hvd
-    return hvd.allreduce(tf.reshape(x, [-1])[:1], op=hvd.Sum, name=op_name(name + "_sync"))
-
-
-def horovod_broadcast(comm: Communicator, a: np.ndarray, root: int) -> np.ndarray:
-    """Rank ``root``'s array on every rank by one Horovod broadcast, named by ``comm``'s count of
-    broadcasts (the same on every rank, as Horovod matches collectives by name)."""
-    import horovod.tensorflow as hvd
-    comm._broadcasts = getattr(comm, "_broadcasts", 0) + 1
-    return hvd.broadcast(tf.constant(a), root_rank=root, name=f"des_broadcast_{comm._broadcasts}").numpy()
-
-
 def op_name(text: str) -> str:
     """``text`` as a TensorFlow op name (Horovod's collective name): other characters -> '_'."""
     return re.sub(r"[^A-Za-z0-9_.\-/]", "_", text).lstrip("_./-") or "des_collective"
 
 
 STALL_DEFAULTS = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "20", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "60"}
-
-
-def init_horovod():
-    """``hvd.init()`` with DES's stall settings unless the user set them: a collective that some
-    rank never submits is reported after 20 s (naming the missing ranks and the collective) and
-    ends the job after 60 s, instead of a silent hang. Returns horovod.tensorflow."""
-    for k, v in STALL_DEFAULTS.items():
-        os.environ.setdefault(k, v)
-    import horovod.tensorflow as hvd
-    hvd.init()
-    return hvd
-
-
-class HorovodCommunicator(Communicator):
-    """Horovod (MPI) allreduce; the default under mpirun / horovodrun."""
-    name = "horovod"
-
-    def __init__(self) -> None:
-        self.rank, self.world_size = launcher_rank()
-        self._started = None
-        super().__init__()
-
-    def start(self):
-        """horovod.tensorflow, started (``init_horovod``) at this communicator's first collective,
-        not at its creation: Horovod's background thread polls every cycle from then on, and
-        before the first collective it would take the CPU that building and transforming the
-        model needs (both processes of a 2-core machine build at once)."""
-        if self._started is None:
-            hvd = init_horovod()
-            if (hvd.rank(), hvd.size()) != (self.rank, self.world_size):
-                raise RuntimeError(f"Horovod's rank {hvd.rank()} of {hvd.size()} is not the launcher's "
-                                   f"{self.rank} of {self.world_size}")
-            self._started = hvd
-        return self._started
-
-    def one_machine(self) -> bool:
-        """Whether every process runs on this machine (Horovod's local size is the world's): the
-        same answer on every process, as MPI groups them by node."""
-        hvd = self.start()
-        return hvd.local_size() == hvd.size()
-
-    def allreduce(self, x, name="des_allreduce"):
-        hvd = self.start()
-        return hvd.allreduce(x, op=hvd.Sum, name=op_name(name))
-
-    def allgather(self, x, name="des_allgather"):
-        return self.start().allgather(x, name=op_name(name))
-
-    def reducescatter(self, x, name="des_reducescatter"):
-        # Horovod splits dim 0 as shard_rows does (the first B % N ranks one row more); checked
-        hvd = self.start()
-        y = hvd.reducescatter(x, op=hvd.Sum, name=op_name(name))
-        lo, hi = shard_rows(tf.shape(x)[0], self.rank, self.world_size)
-        with tf.control_dependencies([tf.debugging.assert_equal(tf.shape(y)[0], hi - lo, message=(
-                f"rank {self.rank}: Horovod's reducescatter split the batch unlike des_ops.comm.shard_rows"))]):
-            return tf.identity(y)
-
-    def alltoall(self, x, splits, name="des_alltoall"):
-        return self.start().alltoall(x, splits=splits, name=op_name(name))
-
-    def scatter(self, parts, row_shape, root=0, name="des_scatter"):
-        mine = self.rank == root
-        send = np.concatenate(parts).astype(np.float32) if mine else np.zeros([0, *row_shape], np.float32)
-        splits = [len(p) for p in parts] if mine else [0] * self.world_size
-        self.count("broadcast", send.nbytes)
-        got, _ = self.alltoall(tf.constant(send), tf.constant(splits, tf.int32), name)
-        return got.numpy()
-
-    def broadcast(self, a, root=0):
-        self.count("broadcast", np.asarray(a).nbytes)
-        self.start()
-        return horovod_broadcast(self, a, root)
-
-
-def sleeping_wait(request, first: float = 2e-5, longest: float = 5e-4, timeout: float | None = None,
-                  what: str = "a collective") -> None:
-    """Wait for an MPI request, testing it with sleeps between (``first`` s, doubling up to
-    ``longest``). Open MPI's own Wait polls a whole core until the bytes have come (yielding does
-    not help under a CPU quota: the poll spends it). 4 emulated hosts at 100 Mbit/s, a 1.1 MB
-    allreduce: 65 ms of CPU a call polled, 12 ms slept, the same 150 ms of wall time
-    (reports/peer_wide_netbed_100mbit_sleeping.md has the training runs). After ``timeout`` s
-    it raises instead of waiting on: some rank never came (as Horovod's stall shutdown)."""
-    pause, since = first, time.monotonic()
-    while not request.Test():
-        if timeout is not None and time.monotonic() - since > timeout:
-            raise TimeoutError(f"{what}: waited {timeout:.0f} s; a rank that did not print this line never "
-                               f"reached it (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS sets the wait)")
-        time.sleep(pause)
-        pause = min(2 * pause, longest)
-
-
-class SleepingMpi:
-    """Allreduce and broadcast by mpi4py on a duplicate of COMM_WORLD, waited for sleeping
-    (``sleeping_wait``); each allreduce checks that every rank called the same one (``sum``).
-    A step's allreduces run in tf.numpy_function and block a TensorFlow thread, so they are
-    chained in the order they were traced, the same on every rank (two scoped DES layers of one
-    step issued in another order on two ranks would wait for each other)."""
-
-    def __init__(self) -> None:
-        from mpi4py import MPI
-        self.mpi, self.comm = MPI, MPI.COMM_WORLD.Dup()
-        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-        self.timeout = float(os.environ.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", STALL_DEFAULTS[
-            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"]))
-        self._last_in = weakref.WeakKeyDictionary()       # graph -> its last allreduce
-
-    def sum(self, a: np.ndarray, name: str = "des_allreduce") -> np.ndarray:
-        """``a`` summed over ranks. MPI matches collectives by order, not by name; so ``size``
-        numbers ride along, rank r's mark of ``name`` in place r, and a rank that met another
-        collective (another name) ends the job naming the ranks."""
-        a = np.asarray(a)
-        mark = zlib.crc32(name.encode()) % (1 << 23) + 1          # exact in float32
-        send = np.zeros(a.size + self.size, a.dtype)
-        send[:a.size], send[a.size + self.rank] = a.reshape(-1), mark
-        out = np.empty_like(send)
-        sleeping_wait(self.comm.Iallreduce(send, out, op=self.mpi.SUM), timeout=self.timeout,
-                      what=f"rank {self.rank} of {self.size}, allreduce {name!r}")
-        others = [r for r, m in enumerate(out[a.size:]) if m != mark]
-        if others:
-            raise DisagreementError(f"rank {self.rank} of {self.size}: allreduce {name!r} met another collective "
-                                    f"on rank(s) {', '.join(map(str, others))} (MPI matches collectives by order)")
-        return out[:a.size].reshape(a.shape)
-
-    def allreduce(self, x: tf.Tensor, name: str) -> tf.Tensor:
-        if tf.executing_eagerly():
-            return tf.constant(self.sum(x.numpy(), name))
-        graph = tf.compat.v1.get_default_graph()
-        last = self._last_in.get(graph)
-        if last is not None:
-            with tf.control_dependencies([last]):
-                x = tf.identity(x)
-        y = tf.ensure_shape(tf.numpy_function(lambda a: self.sum(a, name), [x], x.dtype, stateful=True), x.shape)
-        self._last_in[graph] = y
-        return y
-
-    def broadcast(self, a: np.ndarray, root: int) -> np.ndarray:
-        buf = np.ascontiguousarray(a).copy()
-        sleeping_wait(self.comm.Ibcast(buf, root=root), timeout=self.timeout,
-                      what=f"rank {self.rank} of {self.size}, broadcast from rank {root}")
-        return buf
-
-
-class Mpi4pyCommunicator(Communicator):
-    """DES's allreduce and broadcast by mpi4py, waited for sleeping (``SleepingMpi``); no Horovod,
-    no background thread. Allreduce and broadcast only: DES's replicated tail."""
-    name = "mpi4py"
-    wire_dtypes = ("float32",)      # Open MPI 4.1 fails a numpy float16 Allreduce (MPI_ERR_TYPE)
-    blocking = True
-
-    def __init__(self) -> None:
-        self._mpi = SleepingMpi()
-        self.rank, self.world_size = self._mpi.rank, self._mpi.size
-        super().__init__()
-
-    def allreduce(self, x, name="des_allreduce"):
-        return self._mpi.allreduce(x, name)
-
-    def broadcast(self, a, root=0):
-        self.count("broadcast", np.asarray(a).nbytes)
-        return self._mpi.broadcast(a, root)
 
 
 class InProcessWorld:
@@ -679,13 +416,6 @@ def under_launcher() -> bool:
     return False
 
 
-def start_horovod_thread() -> None:
-    """Under mpirun, start Horovod (its background thread polls every cycle and takes CPU from the
-    step, as in a real run) without calling any collective; alone, nothing."""
-    if under_launcher() and "OMPI_COMM_WORLD_LOCAL_RANK" in os.environ:
-        init_horovod()
-
-
 def launcher_rank() -> tuple[int, int]:
     """(rank, world size) that mpirun / horovodrun gave this process (0, 1 without a launcher)."""
     for rank, size in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
@@ -693,15 +423,3 @@ def launcher_rank() -> tuple[int, int]:
         if size in os.environ:
             return int(os.environ.get(rank, "0")), int(os.environ[size])
     return 0, 1
-
-
-def default_communicator(kind: str = "auto") -> Communicator:
-    """``auto``: Horovod when launched with several processes, else a world of one; ``noop``:
-    the launcher's rank and size without collectives (timing only); ``sync``: the same, with
-    the processes kept in step by one tiny allreduce per call (timing only); ``meet``: DES's
-    only collective is its allreduce, so the same as ``sync``."""
-    if kind == "auto":
-        kind = "horovod" if under_launcher() else "local"
-    return {"horovod": HorovodCommunicator, "mpi4py": Mpi4pyCommunicator,
-            "local": LocalCommunicator, "noop": NoopCommunicator, "sync": SyncCommunicator,
-            "meet": SyncCommunicator}[kind]()

@@ -213,7 +213,8 @@ def main() -> None:
     ap.add_argument("--arch", required=True, choices=["dcn", "autoint", "dlrm"])
     ap.add_argument("--vocab", type=int, default=1 << 18, help="replicated: rows of each hashed Keras table")
     a = started(ap)
-    from des_ops.comm import init_horovod, launcher_rank
+    from des_ops.comm import launcher_rank
+    from des_ops.mpi import init_horovod
     rank, n = launcher_rank()
     if n > 1 and not a.system.startswith("des"):
         init_horovod()                          # des.transform starts Horovod itself under mpirun

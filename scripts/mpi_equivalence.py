@@ -23,7 +23,8 @@ import horovod.tensorflow as hvd  # noqa: E402
 
 import models  # noqa: E402
 from des.jobs.verify import PS_SPEC, optimizer_factory, random_batches, train_and_snapshot  # noqa: E402
-from des_ops.comm import HorovodCommunicator, Mpi4pyCommunicator, allreduce_sum  # noqa: E402
+from des_ops.comm import allreduce_sum  # noqa: E402
+from des_ops.mpi import HorovodCommunicator, Mpi4pyCommunicator  # noqa: E402
 
 LR = {"sgd": 0.2, "adagrad": 0.05, "adam": 0.01, "ftrl": 0.05}
 

@@ -23,7 +23,7 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 
 import des  # noqa: E402
 from des.jobs.verify import fit_and_snapshot  # noqa: E402
-from des_ops.comm import HorovodCommunicator  # noqa: E402
+from des_ops.mpi import HorovodCommunicator  # noqa: E402
 from gallery import BUILDERS, MULTI_TASK, batches_for, optimizer_for  # noqa: E402
 
 

@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import des  # noqa: E402
-from des_ops.comm import HorovodCommunicator  # noqa: E402
+from des_ops.mpi import HorovodCommunicator  # noqa: E402
 from gallery import BUILDERS  # noqa: E402
 
 

@@ -19,7 +19,7 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 
 import models  # noqa: E402
 from des.jobs.verify import PS_SPEC, random_batches, train_and_snapshot  # noqa: E402
-from des_ops.comm import HorovodCommunicator  # noqa: E402
+from des_ops.mpi import HorovodCommunicator  # noqa: E402
 
 STEPS = 10
 

@@ -29,7 +29,7 @@ import tensorflow as tf  # noqa: E402
 
 import des  # noqa: E402
 from des.runtime import checkpoint  # noqa: E402
-from des_ops.comm import HorovodCommunicator  # noqa: E402
+from des_ops.mpi import HorovodCommunicator  # noqa: E402
 from gallery import BUILDERS, batches_for, optimizer_for  # noqa: E402
 
 STEPS, HALF, BATCH = 30, 15, 32

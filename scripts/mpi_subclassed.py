@@ -21,7 +21,7 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(1)
 
 import des  # noqa: E402
-from des_ops.comm import HorovodCommunicator, Mpi4pyCommunicator  # noqa: E402
+from des_ops.mpi import HorovodCommunicator, Mpi4pyCommunicator  # noqa: E402
 from subclassed_models import BUILDERS, batches_for, outputs, probe_of, sample_of, train  # noqa: E402
 
 

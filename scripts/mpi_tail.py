@@ -22,7 +22,7 @@ import tensorflow as tf  # noqa: E402
 
 import des  # noqa: E402
 from des.jobs.verify import fit_and_snapshot  # noqa: E402
-from des_ops.comm import HorovodCommunicator  # noqa: E402
+from des_ops.mpi import HorovodCommunicator  # noqa: E402
 from gallery import BUILDERS, batches_for  # noqa: E402
 
 ROWS, BATCH = 12 * 31 + 2, 31

@@ -92,7 +92,7 @@ def main() -> None:
     from des.data import columnar
     from des.data.readers import make_dataset
     from des.data.resolve import metadata, spec_for
-    from des_ops.comm import init_horovod
+    from des_ops.mpi import init_horovod
     hvd = init_horovod()
     rank, n = hvd.rank(), hvd.size()
     # rows shard_rows(batch, rank, N) of every global batch, only those lines parsed (as the PS reads)

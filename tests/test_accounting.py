@@ -81,10 +81,10 @@ def test_an_epoch_of_unknown_length_counts_one_call_per_step():
 
 
 def test_the_mpi4py_wait_sleeps_doubling_pauses_up_to_its_longest_until_the_request_is_done(monkeypatch):
-    """des_ops.comm.sleeping_wait tests the request, sleeps 20 us, 40 us, ... at most 500 us between
+    """des_ops.mpi.sleeping_wait tests the request, sleeps 20 us, 40 us, ... at most 500 us between
     tests (Open MPI's own Wait would poll a core), and returns on the first test that finds it done."""
     import time
-    from des_ops.comm import sleeping_wait
+    from des_ops.mpi import sleeping_wait
     pauses = []
     monkeypatch.setattr(time, "sleep", pauses.append)
 
@@ -104,12 +104,13 @@ def test_the_mpi4py_wait_sleeps_doubling_pauses_up_to_its_longest_until_the_requ
 
 
 def test_the_mpi4py_allreduce_names_ranks_that_met_another_collective_and_gives_up_on_ranks_that_never_come():
-    """MPI matches collectives by order, not name: des_ops.comm.SleepingMpi.sum sends each rank's
+    """MPI matches collectives by order, not name: des_ops.mpi.SleepingMpi.sum sends each rank's
     mark of the name beside the payload, so rank 0 of 2 whose allreduce met rank 1's differently
     named one ends naming rank 1; with the same name it returns the sum. A rank that never comes
     ends the wait after the stall timeout, with a message."""
     import pytest
-    from des_ops.comm import DisagreementError, SleepingMpi
+    from des_ops.comm import DisagreementError
+    from des_ops.mpi import SleepingMpi
 
     class Done:
         def Test(self):

@@ -27,7 +27,8 @@ from des.compiler.functional import transform_functional
 from des.compiler.options import Options
 from des.compiler.report import Report
 from des.compiler.subclassed import transform_subclassed
-from des_ops.comm import Communicator, default_communicator
+from des_ops.comm import Communicator
+from des_ops.mpi import default_communicator
 
 
 def transform(model: tf.keras.Model, options: Options | None = None, *, comm: Communicator | None = None,

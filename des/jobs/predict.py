@@ -29,7 +29,7 @@ from des.data import DataError, FeatureSpec
 from des.data.errors import op_error_message
 from des.data.files import check_paths, open_text
 from des.data.readers import make_dataset
-from des_ops.comm import default_communicator
+from des_ops.mpi import default_communicator
 
 
 def _args(argv):

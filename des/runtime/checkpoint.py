@@ -2,7 +2,7 @@
 them, so single, DES on N and PS on N can all restore them on any M.
 
     >>> import tempfile, models, tensorflow as tf
-    >>> from des_ops.comm import default_communicator
+    >>> from des_ops.mpi import default_communicator
     >>> from models.optim import make_optimizer
     >>> from des.jobs.verify import random_batches, small_spec
     >>> spec = small_spec(n_fields=2, dim=4)

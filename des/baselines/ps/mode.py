@@ -17,7 +17,7 @@ from des.baselines.ps import rewrite as ps
 from des.baselines.ps.tables import KeyExchange
 from des.runtime.callbacks import CounterDeltas
 from des.jobs.modes.base import Mode, ModeError, epoch_seed
-from des_ops.comm import NoopCommunicator, default_communicator
+from des_ops.mpi import NoopCommunicator, default_communicator
 
 
 class PS(Mode):

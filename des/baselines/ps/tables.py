@@ -37,7 +37,8 @@ import tensorflow as tf
 
 from des.data.hashing import ID_MASK
 from des.graph.sources import TableSource, register
-from des_ops.comm import WIRE_DTYPES, Communicator, default_communicator
+from des_ops.comm import WIRE_DTYPES, Communicator
+from des_ops.mpi import default_communicator
 from des_ops.fused import FUSED_CLASS, FusedTable
 from models.layers import FieldEmbedding
 from models.spec import PAD_ID

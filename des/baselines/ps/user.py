@@ -43,7 +43,8 @@ from des.graph.ir import Graph
 from des.graph.sources import source_of
 from des.runtime.saving import allgather_bytes, written_by_root
 from des.jobs.auto import choose
-from des_ops.comm import Communicator, agree, default_communicator, shard_rows
+from des_ops.comm import Communicator, agree, shard_rows
+from des_ops.mpi import default_communicator
 
 
 def transform(model: tf.keras.Model, options: Options, *, comm: Communicator | None = None, spec=None,

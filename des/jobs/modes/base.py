@@ -65,7 +65,7 @@ class Mode:
         self.report = None     # des.compiler's report (des mode)
 
     def _communicator(self):
-        from des_ops.comm import default_communicator
+        from des_ops.mpi import default_communicator
         return default_communicator("local")
 
     @property

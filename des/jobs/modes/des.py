@@ -19,7 +19,7 @@ from des.compiler.choices import exchanged_keys
 from des.compiler.cost import distinct_share, unique_ids_per_slice
 from des.compiler.handle import distributed
 from des.jobs.modes.base import Mode
-from des_ops.comm import default_communicator
+from des_ops.mpi import default_communicator
 from des_ops.rows import key_input
 
 
