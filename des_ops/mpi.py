@@ -209,11 +209,14 @@ def sleeping_wait(request, first: float = 2e-5, longest: float = 5e-4, timeout: 
 
 
 class SleepingMpi:
-    """Allreduce and broadcast by mpi4py on a duplicate of COMM_WORLD, waited for sleeping
-    (``sleeping_wait``); each allreduce checks that every rank called the same one (``sum``).
-    A step's allreduces run in tf.numpy_function and block a TensorFlow thread, so they are
-    chained in the order they were traced, the same on every rank (two scoped DES layers of one
-    step issued in another order on two ranks would wait for each other)."""
+    """DES's collectives by mpi4py on a duplicate of COMM_WORLD, each waited for sleeping
+    (``sleeping_wait``) and checked: MPI matches collectives by order, not by name, so every call
+    carries each rank's mark of its name, and a rank that met another collective (another name)
+    ends the job naming the ranks. A step's collectives run in tf.numpy_function and block a
+    TensorFlow thread, so they are chained in the order they were traced, the same on every rank
+    (two scoped DES layers of one step issued in another order on two ranks would wait for each
+    other). All-gather and all-to-all move bytes (any dtype); a sum takes float32/64 or int32/64."""
+    SUMMED = (np.float32, np.float64, np.int32, np.int64)     # marks (< 2**23 + 2) are exact in each
 
     def __init__(self) -> None:
         from mpi4py import MPI
@@ -221,47 +224,129 @@ class SleepingMpi:
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.timeout = float(os.environ.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", STALL_DEFAULTS[
             "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"]))
-        self._last_in = weakref.WeakKeyDictionary()       # graph -> its last allreduce
+        self._last_in = weakref.WeakKeyDictionary()       # graph -> its last collective
+
+    @staticmethod
+    def mark(name: str) -> int:
+        return zlib.crc32(name.encode()) % (1 << 23) + 1
+
+    def _wait(self, request, what: str) -> None:
+        sleeping_wait(request, timeout=self.timeout, what=f"rank {self.rank} of {self.size}, {what}")
+
+    def _check(self, marks, mark: int, what: str) -> None:
+        others = [r for r, m in enumerate(np.asarray(marks).tolist()) if m != mark]
+        if others:
+            raise DisagreementError(f"rank {self.rank} of {self.size}: {what} met another collective "
+                                    f"on rank(s) {', '.join(map(str, others))} (MPI matches collectives by order)")
+
+    def _summable(self, a: np.ndarray, what: str) -> np.ndarray:
+        if a.dtype.type not in self.SUMMED:
+            raise TypeError(f"{what}: mpi4py sums {', '.join(t.__name__ for t in self.SUMMED)}, not {a.dtype}")
+        return a
 
     def sum(self, a: np.ndarray, name: str = "des_allreduce") -> np.ndarray:
-        """``a`` summed over ranks. MPI matches collectives by order, not by name; so ``size``
-        numbers ride along, rank r's mark of ``name`` in place r, and a rank that met another
-        collective (another name) ends the job naming the ranks."""
-        a = np.asarray(a)
-        mark = zlib.crc32(name.encode()) % (1 << 23) + 1          # exact in float32
+        """``a`` summed over ranks; ``size`` numbers ride along, rank r's mark in place r."""
+        what, mark = f"allreduce {name!r}", self.mark(name)
+        a = self._summable(np.asarray(a), what)
         send = np.zeros(a.size + self.size, a.dtype)
         send[:a.size], send[a.size + self.rank] = a.reshape(-1), mark
         out = np.empty_like(send)
-        sleeping_wait(self.comm.Iallreduce(send, out, op=self.mpi.SUM), timeout=self.timeout,
-                      what=f"rank {self.rank} of {self.size}, allreduce {name!r}")
-        others = [r for r, m in enumerate(out[a.size:]) if m != mark]
-        if others:
-            raise DisagreementError(f"rank {self.rank} of {self.size}: allreduce {name!r} met another collective "
-                                    f"on rank(s) {', '.join(map(str, others))} (MPI matches collectives by order)")
+        self._wait(self.comm.Iallreduce(send, out, op=self.mpi.SUM), what)
+        self._check(out[a.size:], mark, what)
         return out[:a.size].reshape(a.shape)
 
-    def allreduce(self, x: tf.Tensor, name: str) -> tf.Tensor:
+    def sum_shards(self, a: np.ndarray, name: str) -> np.ndarray:
+        """Rows ``shard_rows(len(a), rank, size)`` of ``a`` summed over ranks (reduce-scatter);
+        each rank's block carries ``size`` numbers more, rank r's mark in place r."""
+        what, mark, n = f"reduce-scatter {name!r}", self.mark(name), self.size
+        a = self._summable(np.ascontiguousarray(a), what)
+        bounds = [shard_rows(len(a), r, n) for r in range(n)]
+        marks = np.zeros(n, a.dtype)
+        marks[self.rank] = mark
+        send = np.concatenate([part for lo, hi in bounds for part in (a[lo:hi].reshape(-1), marks)])
+        row = int(np.prod(a.shape[1:], dtype=np.int64))
+        counts = [(hi - lo) * row + n for lo, hi in bounds]
+        lo, hi = bounds[self.rank]
+        out = np.empty(counts[self.rank], a.dtype)
+        self._wait(self.comm.Ireduce_scatter(send, out, recvcounts=counts, op=self.mpi.SUM), what)
+        self._check(out[-n:], mark, what)
+        return out[:-n].reshape([hi - lo, *a.shape[1:]])
+
+    def gather(self, a: np.ndarray, name: str) -> np.ndarray:
+        """Every rank's ``a`` (its first dimension may differ) concatenated in rank order: one
+        small all-gather of (rows, mark) pairs, then the bytes."""
+        what, mark = f"all-gather {name!r}", self.mark(name)
+        a = np.ascontiguousarray(a)
+        head = np.empty(2 * self.size, np.int64)
+        self._wait(self.comm.Iallgather(np.array([len(a), mark], np.int64), head), what)
+        self._check(head[1::2], mark, what)
+        rows = head[0::2]
+        out = np.empty([int(rows.sum()), *a.shape[1:]], a.dtype)
+        row_bytes = a.dtype.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
+        self._wait(self.comm.Iallgatherv(a.reshape(-1).view(np.uint8),
+                                         [out.reshape(-1).view(np.uint8), (rows * row_bytes).tolist()]), what)
+        return out
+
+    def exchange(self, a: np.ndarray, splits: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """All-to-all: rows ``splits[d]`` of ``a`` (grouped by destination) to rank d; (the rows from
+        every source in source order, rows per source). A small all-to-all of (rows, mark) pairs
+        first, then the bytes."""
+        what, mark = f"all-to-all {name!r}", self.mark(name)
+        a, splits = np.ascontiguousarray(a), np.asarray(splits, np.int64).reshape(-1)
+        head = np.empty(2 * self.size, np.int64)
+        self._wait(self.comm.Ialltoall(np.stack([splits, np.full_like(splits, mark)], 1).reshape(-1), head), what)
+        self._check(head[1::2], mark, what)
+        got = head[0::2]
+        out = np.empty([int(got.sum()), *a.shape[1:]], a.dtype)
+        row_bytes = a.dtype.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
+        self._wait(self.comm.Ialltoallv([a.reshape(-1).view(np.uint8), (splits * row_bytes).tolist()],
+                                        [out.reshape(-1).view(np.uint8), (got * row_bytes).tolist()]), what)
+        return out, got.astype(np.int32)
+
+    def run(self, fn, inputs: list[tf.Tensor], dtypes: list) -> list[tf.Tensor]:
+        """``fn`` (numpy in, numpy out) on ``inputs``: at once when eager; in a graph, as a
+        tf.numpy_function that waits for the collective traced before it in this graph."""
         if tf.executing_eagerly():
-            return tf.constant(self.sum(x.numpy(), name))
+            out = fn(*[np.asarray(x) for x in inputs])
+            return [tf.constant(o) for o in (out if isinstance(out, tuple) else (out,))]
         graph = tf.compat.v1.get_default_graph()
         last = self._last_in.get(graph)
         if last is not None:
             with tf.control_dependencies([last]):
-                x = tf.identity(x)
-        y = tf.ensure_shape(tf.numpy_function(lambda a: self.sum(a, name), [x], x.dtype, stateful=True), x.shape)
-        self._last_in[graph] = y
-        return y
+                inputs = [tf.identity(inputs[0]), *inputs[1:]]
+        out = tf.numpy_function(fn, inputs, dtypes, stateful=True)
+        out = list(out) if isinstance(out, (list, tuple)) else [out]
+        self._last_in[graph] = out[0]
+        return out
+
+    def allreduce(self, x: tf.Tensor, name: str) -> tf.Tensor:
+        return tf.ensure_shape(self.run(lambda a: self.sum(a, name), [x], [x.dtype])[0], x.shape)
+
+    def reducescatter(self, x: tf.Tensor, name: str) -> tf.Tensor:
+        y = self.run(lambda a: self.sum_shards(a, name), [x], [x.dtype])[0]
+        return tf.ensure_shape(y, [None, *x.shape[1:]])
+
+    def allgather(self, x: tf.Tensor, name: str) -> tf.Tensor:
+        return tf.ensure_shape(self.run(lambda a: self.gather(a, name), [x], [x.dtype])[0], [None, *x.shape[1:]])
+
+    def alltoall(self, x: tf.Tensor, splits: tf.Tensor, name: str) -> tuple[tf.Tensor, tf.Tensor]:
+        rows, got = self.run(lambda a, s: self.exchange(a, s, name), [x, splits], [x.dtype, tf.int32])
+        return tf.ensure_shape(rows, [None, *x.shape[1:]]), tf.ensure_shape(got, [self.size])
 
     def broadcast(self, a: np.ndarray, root: int) -> np.ndarray:
         buf = np.ascontiguousarray(a).copy()
-        sleeping_wait(self.comm.Ibcast(buf, root=root), timeout=self.timeout,
-                      what=f"rank {self.rank} of {self.size}, broadcast from rank {root}")
+        self._wait(self.comm.Ibcast(buf, root=root), f"broadcast from rank {root}")
         return buf
+
+    def one_machine(self) -> bool:
+        """Whether every rank runs on this machine (one shared-memory group): the same everywhere."""
+        return self.comm.Split_type(self.mpi.COMM_TYPE_SHARED).Get_size() == self.size
 
 
 class Mpi4pyCommunicator(Communicator):
-    """DES's allreduce and broadcast by mpi4py, waited for sleeping (``SleepingMpi``); no Horovod,
-    no background thread. Allreduce and broadcast only: DES's replicated tail."""
+    """DES's collectives by mpi4py, waited for sleeping (``SleepingMpi``); no Horovod, no
+    background thread: allreduce and broadcast (the replicated tail), reduce-scatter and
+    all-gather (the data-parallel tail), all-to-all (rows to their samples' processes)."""
     name = "mpi4py"
     wire_dtypes = ("float32",)      # Open MPI 4.1 fails a numpy float16 Allreduce (MPI_ERR_TYPE)
     blocking = True
@@ -274,10 +359,21 @@ class Mpi4pyCommunicator(Communicator):
     def allreduce(self, x, name="des_allreduce"):
         return self._mpi.allreduce(x, name)
 
+    def reducescatter(self, x, name="des_reducescatter"):
+        return self._mpi.reducescatter(x, name)
+
+    def allgather(self, x, name="des_allgather"):
+        return self._mpi.allgather(x, name)
+
+    def alltoall(self, x, splits, name="des_alltoall"):
+        return self._mpi.alltoall(tf.convert_to_tensor(x), splits, name)
+
     def broadcast(self, a, root=0):
         self.count("broadcast", np.asarray(a).nbytes)
         return self._mpi.broadcast(a, root)
 
+    def one_machine(self) -> bool:
+        return self._mpi.one_machine()
 
 
 def start_horovod_thread() -> None:

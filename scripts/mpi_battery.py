@@ -12,8 +12,11 @@ splits sent to their samples' processes, mpi_tail.py --field-rows samples), laye
 by rows, des.Options(first_layer="rows"), mpi_tail.py --first-layer rows), subclassed:NAME (one model each),
 equivalence:MODEL:OPTIMIZER:horovod:TABLES, ps:MODEL:OPTIMIZER:TABLES, psuser:tfra_deepfm (the PS on
 a user's TFRA model, mpi_ps_user.py), big:NAME and bigtail:NAME (gallery:NAME and tail:NAME with
-des.Options(stripe_min_rows=0): a field too big for one owner split by key stripe). Horovod only (mpi4py's
-communicator drives MPI itself: scripts/mpi_equivalence.py alone).
+des.Options(stripe_min_rows=0): a field too big for one owner split by key stripe). ``--mpi4py`` first:
+the tail's kinds (tail, rows, samples, layerrows, bigtail) on des_ops.mpi.Mpi4pyCommunicator, in a launch
+of their own (it drives MPI itself, without Horovod); the other kinds are Horovod's.
+
+    mpirun -np 5 python scripts/mpi_battery.py --mpi4py OUT_DIR tail:deepctr_deepfm rows:deepctr_deepfm
 """
 import os
 import sys
@@ -32,11 +35,16 @@ KINDS = ("gallery", "tail", "rows", "samples", "layerrows", "subclassed", "equiv
          "bigtail")
 
 
-def run(out: str, job: str) -> None:
-    """Run one ``KIND:ARGS`` job, its output under ``out/KIND``."""
+TAIL_KINDS = ("tail", "rows", "samples", "layerrows", "bigtail")
+
+
+def run(out: str, job: str, comm: str = "horovod") -> None:
+    """Run one ``KIND:ARGS`` job, its output under ``out/KIND``; ``comm``: the tail kinds' communicator."""
     kind, _, args = job.partition(":")
     if kind not in KINDS or not args:
         sys.exit(f"mpi_battery: job {job!r}: expected KIND:ARGS with KIND one of {', '.join(KINDS)}")
+    if comm != "horovod" and kind not in TAIL_KINDS:
+        sys.exit(f"mpi_battery: job {job!r}: --{comm} runs {', '.join(TAIL_KINDS)} only")
     where = os.path.join(out, kind, args.replace(":", "-")) if kind == "ps" else os.path.join(out, kind)
     os.makedirs(where, exist_ok=True)
     if kind == "gallery":
@@ -44,17 +52,17 @@ def run(out: str, job: str) -> None:
     elif kind == "big":
         mpi_gallery.main(where, [args], mpi_gallery.des.Options(stripe_min_rows=0))
     elif kind == "tail":
-        mpi_tail.main(where, [args])
+        mpi_tail.main(where, [args], comm=comm)
     elif kind == "bigtail":
-        mpi_tail.main(where, [args], stripe_min_rows=0)
+        mpi_tail.main(where, [args], stripe_min_rows=0, comm=comm)
     elif kind == "rows":
-        mpi_tail.main(where, [args], first_dense="rows")
+        mpi_tail.main(where, [args], first_dense="rows", comm=comm)
     elif kind == "samples":                   # NAME or NAME:TABLES (des.Options.tables)
         name, _, tables = args.partition(":")
-        mpi_tail.main(where, [name], field_rows="samples", tables=tables or "auto")
+        mpi_tail.main(where, [name], field_rows="samples", tables=tables or "auto", comm=comm)
     elif kind == "layerrows":                 # NAME or NAME:TABLES (des.Options.tables)
         name, _, tables = args.partition(":")
-        mpi_tail.main(where, [name], first_layer="rows", tables=tables or "auto")
+        mpi_tail.main(where, [name], first_layer="rows", tables=tables or "auto", comm=comm)
     elif kind == "psuser":
         mpi_ps_user.main(where)
     elif kind == "subclassed":
@@ -69,5 +77,7 @@ def run(out: str, job: str) -> None:
 
 
 if __name__ == "__main__":
-    for j in sys.argv[2:]:
-        run(sys.argv[1], j)
+    kind = "mpi4py" if sys.argv[1] == "--mpi4py" else "horovod"
+    argv = sys.argv[2:] if kind == "mpi4py" else sys.argv[1:]
+    for j in argv[1:]:
+        run(argv[0], j, kind)

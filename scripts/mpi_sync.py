@@ -21,7 +21,6 @@ import numpy as np
 import tensorflow as tf
 
 from des_ops.comm import DisagreementError, agree, launcher_rank  # noqa: E402
-
 from des_ops.mpi import NoopCommunicator, SyncCommunicator  # noqa: E402
 from des.baselines.ps.tables import KeyExchange  # noqa: E402
 

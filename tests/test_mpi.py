@@ -761,6 +761,59 @@ def test_processes_that_disagree_end_the_job_with_a_message_naming_the_ranks(tmp
 
 
 @pytest.mark.mpi
+def test_the_mpi4py_collectives_with_an_empty_slice_and_a_disagreement_under_mpirun(tmp_path):
+    """des_ops.mpi.Mpi4pyCommunicator on 3 processes (scripts/mpi_collectives.py; rank 2 holds no
+    row): allreduce, all-gather, all-to-all, reduce-scatter and broadcast give what numpy computes,
+    eagerly and chained in one tf.function; an all-to-all that rank 1 names differently ends on
+    every rank with an error naming the other ranks."""
+    run = mpirun(3, "scripts/mpi_collectives.py", str(tmp_path), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    n = 3
+    held = [(100.0 * r + np.arange(2 * k, dtype=np.float32)).reshape(k, 2) for r, k in enumerate((3, 1, 0))]
+    base = np.arange(10, dtype=np.float32).reshape(5, 2)
+    for r in range(n):
+        said = pickle.load(open(tmp_path / f"rank{r}.pkl", "rb"))
+        # row i of rank s goes to rank (i + s) mod 3
+        came = [[row for i, row in enumerate(held[s]) if (i + s) % n == r] for s in range(n)]
+        expected = {"allreduce_f64": [1.5, 3.0], "allreduce_i64": [3, 21], "allgather": np.concatenate(held),
+                    "alltoall": np.array([row for rows in came for row in rows], np.float32).reshape(-1, 2),
+                    "alltoall_splits": [len(rows) for rows in came],
+                    "reducescatter": 6 * base[(0, 2, 4)[r]:(2, 4, 5)[r]]}       # 1 + 2 + 3; rows 2, 2 and 1
+        for how in ("eager", "graph"):
+            assert sorted(said[how]) == sorted(expected)
+            for key, value in expected.items():
+                np.testing.assert_array_equal(said[how][key], value, err_msg=f"rank {r} {how} {key}")
+        np.testing.assert_array_equal(said["broadcast"], [1, 10])
+        others = "0, 2" if r == 1 else "1"
+        assert said["disagreement"] == (f"rank {r} of 3: all-to-all {'rows' if r == 1 else 'ids'!r} met another "
+                                        f"collective on rank(s) {others} (MPI matches collectives by order)")
+
+
+@pytest.mark.mpi
+def test_every_tail_on_the_mpi4py_communicator_under_mpirun(battery, tmp_path):
+    """The data-parallel tail, the first Dense by rows, rows by samples (DCN; a DLRM port whose
+    tables are split by key range) and the first layer by rows on des_ops.mpi.Mpi4pyCommunicator
+    (reduce-scatter, all-gather, all-to-all by mpi4py, each wait sleeping), N = 5 > 4 fields (a
+    process owns nothing), uneven and empty shards: each equals one process as Horovod's launch
+    does, hands over the bytes Horovod's launch counts, and a second launch gives the same bits."""
+    jobs = [("tail", "deepctr_deepfm"), ("rows", "deepctr_deepfm"), ("samples", "deepctr_dcn"),
+            ("samples", "dlrm_offsets"), ("layerrows", "deepctr_deepfm")]
+    for out in (tmp_path / "again", tmp_path / "first"):
+        out.mkdir()
+        run = mpirun(5, "scripts/mpi_battery.py", "--mpi4py", str(out), *[f"{k}:{m}" for k, m in jobs], timeout=900)
+        assert run.returncode == 0, run.stderr[-3000:]
+    for kind, name in jobs:
+        ranks = _ranks(tmp_path / "first" / kind, name, 5)
+        for a, b in zip(_ranks(tmp_path / "again" / kind, name, 5), ranks):
+            _same_bits(a, b, f"mpi4py {kind}:{name}")
+        horovod = _ranks(battery(5) / kind, name, 5)
+        assert [r["counted"] for r in ranks] == [r["counted"] for r in horovod]
+        diff = compare(_tail_reference(name, ranks[0]["initial"]), ranks)
+        print(f"mpirun -np 5 {kind}:{name} on mpi4py: {diff}")
+        within(f"mpi4py {kind}:{name}", max(diff.values()), 1e-6)        # measured <= 1.8e-7
+
+
+@pytest.mark.mpi
 def test_subclassed_and_tfrs_models_under_mpirun_equal_single_process(battery):
     """TensorFlow Recommenders' ranking model (IntegerLookup + Embedding per side, Dense
     64-32-1, its Ranking task and compute_loss, Adagrad), a subclassed Wide & Deep and a TFRS

@@ -28,7 +28,7 @@ from rewrite_rules import Match, rule_named
 def costs_for(options: Options, comm: Communicator, fields: FieldAnalysis, matches: list[Match],
               sample) -> tuple[AutoTail, str]:
     """What the auto choices assume, and the report's line on it: ``options.costs`` if given; else,
-    on several processes under Horovod with a choice left to the cost model, des.AutoTail's
+    on several processes under Horovod or mpi4py with a choice left to the cost model, des.AutoTail's
     defaults with the link's bandwidth measured now (des.compiler.cost.measure_link, rounded to a
     class so that the same job makes the same choices run after run), or, when every process is
     on one machine, the fastest class untimed; else the defaults. With a
@@ -37,7 +37,7 @@ def costs_for(options: Options, comm: Communicator, fields: FieldAnalysis, match
         return options.costs, ""
     costs, line = options.assumed, ""
     auto = "auto" in (options.first_layer, options.tail, options.first_dense, options.field_rows)
-    if auto and comm.world_size > 1 and comm.name == "horovod":
+    if auto and comm.world_size > 1 and comm.name in ("horovod", "mpi4py"):
         agree(comm, "des.Options (the link is measured next)", str(options))
         if comm.one_machine():
             # shared memory: the fastest class, untimed (timing it on a busy machine measured
