@@ -47,7 +47,9 @@ SYSTEMS = {"tfra": "TFRA HvdAllToAllEmbedding", "des-replicated": "DES, replicat
            "des-user-operators": "DES, a user's DeepFM via des.transform, operators split (first_layer=operators)",
            "des-user-ps": "a user's DeepFM via des.transform(mode=ps): this project's PS",
            "des-user-auto": "a user's DeepFM via des.transform(mode=auto, sample=first batch)",
-           "des-user-onetable": "DES, a user's one-table DeepFM (TFRA's style) via des.transform, defaults"}
+           "des-user-onetable": "DES, a user's one-table DeepFM (TFRA's style) via des.transform, defaults",
+           "des-user-mpi4py": "DES, a user's DeepFM via des.transform, defaults, on the mpi4py communicator",
+           "des-rows-mpi4py": "DES, data-parallel tail, first Dense by rows, --comm mpi4py"}
 USER_OPTIONS = {"des-user": "", "des-user-rows": "first_layer=operators,tail=data_parallel,first_dense=rows",
                 "des-user-operators": "first_layer=operators", "des-user-ps": "mode=ps",
                 "des-user-auto": "mode=auto"}   # des.Options of each
@@ -64,12 +66,12 @@ def peer(n, model, data, a, out, launcher=None, script="peer_tfra.py", extra=())
     return json.load(open(out + ".rank0" if n > 1 else out))
 
 
-def user(n, model, data, a, out, launcher=None, options="", tables="per-field"):
+def user(n, model, data, a, out, launcher=None, options="", tables="per-field", comm="auto"):
     """A user's DeepFM (or W&D) of TFRA tables through des.transform (scripts/user_deepfm.py), every
     process reading the global batch; ``options``: des.Options as KEY=VALUE,... (empty: the defaults);
-    ``tables``: per-field or one (TFRA's one-table style)."""
+    ``tables``: per-field or one (TFRA's one-table style); ``comm``: auto (des.transform's) or mpi4py."""
     return peer(n, model, data, a, out, launcher, "user_deepfm.py",
-                (("--options", options) if options else ()) + ("--tables", tables))
+                (("--options", options) if options else ()) + ("--tables", tables, "--comm", comm))
 
 
 def launchers_for(n, model, data, reader, a, launcher):
@@ -83,12 +85,15 @@ def launchers_for(n, model, data, reader, a, launcher):
             "des-rows": lambda out: des_run(out, ("--tail", "data_parallel", "--first-dense", "rows")),
             "ps": lambda out: run(n, "ps", model, data, a, out, reader, launcher),
             **{key: (lambda out, o=o: user(n, model, data, a, out, launcher, o)) for key, o in USER_OPTIONS.items()},
-            "des-user-onetable": lambda out: user(n, model, data, a, out, launcher, tables="one")}
+            "des-user-onetable": lambda out: user(n, model, data, a, out, launcher, tables="one"),
+            "des-user-mpi4py": lambda out: user(n, model, data, a, out, launcher, comm="mpi4py"),
+            "des-rows-mpi4py": lambda out: des_run(out, ("--tail", "data_parallel", "--first-dense", "rows",
+                                                         "--comm", "mpi4py"))}
 
 
 def checked_models(a, chosen: list[str]) -> list[str]:
     """--models as a list, refusing what the chosen systems cannot run."""
-    if a.preset == "wide" and set(chosen) & (set(USER_OPTIONS) | {"des-user-onetable"}):
+    if a.preset == "wide" and set(chosen) & (set(USER_OPTIONS) | {"des-user-onetable", "des-user-mpi4py"}):
         raise SystemExit("--systems des-user*: the user's DeepFM (scripts/user_deepfm.py) has one-hot fields only; "
                          "use --preset criteo-like")
     models = a.models.split(",")

@@ -112,9 +112,12 @@ def main() -> None:
     ap.add_argument("--options", default="", help="des.Options keywords KEY=VALUE,... (default: none)")
     ap.add_argument("--tables", default="per-field", choices=["per-field", "one"],
                     help="one TFRA table per field (default) or TFRA's one-table style (one table for all fields)")
+    ap.add_argument("--comm", default="auto", choices=["auto", "mpi4py"],
+                    help="des.transform's communicator: its default (Horovod under mpirun), or des_ops.mpi.Mpi4pyCommunicator")
     a = started(ap)
     import des
     from des_ops.comm import launcher_rank
+    from des_ops.mpi import default_communicator
     spec, ds = global_batches(a.data, a.batch, a.dim)
     model = build(spec, a.dim, [int(u) for u in a.hidden.split(",") if u], a.model, a.tables)
     compile_user(model)
@@ -123,8 +126,9 @@ def main() -> None:
     # distinct ids in it, the cost model measures the share of distinct rows, mode="auto" weighs DES
     # against a PS on it
     sample = next(iter(ds))[0]
-    model, report = des.transform(model, des.Options(**options) if options else None, sample=sample)
-    rank, n = launcher_rank()          # des.transform's default world: Horovod's under mpirun
+    comm = default_communicator(a.comm)        # auto: des.transform's default world, Horovod's under mpirun
+    model, report = des.transform(model, des.Options(**options) if options else None, comm=comm, sample=sample)
+    rank, n = launcher_rank()
     if rank == 0:
         print(report, flush=True)
     hist, timed = timed_fit(model, ds, a.steps, a.batch, STARTED)
