@@ -286,7 +286,8 @@ def batches_left(data: tf.data.Dataset, mode) -> bool:
     every process: a checkpoint can fall on an epoch's last step (a save due after a step runs
     before the next one, which the data then lacked), and Keras refuses an empty epoch. One small
     sum over the processes (``mode.sum_across``, called by all), so all of them go on alike; a
-    ValueError names the ranks when some have batches left and others not.
+    ValueError names the ranks when some have batches left and others not. It reads the skipped
+    batches once more (their order is stateless: fit then reads the same ones).
 
         >>> class One: rank, world_size, sum_across = 0, 1, staticmethod(list)
         >>> batches_left(tf.data.Dataset.range(3).skip(3), One()), batches_left(tf.data.Dataset.range(3).skip(2), One())
