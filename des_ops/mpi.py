@@ -1,11 +1,12 @@
 """The communicators of a real launch (mpirun / horovodrun): Horovod's, the sleeping mpi4py
-one, the timing-only ones, and ``default_communicator``, which picks one. The interface, the
+one, the settling one that picks either for a step, the timing-only ones, and
+``default_communicator``, which picks one. The interface, the
 in-process simulated world and the identity-gradient allreduce are des_ops.comm's.
 
-    >>> default_communicator()                   # Horovod under mpirun/horovodrun, else a world of one
+    >>> default_communicator()                   # under mpirun/horovodrun SettlingCommunicator, else a world of one
     LocalCommunicator(rank=0, world_size=1)
     >>> sorted(KINDS)
-    ['horovod', 'local', 'meet', 'mpi4py', 'noop', 'sync']
+    ['horovod', 'local', 'meet', 'mpi4py', 'noop', 'settling', 'sync']
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import tensorflow as tf
 
 from des_ops.comm import (STALL_DEFAULTS, Communicator, DisagreementError, LocalCommunicator, launcher_rank,
                           op_name, shard_rows, under_launcher)
+from des_ops.wire import WIRE_DTYPES
 
 
 class NoopCommunicator(Communicator):
@@ -376,6 +378,76 @@ class Mpi4pyCommunicator(Communicator):
         return self._mpi.one_machine()
 
 
+class SettlingCommunicator(Communicator):
+    """The default under a launcher: DES's collectives by mpi4py, each wait sleeping
+    (``Mpi4pyCommunicator``: Horovod never starts, and no thread polls a core), unless
+    des.transform settles (``settle``) on a step that Horovod runs faster: the data-parallel
+    tail, whose step has several collectives (Horovod runs them from its own thread; by mpi4py,
+    chained, 9% fewer samples/s with the first Dense by rows, reports/peer_user_netbed_mpi4py.md),
+    or a 16-bit wire (Open MPI has no float16 sum). The replicated tail by mpi4py, the wide
+    preset's DeepFM on 4 hosts at 100 Mbit/s: 1.98x TFRA's samples/s against Horovod's 1.79x,
+    0.18 CPU s a step against 0.32 (reports/peer_wide_netbed_100mbit_sleeping.md). Collectives
+    before the choice (the plan's agreement, the link's timing) go by mpi4py; both communicators
+    count into this one's counters."""
+    wire_dtypes = WIRE_DTYPES
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner: Communicator = self._adopt(Mpi4pyCommunicator())
+        self.rank, self.world_size = self.inner.rank, self.inner.world_size
+        self.traced = False            # a collective was put in a graph: the choice is final
+
+    def _adopt(self, comm: Communicator) -> Communicator:
+        """``comm``, counting into this communicator's counters."""
+        comm.bytes, comm.ncalls = self.bytes, self.ncalls
+        comm.payload_bytes, comm.calls = self.payload_bytes, self.calls
+        return comm
+
+    def settle(self, tail: str, wire_dtype: str = "float32") -> str:
+        """mpi4py for the replicated tail in float32, else (the data-parallel tail, a 16-bit wire,
+        ``tail="ps"``: the parameter server) Horovod; the communicator's name. Once Horovod,
+        Horovod (a transform of two towers, one of them data-parallel)."""
+        if (tail != "replicated" or wire_dtype != "float32") and self.inner.name != "horovod":
+            if self.traced:
+                raise RuntimeError("des.transform: this communicator's collectives are already in a traced step "
+                                   "by mpi4py; pass comm=des_ops.HorovodCommunicator() to every des.transform")
+            self.inner = self._adopt(HorovodCommunicator())
+        return self.inner.name
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def blocking(self) -> bool:
+        return self.inner.blocking
+
+    def _graph(self) -> Communicator:
+        self.traced = self.traced or not tf.executing_eagerly()
+        return self.inner
+
+    def allreduce(self, x, name="des_allreduce"):
+        return self._graph().allreduce(x, name)
+
+    def reducescatter(self, x, name="des_reducescatter"):
+        return self._graph().reducescatter(x, name)
+
+    def allgather(self, x, name="des_allgather"):
+        return self._graph().allgather(x, name)
+
+    def alltoall(self, x, splits, name="des_alltoall"):
+        return self._graph().alltoall(x, splits, name)
+
+    def scatter(self, parts, row_shape, root=0, name="des_scatter"):
+        return self.inner.scatter(parts, row_shape, root, name)
+
+    def broadcast(self, a, root=0):
+        return self.inner.broadcast(a, root)
+
+    def one_machine(self) -> bool:
+        return self.inner.one_machine()
+
+
 def start_horovod_thread() -> None:
     """Under mpirun, start Horovod (its background thread polls every cycle and takes CPU from the
     step, as in a real run) without calling any collective; alone, nothing."""
@@ -383,15 +455,17 @@ def start_horovod_thread() -> None:
         init_horovod()
 
 
-def default_communicator(kind: str = "auto") -> Communicator:
-    """``auto``: Horovod when launched with several processes, else a world of one; ``noop``:
+def default_communicator(kind: str = "auto", launched: str = "settling") -> Communicator:
+    """``auto``: ``launched`` when launched with several processes (``settling``: mpi4py or
+    Horovod, as des.transform settles; the parameter server and the cache ask for ``horovod``),
+    else a world of one; ``noop``:
     the launcher's rank and size without collectives (timing only); ``sync``: the same, with
     the processes kept in step by one tiny allreduce per call (timing only); ``meet``: DES's
     only collective is its allreduce, so the same as ``sync``."""
     if kind == "auto":
-        kind = "horovod" if under_launcher() else "local"
+        kind = launched if under_launcher() else "local"
     return KINDS[kind]()
 
 
-KINDS = {"horovod": HorovodCommunicator, "mpi4py": Mpi4pyCommunicator,     # des.train --comm
+KINDS = {"settling": SettlingCommunicator, "horovod": HorovodCommunicator, "mpi4py": Mpi4pyCommunicator,
          "local": LocalCommunicator, "noop": NoopCommunicator, "sync": SyncCommunicator, "meet": SyncCommunicator}

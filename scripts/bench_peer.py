@@ -39,7 +39,9 @@ sys.path.insert(0, ROOT)
 from des.cluster.netbed import Netbed  # noqa: E402
 
 
-SYSTEMS = {"tfra": "TFRA HvdAllToAllEmbedding", "des-replicated": "DES, replicated tail",
+SYSTEMS = {"tfra": "TFRA HvdAllToAllEmbedding",
+           "des-replicated": "DES, replicated tail (--comm auto: mpi4py, settled by des.transform)",
+           "des-replicated-horovod": "DES, replicated tail, Horovod (--comm horovod)",
            "des-replicated-mpi4py": "DES, replicated tail, mpi4py's allreduce waited sleeping (--comm mpi4py)",
            "des-data-parallel": "DES, data-parallel tail", "des-rows": "DES, data-parallel tail, first Dense by rows",
            "ps": "PS (this project)", "des-user": "DES, a user's DeepFM via des.transform, defaults",
@@ -81,6 +83,7 @@ def launchers_for(n, model, data, reader, a, launcher):
     return {"tfra": lambda out: peer(n, model, data, a, out, launcher),
             "des-replicated": lambda out: des_run(out, ("--tail", "replicated")),
             "des-replicated-mpi4py": lambda out: des_run(out, ("--tail", "replicated", "--comm", "mpi4py")),
+            "des-replicated-horovod": lambda out: des_run(out, ("--tail", "replicated", "--comm", "horovod")),
             "des-data-parallel": lambda out: des_run(out, ("--tail", "data_parallel", "--first-dense", "partials")),
             "des-rows": lambda out: des_run(out, ("--tail", "data_parallel", "--first-dense", "rows")),
             "ps": lambda out: run(n, "ps", model, data, a, out, reader, launcher),

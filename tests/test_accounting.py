@@ -3,12 +3,14 @@
 The all-to-all side (per destination, self-sends apart, sender = receiver across processes) needs
 Horovod's all-to-all and runs under mpirun: tests/test_mpi.py (PS) and tests/test_cache.py."""
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import des
 import models
 from des.runtime.callbacks import ReplicaCheck
 from des.jobs.verify import run_in_process_world
+from des_ops import mpi
 from des_ops.comm import InProcessWorld, LocalCommunicator, allreduce_sum
 from helpers import random_batches, small_spec
 
@@ -142,3 +144,29 @@ def test_the_mpi4py_allreduce_names_ranks_that_met_another_collective_and_gives_
         world("des_partials_other").sum(np.array([1.0, 2.0], np.float32), "des_partials")
     with pytest.raises(TimeoutError, match=r"rank 0 of 2, allreduce 'des_partials': waited 0 s"):
         world("des_partials", never=True).sum(np.array([1.0, 2.0], np.float32), "des_partials")
+
+
+def test_the_default_communicator_settles_on_mpi4py_for_the_replicated_tail_and_horovod_otherwise(monkeypatch):
+    """des_ops.mpi.SettlingCommunicator (the default under a launcher) starts on mpi4py; des.transform's
+    settle keeps it for the replicated tail in float32 and takes Horovod for the data-parallel tail
+    or a 16-bit wire, for good; both count into its counters; once a collective is in a traced
+    step, a switch is refused. (Fake inner communicators: the real ones are launched in test_mpi.)"""
+    class Fake(LocalCommunicator):
+        def one_machine(self):
+            return True
+    monkeypatch.setattr(mpi, "Mpi4pyCommunicator", type("Mpi4py", (Fake,), {"name": "mpi4py", "blocking": True}))
+    monkeypatch.setattr(mpi, "HorovodCommunicator", type("Horovod", (Fake,), {"name": "horovod"}))
+    for tail, wire, expected in (("replicated", "float32", "mpi4py"), ("data_parallel", "float32", "horovod"),
+                                 ("replicated", "float16", "horovod")):
+        comm = mpi.SettlingCommunicator()
+        assert (comm.name, comm.blocking) == ("mpi4py", True)         # the plan's agreement, the link's timing
+        comm.broadcast(np.zeros(3, np.float32))
+        assert comm.settle(tail, wire) == expected == comm.name
+        assert comm.settle("replicated", "float32") == expected       # a second tower does not switch back
+        comm.inner.count("broadcast", 8)
+        allreduce_sum(comm, tf.ones([2, 3]))
+        assert comm.counted()["broadcast"]["calls"] == 1 and comm.counted()["step"] == {"bytes": 24, "calls": 1}
+    comm = mpi.SettlingCommunicator()
+    tf.function(lambda x: comm.allreduce(x, "des_partials"))(tf.ones([2]))
+    with pytest.raises(RuntimeError, match="already in a traced step by mpi4py"):
+        comm.settle("data_parallel", "float32")

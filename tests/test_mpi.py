@@ -155,6 +155,7 @@ def test_training_cli_des_under_mpirun(data_file, single_run, tmp_path):
                  "--checkpoint", str(tmp_path / "ck"), "--summary-json", str(tmp_path / "des.json"))
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count("training wdl") == 1                 # logs from rank 0 only
+    assert "collectives by mpi4py: each wait sleeping" in run.stdout   # the default under mpirun, replicated tail
     ranks = [json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / "des.json*")))]
     assert len(ranks) == 2 and ranks[0]["auc"] == ranks[1]["auc"]   # same predictions everywhere
     s = single_run

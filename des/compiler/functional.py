@@ -172,6 +172,16 @@ class FieldChains:
         return {t: env[t] for t in self.wanted}
 
 
+def _settle(comm: Communicator, tail: str, wire_dtype: str) -> str:
+    """Settle the default communicator (des_ops.mpi.SettlingCommunicator) for this step; the report's line."""
+    settle = getattr(comm, "settle", None)
+    if settle is None:                          # a communicator the user chose, or none under no launcher
+        return ""
+    by = settle(tail, wire_dtype)
+    return f"collectives by {by}: " + ("each wait sleeping, no Horovod (the replicated tail)" if by == "mpi4py" else
+                                       "the data-parallel tail or a 16-bit wire, whose collectives Horovod runs faster")
+
+
 def transform_functional(model: tf.keras.Model, options: Options, comm: Communicator,
                          spec=None, sample=None) -> tuple[tf.keras.Model, Report]:
     """des.transform of a functional (or Sequential) model: (DES model for this process, report).
@@ -290,6 +300,7 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     asked = ("first_layer='rows', whose first layers run in the data-parallel tail" if report.first_layer == "rows"
              else "tail='data_parallel'")
     tail, tail_reason = tail_choice(graph, model, skip, options.tail, costs, comm, dense, rows_width, asked)
+    report.communicator = _settle(comm, tail, options.wire_dtype)
     if tail == "data_parallel" and (options.micro_batches > 1 or options.wire_dtype != "float32"):
         raise ValueError("des.transform: micro_batches and a 16-bit wire_dtype are for the replicated tail; the "
                          "data-parallel tail reduce-scatters the whole batch in float32")

@@ -49,6 +49,7 @@ class Report:
     by_samples: list = dataclasses.field(default_factory=list)   # field rows by samples: widths by rank ([]: partials)
     distinct_keys: list = dataclasses.field(default_factory=list)   # inputs whose fields' rows travel once per id
     link: str = ""                  # what the auto choices assumed of the link, when it was measured at start
+    communicator: str = ""          # which communicator the default one settled on, and why
     first_layer: str = "operators"  # "rows": no operator split, every field vector by samples
     first_layer_reason: str = ""
     field_rows_reason: str = ""       # data-parallel tail: what des.compiler.cost.choose_field_rows weighed
@@ -132,6 +133,8 @@ class Report:
                          "gradients summed (one allreduce per step)")
         if self.link:
             lines.append(f"  {self.link}")
+        if self.communicator:
+            lines.append(f"  {self.communicator}")
         if self.first_layer == "rows":
             lines.append("  first layer by rows: no operator is split; every field vector's rows go to the "
                          "processes of its samples and the first layers run in the data-parallel tail")

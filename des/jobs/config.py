@@ -356,8 +356,10 @@ OPTIONS: list[Option] = [
             "assumes"),
     _o("--comm", "network.comm", default="auto",
        choices=["auto", "horovod", "mpi4py", "local", "noop", "sync", "meet"],
-       help="auto: Horovod under a launcher, else one process; mpi4py: DES's collectives by mpi4py, each wait "
-            "sleeping where Horovod's and MPI's poll a core (every tail; a float32 wire; docs/netbed.md); "
+       help="auto: under a launcher, DES's collectives by mpi4py, each wait sleeping where Horovod's and MPI's "
+            "poll a core, for the replicated tail, and by Horovod for the data-parallel tail or a 16-bit wire "
+            "(des.transform settles it; the PS and the cache: Horovod), else one process; horovod, mpi4py: "
+            "that one for every tail (mpi4py: a float32 wire; docs/netbed.md); "
             "noop: the launcher's rank and size but no collective (times the computation "
             "alone, for des.cluster.timemodel; results are not the model's); sync: the same, but each "
             "step waits for every process (one 4-byte allreduce), as training does; meet: "

@@ -27,7 +27,7 @@ class PS(Mode):
     def _communicator(self):
         kind = self.config.network.comm
         meet = {"noop": "never", "sync": "scalars", "meet": "every"}.get(kind)   # timing only (des.cluster.timemodel)
-        self.exchange = KeyExchange(NoopCommunicator(meet=meet) if meet else default_communicator(),
+        self.exchange = KeyExchange(NoopCommunicator(meet=meet) if meet else default_communicator(launched="horovod"),
                                     wire_dtype=self.config.wire_dtype)
         self.allocators: list = []
         return self.exchange.comm

@@ -62,7 +62,7 @@ class KeyExchange:
         if wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"wire_dtype={wire_dtype!r}: one of {', '.join(WIRE_DTYPES)}")
         self.wire_dtype = tf.as_dtype(wire_dtype)
-        self.comm = default_communicator() if comm is None else comm
+        self.comm = default_communicator(launched="horovod") if comm is None else comm
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.counters = {n: tf.Variable(0, dtype=tf.int64, trainable=False, name=f"ps_{n}")
                          for n in self.COUNTERS}
