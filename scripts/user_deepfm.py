@@ -113,7 +113,8 @@ def main() -> None:
     ap.add_argument("--tables", default="per-field", choices=["per-field", "one"],
                     help="one TFRA table per field (default) or TFRA's one-table style (one table for all fields)")
     ap.add_argument("--comm", default="auto", choices=["auto", "mpi4py"],
-                    help="des.transform's communicator: its default (Horovod under mpirun), or des_ops.mpi.Mpi4pyCommunicator")
+                    help="des.transform's communicator: its default (under mpirun, mpi4py or Horovod as des.transform "
+                         "settles it), or des_ops.mpi.Mpi4pyCommunicator")
     a = started(ap)
     import des
     from des_ops.comm import launcher_rank
@@ -126,7 +127,7 @@ def main() -> None:
     # distinct ids in it, the cost model measures the share of distinct rows, mode="auto" weighs DES
     # against a PS on it
     sample = next(iter(ds))[0]
-    comm = default_communicator(a.comm)        # auto: des.transform's default world, Horovod's under mpirun
+    comm = default_communicator(a.comm)        # auto: des.transform's default, settled by it under mpirun
     model, report = des.transform(model, des.Options(**options) if options else None, comm=comm, sample=sample)
     rank, n = launcher_rank()
     if rank == 0:

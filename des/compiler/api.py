@@ -4,7 +4,7 @@
     >>> from models import deepfm
     >>> from des.data import FeatureSpec, Field
     >>> spec = FeatureSpec((Field("C1", dim=4), Field("C2", dim=4)))
-    >>> model, report = des.transform(deepfm(spec, hidden=(8,)))          # world from Horovod under mpirun
+    >>> model, report = des.transform(deepfm(spec, hidden=(8,)))          # world from the launcher under mpirun
     >>> print(report)
     des.transform: 3 substitution(s), rank 0 of 1:
     ...
@@ -35,7 +35,8 @@ def transform(model: tf.keras.Model, options: Options | None = None, *, comm: Co
               spec=None, sample=None, chosen: str = "") -> tuple[tf.keras.Model, Report]:
     """Return (DES model for this process, report); ``options``: a des.Options (how to split).
 
-    ``comm``: the collectives (default: Horovod under mpirun, else a world of one). ``spec`` (a
+    ``comm``: the collectives (default: under mpirun des_ops.mpi.SettlingCommunicator, mpi4py's
+    sleeping waits for the replicated tail and Horovod otherwise; else a world of one). ``spec`` (a
     FeatureSpec) gives expected cardinalities to the balanced plan. ``sample`` (a batch of the
     inputs, optional for a functional model): the cost model's share of rows that travel once per
     distinct id (des.AutoTail.distinct) is measured on it. A subclassed model (a
