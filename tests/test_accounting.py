@@ -8,6 +8,7 @@ import tensorflow as tf
 
 import des
 import models
+from des.baselines.ps.tables import KeyExchange
 from des.runtime.callbacks import ReplicaCheck
 from des.jobs.verify import run_in_process_world
 from des_ops import mpi
@@ -149,7 +150,7 @@ def test_the_mpi4py_allreduce_names_ranks_that_met_another_collective_and_gives_
 def test_the_default_communicator_settles_on_mpi4py_for_the_replicated_tail_and_horovod_otherwise(monkeypatch):
     """des_ops.mpi.SettlingCommunicator (the default under a launcher) starts on mpi4py; des.transform's
     settle keeps it for the replicated tail in float32 and takes Horovod for the data-parallel tail
-    or a 16-bit wire, for good; both count into its counters; once a collective is in a traced
+    or a 16-bit wire, for good, as the PS's KeyExchange does; both count into its counters; once a collective is in a traced
     step, a switch is refused. (Fake inner communicators: the real ones are launched in test_mpi.)"""
     class Fake(LocalCommunicator):
         def one_machine(self):
@@ -166,6 +167,7 @@ def test_the_default_communicator_settles_on_mpi4py_for_the_replicated_tail_and_
         comm.inner.count("broadcast", 8)
         allreduce_sum(comm, tf.ones([2, 3]))
         assert comm.counted()["broadcast"]["calls"] == 1 and comm.counted()["step"] == {"bytes": 24, "calls": 1}
+    assert KeyExchange(mpi.SettlingCommunicator()).comm.name == "horovod"    # the PS's exchanges, however built
     comm = mpi.SettlingCommunicator()
     tf.function(lambda x: comm.allreduce(x, "des_partials"))(tf.ones([2]))
     with pytest.raises(RuntimeError, match="already in a traced step by mpi4py"):

@@ -55,7 +55,8 @@ class KeyExchange:
 
     def __init__(self, comm: Communicator | None = None, wire_dtype: str = "float32"):
         """``comm`` (des_ops.comm) carries the all-to-alls and allreduces; default: Horovod under
-        mpirun, else a world of one. In a simulated world: ``KeyExchange(world.communicator(r))``;
+        mpirun, else a world of one; des.transform's default (des_ops.mpi.SettlingCommunicator)
+        is settled on Horovod. In a simulated world: ``KeyExchange(world.communicator(r))``;
         for timing the computation alone: ``KeyExchange(NoopCommunicator(meet=...))``.
         ``wire_dtype``: the type rows and gradient rows travel in ("float16": half the bytes, the
         rows rounded to 16 bits on the way; ids, dense gradients and tables stay as they are)."""
@@ -63,6 +64,8 @@ class KeyExchange:
             raise ValueError(f"wire_dtype={wire_dtype!r}: one of {', '.join(WIRE_DTYPES)}")
         self.wire_dtype = tf.as_dtype(wire_dtype)
         self.comm = default_communicator(launched="horovod") if comm is None else comm
+        if hasattr(self.comm, "settle"):        # des.transform's default communicator: exchanges by Horovod
+            self.comm.settle("ps")
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.counters = {n: tf.Variable(0, dtype=tf.int64, trainable=False, name=f"ps_{n}")
                          for n in self.COUNTERS}

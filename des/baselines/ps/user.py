@@ -62,8 +62,6 @@ def transform(model: tf.keras.Model, options: Options, *, comm: Communicator | N
                                  sample=sample, chosen=why)
         report.link = link
         return new, report
-    if hasattr(comm, "settle"):             # the default communicator: the PS's exchanges go by Horovod
-        comm.settle("ps")
     ps = shard_users_model(model, comm, options.seed, options.sync_weights, options.tables_for(model))
     report = Report([], [], None, comm.rank, comm.world_size,
                     tables=ps_lines(model, comm.world_size) + list(ps.fused_lines),
