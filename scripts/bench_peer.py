@@ -1,8 +1,9 @@
 """Benchmark DES against the peer users pick today, TFRA's own all-to-all embedding
 (scripts/peer_tfra.py): samples/s, CPU seconds per step per process and seconds to the first
 step of a DeepFM (or W&D) under mpirun, for each (N, hidden) given; DES with its joined tables
-(des.train's default) and the replicated or the data-parallel tail, and this project's PS mode
-(``--mode ps``, joined tables). One run, medians of ``--repeats`` launches; prints a Markdown
+(des.train's default) and its defaults (``des``: the tail, the first Dense and the communicator
+chosen by cost, the report saying which and why), the replicated or the data-parallel tail, and
+this project's PS mode (``--mode ps``, joined tables). One run, medians of ``--repeats`` launches; prints a Markdown
 table and writes it to ``--report``.
 
     .venv/bin/python scripts/bench_peer.py --rows 200000 --batch 4096 --steps 40 --repeats 3
@@ -40,6 +41,7 @@ from des.cluster.netbed import Netbed  # noqa: E402
 
 
 SYSTEMS = {"tfra": "TFRA HvdAllToAllEmbedding",
+           "des": "DES, des.train's defaults (tail, first Dense and communicator chosen by cost)",
            "des-replicated": "DES, replicated tail (--comm auto: mpi4py, settled by des.transform)",
            "des-replicated-horovod": "DES, replicated tail, Horovod (--comm horovod)",
            "des-replicated-mpi4py": "DES, replicated tail, mpi4py's allreduce waited sleeping (--comm mpi4py)",
@@ -81,6 +83,7 @@ def launchers_for(n, model, data, reader, a, launcher):
     def des_run(out, extra):
         return run(n, "des", model, data, a, out, (*extra, *reader), launcher)
     return {"tfra": lambda out: peer(n, model, data, a, out, launcher),
+            "des": lambda out: des_run(out, ()),
             "des-replicated": lambda out: des_run(out, ("--tail", "replicated")),
             "des-replicated-mpi4py": lambda out: des_run(out, ("--tail", "replicated", "--comm", "mpi4py")),
             "des-replicated-horovod": lambda out: des_run(out, ("--tail", "replicated", "--comm", "horovod")),
@@ -179,6 +182,10 @@ def main():
             for name, rs in runs.items():
                 chose = sorted({line for r in rs for line in r.get("report", []) if "mode auto:" in line})
                 notes += [f"- {model}, N = {n}, {a.hidden}, {name}: {line.strip()}" for line in chose]
+                if name == SYSTEMS["des"]:     # what the defaults chose, and why (des.train's summary)
+                    notes += sorted({f"- {model}, N = {n}, {a.hidden}, {name}: tail {r.get('tail')} "
+                                     f"({r.get('tail_reason')}); first Dense by rows: "
+                                     f"{', '.join(r.get('first_dense_by_rows') or []) or 'none'}" for r in rs})
             base = got["TFRA HvdAllToAllEmbedding"][0]
             launches += launch_lines(f"{model}, N = {n}, {a.hidden}", runs)
             for name, (sps, cpu, first, wire) in got.items():
@@ -190,7 +197,7 @@ def main():
     lines += ["", "Samples/s of each launch, in launch order (round r launches every system once):", "", *launches]
     print("\n".join(lines[-len(launches) - 2:]), flush=True)
     if notes:
-        lines += ["", "What mode auto chose (its report's line, from rank 0 of each launch):", "", *notes]
+        lines += ["", "What mode auto and the defaults chose (from rank 0 of each launch):", "", *notes]
         print("\n".join(lines[-len(notes) - 2:]), flush=True)
     write_report(a.report, lines)
 

@@ -13,10 +13,11 @@ by rows, des.Options(first_layer="rows"), mpi_tail.py --first-layer rows), subcl
 equivalence:MODEL:OPTIMIZER:horovod:TABLES, ps:MODEL:OPTIMIZER:TABLES, psuser:tfra_deepfm (the PS on
 a user's TFRA model, mpi_ps_user.py), big:NAME and bigtail:NAME (gallery:NAME and tail:NAME with
 des.Options(stripe_min_rows=0): a field too big for one owner split by key stripe). ``--mpi4py`` first:
-the tail's kinds (tail, rows, samples, layerrows, bigtail) on des_ops.mpi.Mpi4pyCommunicator, in a launch
-of their own (it drives MPI itself, without Horovod); the other kinds are Horovod's.
+the tail's kinds (tail, rows, samples, layerrows, bigtail) and equivalence:MODEL:OPTIMIZER:mpi4py:TABLES
+on des_ops.mpi.Mpi4pyCommunicator, in a launch of their own (it drives MPI itself, without Horovod);
+the other kinds are Horovod's.
 
-    mpirun -np 5 python scripts/mpi_battery.py --mpi4py OUT_DIR tail:deepctr_deepfm rows:deepctr_deepfm
+    mpirun -np 5 python scripts/mpi_battery.py --mpi4py OUT_DIR tail:deepctr_deepfm equivalence:deepfm:adam:mpi4py:joined
 """
 import os
 import sys
@@ -43,8 +44,8 @@ def run(out: str, job: str, comm: str = "horovod") -> None:
     kind, _, args = job.partition(":")
     if kind not in KINDS or not args:
         sys.exit(f"mpi_battery: job {job!r}: expected KIND:ARGS with KIND one of {', '.join(KINDS)}")
-    if comm != "horovod" and kind not in TAIL_KINDS:
-        sys.exit(f"mpi_battery: job {job!r}: --{comm} runs {', '.join(TAIL_KINDS)} only")
+    if comm != "horovod" and kind not in TAIL_KINDS + ("equivalence",):
+        sys.exit(f"mpi_battery: job {job!r}: --{comm} runs {', '.join(TAIL_KINDS)} and equivalence only")
     where = os.path.join(out, kind, args.replace(":", "-")) if kind == "ps" else os.path.join(out, kind)
     os.makedirs(where, exist_ok=True)
     if kind == "gallery":
@@ -68,8 +69,8 @@ def run(out: str, job: str, comm: str = "horovod") -> None:
     elif kind == "subclassed":
         mpi_subclassed.main(where, [args])
     elif kind == "equivalence":
-        if args.split(":")[2] != "horovod":
-            sys.exit(f"mpi_battery: job {job!r}: Horovod only (run mpi4py by scripts/mpi_equivalence.py)")
+        if args.split(":")[2] != comm:
+            sys.exit(f"mpi_battery: job {job!r}: its communicator is not this launch's ({comm})")
         mpi_equivalence.run(where, args)
     else:
         name, optimizer, tables = args.split(":")

@@ -65,6 +65,27 @@ def battery(tmp_path_factory):
     return launch
 
 
+# the mpi4py communicator's jobs at N = 5 (more processes than fields), in two launches of their own
+# (it drives MPI itself, without Horovod) that must give the same bits
+MPI4PY = [("tail", "deepctr_deepfm"), ("rows", "deepctr_deepfm"), ("samples", "deepctr_dcn"),
+          ("samples", "dlrm_offsets"), ("layerrows", "deepctr_deepfm")]
+MPI4PY += [("equivalence", f"{m}:{o}:mpi4py:{t}") for m, o, _n, c, t in EQUIVALENCE if c == "mpi4py"]
+assert {n for *_, n, c, _t in EQUIVALENCE if c == "mpi4py"} <= {5}, "the mpi4py battery runs at N = 5"
+
+
+@pytest.fixture(scope="module")
+def mpi4py_battery(tmp_path_factory):
+    """(first, again): the OUT_DIRs of two launches of scripts/mpi_battery.py --mpi4py with MPI4PY, N = 5."""
+    outs = []
+    for tag in ("again", "first"):
+        out = tmp_path_factory.mktemp(f"mpi4py{tag}")
+        run = mpirun(5, "scripts/mpi_battery.py", "--mpi4py", str(out), *[f"{k}:{m}" for k, m in MPI4PY],
+                     timeout=900)
+        assert run.returncode == 0, run.stderr[-3000:]
+        outs.append(out)
+    return outs[1], outs[0]
+
+
 def _ranks(where, name: str, n: int) -> list[dict]:
     """The n ranks' pickled snapshots ``where/<name>.rank<r>.pkl`` (``where/rank<r>.pkl`` when the
     folder is the job's own: name "")."""
@@ -82,21 +103,19 @@ def _same_bits(a: dict, b: dict, job: str) -> None:
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("name, optimizer, n, comm, tables", EQUIVALENCE)
-def test_des_under_mpirun_equals_single_process(battery, tmp_path, name, optimizer, n, comm, tables):
+def test_des_under_mpirun_equals_single_process(request, name, optimizer, n, comm, tables):
     """DES on N processes (per-field, fused or joined tables; N = 5 > 4 fields: a process owns nothing)
     equals the untouched per-field model on one process; the mpi4py communicator's job, launched
     twice, gives the same bits."""
     config = f"{name}:{optimizer}:{comm}:{tables}"
     if comm == "horovod":
-        out = battery(n) / "equivalence"
+        out = request.getfixturevalue("battery")(n) / "equivalence"
     else:     # mpi4py drives MPI itself (no Horovod), its waits sleeping: two launches of its own
-        for out in (tmp_path / "again", tmp_path):
-            out.mkdir(exist_ok=True)
-            run = mpirun(n, "scripts/mpi_equivalence.py", str(out), config)
-            assert run.returncode == 0, run.stderr[-3000:]
-        for a, b in zip(_ranks(tmp_path / "again", config.replace(":", "-"), n),
-                        _ranks(out, config.replace(":", "-"), n)):     # the same job, the same bits
+        first, again = (o / "equivalence" for o in request.getfixturevalue("mpi4py_battery"))
+        for a, b in zip(_ranks(again, config.replace(":", "-"), n),
+                        _ranks(first, config.replace(":", "-"), n)):     # the same job, the same bits
             _same_bits(a, b, config)
+        out = first
     ranks = _ranks(out, config.replace(":", "-"), n)       # as scripts/mpi_equivalence.py names it
     # a sample's partials by hand (PS_SPEC: 4 fields of dim 3; hidden 8,4): the linear sum (1), the
     # FM's S and Q (3 + 1), the first Dense's 8 units
@@ -791,21 +810,16 @@ def test_the_mpi4py_collectives_with_an_empty_slice_and_a_disagreement_under_mpi
 
 
 @pytest.mark.mpi
-def test_every_tail_on_the_mpi4py_communicator_under_mpirun(battery, tmp_path):
+def test_every_tail_on_the_mpi4py_communicator_under_mpirun(battery, mpi4py_battery):
     """The data-parallel tail, the first Dense by rows, rows by samples (DCN; a DLRM port whose
     tables are split by key range) and the first layer by rows on des_ops.mpi.Mpi4pyCommunicator
     (reduce-scatter, all-gather, all-to-all by mpi4py, each wait sleeping), N = 5 > 4 fields (a
     process owns nothing), uneven and empty shards: each equals one process as Horovod's launch
     does, hands over the bytes Horovod's launch counts, and a second launch gives the same bits."""
-    jobs = [("tail", "deepctr_deepfm"), ("rows", "deepctr_deepfm"), ("samples", "deepctr_dcn"),
-            ("samples", "dlrm_offsets"), ("layerrows", "deepctr_deepfm")]
-    for out in (tmp_path / "again", tmp_path / "first"):
-        out.mkdir()
-        run = mpirun(5, "scripts/mpi_battery.py", "--mpi4py", str(out), *[f"{k}:{m}" for k, m in jobs], timeout=900)
-        assert run.returncode == 0, run.stderr[-3000:]
-    for kind, name in jobs:
-        ranks = _ranks(tmp_path / "first" / kind, name, 5)
-        for a, b in zip(_ranks(tmp_path / "again" / kind, name, 5), ranks):
+    first, again = mpi4py_battery
+    for kind, name in [j for j in MPI4PY if j[0] != "equivalence"]:
+        ranks = _ranks(first / kind, name, 5)
+        for a, b in zip(_ranks(again / kind, name, 5), ranks):
             _same_bits(a, b, f"mpi4py {kind}:{name}")
         horovod = _ranks(battery(5) / kind, name, 5)
         assert [r["counted"] for r in ranks] == [r["counted"] for r in horovod]

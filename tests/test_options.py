@@ -12,6 +12,7 @@ import pytest
 
 import des
 import models
+from des.compiler.choices import costs_for
 from des.data import FeatureSpec, Field
 from des.jobs.config import RunConfig
 from des_ops.comm import InProcessWorld
@@ -74,7 +75,15 @@ def test_des_train_builds_its_options_with_the_library_defaults():
     assert (opts.tail, opts.first_dense, opts.plan, opts.micro_batches, opts.wire_dtype) == \
         (default.tail, default.first_dense, default.plan, default.micro_batches, default.wire_dtype)
     assert opts.tables == "joined"            # des.train's default with one optimizer
-    assert opts.costs == des.AutoTail(batch_size=1024, bandwidth=1.25e9)
+    # --link auto (the default): the bandwidth is measured at transform, as des.transform's own default
+    assert opts.costs == des.AutoTail(batch_size=1024, bandwidth=None)
+    assert opts.assumed == des.AutoTail(batch_size=1024, bandwidth=1.25e9)     # until it is measured
+    one = InProcessWorld(1).communicator(0)       # one process: nothing to time, the default class
+    assert costs_for(opts, one, None, [], None) == (des.AutoTail(batch_size=1024, bandwidth=1.25e9), "")
+    fixed = RunConfig.parse(["--data", "x.txt", "--link", "1gbit"]).options()
+    assert costs_for(fixed, one, None, [], None) == (des.AutoTail(batch_size=1024, bandwidth=1.25e8), "")
+    with pytest.raises(SystemExit):
+        RunConfig.parse(["--data", "x.txt", "--link", "fast"])
     assert RunConfig.parse(["--data", "x.txt", "--linear-optimizer", "sgd"]).options().tables == "fused"
     custom = RunConfig.parse(["--data", "x", "--tail", "data_parallel", "--first-dense", "rows", "--tables",
                               "per-field", "--link", "100mbit", "--batch", "64"]).options()

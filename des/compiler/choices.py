@@ -27,13 +27,15 @@ from rewrite_rules import Match, rule_named
 
 def costs_for(options: Options, comm: Communicator, fields: FieldAnalysis, matches: list[Match],
               sample) -> tuple[AutoTail, str]:
-    """What the auto choices assume, and the report's line on it: ``options.costs`` if given; else,
-    on several processes under Horovod or mpi4py with a choice left to the cost model, des.AutoTail's
-    defaults with the link's bandwidth measured now (des.compiler.cost.measure_link, rounded to a
-    class so that the same job makes the same choices run after run), or, when every process is
-    on one machine, the fastest class untimed; else the defaults. With a
-    ``sample`` batch (and no ``options.costs``), its size and the share of distinct rows measured on it."""
-    if options.costs is not None:
+    """What the auto choices assume, and the report's line on it: ``options.costs`` if given with a
+    bandwidth; else (``costs=None``, or an AutoTail whose bandwidth is None: des.train's ``--link
+    auto``), on several processes under Horovod or mpi4py with a choice left to the cost model,
+    those costs (or des.AutoTail's defaults) with the link's bandwidth measured now
+    (des.compiler.cost.measure_link, rounded to a class so that the same job makes the same choices
+    run after run), or, when every process is on one machine, the fastest class untimed; else the
+    defaults. With a ``sample`` batch (and no ``options.costs``), its size and the share of distinct
+    rows measured on it."""
+    if options.costs is not None and options.costs.bandwidth is not None:
         return options.costs, ""
     costs, line = options.assumed, ""
     auto = "auto" in (options.first_layer, options.tail, options.first_dense, options.field_rows)
@@ -47,7 +49,7 @@ def costs_for(options: Options, comm: Communicator, fields: FieldAnalysis, match
         else:
             link = measure_link(comm)
             costs, line = dataclasses.replace(costs, bandwidth=link.assumed), str(link)
-    if sample is not None:
+    if sample is not None and options.costs is None:
         # a field split by key stripe: its ids' distinct share once, as one field's
         keys = [unstriped(fields.row_key(v)) for m in matches for v in m.vectors
                 if v.key_stripe is None or v.key_stripe[0] == 0]

@@ -32,7 +32,8 @@ class AutoTail:
     ``batch_size``: the global batch the model will train on. ``flops``: float32 operations per
     second one process spends on the tail's matrix products (5e10: the 400,400,400 tail on this
     project's machine, one thread; reports/tail.md). ``bandwidth``: effective bytes/s per process
-    and direction (1.25e9: 10 Gbit/s). ``per_collective``: the seconds an extra collective costs a
+    and direction (1.25e9: 10 Gbit/s; None: measured at transform under a launcher, as with
+    ``costs=None``, the other fields as given: des.train's ``--link auto``). ``per_collective``: the seconds an extra collective costs a
     step beyond its bytes (3 ms: the 128,64 tail at N=4 on one machine, reports/tail.md).
     ``distinct``: the share of a process's slice whose rows travel when rows travel once per
     distinct id (des.Options(distinct_rows=True)): 1.0 assumes every sample's; des.train measures
@@ -40,7 +41,7 @@ class AutoTail:
     """
     batch_size: int = 4096
     flops: float = 5e10
-    bandwidth: float = 1.25e9
+    bandwidth: float | None = 1.25e9
     per_collective: float = 3e-3
     distinct: float = 1.0
 
@@ -196,8 +197,10 @@ class Options:
 
     @property
     def assumed(self) -> AutoTail:
-        """What the auto choices assume (``costs``, else des.AutoTail's defaults)."""
-        return self.costs or AutoTail()
+        """What the auto choices assume (``costs``, else des.AutoTail's defaults; a bandwidth to be
+        measured as the default until it is)."""
+        costs = self.costs or AutoTail()
+        return costs if costs.bandwidth is not None else dataclasses.replace(costs, bandwidth=AutoTail().bandwidth)
 
     def __str__(self) -> str:
         plan = self.plan if isinstance(self.plan, str) else "given"

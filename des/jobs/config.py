@@ -61,11 +61,12 @@ class AllocationOptions:
 class NetworkOptions:
     """The collectives and the network the cost model assumes."""
     comm: str = "auto"
-    link: str = "10gbit"          # tc units (des.cluster.timemodel.parse_rate), checked at parse time
+    link: str = "auto"            # auto (measured at start) or tc units (des.cluster.timemodel.parse_rate)
 
     @property
-    def link_bytes_per_second(self) -> float:
-        return parse_rate(self.link)
+    def link_bytes_per_second(self) -> float | None:
+        """The rate --link gives, in bytes/s; None for auto (des.transform measures it at start)."""
+        return None if self.link == "auto" else parse_rate(self.link)
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,7 @@ class RunConfig:
         ap = parser(description)
         ns = ap.parse_args(argv)
         try:
-            parse_rate(ns.link)
+            ns.link == "auto" or parse_rate(ns.link)
         except ValueError as e:
             ap.error(f"--link: {e}")
         if ns.micro_batches < 1:
@@ -351,9 +352,10 @@ OPTIONS: list[Option] = [
        help="des: a field with more rows than all fields' rows / N and at least ROWS (the data's cardinalities) "
             f"is split by key stripe over every process instead of one owner holding it (default "
             f"{Options.stripe_min_rows:,}; off: never; the same results either way)"),
-    _o("--link", "network.link", default="10gbit",
+    _o("--link", "network.link", default="auto",
        help="--tail auto, --first-dense auto: each process's network rate (tc units, e.g. 100mbit) the cost model "
-            "assumes"),
+            "assumes; auto: measured at start with a few timed allreduces and rounded to 10 Mbit/s, 100 Mbit/s, "
+            "1 Gbit/s or 10 Gbit/s (every process on one machine: 10 Gbit/s, not timed), as des.transform does"),
     _o("--comm", "network.comm", default="auto",
        choices=["auto", "horovod", "mpi4py", "local", "noop", "sync", "meet"],
        help="auto: under a launcher, DES's collectives by mpi4py, each wait sleeping where Horovod's and MPI's "
