@@ -108,6 +108,23 @@ def checked_models(a, chosen: list[str]) -> list[str]:
     return models
 
 
+def chosen_notes(config: str, runs: dict) -> list[str]:
+    """What mode auto chose (its report's line) and what des.train's defaults chose (the first
+    layer, the tail, the first Dense, from its summary), from rank 0 of each launch, once each."""
+    notes = []
+    for name, rs in runs.items():
+        chose = sorted({line for r in rs for line in r.get("report", []) if "mode auto:" in line})
+        notes += [f"- {config}, {name}: {line.strip()}" for line in chose]
+        if name == SYSTEMS["des"]:
+            notes += sorted({f"- {config}, {name}: first layer {r.get('first_layer')} "
+                             f"({r.get('first_layer_reason') or 'not chosen by cost'}); tail {r.get('tail')} ("
+                             + (r.get("tail_reason") or ("the first layer by rows runs in it"
+                                                         if r.get("first_layer") == "rows" else "pinned"))
+                             + f"); first Dense by rows: {', '.join(r.get('first_dense_by_rows') or []) or 'none'}"
+                             for r in rs})
+    return notes
+
+
 def launch_lines(config: str, runs: dict) -> list[str]:
     """The spread, one line per system: each launch's samples/s and its ratio to TFRA's launch of
     that round."""
@@ -179,13 +196,7 @@ def main():
                           for key in ("samples_per_second", "cpu_seconds_per_step", "seconds_to_first_step",
                                       "wire_bytes_per_step")]
                    for name, rs in runs.items()}
-            for name, rs in runs.items():
-                chose = sorted({line for r in rs for line in r.get("report", []) if "mode auto:" in line})
-                notes += [f"- {model}, N = {n}, {a.hidden}, {name}: {line.strip()}" for line in chose]
-                if name == SYSTEMS["des"]:     # what the defaults chose, and why (des.train's summary)
-                    notes += sorted({f"- {model}, N = {n}, {a.hidden}, {name}: tail {r.get('tail')} "
-                                     f"({r.get('tail_reason')}); first Dense by rows: "
-                                     f"{', '.join(r.get('first_dense_by_rows') or []) or 'none'}" for r in rs})
+            notes += chosen_notes(f"{model}, N = {n}, {a.hidden}", runs)
             base = got["TFRA HvdAllToAllEmbedding"][0]
             launches += launch_lines(f"{model}, N = {n}, {a.hidden}", runs)
             for name, (sps, cpu, first, wire) in got.items():

@@ -63,6 +63,7 @@ class DES(Mode):
         report, comm, batch, traffic = self.report, self.comm, self.config.batch, self.traffic
         counted = comm.counted()
         summary.update(floats_per_sample=report.floats_per_sample, tail=report.tail, tail_reason=report.tail_reason,
+                       first_layer=report.first_layer, first_layer_reason=report.first_layer_reason,
                        first_dense_by_rows=sorted(report.by_rows), first_dense_reason=report.first_dense_reason,
                        micro_batches=report.micro_batches, wire_dtype=report.wire_dtype,
                        bytes_per_step_measured=traffic.median(),
