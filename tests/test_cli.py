@@ -275,4 +275,4 @@ def test_tail_auto_reports_its_choice_and_a_bad_link_is_one_line(tmp_path):
     errors = [ln for ln in bad.stderr.splitlines() if ": error: " in ln]      # argparse's one line, no traceback
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and len(errors) == 1, bad.stderr[-2000:]
     assert errors[0].endswith("error: --link: bandwidth 'fast': a number and one of bit, kbit, mbit, gbit, bps, kbps, "
-                              "mbps, gbps (e.g. 10gbit)"), errors
+                              "mbps, gbps (e.g. 10gbit), or auto (measured at start)"), errors
