@@ -48,23 +48,6 @@ for _m, _o, _n, _t in PS:
     BATTERY[_n].append(f"ps:{_m}:{_o}:{_t}")
 
 
-@pytest.fixture(scope="module")
-def battery(tmp_path_factory):
-    """battery(n) -> OUT_DIR of ONE mpirun of scripts/mpi_battery.py with BATTERY[n] (the first call
-    launches it); battery(3, again=True): a second launch of N = 3's REPEATED jobs."""
-    done = {}
-
-    def launch(n: int, again: bool = False):
-        if (n, again) not in done:
-            out = tmp_path_factory.mktemp(f"battery{n}{'again' if again else ''}")
-            done[n, again] = mpirun(n, "scripts/mpi_battery.py", str(out), *(REPEATED if again else BATTERY[n]),
-                                    timeout=1800), out
-        run, out = done[n, again]
-        assert run.returncode == 0, run.stderr[-3000:]
-        return out
-    return launch
-
-
 # the mpi4py communicator's jobs at N = 5 (more processes than fields), in two launches of their own
 # (it drives MPI itself, without Horovod) that must give the same bits
 MPI4PY = [("tail", "deepctr_deepfm"), ("rows", "deepctr_deepfm"), ("samples", "deepctr_dcn"),
@@ -74,16 +57,22 @@ assert {n for *_, n, c, _t in EQUIVALENCE if c == "mpi4py"} <= {5}, "the mpi4py 
 
 
 @pytest.fixture(scope="module")
-def mpi4py_battery(tmp_path_factory):
-    """(first, again): the OUT_DIRs of two launches of scripts/mpi_battery.py --mpi4py with MPI4PY, N = 5."""
-    outs = []
-    for tag in ("again", "first"):
-        out = tmp_path_factory.mktemp(f"mpi4py{tag}")
-        run = mpirun(5, "scripts/mpi_battery.py", "--mpi4py", str(out), *[f"{k}:{m}" for k, m in MPI4PY],
-                     timeout=900)
+def battery(tmp_path_factory):
+    """battery(n) -> OUT_DIR of ONE mpirun of scripts/mpi_battery.py with BATTERY[n] (the first call
+    launches it); battery(3, again=True): a second launch of N = 3's REPEATED jobs;
+    battery(5, mpi4py=True), and again=True: the two launches of MPI4PY's jobs by --mpi4py."""
+    done = {}
+
+    def launch(n: int, again: bool = False, mpi4py: bool = False):
+        if (n, again, mpi4py) not in done:
+            out = tmp_path_factory.mktemp(f"battery{n}{'mpi4py' if mpi4py else ''}{'again' if again else ''}")
+            jobs = [f"{k}:{m}" for k, m in MPI4PY] if mpi4py else REPEATED if again else BATTERY[n]
+            done[n, again, mpi4py] = mpirun(n, "scripts/mpi_battery.py", *(["--mpi4py"] if mpi4py else []), str(out),
+                                            *jobs, timeout=900 if mpi4py else 1800), out
+        run, out = done[n, again, mpi4py]
         assert run.returncode == 0, run.stderr[-3000:]
-        outs.append(out)
-    return outs[1], outs[0]
+        return out
+    return launch
 
 
 def _ranks(where, name: str, n: int) -> list[dict]:
@@ -103,19 +92,16 @@ def _same_bits(a: dict, b: dict, job: str) -> None:
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("name, optimizer, n, comm, tables", EQUIVALENCE)
-def test_des_under_mpirun_equals_single_process(request, name, optimizer, n, comm, tables):
+def test_des_under_mpirun_equals_single_process(battery, name, optimizer, n, comm, tables):
     """DES on N processes (per-field, fused or joined tables; N = 5 > 4 fields: a process owns nothing)
     equals the untouched per-field model on one process; the mpi4py communicator's job, launched
     twice, gives the same bits."""
     config = f"{name}:{optimizer}:{comm}:{tables}"
-    if comm == "horovod":
-        out = request.getfixturevalue("battery")(n) / "equivalence"
-    else:     # mpi4py drives MPI itself (no Horovod), its waits sleeping: two launches of its own
-        first, again = (o / "equivalence" for o in request.getfixturevalue("mpi4py_battery"))
-        for a, b in zip(_ranks(again, config.replace(":", "-"), n),
-                        _ranks(first, config.replace(":", "-"), n)):     # the same job, the same bits
+    out = battery(n, mpi4py=comm == "mpi4py") / "equivalence"
+    if comm == "mpi4py":     # mpi4py drives MPI itself (no Horovod), its waits sleeping: two launches of its own
+        for a, b in zip(_ranks(battery(n, again=True, mpi4py=True) / "equivalence", config.replace(":", "-"), n),
+                        _ranks(out, config.replace(":", "-"), n)):     # the same job, the same bits
             _same_bits(a, b, config)
-        out = first
     ranks = _ranks(out, config.replace(":", "-"), n)       # as scripts/mpi_equivalence.py names it
     # a sample's partials by hand (PS_SPEC: 4 fields of dim 3; hidden 8,4): the linear sum (1), the
     # FM's S and Q (3 + 1), the first Dense's 8 units
@@ -810,13 +796,13 @@ def test_the_mpi4py_collectives_with_an_empty_slice_and_a_disagreement_under_mpi
 
 
 @pytest.mark.mpi
-def test_every_tail_on_the_mpi4py_communicator_under_mpirun(battery, mpi4py_battery):
+def test_every_tail_on_the_mpi4py_communicator_under_mpirun(battery):
     """The data-parallel tail, the first Dense by rows, rows by samples (DCN; a DLRM port whose
     tables are split by key range) and the first layer by rows on des_ops.mpi.Mpi4pyCommunicator
     (reduce-scatter, all-gather, all-to-all by mpi4py, each wait sleeping), N = 5 > 4 fields (a
     process owns nothing), uneven and empty shards: each equals one process as Horovod's launch
     does, hands over the bytes Horovod's launch counts, and a second launch gives the same bits."""
-    first, again = mpi4py_battery
+    first, again = battery(5, mpi4py=True), battery(5, again=True, mpi4py=True)
     for kind, name in [j for j in MPI4PY if j[0] != "equivalence"]:
         ranks = _ranks(first / kind, name, 5)
         for a, b in zip(_ranks(again / kind, name, 5), ranks):

@@ -183,10 +183,11 @@ class RunConfig:
         """des.train's command line -> a checked RunConfig (argparse's one-line error and exit 2)."""
         ap = parser(description)
         ns = ap.parse_args(argv)
-        try:
-            ns.link == "auto" or parse_rate(ns.link)
-        except ValueError as e:
-            ap.error(f"--link: {e}, or auto (measured at start)")
+        if ns.link != "auto":
+            try:
+                parse_rate(ns.link)
+            except ValueError as e:
+                ap.error(f"--link: {e}, or auto (measured at start)")
         if ns.micro_batches < 1:
             ap.error(f"--micro-batches {ns.micro_batches}: a whole number >= 1")
         if ns.holdout < 0 or (ns.holdout >= 1 and ns.holdout != int(ns.holdout)):
