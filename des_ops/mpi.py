@@ -382,13 +382,15 @@ class SettlingCommunicator(Communicator):
     """The default under a launcher: DES's collectives by mpi4py, each wait sleeping
     (``Mpi4pyCommunicator``: Horovod never starts, and no thread polls a core), unless
     des.transform settles (``settle``) on a step that Horovod runs faster: the data-parallel
-    tail, whose step has several collectives (Horovod runs them from its own thread; by mpi4py,
-    chained, 9% fewer samples/s with the first Dense by rows, reports/peer_user_netbed_mpi4py.md),
-    or a 16-bit wire (Open MPI has no float16 sum). The replicated tail by mpi4py, the wide
-    preset's DeepFM on 4 hosts at 100 Mbit/s: 1.98x TFRA's samples/s against Horovod's 1.79x,
-    0.18 CPU s a step against 0.32 (reports/peer_wide_netbed_100mbit_sleeping.md). Collectives
-    before the choice (the plan's agreement, the link's timing) go by mpi4py; both communicators
-    count into this one's counters."""
+    tail with partials (reduce-scattered, and the first Dense by rows beside them: by mpi4py,
+    chained, 9% fewer samples/s, reports/peer_user_netbed_mpi4py.md), or a 16-bit wire (Open
+    MPI has no float16 sum). The replicated tail by mpi4py, the wide preset's DeepFM on 4 hosts at
+    100 Mbit/s: 1.98x TFRA's samples/s against Horovod's 1.79x, 0.18 CPU s a step against 0.32
+    (reports/peer_wide_netbed_100mbit_sleeping.md). The first layer by rows (no partials: one
+    all-to-all of rows each way and the tail's gradient sum) by mpi4py, a user's DeepFM there:
+    as many samples/s as by Horovod or more, and a third to a half less CPU a step
+    (reports/peer_user_netbed_rows_comm.md). Collectives before the choice (the plan's agreement,
+    the link's timing) go by mpi4py; both communicators count into this one's counters."""
     wire_dtypes = WIRE_DTYPES
 
     def __init__(self) -> None:
@@ -403,11 +405,13 @@ class SettlingCommunicator(Communicator):
         comm.payload_bytes, comm.calls = self.payload_bytes, self.calls
         return comm
 
-    def settle(self, tail: str, wire_dtype: str = "float32") -> str:
-        """mpi4py for the replicated tail in float32, else (the data-parallel tail, a 16-bit wire,
-        ``tail="ps"``: the parameter server) Horovod; the communicator's name. Once Horovod,
-        Horovod (a transform of two towers, one of them data-parallel)."""
-        if (tail != "replicated" or wire_dtype != "float32") and self.inner.name != "horovod":
+    def settle(self, tail: str, wire_dtype: str = "float32", first_layer: str = "operators") -> str:
+        """mpi4py in float32 for the replicated tail or the first layer by rows (``first_layer="rows"``:
+        no partials), else (the data-parallel tail with partials, a 16-bit wire, ``tail="ps"``: the
+        parameter server) Horovod; the communicator's name. Once Horovod, Horovod (a transform of two
+        towers, one of them on Horovod)."""
+        sleeping = wire_dtype == "float32" and (tail == "replicated" or (first_layer == "rows" and tail != "ps"))
+        if not sleeping and self.inner.name != "horovod":
             if self.traced:
                 raise RuntimeError("des.transform: this communicator's collectives are already in a traced step "
                                    "by mpi4py; pass comm=des_ops.HorovodCommunicator() to every des.transform")

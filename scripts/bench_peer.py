@@ -53,6 +53,7 @@ SYSTEMS = {"tfra": "TFRA HvdAllToAllEmbedding",
            "des-user-auto": "a user's DeepFM via des.transform(mode=auto, sample=first batch)",
            "des-user-onetable": "DES, a user's one-table DeepFM (TFRA's style) via des.transform, defaults",
            "des-user-mpi4py": "DES, a user's DeepFM via des.transform, defaults, on the mpi4py communicator",
+           "des-user-horovod": "DES, a user's DeepFM via des.transform, defaults, on Horovod's communicator",
            "des-rows-mpi4py": "DES, data-parallel tail, first Dense by rows, --comm mpi4py"}
 USER_OPTIONS = {"des-user": "", "des-user-rows": "first_layer=operators,tail=data_parallel,first_dense=rows",
                 "des-user-operators": "first_layer=operators", "des-user-ps": "mode=ps",
@@ -73,7 +74,7 @@ def peer(n, model, data, a, out, launcher=None, script="peer_tfra.py", extra=())
 def user(n, model, data, a, out, launcher=None, options="", tables="per-field", comm="auto"):
     """A user's DeepFM (or W&D) of TFRA tables through des.transform (scripts/user_deepfm.py), every
     process reading the global batch; ``options``: des.Options as KEY=VALUE,... (empty: the defaults);
-    ``tables``: per-field or one (TFRA's one-table style); ``comm``: auto (des.transform's) or mpi4py."""
+    ``tables``: per-field or one (TFRA's one-table style); ``comm``: auto (des.transform's), mpi4py or horovod."""
     return peer(n, model, data, a, out, launcher, "user_deepfm.py",
                 (("--options", options) if options else ()) + ("--tables", tables, "--comm", comm))
 
@@ -93,13 +94,14 @@ def launchers_for(n, model, data, reader, a, launcher):
             **{key: (lambda out, o=o: user(n, model, data, a, out, launcher, o)) for key, o in USER_OPTIONS.items()},
             "des-user-onetable": lambda out: user(n, model, data, a, out, launcher, tables="one"),
             "des-user-mpi4py": lambda out: user(n, model, data, a, out, launcher, comm="mpi4py"),
+            "des-user-horovod": lambda out: user(n, model, data, a, out, launcher, comm="horovod"),
             "des-rows-mpi4py": lambda out: des_run(out, ("--tail", "data_parallel", "--first-dense", "rows",
                                                          "--comm", "mpi4py"))}
 
 
 def checked_models(a, chosen: list[str]) -> list[str]:
     """--models as a list, refusing what the chosen systems cannot run."""
-    if a.preset == "wide" and set(chosen) & (set(USER_OPTIONS) | {"des-user-onetable", "des-user-mpi4py"}):
+    if a.preset == "wide" and set(chosen) & (set(USER_OPTIONS) | {"des-user-onetable", "des-user-mpi4py", "des-user-horovod"}):
         raise SystemExit("--systems des-user*: the user's DeepFM (scripts/user_deepfm.py) has one-hot fields only; "
                          "use --preset criteo-like")
     models = a.models.split(",")

@@ -14,7 +14,8 @@ equivalence:MODEL:OPTIMIZER:horovod:TABLES, ps:MODEL:OPTIMIZER:TABLES, psuser:tf
 a user's TFRA model, mpi_ps_user.py), big:NAME and bigtail:NAME (gallery:NAME and tail:NAME with
 des.Options(stripe_min_rows=0): a field too big for one owner split by key stripe). ``--mpi4py`` first:
 the tail's kinds (tail, rows, samples, layerrows, bigtail) and equivalence:MODEL:OPTIMIZER:mpi4py:TABLES
-on des_ops.mpi.Mpi4pyCommunicator, in a launch of their own (it drives MPI itself, without Horovod);
+on des_ops.mpi.Mpi4pyCommunicator (layerrows: on the default SettlingCommunicator, which stays on
+mpi4py for the first layer by rows), in a launch of their own (it drives MPI itself, without Horovod);
 the other kinds are Horovod's.
 
     mpirun -np 5 python scripts/mpi_battery.py --mpi4py OUT_DIR tail:deepctr_deepfm equivalence:deepfm:adam:mpi4py:joined
@@ -63,7 +64,8 @@ def run(out: str, job: str, comm: str = "horovod") -> None:
         mpi_tail.main(where, [name], field_rows="samples", tables=tables or "auto", comm=comm)
     elif kind == "layerrows":                 # NAME or NAME:TABLES (des.Options.tables)
         name, _, tables = args.partition(":")
-        mpi_tail.main(where, [name], first_layer="rows", tables=tables or "auto", comm=comm)
+        mpi_tail.main(where, [name], first_layer="rows", tables=tables or "auto",   # --mpi4py: the default
+                      comm="settling" if comm == "mpi4py" else comm)               # communicator, as it settles
     elif kind == "psuser":
         mpi_ps_user.main(where)
     elif kind == "subclassed":

@@ -10,7 +10,8 @@ by its rank), des.transform(tail="data_parallel") gives every rank rank 0's weig
 fields, and each rank fits 12 batches of 31 rows and one of 2 (31 is not divisible by 3; with
 2 rows some processes hold no row) with SGD, then pickles its snapshot, its bytes counted per
 purpose and its shard sizes to OUT_DIR/<model>.rank<r>.pkl. ``main(..., comm="mpi4py")``: the
-same on des_ops.mpi.Mpi4pyCommunicator (scripts/mpi_battery.py --mpi4py).
+same on des_ops.mpi.Mpi4pyCommunicator (scripts/mpi_battery.py --mpi4py); ``comm="settling"``: on
+the default one (des_ops.mpi.SettlingCommunicator), as des.transform settles it.
 """
 import os
 import pickle
@@ -23,7 +24,7 @@ import tensorflow as tf  # noqa: E402
 
 import des  # noqa: E402
 from des.jobs.verify import fit_and_snapshot  # noqa: E402
-from des_ops.mpi import HorovodCommunicator, Mpi4pyCommunicator  # noqa: E402
+from des_ops.mpi import HorovodCommunicator, Mpi4pyCommunicator, SettlingCommunicator  # noqa: E402
 from gallery import BUILDERS, batches_for  # noqa: E402
 
 ROWS, BATCH = 12 * 31 + 2, 31
@@ -42,7 +43,7 @@ def main(out: str, names: list[str], first_dense: str = "partials", field_rows: 
          comm: str = "horovod") -> None:
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
-    comm = Mpi4pyCommunicator() if comm == "mpi4py" else HorovodCommunicator()
+    comm = {"mpi4py": Mpi4pyCommunicator, "settling": SettlingCommunicator}.get(comm, HorovodCommunicator)()
     tf.keras.utils.set_random_seed(comm.rank)    # other weights on every rank, the same in every launch
     for name in names:
         model = BUILDERS[name]()

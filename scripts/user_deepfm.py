@@ -112,9 +112,9 @@ def main() -> None:
     ap.add_argument("--options", default="", help="des.Options keywords KEY=VALUE,... (default: none)")
     ap.add_argument("--tables", default="per-field", choices=["per-field", "one"],
                     help="one TFRA table per field (default) or TFRA's one-table style (one table for all fields)")
-    ap.add_argument("--comm", default="auto", choices=["auto", "mpi4py"],
+    ap.add_argument("--comm", default="auto", choices=["auto", "mpi4py", "horovod"],
                     help="des.transform's communicator: its default (under mpirun, mpi4py or Horovod as des.transform "
-                         "settles it), or des_ops.mpi.Mpi4pyCommunicator")
+                         "settles it), des_ops.mpi.Mpi4pyCommunicator or Horovod's")
     a = started(ap)
     import des
     from des_ops.comm import launcher_rank

@@ -149,20 +149,23 @@ def test_the_mpi4py_allreduce_names_ranks_that_met_another_collective_and_gives_
 
 def test_the_default_communicator_settles_on_mpi4py_for_the_replicated_tail_and_horovod_otherwise(monkeypatch):
     """des_ops.mpi.SettlingCommunicator (the default under a launcher) starts on mpi4py; des.transform's
-    settle keeps it for the replicated tail in float32 and takes Horovod for the data-parallel tail
-    or a 16-bit wire, for good, as the PS's KeyExchange does; both count into its counters; once a collective is in a traced
+    settle keeps it in float32 for the replicated tail and the first layer by rows (no partials) and
+    takes Horovod for the data-parallel tail's partials or a 16-bit wire, for good, as the PS's KeyExchange does; both count into its counters; once a collective is in a traced
     step, a switch is refused. (Fake inner communicators: the real ones are launched in test_mpi.)"""
     class Fake(LocalCommunicator):
         def one_machine(self):
             return True
     monkeypatch.setattr(mpi, "Mpi4pyCommunicator", type("Mpi4py", (Fake,), {"name": "mpi4py", "blocking": True}))
     monkeypatch.setattr(mpi, "HorovodCommunicator", type("Horovod", (Fake,), {"name": "horovod"}))
-    for tail, wire, expected in (("replicated", "float32", "mpi4py"), ("data_parallel", "float32", "horovod"),
-                                 ("replicated", "float16", "horovod")):
+    for tail, wire, first, expected in (("replicated", "float32", "operators", "mpi4py"),
+                                        ("data_parallel", "float32", "operators", "horovod"),
+                                        ("data_parallel", "float32", "rows", "mpi4py"),
+                                        ("data_parallel", "float16", "rows", "horovod"),
+                                        ("replicated", "float16", "operators", "horovod")):
         comm = mpi.SettlingCommunicator()
         assert (comm.name, comm.blocking) == ("mpi4py", True)         # the plan's agreement, the link's timing
         comm.broadcast(np.zeros(3, np.float32))
-        assert comm.settle(tail, wire) == expected == comm.name
+        assert comm.settle(tail, wire, first) == expected == comm.name
         assert comm.settle("replicated", "float32") == expected       # a second tower does not switch back
         comm.inner.count("broadcast", 8)
         allreduce_sum(comm, tf.ones([2, 3]))

@@ -801,10 +801,14 @@ def test_every_tail_on_the_mpi4py_communicator_under_mpirun(battery):
     tables are split by key range) and the first layer by rows on des_ops.mpi.Mpi4pyCommunicator
     (reduce-scatter, all-gather, all-to-all by mpi4py, each wait sleeping), N = 5 > 4 fields (a
     process owns nothing), uneven and empty shards: each equals one process as Horovod's launch
-    does, hands over the bytes Horovod's launch counts, and a second launch gives the same bits."""
+    does, hands over the bytes Horovod's launch counts, and a second launch gives the same bits.
+    The first layer by rows runs on the default communicator (des_ops.mpi.SettlingCommunicator),
+    which settles on mpi4py for it."""
     first, again = battery(5, mpi4py=True), battery(5, again=True, mpi4py=True)
     for kind, name in [j for j in MPI4PY if j[0] != "equivalence"]:
         ranks = _ranks(first / kind, name, 5)
+        if kind == "layerrows":
+            assert "collectives by mpi4py: each wait sleeping, no Horovod (the first layer by rows" in ranks[0]["report"]
         for a, b in zip(_ranks(again / kind, name, 5), ranks):
             _same_bits(a, b, f"mpi4py {kind}:{name}")
         horovod = _ranks(battery(5) / kind, name, 5)

@@ -172,14 +172,16 @@ class FieldChains:
         return {t: env[t] for t in self.wanted}
 
 
-def _settle(comm: Communicator, tail: str, wire_dtype: str) -> str:
+def _settle(comm: Communicator, tail: str, wire_dtype: str, first_layer: str) -> str:
     """Settle the default communicator (des_ops.mpi.SettlingCommunicator) for this step; the report's line."""
     settle = getattr(comm, "settle", None)
     if settle is None:                          # a communicator the user chose, or none under no launcher
         return ""
-    by = settle(tail, wire_dtype)
-    return f"collectives by {by}: " + ("each wait sleeping, no Horovod (the replicated tail)" if by == "mpi4py" else
-                                       "the data-parallel tail or a 16-bit wire, whose collectives Horovod runs faster")
+    by = settle(tail, wire_dtype, first_layer)
+    why = ("the replicated tail" if tail == "replicated" else "the first layer by rows: no partials")
+    return f"collectives by {by}: " + (f"each wait sleeping, no Horovod ({why})" if by == "mpi4py" else
+                                       "the data-parallel tail's partials or a 16-bit wire, whose collectives Horovod "
+                                       "runs faster")
 
 
 def transform_functional(model: tf.keras.Model, options: Options, comm: Communicator,
@@ -300,7 +302,7 @@ def _substitute(model: tf.keras.Model, graph: Graph, fields: FieldAnalysis, matc
     asked = ("first_layer='rows', whose first layers run in the data-parallel tail" if report.first_layer == "rows"
              else "tail='data_parallel'")
     tail, tail_reason = tail_choice(graph, model, skip, options.tail, costs, comm, dense, rows_width, asked)
-    report.communicator = _settle(comm, tail, options.wire_dtype)
+    report.communicator = _settle(comm, tail, options.wire_dtype, report.first_layer)
     if tail == "data_parallel" and (options.micro_batches > 1 or options.wire_dtype != "float32"):
         raise ValueError("des.transform: micro_batches and a 16-bit wire_dtype are for the replicated tail; the "
                          "data-parallel tail reduce-scatters the whole batch in float32")
