@@ -360,7 +360,8 @@ OPTIONS: list[Option] = [
     _o("--comm", "network.comm", default="auto",
        choices=["auto", "horovod", "mpi4py", "local", "noop", "sync", "meet"],
        help="auto: under a launcher, DES's collectives by mpi4py, each wait sleeping where Horovod's and MPI's "
-            "poll a core, for the replicated tail, and by Horovod for the data-parallel tail or a 16-bit wire "
+            "poll a core, for the replicated tail and the first layer by rows, and by Horovod for the "
+            "data-parallel tail's partials or a 16-bit wire "
             "(des.transform settles it; the PS and the cache: Horovod), else one process; horovod, mpi4py: "
             "that one for every tail (mpi4py: a float32 wire; docs/netbed.md); "
             "noop: the launcher's rank and size but no collective (times the computation "
