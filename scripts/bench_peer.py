@@ -101,7 +101,8 @@ def launchers_for(n, model, data, reader, a, launcher):
 
 def checked_models(a, chosen: list[str]) -> list[str]:
     """--models as a list, refusing what the chosen systems cannot run."""
-    if a.preset == "wide" and set(chosen) & (set(USER_OPTIONS) | {"des-user-onetable", "des-user-mpi4py", "des-user-horovod"}):
+    users = set(USER_OPTIONS) | {"des-user-onetable", "des-user-mpi4py", "des-user-horovod"}
+    if a.preset == "wide" and set(chosen) & users:
         raise SystemExit("--systems des-user*: the user's DeepFM (scripts/user_deepfm.py) has one-hot fields only; "
                          "use --preset criteo-like")
     models = a.models.split(",")

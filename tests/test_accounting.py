@@ -147,11 +147,12 @@ def test_the_mpi4py_allreduce_names_ranks_that_met_another_collective_and_gives_
         world("des_partials", never=True).sum(np.array([1.0, 2.0], np.float32), "des_partials")
 
 
-def test_the_default_communicator_settles_on_mpi4py_for_the_replicated_tail_and_horovod_otherwise(monkeypatch):
+def test_the_default_communicator_settles_on_mpi4py_without_partials_and_on_horovod_otherwise(monkeypatch):
     """des_ops.mpi.SettlingCommunicator (the default under a launcher) starts on mpi4py; des.transform's
     settle keeps it in float32 for the replicated tail and the first layer by rows (no partials) and
-    takes Horovod for the data-parallel tail's partials or a 16-bit wire, for good, as the PS's KeyExchange does; both count into its counters; once a collective is in a traced
-    step, a switch is refused. (Fake inner communicators: the real ones are launched in test_mpi.)"""
+    takes Horovod for the data-parallel tail's partials or a 16-bit wire, for good, as the PS's
+    KeyExchange does; both count into its counters; once a collective is in a traced step, a switch
+    is refused. (Fake inner communicators: the real ones are launched in test_mpi.)"""
     class Fake(LocalCommunicator):
         def one_machine(self):
             return True
