@@ -410,7 +410,7 @@ class SettlingCommunicator(Communicator):
         no partials), else (the data-parallel tail with partials, a 16-bit wire, ``tail="ps"``: the
         parameter server) Horovod; the communicator's name. Once Horovod, Horovod (a transform of two
         towers, one of them on Horovod)."""
-        sleeping = wire_dtype == "float32" and (tail == "replicated" or (first_layer == "rows" and tail != "ps"))
+        sleeping = wire_dtype == "float32" and (tail == "replicated" or first_layer == "rows")
         if not sleeping and self.inner.name != "horovod":
             if self.traced:
                 raise RuntimeError("des.transform: this communicator's collectives are already in a traced step "
